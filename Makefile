@@ -1,0 +1,73 @@
+# agentruns: `make demo` and `make test` set everything up themselves on a fresh machine
+# (Python 3.11+, Java 17+, Maven; root for apt-get when Postgres is missing).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help setup venv broker-jars postgres demo test unit integration lint typecheck fmt bench clean
+
+help:
+	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
+	@echo "make test   - set up, then ruff, mypy and the whole pytest suite (real broker + db)"
+	@echo "make lint | typecheck | unit | integration | bench | fmt | clean"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "agentruns needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# The broker jars come from Maven Central through connectors/kafka/pom.xml, cached outside the
+# repo (~/.cache/agentruns/kafka-<version>, or $$AGENTRUNS_KAFKA_HOME).
+broker-jars: $(STAMP)
+	@command -v java >/dev/null || { echo "java is missing: install a JDK 17+ (apt-get install -y openjdk-17-jre-headless)"; exit 2; }
+	@$(PY) -c 'from connectors.local_kafka import ensure_jars; print("kafka jars:", ensure_jars())' \
+	  || { echo "could not fetch the Kafka jars (is mvn installed? apt-get install -y maven)"; exit 2; }
+
+# Postgres server binaries: Debian's package when missing and we are root.
+postgres: $(STAMP)
+	@if $(PY) -c 'from connectors.local_postgres import find_bindir; find_bindir()' 2>/dev/null; then \
+	  echo "postgres: $$($(PY) -c 'from connectors.local_postgres import find_bindir; print(find_bindir())')"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing PostgreSQL with apt-get"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else \
+	  echo "PostgreSQL server binaries are missing: install them (e.g. sudo apt-get install -y postgresql)"; exit 2; \
+	fi
+
+setup: venv broker-jars postgres
+
+demo: setup
+	$(VENV)/bin/agentruns demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest tests/unit -q $(PYTEST_ARGS)
+
+integration: setup
+	$(VENV)/bin/pytest tests/integration tests/e2e -q $(PYTEST_ARGS)
+
+test: setup lint typecheck
+	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(VENV)/bin/agentruns bench core
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,193 @@
+"""`agentruns`: the one command line of the project.
+
+Every subcommand turns an `AgentrunsError` into one line on stderr (what is wrong, what to do)
+and exit code 2; it never prints a bare stack trace for a problem the user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from connectors.errors import AgentrunsError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _dev_up(args: argparse.Namespace) -> int:
+    from connectors.services import LocalStack, StackConfig, state_dir
+
+    directory = state_dir()
+    config = StackConfig.load(directory) or StackConfig.from_env()
+    if args.kafka_port:
+        config.kafka_port = args.kafka_port
+    if args.pg_port:
+        config.pg_port = args.pg_port
+    if args.brokers:
+        config.brokers = args.brokers
+    stack = LocalStack(directory, config)
+    timings = stack.up()
+    from connectors.db import migrate
+
+    applied = migrate(stack.postgres.url)
+    print(f"kafka     {stack.kafka.bootstrap_servers}  (ready in {timings['kafka_ready_s']:.1f}s)")
+    print(f"postgres  {stack.postgres.url}  (ready in {timings['postgres_ready_s']:.1f}s)")
+    print(f"migrations applied: {', '.join(applied) if applied else 'none new'}")
+    print(f"state     {directory}   (stop with `agentruns dev down`)")
+    print("export KAFKA_BOOTSTRAP_SERVERS=" + stack.kafka.bootstrap_servers)
+    print("export DATABASE_URL=" + stack.postgres.url)
+    return 0
+
+
+def _dev_down(args: argparse.Namespace) -> int:
+    from connectors.services import LocalStack, StackConfig, state_dir
+
+    directory = state_dir()
+    config = StackConfig.load(directory)
+    if config is None:
+        print(f"nothing to stop: no stack in {directory}")
+        return 0
+    LocalStack(directory, config).down(wipe=args.wipe)
+    print(f"stopped the stack in {directory}" + (" and removed its data" if args.wipe else ""))
+    return 0
+
+
+def _dev_status(args: argparse.Namespace) -> int:
+    from connectors.services import LocalStack, StackConfig, state_dir
+
+    directory = state_dir()
+    config = StackConfig.load(directory)
+    if config is None:
+        print(f"no stack in {directory} (start one with `agentruns dev up`)")
+        return 1
+    status = LocalStack(directory, config).status()
+    if args.json:
+        print(json.dumps(status))
+    else:
+        k, p = status["kafka"], status["postgres"]
+        kstate = f"running (pids {', '.join(map(str, k['pids']))})" if k["pids"] else "stopped"
+        print(f"kafka     {k['bootstrap_servers']}  {kstate}  logs: {', '.join(k['logs'])}")
+        print(f"postgres  {p['url']}  {'running' if p['running'] else 'stopped'}  log: {p['log']}")
+    up = status["kafka"]["pids"] and status["postgres"]["running"]
+    return 0 if up else 1
+
+
+def _forward(module: str) -> Handler:
+    """Run `module.main(rest_of_argv)`: servers and benchmarks own their argument parsing."""
+
+    def run(args: argparse.Namespace) -> int:
+        main = importlib.import_module(module).main
+        return int(main(list(args.rest)))
+
+    return run
+
+
+def _topics_create(args: argparse.Namespace) -> int:
+    from connectors.services import ServiceStack
+    from streams.admin import ensure_topics
+
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        outcome = ensure_topics(
+            stack.endpoints.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions
+        )
+    for name, what in outcome.items():
+        print(f"{what:8} {name}")
+    return 0
+
+
+def _topics_list(args: argparse.Namespace) -> int:
+    from connectors.services import ServiceStack
+    from streams.admin import describe_topics
+
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        for row in describe_topics(stack.endpoints.kafka_bootstrap, prefix=args.prefix):
+            print(row)
+    return 0
+
+
+def _db_migrate(args: argparse.Namespace) -> int:
+    from connectors.db import migrate
+    from connectors.services import ServiceStack
+
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        applied = migrate(stack.endpoints.database_url)
+    print(f"migrations applied: {', '.join(applied) if applied else 'none new'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentruns", description="Durable, restartable LLM-agent runs on Apache Kafka."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dev = sub.add_parser("dev", help="local Kafka and Postgres, and the demo/test servers")
+    dev_sub = dev.add_subparsers(dest="dev_command", required=True)
+    up = dev_sub.add_parser("up", help="start a local Kafka (KRaft) broker and Postgres")
+    up.add_argument("--kafka-port", type=int, help="first broker port (default 19092)")
+    up.add_argument("--pg-port", type=int, help="Postgres port (default 15432)")
+    up.add_argument("--brokers", type=int, choices=(1, 3), help="1 broker or a 3-node cluster")
+    up.set_defaults(func=_dev_up)
+    down = dev_sub.add_parser("down", help="stop what `dev up` started")
+    down.add_argument("--wipe", action="store_true", help="also delete its data directories")
+    down.set_defaults(func=_dev_down)
+    status = dev_sub.add_parser("status", help="what runs where")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_dev_status)
+    for name, module in (
+        ("model-server", "connectors.model_server"),
+        ("tool-server", "connectors.tool_server"),
+    ):
+        p = dev_sub.add_parser(name, help=f"run the {name.replace('-', ' ')} (see --help)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_forward(module))
+
+    topics = sub.add_parser("topics", help="create or list the pipeline's topics")
+    topics_sub = topics.add_subparsers(dest="topics_command", required=True)
+    create = topics_sub.add_parser("create", help="create every topic, idempotently")
+    create.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    create.add_argument("--partitions", type=int, default=None)
+    create.set_defaults(func=_topics_create)
+    listing = topics_sub.add_parser("list", help="the topics and their configs")
+    listing.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    listing.set_defaults(func=_topics_list)
+
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_sub.add_parser("migrate", help="apply the versioned SQL migrations").set_defaults(
+        func=_db_migrate
+    )
+
+    demo = sub.add_parser("demo", help="start what is needed and run the demo scenarios")
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_forward("connectors.demo"))
+
+    bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object last")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name in ("core",):
+        b = bench_sub.add_parser(name, help=f"benchmark: {name}")
+        b.add_argument("rest", nargs=argparse.REMAINDER)
+        b.set_defaults(func=_forward(f"bench.{name}"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AgentrunsError as exc:
+        print(f"agentruns: {exc.one_line()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Session fixtures: one real Kafka broker and one real Postgres for the whole test run.
+
+Resolved like every command (connectors.services): KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL if
+set, testcontainers when Docker answers, else local processes started in a temporary directory
+on free ports and stopped at the end. Fixtures are lazy: unit tests never start anything.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from connectors.services import Endpoints, ServiceStack
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Endpoints]:
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        yield stack.endpoints
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(services: Endpoints) -> str:
+    return services.kafka_bootstrap
+
+
+@pytest.fixture(scope="session")
+def database_url(services: Endpoints) -> str:
+    from connectors.db import migrate
+
+    migrate(services.database_url)
+    return services.database_url
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> str:
+    """A topic/group/prefix name no other test uses (tests share one broker)."""
+    base = request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:40]
+    return f"t-{base}-{uuid.uuid4().hex[:8]}"
