@@ -1,0 +1,120 @@
+"""Create and describe the pipeline's topics from the one spec in `streams.topics`.
+
+Idempotent: an existing topic is left as it is when its partition count matches and its
+configs are brought to the spec with an incremental alter; a partition mismatch is an error
+(changing it would move runs between partitions and break co-partitioning).
+"""
+
+from __future__ import annotations
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
+
+from connectors.errors import AgentrunsKafkaError
+from streams.topics import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicSpec, topic_specs
+
+TIMEOUT_S = 30.0
+
+
+def _admin(bootstrap: str) -> AdminClient:
+    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
+
+
+def cluster_size(bootstrap: str) -> int:
+    try:
+        return len(_admin(bootstrap).list_topics(timeout=TIMEOUT_S).brokers)
+    except KafkaException as exc:
+        raise AgentrunsKafkaError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+
+
+def ensure_topics(
+    bootstrap: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    partitions: int | None = None,
+    specs: list[TopicSpec] | None = None,
+) -> dict[str, str]:
+    """Create missing topics, align configs of existing ones; return name -> what was done."""
+    admin = _admin(bootstrap)
+    if specs is None:
+        replicas = min(3, cluster_size(bootstrap))
+        specs = topic_specs(prefix, partitions or DEFAULT_PARTITIONS, replicas)
+    try:
+        existing = admin.list_topics(timeout=TIMEOUT_S).topics
+    except KafkaException as exc:
+        raise AgentrunsKafkaError(f"cannot list topics at {bootstrap}: {exc}") from exc
+    outcome: dict[str, str] = {}
+    missing = [s for s in specs if s.name(prefix) not in existing]
+    if missing:
+        futures = admin.create_topics(
+            [
+                NewTopic(
+                    s.name(prefix), s.partitions, s.replication_factor, config=s.kafka_configs()
+                )
+                for s in missing
+            ],
+            operation_timeout=TIMEOUT_S,
+        )
+        for name, future in futures.items():
+            try:
+                future.result(timeout=TIMEOUT_S)
+                outcome[name] = "created"
+            except KafkaException as exc:
+                # Another process created it between our list and create: that is success.
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise AgentrunsKafkaError(f"creating topic {name} failed: {exc}") from exc
+                outcome[name] = "exists"
+    for spec in specs:
+        name = spec.name(prefix)
+        if name in outcome:
+            continue
+        have = len(existing[name].partitions)
+        if have != spec.partitions:
+            raise AgentrunsKafkaError(
+                f"topic {name} has {have} partitions, the spec says {spec.partitions}",
+                hint="use --partitions to match, or a new --prefix; never repartition run topics",
+            )
+        _align_configs(admin, name, spec)
+        outcome[name] = "exists"
+    return outcome
+
+
+def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> None:
+    resource = ConfigResource(
+        ResourceType.TOPIC,
+        name,
+        incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+            for k, v in spec.kafka_configs().items()
+        ],
+    )
+    futures = admin.incremental_alter_configs([resource])
+    try:
+        for future in futures.values():
+            future.result(timeout=TIMEOUT_S)
+    except KafkaException as exc:
+        raise AgentrunsKafkaError(f"aligning the configs of {name} failed: {exc}") from exc
+
+
+def describe_topics(bootstrap: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """One line per pipeline topic that exists: name, partitions and the spec'd configs."""
+    admin = _admin(bootstrap)
+    topics = admin.list_topics(timeout=TIMEOUT_S).topics
+    names = sorted(t for t in topics if t.startswith(f"{prefix}."))
+    if not names:
+        return [f"no topics with prefix {prefix!r} (create them with `agentruns topics create`)"]
+    futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, n) for n in names])
+    keys = ("cleanup.policy", "retention.ms", "min.insync.replicas")
+    rows = []
+    for resource, future in sorted(futures.items(), key=lambda kv: kv[0].name):
+        configs = future.result(timeout=TIMEOUT_S)
+        shown = " ".join(f"{k}={configs[k].value}" for k in keys if k in configs)
+        rows.append(f"{resource.name}  partitions={len(topics[resource.name].partitions)}  {shown}")
+    return rows
