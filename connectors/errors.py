@@ -6,18 +6,16 @@ Adapters convert outside exceptions at the edge (`raise ... from exc`); the CLI 
 
 from __future__ import annotations
 
+from streams.errors import AgentrunsError, AgentrunsKafkaError
 
-class AgentrunsError(Exception):
-    """Base of all adapter errors. `hint` says what the user can do about it."""
-
-    def __init__(self, message: str, *, hint: str | None = None, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.hint = hint
-        self.retryable = retryable
-
-    def one_line(self) -> str:
-        text = str(self)
-        return f"{text} — {self.hint}" if self.hint else text
+__all__ = [
+    "AgentrunsError",
+    "AgentrunsKafkaError",
+    "MissingToolError",
+    "PortInUseError",
+    "ServiceStartError",
+    "ServiceUnreachableError",
+]
 
 
 class MissingToolError(AgentrunsError):
@@ -34,7 +32,3 @@ class ServiceStartError(AgentrunsError):
 
 class ServiceUnreachableError(AgentrunsError):
     """A configured service (KAFKA_BOOTSTRAP_SERVERS, DATABASE_URL) does not answer."""
-
-
-class AgentrunsKafkaError(AgentrunsError):
-    """A Kafka client call failed; `retryable` mirrors librdkafka's own classification."""

@@ -17,7 +17,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from connectors.errors import AgentrunsKafkaError
+from streams.errors import AgentrunsKafkaError
 from streams.topics import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicSpec, topic_specs
 
 TIMEOUT_S = 30.0

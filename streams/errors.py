@@ -1,0 +1,24 @@
+"""The root exception of agentruns' adapters, and the Kafka runtime's own errors.
+
+It lives in `streams` (not `connectors`) because imports go one way, processors <- streams <-
+connectors, and both outer layers raise it. The CLI prints `one_line()` and exits 2.
+"""
+
+from __future__ import annotations
+
+
+class AgentrunsError(Exception):
+    """Base of all adapter errors. `hint` says what the user can do about it."""
+
+    def __init__(self, message: str, *, hint: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.hint = hint
+        self.retryable = retryable
+
+    def one_line(self) -> str:
+        text = str(self)
+        return f"{text} — {self.hint}" if self.hint else text
+
+
+class AgentrunsKafkaError(AgentrunsError):
+    """A Kafka client call failed; `retryable` mirrors librdkafka's own classification."""
