@@ -11,11 +11,9 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from connectors.errors import AgentrunsError
-
-Handler = Callable[[argparse.Namespace], int]
 
 
 def _dev_up(args: argparse.Namespace) -> int:
@@ -76,14 +74,22 @@ def _dev_status(args: argparse.Namespace) -> int:
     return 0 if up else 1
 
 
-def _forward(module: str) -> Handler:
-    """Run `module.main(rest_of_argv)`: servers and benchmarks own their argument parsing."""
+# Commands whose module parses its own arguments: `agentruns <words...> [args]` runs
+# `module.main(args)`. They are listed in the parser too, for `agentruns --help`.
+FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
+    ("processor",): ("connectors.processor_service", "run a processor process"),
+    ("demo",): ("connectors.demo", "start what is needed and run the demo scenarios"),
+    ("dev", "model-server"): ("connectors.model_server", "run the scripted model server"),
+    ("dev", "tool-server"): ("connectors.tool_server", "run the example tool server"),
+    ("bench", "core"): ("bench.core", "fold events through the pure core"),
+}
 
-    def run(args: argparse.Namespace) -> int:
-        main = importlib.import_module(module).main
-        return int(main(list(args.rest)))
 
-    return run
+def _forwarded(argv: list[str]) -> tuple[str, list[str]] | None:
+    for words in sorted(FORWARDED, key=len, reverse=True):
+        if tuple(argv[: len(words)]) == words:
+            return FORWARDED[words][0], argv[len(words) :]
+    return None
 
 
 def _topics_create(args: argparse.Namespace) -> int:
@@ -141,13 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = dev_sub.add_parser("status", help="what runs where")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_dev_status)
-    for name, module in (
-        ("model-server", "connectors.model_server"),
-        ("tool-server", "connectors.tool_server"),
-    ):
-        p = dev_sub.add_parser(name, help=f"run the {name.replace('-', ' ')} (see --help)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_forward(module))
+    for (*_, name), (_, text) in ((k, v) for k, v in FORWARDED.items() if k[0] == "dev"):
+        dev_sub.add_parser(name, help=f"{text} (see its --help)")
 
     topics = sub.add_parser("topics", help="create or list the pipeline's topics")
     topics_sub = topics.add_subparsers(dest="topics_command", required=True)
@@ -165,22 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
         func=_db_migrate
     )
 
-    demo = sub.add_parser("demo", help="start what is needed and run the demo scenarios")
-    demo.add_argument("rest", nargs=argparse.REMAINDER)
-    demo.set_defaults(func=_forward("connectors.demo"))
-
+    for (name,), (_, text) in ((k, v) for k, v in FORWARDED.items() if len(k) == 1):
+        sub.add_parser(name, help=f"{text} (see its --help)")
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object last")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for name in ("core",):
-        b = bench_sub.add_parser(name, help=f"benchmark: {name}")
-        b.add_argument("rest", nargs=argparse.REMAINDER)
-        b.set_defaults(func=_forward(f"bench.{name}"))
+    for (*_, name), (_, text) in ((k, v) for k, v in FORWARDED.items() if k[0] == "bench"):
+        bench_sub.add_parser(name, help=f"{text} (see its --help)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    forwarded = _forwarded(words)
     try:
+        if forwarded is not None:
+            module, rest = forwarded
+            return int(importlib.import_module(module).main(rest))
+        args = build_parser().parse_args(words)
         return int(args.func(args))
     except AgentrunsError as exc:
         print(f"agentruns: {exc.one_line()}", file=sys.stderr)

@@ -18,20 +18,20 @@ from confluent_kafka.admin import (
 )
 
 from streams.errors import AgentrunsKafkaError
-from streams.topics import DEFAULT_PARTITIONS, DEFAULT_PREFIX, TopicSpec, topic_specs
+from streams.topics import (
+    DEFAULT_PARTITIONS,
+    DEFAULT_PREFIX,
+    INBOX,
+    TopicSpec,
+    topic_name,
+    topic_specs,
+)
 
 TIMEOUT_S = 30.0
 
 
 def _admin(bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
-
-
-def cluster_size(bootstrap: str) -> int:
-    try:
-        return len(_admin(bootstrap).list_topics(timeout=TIMEOUT_S).brokers)
-    except KafkaException as exc:
-        raise AgentrunsKafkaError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
 
 
 def ensure_topics(
@@ -43,13 +43,18 @@ def ensure_topics(
 ) -> dict[str, str]:
     """Create missing topics, align configs of existing ones; return name -> what was done."""
     admin = _admin(bootstrap)
-    if specs is None:
-        replicas = min(3, cluster_size(bootstrap))
-        specs = topic_specs(prefix, partitions or DEFAULT_PARTITIONS, replicas)
     try:
-        existing = admin.list_topics(timeout=TIMEOUT_S).topics
+        metadata = admin.list_topics(timeout=TIMEOUT_S)
     except KafkaException as exc:
-        raise AgentrunsKafkaError(f"cannot list topics at {bootstrap}: {exc}") from exc
+        raise AgentrunsKafkaError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    existing = metadata.topics
+    if specs is None:
+        if partitions is None:
+            # No count asked for: an existing inbox decides, so every process of a deployment
+            # agrees with the first one that created the topics.
+            inbox = existing.get(topic_name(INBOX, prefix))
+            partitions = len(inbox.partitions) if inbox is not None else DEFAULT_PARTITIONS
+        specs = topic_specs(prefix, partitions, min(3, len(metadata.brokers)))
     outcome: dict[str, str] = {}
     missing = [s for s in specs if s.name(prefix) not in existing]
     if missing:

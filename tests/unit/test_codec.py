@@ -86,6 +86,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "producer_marks": {"api": 7, "tool-executor": 12},
         "seen_input_ids": ["in-1", "in-2"],
         "updated_at": 1733160000000,
+        "recent_inputs": [{"key": "p:api:7", "digest": "0123456789abcdef"}],
     },
     "Effect": {
         "idempotency_key": "run-1:3:call_tool:ab12",

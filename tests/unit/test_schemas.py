@@ -151,10 +151,11 @@ def test_all_namespaced_agentruns() -> None:
 
 def test_snapshot_buffer_carries_the_current_input_schema() -> None:
     # Bumping Input requires a new Snapshot version whose buffer items are that Input.
+    inputs = {v.fingerprint for v in REG.versions("Input")}
     for snap in REG.versions("Snapshot"):
         buffer = next(f for f in snap.raw["fields"] if f["name"] == "buffer")
         items = buffer["type"]["items"]
-        assert fingerprint_of(items)[0] == REG.get("Input", snap.version).fingerprint
+        assert fingerprint_of(items)[0] in inputs
     current_items = next(f for f in REG.current("Snapshot").raw["fields"] if f["name"] == "buffer")
     assert fingerprint_of(current_items["type"]["items"])[0] == REG.current("Input").fingerprint
 

@@ -1,0 +1,126 @@
+"""The content-addressed artifact store in Postgres (table `artifacts`, migration 0001).
+
+Write-once: `put_many` inserts with ON CONFLICT DO NOTHING, so re-writing the same content
+(a replayed transition, a redelivered executor result) is a no-op. Writers call it BEFORE the
+Kafka transaction that references the refs commits (R2). Reads are by ref.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import psycopg
+
+from connectors.errors import AgentrunsError
+
+MAX_ARTIFACT_BYTES = 16 * 1024 * 1024
+T = TypeVar("T")
+Conn = psycopg.Connection[tuple[object, ...]]
+
+
+class ArtifactLike(Protocol):
+    @property
+    def ref(self) -> str: ...
+    @property
+    def media_type(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+
+
+class ArtifactStoreError(AgentrunsError):
+    """The artifact store could not be read or written."""
+
+
+def content_ref(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    ref: str
+    media_type: str
+    content: str
+
+    @classmethod
+    def of(cls, content: str, media_type: str = "application/json") -> StoredArtifact:
+        return cls(content_ref(content.encode()), media_type, content)
+
+
+class PostgresArtifactStore:
+    """One connection, reconnected on failure; safe to share within one thread only."""
+
+    def __init__(self, database_url: str, *, retries: int = 30) -> None:
+        self._url = database_url
+        self._retries = retries
+        self._conn: Conn | None = None
+
+    def _connection(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._url, autocommit=True)
+        return self._conn
+
+    def _with_retry(self, what: str, fn: Callable[[Conn], T]) -> T:
+        delay = 0.1
+        for attempt in range(self._retries):
+            try:
+                return fn(self._connection())
+            except psycopg.OperationalError as exc:
+                self.close()
+                if attempt == self._retries - 1:
+                    raise ArtifactStoreError(f"{what} failed: {exc}", retryable=True) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def put_many(self, artifacts: Iterable[ArtifactLike]) -> int:
+        rows = []
+        seen: set[str] = set()
+        for a in artifacts:
+            if a.ref in seen:
+                continue
+            seen.add(a.ref)
+            data = a.content.encode()
+            if len(data) > MAX_ARTIFACT_BYTES:
+                raise ArtifactStoreError(f"artifact {a.ref} is {len(data)} bytes, over the limit")
+            rows.append((a.ref, a.media_type, len(data), data))
+        if not rows:
+            return 0
+
+        def write(conn: Conn) -> int:
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
+                    " VALUES (%s, %s, %s, %s) ON CONFLICT (ref) DO NOTHING",
+                    rows,
+                )
+            return len(rows)
+
+        return self._with_retry("writing artifacts", write)
+
+    def put(self, content: str, media_type: str = "application/json") -> str:
+        artifact = StoredArtifact.of(content, media_type)
+        self.put_many([artifact])
+        return artifact.ref
+
+    def get_many(self, refs: Sequence[str]) -> dict[str, str]:
+        def read(conn: Conn) -> dict[str, str]:
+            rows = conn.execute(
+                "SELECT ref, content FROM artifacts WHERE ref = ANY(%s)", (list(refs),)
+            ).fetchall()
+            return {str(ref): bytes(content).decode() for ref, content in rows}  # type: ignore[call-overload]
+
+        return self._with_retry("reading artifacts", read)
+
+    def get(self, ref: str) -> str | None:
+        return self.get_many([ref]).get(ref)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None

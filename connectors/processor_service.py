@@ -1,0 +1,91 @@
+"""`agentruns processor`: one processor process (production mode), wired to its adapters.
+
+Kafka and Postgres come from `ServiceStack` (env, Docker, or the `dev up` stack); artifacts go
+to the Postgres artifact store. SIGTERM/SIGINT stop it cleanly: the open transaction commits and
+the consumer leaves the group. Run several with distinct `--instance-id`s to split partitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from connectors.artifacts import PostgresArtifactStore
+from connectors.db import migrate
+from connectors.logs import setup_logging
+from connectors.services import ServiceStack
+from streams.admin import ensure_topics
+from streams.processor import Processor, ProcessorConfig
+
+log = logging.getLogger("agentruns.processor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentruns processor", description=__doc__)
+    p.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    p.add_argument("--group", default="agentruns-processor", help="consumer group id")
+    p.add_argument(
+        "--instance-id",
+        default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"),
+        help="stable id of this process slot (its transactional.id); distinct per process",
+    )
+    p.add_argument("--partitions", type=int, default=None, help="when creating missing topics")
+    p.add_argument("--commit-interval-ms", type=int, default=50)
+    p.add_argument("--max-batch", type=int, default=2000)
+    p.add_argument("--gap-timeout-ms", type=int, default=30_000)
+    p.add_argument("--buffer-limit", type=int, default=64)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="processor")
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+        if args.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr="127.0.0.1")
+        store = PostgresArtifactStore(ep.database_url)
+        config = ProcessorConfig(
+            bootstrap=ep.kafka_bootstrap,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance_id,
+            commit_interval_ms=args.commit_interval_ms,
+            max_batch=args.max_batch,
+            gap_timeout_ms=args.gap_timeout_ms,
+            buffer_limit=args.buffer_limit,
+        )
+        processor = Processor(config, store.put_many)
+        log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
+        try:
+            processor.run(stop)
+        finally:
+            store.close()
+    log.info("processor %s stopped", args.instance_id)
+    return 0
+
+
+if __name__ == "__main__":
+    from connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["processor", *sys.argv[1:]]))

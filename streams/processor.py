@@ -1,0 +1,700 @@
+"""The run processor: inbox inputs -> pure transitions -> one Kafka transaction per batch.
+
+Consume-transform-produce with one transactional producer per process and KIP-447 fencing
+(`send_offsets_to_transaction` with the consumer's group metadata). What one transaction holds,
+in the order `_commit` writes it down:
+
+1. artifacts of the batch's transitions are written to the artifact store (Postgres) first:
+   they must be durable before anything that references them is visible (R2);
+2. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
+   (`results`) and dead letters (`dlq`) were produced into the open transaction while the batch
+   was applied;
+3. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
+   producer marks, recent input digests;
+4. the consumed inbox offsets (`send_offsets_to_transaction`);
+5. `commit_transaction`.
+
+Either all of it becomes visible to read_committed readers or none of it: a crash anywhere
+before 5 leaves the inbox offsets where they were and the restarted processor re-applies the same
+inputs to the same restored snapshots, producing the same events (the transition is pure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from pydantic import ValidationError
+
+from processors.effects import PublishResult, ScheduleTimer
+from processors.events import Event, GapTimedOut, TimerFired
+from processors.state import TimerPurpose
+from processors.transition import Artifact, Disposition, Transition, transition
+from streams import dlq, metrics
+from streams.codec import CodecError, decode, encode
+from streams.errors import AgentrunsKafkaError
+from streams.partitioning import event_key
+from streams.records import (
+    EFFECT_TOPIC_KIND,
+    RunSlot,
+    effect_record,
+    event_record,
+    input_digest,
+    parse_event_body,
+    result_record,
+)
+from streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
+
+log = logging.getLogger("agentruns.processor")
+
+ArtifactWriter = Callable[[Sequence[Artifact]], object]
+GAP_TIMER = ":gap:"
+
+
+@dataclass
+class ProcessorConfig:
+    bootstrap: str
+    prefix: str = "agentruns"
+    group_id: str = "agentruns-processor"
+    # Stable per process slot: a restarted processor with the same id aborts the transaction
+    # its predecessor left open at once (instead of waiting for transaction.timeout.ms).
+    instance_id: str = "0"
+    commit_interval_ms: int = 50
+    max_batch: int = 2000
+    buffer_limit: int = 64  # out-of-order inputs held per run
+    gap_timeout_ms: int = 30_000
+    # A hard cap on the log of one run, beyond the core's own event cap (R21): protects the
+    # log from a producer that keeps writing to a finished run.
+    max_log_events: int = 1000
+    transaction_timeout_ms: int = 10_000
+    session_timeout_ms: int = 6000
+    extra_consumer: dict[str, Any] = field(default_factory=dict)
+    extra_producer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Batch:
+    started: float = 0.0
+    inputs: int = 0
+    artifacts: list[Artifact] = field(default_factory=list)
+    dirty: dict[str, tuple[int, RunSlot]] = field(default_factory=dict)
+    positions: dict[int, int] = field(default_factory=dict)
+
+
+class Processor:
+    """One processor process (or thread, in monolith mode). Not thread-safe: one loop owns it."""
+
+    def __init__(self, config: ProcessorConfig, write_artifacts: ArtifactWriter) -> None:
+        self.config = config
+        self._write_artifacts = write_artifacts
+        p = config.prefix
+        self.inbox = topic_name(INBOX, p)
+        self.events = topic_name(EVENTS, p)
+        self.state_topic = topic_name(STATE, p)
+        self.results = topic_name(RESULTS, p)
+        self.dlq = topic_name(DLQ, p)
+        self._effect_topics = {
+            kind: topic_name(effect_suffix(kind), p) for kind in set(EFFECT_TOPIC_KIND.values())
+        }
+        self._slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
+        self._batch: _Batch | None = None
+        self._consumer = self._new_consumer()
+        self._producer = self._new_producer()
+        self._assigned: set[int] = set()
+        self.stats = metrics.ProcessorStats()
+
+    # ------------------------------------------------------------------ clients
+
+    def _new_consumer(self) -> Consumer:
+        c = self.config
+        return Consumer(
+            {
+                "bootstrap.servers": c.bootstrap,
+                "group.id": c.group_id,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": c.session_timeout_ms,
+                "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
+                "partition.assignment.strategy": "range",
+                "fetch.wait.max.ms": 10,
+                "log_level": 3,
+                **c.extra_consumer,
+            }
+        )
+
+    def _new_producer(self) -> Producer:
+        c = self.config
+        producer = Producer(
+            {
+                "bootstrap.servers": c.bootstrap,
+                "transactional.id": f"{c.group_id}-{c.instance_id}",
+                "transaction.timeout.ms": c.transaction_timeout_ms,
+                "enable.idempotence": True,
+                "linger.ms": 2,
+                "compression.type": "lz4",
+                "log_level": 3,
+                **c.extra_producer,
+            }
+        )
+        producer.init_transactions(30)
+        return producer
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self, stop: threading.Event) -> None:
+        """Process until `stop` is set; then commit what is pending and leave the group."""
+        self._consumer.subscribe(
+            [self.inbox],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        interval = self.config.commit_interval_ms / 1000
+        try:
+            while not stop.is_set():
+                timeout = interval
+                if self._batch is not None:
+                    timeout = max(0.0, self._batch.started + interval - time.monotonic())
+                messages = self._consumer.consume(self.config.max_batch, timeout)
+                try:
+                    for message in messages:
+                        self._handle(message)
+                    batch = self._batch
+                    if batch is not None and (
+                        time.monotonic() - batch.started >= interval
+                        or batch.inputs >= self.config.max_batch
+                    ):
+                        self._commit()
+                except KafkaException as exc:
+                    self._recover(exc)
+            if self._batch is not None:
+                self._commit()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already closed
+            self._consumer.close()
+
+    # ------------------------------------------------------------------ rebalance
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        mine = {tp.partition for tp in partitions}
+        began = time.monotonic()
+        restored = self._restore(mine)
+        self._assigned |= mine
+        log.info(
+            "assigned partitions %s: restored %d runs in %.2fs",
+            sorted(mine),
+            restored,
+            time.monotonic() - began,
+        )
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Commit what was applied so far: the next owner starts from these offsets and state.
+        if self._batch is not None:
+            try:
+                self._commit()
+            except KafkaException as exc:
+                log.warning("commit on revoke failed, aborting: %s", exc)
+                self._abort_quietly()
+        for tp in partitions:
+            self._slots.pop(tp.partition, None)
+            self._assigned.discard(tp.partition)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # The group moved on without us: our open transaction is fenced; drop everything.
+        self._abort_quietly()
+        for tp in partitions:
+            self._slots.pop(tp.partition, None)
+            self._assigned.discard(tp.partition)
+
+    def _restore(self, partitions: set[int]) -> int:
+        """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
+        for p in partitions:
+            self._slots[p] = {}
+        if not partitions:
+            return 0
+        reader = Consumer(
+            {
+                "bootstrap.servers": self.config.bootstrap,
+                "group.id": f"{self.config.group_id}-restore",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+                "fetch.wait.max.ms": 10,
+                "log_level": 3,
+            }
+        )
+        try:
+            reader.assign(
+                [TopicPartition(self.state_topic, p, OFFSET_BEGINNING) for p in partitions]
+            )
+            pending = set(partitions)
+            count = 0
+            deadline = time.monotonic() + 120
+            while pending:
+                if time.monotonic() > deadline:
+                    raise AgentrunsKafkaError(
+                        f"restoring {self.state_topic} partitions {sorted(pending)} timed out"
+                    )
+                for message in reader.consume(1000, 0.5):
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            pending.discard(message.partition() or 0)
+                            continue
+                        raise KafkaException(error)
+                    value = message.value()
+                    if value is None:
+                        continue
+                    runs = self._slots[message.partition() or 0]
+                    slot = RunSlot.from_record(decode(value, expected_name="Snapshot").record)
+                    count += slot.run_id not in runs
+                    runs[slot.run_id] = slot
+            return count
+        finally:
+            reader.close()
+
+    # ------------------------------------------------------------------ applying inputs
+
+    def _open_batch(self) -> _Batch:
+        if self._batch is None:
+            self._producer.begin_transaction()
+            self._batch = _Batch(started=time.monotonic())
+        return self._batch
+
+    def _handle(self, message: Message) -> None:
+        error = message.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                log.warning("consume error: %s", error)
+            return
+        batch = self._open_batch()
+        partition = message.partition()
+        offset = message.offset()
+        assert partition is not None and offset is not None
+        batch.positions[partition] = offset + 1
+        batch.inputs += 1
+        value = message.value()
+        key = message.key()
+        try:
+            if value is None:
+                raise _Reject("null value", dlq.INVALID_EVENT)
+            record = decode(value, expected_name="Input").record
+            if key is not None and key != record["run_id"].encode():
+                raise _Reject(f"record key {key!r} is not the run_id", dlq.INVALID_EVENT)
+        except CodecError as exc:
+            self._dead_letter(_Original.of(message), str(exc), exc.error_class)
+            return
+        except _Reject as exc:
+            self._dead_letter(_Original.of(message), exc.reason, exc.error_class)
+            return
+        run_id = record["run_id"]
+        slots = self._slots.setdefault(partition, {})
+        slot = slots.get(run_id) or RunSlot(run_id)
+        try:
+            self._accept(partition, slot, record, message)
+        except _Reject as exc:
+            self._dead_letter(_Original.of(message), exc.reason, exc.error_class, run_id=run_id)
+        if slot.state is not None or slot.buffer:
+            slots[run_id] = slot
+
+    def _accept(
+        self, partition: int, slot: RunSlot, record: dict[str, Any], message: Message
+    ) -> None:
+        """The seq protocol (R5): dedupe, order per producer, buffer gaps, then apply."""
+        digest = input_digest(record["kind"], record["body"])
+        pid, pseq = record["producer_id"], record["producer_seq"]
+        if pid is None or pseq is None:
+            key = f"i:{record['input_id']}"
+            known = slot.recalled(key)
+            if known is not None:
+                self._duplicate(known, digest, key)
+                return
+            event = self._parse(record)
+            if isinstance(event, TimerFired) and GAP_TIMER in event.timer_id:
+                self._gap_timer_fired(partition, slot, event)
+                return
+            self._apply(partition, slot, event, record["input_id"])
+            slot.remember(key, digest)
+            return
+        mark = slot.producer_marks.get(pid, 0)
+        if pseq <= mark:
+            # Older than the window of remembered digests: cannot be compared, so it is
+            # treated as the duplicate it almost surely is (and counted).
+            key = f"p:{pid}:{pseq}"
+            self._duplicate(slot.recalled(key) or digest, digest, key)
+            return
+        if pseq > mark + 1:
+            self._buffer(partition, slot, record, digest)
+            return
+        self._apply_numbered(partition, slot, record, _Original.of(message))
+        self._drain(partition, slot)
+
+    def _apply_numbered(
+        self, partition: int, slot: RunSlot, record: dict[str, Any], original: _Original
+    ) -> None:
+        """Apply the next input of a producer. Its seq is used up even if it is refused (to
+        the DLQ), so a bad input never blocks the ones behind it."""
+        pid, pseq = record["producer_id"], record["producer_seq"]
+        slot.producer_marks[pid] = pseq
+        slot.remember(f"p:{pid}:{pseq}", input_digest(record["kind"], record["body"]))
+        self._touch(partition, slot)
+        try:
+            self._apply(partition, slot, self._parse(record), record["input_id"])
+        except _Reject as exc:
+            self._dead_letter(original, exc.reason, exc.error_class, run_id=slot.run_id)
+
+    def _parse(self, record: dict[str, Any]) -> Event:
+        try:
+            event = parse_event_body(record["body"])
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise _Reject(
+                f"invalid {record['kind']}: {where}: {first['msg']}", dlq.INVALID_EVENT
+            ) from exc
+        if event.type != record["kind"] or event.run_id != record["run_id"]:
+            raise _Reject(
+                f"envelope says {record['kind']} for {record['run_id']}, body is "
+                f"{event.type} for {event.run_id}",
+                dlq.INVALID_EVENT,
+            )
+        return event
+
+    def _duplicate(self, known: str, digest: str, key: str) -> None:
+        if known != digest:
+            raise _Reject(
+                f"conflicting duplicate: input {key} was applied with other content",
+                dlq.CONFLICTING_DUPLICATE,
+            )
+        self.stats.duplicates += 1
+
+    def _buffer(self, partition: int, slot: RunSlot, record: dict[str, Any], digest: str) -> None:
+        pid, pseq = record["producer_id"], record["producer_seq"]
+        for held in slot.buffer:
+            if held["producer_id"] == pid and held["producer_seq"] == pseq:
+                self._duplicate(input_digest(held["kind"], held["body"]), digest, f"p:{pid}:{pseq}")
+                return
+        if len(slot.buffer) >= self.config.buffer_limit:
+            raise _Reject(
+                f"out-of-order buffer of run {slot.run_id} is full "
+                f"({self.config.buffer_limit} inputs waiting for a gap to fill)",
+                "BUFFER_FULL",
+            )
+        slot.buffer.append(dict(record))
+        if slot.gap_since is None:
+            slot.gap_since = record["at"]
+            expected = slot.producer_marks.get(pid, 0) + 1
+            self._schedule_gap_timer(partition, slot, record, expected)
+        self._touch(partition, slot)
+        self.stats.buffered += 1
+
+    def _drain(self, partition: int, slot: RunSlot) -> None:
+        """Apply buffered inputs whose turn has come, in producer order."""
+        progressed = True
+        while progressed and slot.buffer:
+            progressed = False
+            for held in list(slot.buffer):
+                if held["producer_seq"] == slot.producer_marks.get(held["producer_id"], 0) + 1:
+                    slot.buffer.remove(held)
+                    original = _Original.of_record(self.inbox, partition, held)
+                    self._apply_numbered(partition, slot, held, original)
+                    progressed = True
+        slot.gap_since = min((h["at"] for h in slot.buffer), default=None)
+        self._touch(partition, slot)
+
+    def _schedule_gap_timer(
+        self, partition: int, slot: RunSlot, record: dict[str, Any], expected: int
+    ) -> None:
+        state = slot.state
+        timer_id = f"{slot.run_id}{GAP_TIMER}{record['producer_id']}:{expected}"
+        effect = ScheduleTimer(
+            idempotency_key=f"{timer_id}:schedule",
+            run_id=slot.run_id,
+            step=0 if state is None else state.step,
+            attempt=0 if state is None else state.attempt,
+            trace_id=record["trace_id"] if state is None else state.trace_id,
+            timer_id=timer_id,
+            due_at=record["at"] + self.config.gap_timeout_ms,
+            purpose=TimerPurpose.GAP_TIMEOUT,
+        )
+        self._produce_effect(partition, effect, seq=slot.last_seq, at=record["at"])
+
+    def _gap_timer_fired(self, partition: int, slot: RunSlot, fired: TimerFired) -> None:
+        """The gap did not fill in time: record a diagnosis, skip the gap, apply what waits."""
+        _, _, rest = fired.timer_id.partition(GAP_TIMER)
+        pid, _, expected_text = rest.rpartition(":")
+        expected = int(expected_text)
+        waiting = sorted(
+            (h for h in slot.buffer if h["producer_id"] == pid), key=lambda h: h["producer_seq"]
+        )
+        if slot.producer_marks.get(pid, 0) >= expected or not waiting:
+            self.stats.stale_timers += 1
+            return  # the gap filled before the timer fired
+        first = waiting[0]["producer_seq"]
+        diagnosis = (
+            f"inputs {expected}..{first - 1} of producer {pid} did not arrive within "
+            f"{self.config.gap_timeout_ms} ms; {len(waiting)} later inputs applied after the gap"
+        )
+        if slot.state is not None:
+            event = GapTimedOut(
+                run_id=slot.run_id,
+                event_id=f"{fired.timer_id}:fired",
+                at=fired.at,
+                trace_id=slot.state.trace_id,
+                expected_seq=expected,
+                diagnosis=diagnosis,
+            )
+            self._apply(partition, slot, event, fired.event_id)
+        log.warning("run %s: %s", slot.run_id, diagnosis, extra={"run_id": slot.run_id})
+        slot.producer_marks[pid] = first - 1
+        self._drain(partition, slot)
+
+    def _apply(self, partition: int, slot: RunSlot, event: Event, input_id: str | None) -> None:
+        if slot.last_seq >= self.config.max_log_events:
+            raise _Reject(
+                f"run {slot.run_id} has {slot.last_seq} events, the log cap is "
+                f"{self.config.max_log_events}",
+                "EVENT_CAP",
+            )
+        result = transition(slot.state, event)
+        if slot.state is None and result.state is None:
+            # Nothing to log for a run that does not exist: the input is refused as a whole.
+            raise _Reject(result.reason or "no such run", dlq.INVALID_EVENT)
+        seq = slot.last_seq + 1
+        self._produce_event(partition, slot.run_id, seq, event, result, input_id)
+        batch = self._open_batch()
+        batch.artifacts.extend(result.artifacts)
+        for effect in result.effects:
+            if isinstance(effect, PublishResult):
+                value = encode("Result", result_record(effect, seq=seq, at=event.at))
+                self._producer.produce(
+                    self.results,
+                    key=slot.run_id.encode(),
+                    value=value,
+                    partition=partition,
+                    headers=_headers(effect.trace_id, slot.run_id, effect.step, effect.attempt),
+                )
+            else:
+                self._produce_effect(partition, effect, seq=seq, at=event.at)
+        slot.state = result.state
+        slot.last_seq = seq
+        slot.updated_at = max(slot.updated_at, event.at)
+        self._touch(partition, slot)
+        self.stats.count(result.disposition, len(result.effects))
+
+    def _produce_event(
+        self,
+        partition: int,
+        run_id: str,
+        seq: int,
+        event: Event,
+        result: Transition,
+        input_id: str | None,
+    ) -> None:
+        record = event_record(run_id, seq, event, result, input_id=input_id)
+        self._producer.produce(
+            self.events,
+            key=event_key(run_id, seq),
+            value=encode("Event", record),
+            partition=partition,
+            headers=_headers(event.trace_id, run_id, record["step"], record["attempt"]),
+        )
+        if result.disposition is not Disposition.APPLIED:
+            log.info(
+                "run %s seq %d %s %s: %s",
+                run_id,
+                seq,
+                event.type,
+                result.disposition,
+                result.reason,
+                extra={"run_id": run_id, "seq": seq, "trace_id": event.trace_id},
+            )
+
+    def _produce_effect(self, partition: int, effect: Any, *, seq: int, at: int) -> None:
+        topic = self._effect_topics[EFFECT_TOPIC_KIND[effect.type]]
+        self._producer.produce(
+            topic,
+            key=effect.run_id.encode(),
+            value=encode("Effect", effect_record(effect, seq=seq, at=at)),
+            partition=partition,
+            headers=[
+                *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
+                ("idempotency_key", effect.idempotency_key.encode()),
+            ],
+        )
+
+    def _touch(self, partition: int, slot: RunSlot) -> None:
+        self._open_batch().dirty[slot.run_id] = (partition, slot)
+
+    def _dead_letter(
+        self, original: _Original, reason: str, error_class: str, *, run_id: str | None = None
+    ) -> None:
+        self._open_batch()
+        record = dlq.dead_letter(
+            reason=reason,
+            error_class=error_class,
+            topic=original.topic,
+            partition=original.partition,
+            offset=original.offset,
+            key=original.key,
+            value=original.value,
+            headers=original.headers,
+            at=int(time.time() * 1000),
+            original_timestamp=original.timestamp,
+            run_id=run_id,
+        )
+        self._producer.produce(self.dlq, key=original.key, value=encode("DeadLetter", record))
+        self.stats.dead_letters += 1
+        log.warning("dead letter (%s): %s", error_class, reason, extra={"run_id": run_id})
+
+    # ------------------------------------------------------------------ committing
+
+    def _commit(self) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        began = time.monotonic()
+        if batch.artifacts:
+            self._write_artifacts(batch.artifacts)  # durable before anything references them
+        for run_id, (partition, slot) in batch.dirty.items():
+            if slot.state is None and not slot.buffer:
+                continue  # refused inputs of a run that does not exist leave no snapshot
+            slot.version += 1
+            self._producer.produce(
+                self.state_topic,
+                key=run_id.encode(),
+                value=encode("Snapshot", slot.to_record()),
+                partition=partition,
+            )
+        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
+        self._producer.send_offsets_to_transaction(
+            offsets, self._consumer.consumer_group_metadata(), 30
+        )
+        self._producer.commit_transaction(30)
+        self._batch = None
+        self.stats.committed(batch.inputs, len(batch.dirty), time.monotonic() - began)
+
+    def _abort_quietly(self) -> None:
+        if self._batch is None:
+            return
+        self._batch = None
+        try:
+            self._producer.abort_transaction(30)
+        except KafkaException as exc:
+            log.warning("abort failed: %s", exc)
+
+    def _recover(self, exc: KafkaException) -> None:
+        """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state."""
+        error = exc.args[0] if exc.args else None
+        fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
+        log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
+        self.stats.aborts += 1
+        if fatal:
+            self._batch = None
+            self._producer = self._new_producer()
+        else:
+            self._abort_quietly()
+        self._rewind()
+
+    def _rewind(self) -> None:
+        """Drop in-memory state and seek back to the committed offsets of our partitions."""
+        partitions = set(self._assigned)
+        committed = self._consumer.committed(
+            [TopicPartition(self.inbox, p) for p in partitions], timeout=30
+        )
+        for tp in committed:
+            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            self._consumer.seek(TopicPartition(self.inbox, tp.partition, offset))
+        self._restore(partitions)
+
+    # ------------------------------------------------------------------ inspection (tests)
+
+    def slots(self) -> Iterable[RunSlot]:
+        for runs in self._slots.values():
+            yield from runs.values()
+
+
+@dataclass(frozen=True)
+class _Original:
+    """Where a refused input came from, and its bytes, for its dead-letter record (R30)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    timestamp: int | None
+
+    @classmethod
+    def of(cls, message: Message) -> _Original:
+        partition, offset = message.partition(), message.offset()
+        return cls(
+            topic=message.topic() or "",
+            partition=-1 if partition is None else partition,
+            offset=-1 if offset is None else offset,
+            key=message.key(),
+            value=message.value(),
+            headers=list(_header_pairs(message)),
+            timestamp=message.timestamp()[1],
+        )
+
+    @classmethod
+    def of_record(cls, topic: str, partition: int, record: dict[str, Any]) -> _Original:
+        """A buffered input: its offset was committed long ago, its content is the record."""
+        return cls(
+            topic=topic,
+            partition=partition,
+            offset=-1,
+            key=record["run_id"].encode(),
+            value=encode("Input", record),
+            headers=[],
+            timestamp=record["at"],
+        )
+
+
+def _header_pairs(message: Message) -> Iterable[tuple[str, str | bytes | None]]:
+    headers = message.headers()
+    if isinstance(headers, dict):
+        return headers.items()
+    return headers or []
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, error_class: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error_class = error_class
+
+
+Headers = list[tuple[str, str | bytes | None]]
+
+
+def _headers(trace_id: str, run_id: str, step: int, attempt: int) -> Headers:
+    return [
+        ("trace_id", trace_id.encode()),
+        ("run_id", run_id.encode()),
+        ("step", str(step).encode()),
+        ("attempt", str(attempt).encode()),
+    ]
+
+
+__all__ = ["Processor", "ProcessorConfig"]

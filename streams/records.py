@@ -1,0 +1,166 @@
+"""Envelope records built from core objects: the one place that maps the pure core to the wire.
+
+Every producer of `Event`, `Effect`, `Snapshot` and `Result` records (the processor, tests,
+benchmarks) builds them here, and every reader (sink, replay, audit) parses bodies back with the
+core's own adapters, so the two sides cannot drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from processors.effects import EFFECT_ADAPTER, Effect, PublishResult
+from processors.events import EVENT_ADAPTER, Event
+from processors.state import RunState
+from processors.transition import Transition
+
+EFFECT_TOPIC_KIND: dict[str, str] = {
+    "CallModel": "model",
+    "CallTool": "tool",
+    "Reconcile": "tool",
+    "PollTool": "tool",
+    "CancelTool": "tool",
+    "ScheduleTimer": "timer",
+    "CancelTimer": "timer",
+    # A question for a person: the timer service owns its expiry; the API reads it from state.
+    "AskUser": "timer",
+}
+"""Which `effects.<kind>` topic carries each effect type (PublishResult goes to results)."""
+
+RECENT_INPUTS = 32
+"""How many applied inputs per run keep their digest for duplicate/conflict detection."""
+
+
+def input_digest(kind: str, body: str) -> str:
+    return hashlib.sha256(f"{kind}\n{body}".encode()).hexdigest()[:16]
+
+
+def event_body(event: Event) -> str:
+    return event.model_dump_json()
+
+
+def parse_event_body(body: str) -> Event:
+    return EVENT_ADAPTER.validate_json(body)
+
+
+def parse_effect_body(body: str) -> Effect:
+    return EFFECT_ADAPTER.validate_json(body)
+
+
+def parse_state(state_json: str | None) -> RunState | None:
+    return None if state_json is None else RunState.model_validate_json(state_json)
+
+
+def identity(event: Event, state: RunState | None) -> tuple[int, int]:
+    """(step, attempt) of an event: its own when it names them, else the run's after it (R4)."""
+    step = getattr(event, "step", None)
+    attempt = getattr(event, "attempt", None)
+    if state is not None:
+        step = state.step if step is None else step
+        attempt = state.attempt if attempt is None else attempt
+    return int(step or 0), int(attempt or 0)
+
+
+def event_record(
+    run_id: str, seq: int, event: Event, result: Transition, *, input_id: str | None
+) -> dict[str, Any]:
+    step, attempt = identity(event, result.state)
+    return {
+        "run_id": run_id,
+        "seq": seq,
+        "event_id": event.event_id,
+        "type": event.type,
+        "step": step,
+        "attempt": attempt,
+        "trace_id": event.trace_id,
+        "at": event.at,
+        "disposition": str(result.disposition),
+        "reason": result.reason,
+        "body": event_body(event),
+        "input_id": input_id,
+    }
+
+
+def effect_record(effect: Effect, *, seq: int, at: int) -> dict[str, Any]:
+    return {
+        "idempotency_key": effect.idempotency_key,
+        "run_id": effect.run_id,
+        "seq": seq,
+        "step": effect.step,
+        "attempt": effect.attempt,
+        "type": effect.type,
+        "trace_id": effect.trace_id,
+        "at": at,
+        "body": effect.model_dump_json(),
+    }
+
+
+def result_record(effect: PublishResult, *, seq: int, at: int) -> dict[str, Any]:
+    return {
+        "run_id": effect.run_id,
+        "status": str(effect.status),
+        "seq": seq,
+        "version": effect.resolution,
+        "result_ref": effect.result_ref,
+        "summary": effect.summary,
+        "trace_id": effect.trace_id,
+        "at": at,
+        "body": effect.model_dump_json(),
+    }
+
+
+@dataclass
+class RunSlot:
+    """What the processor holds per run between transactions; serialized as a Snapshot."""
+
+    run_id: str
+    state: RunState | None = None
+    last_seq: int = 0
+    version: int = 0
+    buffer: list[dict[str, Any]] = field(default_factory=list)
+    gap_since: int | None = None
+    producer_marks: dict[str, int] = field(default_factory=dict)
+    recent: list[tuple[str, str]] = field(default_factory=list)
+    updated_at: int = 0
+
+    def remember(self, key: str, digest: str) -> None:
+        self.recent.append((key, digest))
+        if len(self.recent) > RECENT_INPUTS:
+            del self.recent[: len(self.recent) - RECENT_INPUTS]
+
+    def recalled(self, key: str) -> str | None:
+        for k, digest in reversed(self.recent):
+            if k == key:
+                return digest
+        return None
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "last_seq": self.last_seq,
+            "version": self.version,
+            "status": None if self.state is None else str(self.state.status),
+            "state": None if self.state is None else self.state.model_dump_json(),
+            "buffer": list(self.buffer),
+            "gap_since": self.gap_since,
+            "producer_marks": dict(self.producer_marks),
+            "seen_input_ids": [],
+            "updated_at": self.updated_at,
+            "recent_inputs": [{"key": k, "digest": d} for k, d in self.recent],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunSlot:
+        return cls(
+            run_id=record["run_id"],
+            state=parse_state(record["state"]),
+            last_seq=record["last_seq"],
+            version=record["version"],
+            buffer=list(record["buffer"]),
+            gap_since=record["gap_since"],
+            producer_marks=dict(record["producer_marks"]),
+            recent=[(r["key"], r["digest"]) for r in record.get("recent_inputs", [])],
+            updated_at=record["updated_at"],
+        )
