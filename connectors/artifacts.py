@@ -90,13 +90,16 @@ class PostgresArtifactStore:
         if not rows:
             return 0
 
+        refs, types, sizes, contents = (list(column) for column in zip(*rows, strict=True))
+
         def write(conn: Conn) -> int:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
-                    " VALUES (%s, %s, %s, %s) ON CONFLICT (ref) DO NOTHING",
-                    rows,
-                )
+            # One statement, one round trip for the whole batch (executemany costs one each).
+            conn.execute(
+                "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
+                " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::bytea[])"
+                " ON CONFLICT (ref) DO NOTHING",
+                (refs, types, sizes, contents),
+            )
             return len(rows)
 
         return self._with_retry("writing artifacts", write)

@@ -78,6 +78,8 @@ def _dev_status(args: argparse.Namespace) -> int:
 # `module.main(args)`. They are listed in the parser too, for `agentruns --help`.
 FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ("processor",): ("connectors.processor_service", "run a processor process"),
+    ("timer",): ("connectors.timer_service", "run the timer service (time enters as events)"),
+    ("bench", "processor"): ("bench.processor", "the processor against the real broker"),
     ("demo",): ("connectors.demo", "start what is needed and run the demo scenarios"),
     ("dev", "model-server"): ("connectors.model_server", "run the scripted model server"),
     ("dev", "tool-server"): ("connectors.tool_server", "run the example tool server"),

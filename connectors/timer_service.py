@@ -1,0 +1,250 @@
+"""`agentruns timer`: the only way time enters the core (R1).
+
+Consumes `effects.timer` (ScheduleTimer, CancelTimer; AskUser records are the API's business
+and are skipped here) into the Postgres `timers` table, committing the consumed offsets only
+after the rows are committed (at-least-once in, idempotent upserts). A firing loop produces one
+`TimerFired` input per due timer to the run's inbox partition, then marks it fired.
+
+Exactly once as the processor sees it: the input of a timer is a pure function of the timer
+(input_id `<timer_id>:fired`, `at` = its due time), so a re-fire after a crash between the
+produce and the mark is byte-identical and the processor drops it as an exact duplicate; a timer
+for a run that moved on is recorded by the core as LATE and changes nothing. Several timer
+processes may run: the consumer group splits the effect partitions, and firing claims rows with
+`FOR UPDATE SKIP LOCKED`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaException, Producer
+
+from connectors.db import migrate
+from connectors.logs import setup_logging
+from connectors.services import ServiceStack
+from processors.effects import CancelTimer, ScheduleTimer
+from processors.events import TimerFired
+from streams.admin import ensure_topics
+from streams.codec import CodecError, decode, encode
+from streams.partitioning import partition_for
+from streams.records import parse_effect_body
+from streams.topics import INBOX, effect_suffix, topic_name
+
+log = logging.getLogger("agentruns.timer")
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def fired_input(row: tuple[Any, ...]) -> dict[str, Any]:
+    """The inbox input of a due timer: deterministic, so a re-fire is an exact duplicate."""
+    run_id, timer_id, due_at, trace_id = row
+    event = TimerFired(
+        run_id=run_id, event_id=f"{timer_id}:fired", at=due_at, trace_id=trace_id, timer_id=timer_id
+    )
+    return {
+        "input_id": event.event_id,
+        "run_id": run_id,
+        "kind": event.type,
+        "trace_id": trace_id,
+        "producer_id": None,
+        "producer_seq": None,
+        "at": due_at,
+        "body": event.model_dump_json(),
+        "reply_to": None,
+    }
+
+
+class TimerService:
+    def __init__(
+        self,
+        bootstrap: str,
+        database_url: str,
+        *,
+        prefix: str = "agentruns",
+        group_id: str = "agentruns-timer",
+        tick_ms: int = 50,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.database_url = database_url
+        self.prefix = prefix
+        self.tick = tick_ms / 1000
+        self.inbox = topic_name(INBOX, prefix)
+        self.fired = 0
+        self.scheduled = 0
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group_id,
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "fetch.wait.max.ms": 20,
+                "log_level": 3,
+            }
+        )
+        self._producer = Producer(
+            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2}
+        )
+        meta = self._producer.list_topics(self.inbox, timeout=30).topics[self.inbox]
+        self.partitions = len(meta.partitions)
+        self._conn: Conn | None = None
+
+    def _db(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.database_url)
+        return self._conn
+
+    def run(self, stop: threading.Event) -> None:
+        self._consumer.subscribe([topic_name(effect_suffix("timer"), self.prefix)])
+        backoff = 0.1
+        try:
+            while not stop.is_set():
+                try:
+                    self._ingest(self._consumer.consume(500, self.tick))
+                    self._fire_due()
+                    backoff = 0.1
+                except psycopg.OperationalError as exc:
+                    # Postgres restarting: keep the offsets where they are and retry.
+                    log.warning("database unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self._conn = None
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            self.close()
+
+    def _ingest(self, messages: list[Any]) -> None:
+        schedule: list[tuple[Any, ...]] = []
+        cancel: list[tuple[str, str]] = []
+        for msg in messages:
+            value = msg.value()
+            if msg.error() is not None or value is None:
+                continue
+            try:
+                effect = parse_effect_body(decode(value, "Effect").record["body"])
+            except (CodecError, ValueError) as exc:
+                log.error("undecodable timer effect at offset %s: %s", msg.offset(), exc)
+                continue
+            if isinstance(effect, ScheduleTimer):
+                schedule.append(
+                    (
+                        effect.run_id,
+                        effect.timer_id,
+                        str(effect.purpose),
+                        effect.due_at,
+                        effect.trace_id,
+                        effect.step,
+                        effect.attempt,
+                    )
+                )
+            elif isinstance(effect, CancelTimer):
+                cancel.append((effect.run_id, effect.timer_id))
+        if not messages:
+            return
+        conn = self._db()
+        with conn.transaction():
+            if schedule:
+                conn.cursor().executemany(
+                    "INSERT INTO timers"
+                    " (run_id, timer_id, purpose, due_at, trace_id, step, attempt)"
+                    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+                    " ON CONFLICT (run_id, timer_id) DO NOTHING",
+                    schedule,
+                )
+            if cancel:
+                conn.cursor().executemany(
+                    "UPDATE timers SET cancelled = true"
+                    " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
+                    cancel,
+                )
+        self.scheduled += len(schedule)
+        try:
+            self._consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            log.warning("offset commit failed (rows are idempotent, will re-read): %s", exc)
+
+    def _fire_due(self) -> None:
+        conn = self._db()
+        with conn.transaction():
+            rows = conn.execute(
+                "SELECT run_id, timer_id, due_at, trace_id FROM timers"
+                " WHERE fired_at IS NULL AND NOT cancelled AND due_at <= %s"
+                " ORDER BY due_at LIMIT 500 FOR UPDATE SKIP LOCKED",
+                (now_ms(),),
+            ).fetchall()
+            if not rows:
+                return
+            for row in rows:
+                record = fired_input(row)
+                self._producer.produce(
+                    self.inbox,
+                    key=record["run_id"].encode(),
+                    value=encode("Input", record),
+                    partition=partition_for(record["run_id"], self.partitions),
+                )
+            if self._producer.flush(30) != 0:
+                raise KafkaException("timer inputs not delivered within 30 s")
+            conn.cursor().executemany(
+                "UPDATE timers SET fired_at = %s WHERE run_id = %s AND timer_id = %s",
+                [(now_ms(), r[0], r[1]) for r in rows],
+            )
+        self.fired += len(rows)
+        log.info("fired %d timers", len(rows))
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already closed
+            self._consumer.close()
+        self._producer.flush(10)
+        if self._conn is not None:
+            self._conn.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
+    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--group", default="agentruns-timer")
+    parser.add_argument("--tick-ms", type=int, default=50)
+    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="timer")
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
+        service = TimerService(
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix=args.prefix,
+            group_id=args.group,
+            tick_ms=args.tick_ms,
+        )
+        service.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["timer", *sys.argv[1:]]))
