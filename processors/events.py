@@ -1,0 +1,261 @@
+"""Run events: facts that happened, past tense (R1, R4).
+
+Every event carries ``run_id``, ``event_id`` (producer idempotency id), ``at`` (ms since
+epoch, the only clock) and ``trace_id``. The per-run seq is assigned outside the core.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter
+
+from processors.state import (
+    CURRENT_VALIDATOR_VERSION,
+    Budgets,
+    ErrorClass,
+    Frozen,
+    LoopLimits,
+    Policy,
+    RunStatus,
+    ToolSpec,
+)
+
+
+class EventBase(Frozen):
+    run_id: str
+    event_id: str
+    at: int
+    trace_id: str
+
+
+class Message(Frozen):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class RunSubmitted(EventBase):
+    type: Literal["RunSubmitted"] = "RunSubmitted"
+    goal: str
+    messages: tuple[Message, ...] = ()
+    tools: tuple[ToolSpec, ...] = ()
+    policy: Policy = Policy()
+    model_route: str = "default"
+    budgets: Budgets = Budgets()
+    loop: LoopLimits = LoopLimits()
+    memory_ref: str | None = None
+    evidence_refs: tuple[str, ...] = ()
+    validator_version: int = CURRENT_VALIDATOR_VERSION
+
+
+class ModelOutcome(StrEnum):
+    FINISHED = "finished"
+    INCOMPLETE = "incomplete"
+    TRUNCATED = "truncated"
+    BLOCKED = "blocked"
+    TRANSPORT_ERROR = "transport_error"
+    RATE_LIMITED = "rate_limited"
+
+
+class ToolCallRequest(Frozen):
+    id: str
+    name: str
+    arguments_json: str
+    expected_version: str | None = None
+
+
+class Candidate(Frozen):
+    """A parsed, complete model generation (the candidate artifact's content)."""
+
+    content: str = ""
+    tool_calls: tuple[ToolCallRequest, ...] = ()
+    cited_refs: tuple[str, ...] = ()
+
+
+class ModelUsage(Frozen):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_micros: int = 0
+
+
+class ModelCallCompleted(EventBase):
+    type: Literal["ModelCallCompleted"] = "ModelCallCompleted"
+    step: int
+    attempt: int
+    outcome: ModelOutcome
+    candidate_ref: str | None = None
+    candidate: Candidate | None = None
+    usage: ModelUsage = ModelUsage()
+    retry_after_ms: int | None = None
+
+
+class OpEvent(EventBase):
+    step: int
+    operation_key: str
+    dispatch: int = 1
+
+
+class ToolCallAccepted(OpEvent):
+    type: Literal["ToolCallAccepted"] = "ToolCallAccepted"
+    poll_after_ms: int | None = None
+
+
+class ToolStatusReported(OpEvent):
+    """A poll or callback said the long task is still running."""
+
+    type: Literal["ToolStatusReported"] = "ToolStatusReported"
+    status: Literal["accepted", "running"] = "running"
+    poll: int  # echoes PollTool.poll: only the answer to the latest poll applies
+
+
+class OutputSummary(Frozen):
+    head: str
+    tail: str
+    error_lines: tuple[str, ...]
+    line_count: int
+    byte_count: int
+    error_count: int
+
+
+class ToolCallSucceeded(OpEvent):
+    type: Literal["ToolCallSucceeded"] = "ToolCallSucceeded"
+    result_ref: str
+    result_bytes: int = 0
+    summary: OutputSummary | None = None
+    resource_version: str | None = None
+    candidate_count: int | None = None
+
+
+class ToolCallFailed(OpEvent):
+    type: Literal["ToolCallFailed"] = "ToolCallFailed"
+    error_class: ErrorClass
+    error_code: str
+    message: str = ""
+    retry_after_ms: int | None = None
+
+
+class ToolCallTimedOut(OpEvent):
+    type: Literal["ToolCallTimedOut"] = "ToolCallTimedOut"
+
+
+class ReconcileOutcome(StrEnum):
+    FOUND_SUCCEEDED = "found_succeeded"
+    NOT_EXECUTED = "not_executed"
+    UNDETERMINABLE = "undeterminable"
+
+
+class ReconcileCompleted(OpEvent):
+    type: Literal["ReconcileCompleted"] = "ReconcileCompleted"
+    outcome: ReconcileOutcome
+    result_ref: str | None = None
+
+
+class UserReplied(EventBase):
+    type: Literal["UserReplied"] = "UserReplied"
+    question_id: str
+    token_id: str
+    state_version: int
+    response: dict[str, Any]
+
+
+class CancelRequested(EventBase):
+    type: Literal["CancelRequested"] = "CancelRequested"
+    reason: str = "requested"
+
+
+class CancelConfirmed(OpEvent):
+    type: Literal["CancelConfirmed"] = "CancelConfirmed"
+
+
+class CancelUnconfirmed(OpEvent):
+    type: Literal["CancelUnconfirmed"] = "CancelUnconfirmed"
+
+
+class TimerFired(EventBase):
+    type: Literal["TimerFired"] = "TimerFired"
+    timer_id: str
+
+
+class GoalChanged(EventBase):
+    type: Literal["GoalChanged"] = "GoalChanged"
+    step: int
+    goal: str
+
+
+class KnowledgeRefreshed(EventBase):
+    type: Literal["KnowledgeRefreshed"] = "KnowledgeRefreshed"
+    step: int
+    memory_ref: str | None = None
+    evidence_refs: tuple[str, ...] = ()
+
+
+class RunReopened(EventBase):
+    type: Literal["RunReopened"] = "RunReopened"
+    resolution: int  # compare-and-set: the resolution this correction applies to
+    reason: str
+    goal: str | None = None
+
+
+class RunResolved(EventBase):
+    type: Literal["RunResolved"] = "RunResolved"
+    resolution: int
+    status: RunStatus
+    reason: str
+
+
+class GapTimedOut(EventBase):
+    type: Literal["GapTimedOut"] = "GapTimedOut"
+    expected_seq: int
+    diagnosis: str
+
+
+Event = Annotated[
+    RunSubmitted
+    | ModelCallCompleted
+    | ToolCallAccepted
+    | ToolStatusReported
+    | ToolCallSucceeded
+    | ToolCallFailed
+    | ToolCallTimedOut
+    | ReconcileCompleted
+    | UserReplied
+    | CancelRequested
+    | CancelConfirmed
+    | CancelUnconfirmed
+    | TimerFired
+    | GoalChanged
+    | KnowledgeRefreshed
+    | RunReopened
+    | RunResolved
+    | GapTimedOut,
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: tuple[str, ...] = (
+    "RunSubmitted",
+    "ModelCallCompleted",
+    "ToolCallAccepted",
+    "ToolStatusReported",
+    "ToolCallSucceeded",
+    "ToolCallFailed",
+    "ToolCallTimedOut",
+    "ReconcileCompleted",
+    "UserReplied",
+    "CancelRequested",
+    "CancelConfirmed",
+    "CancelUnconfirmed",
+    "TimerFired",
+    "GoalChanged",
+    "KnowledgeRefreshed",
+    "RunReopened",
+    "RunResolved",
+    "GapTimedOut",
+)
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(data: str | bytes) -> Event:
+    """Decode one event from JSON (raises pydantic.ValidationError on bad input)."""
+    return EVENT_ADAPTER.validate_json(data)

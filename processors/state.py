@@ -1,0 +1,313 @@
+"""The run state: immutable, small, deterministic to serialize (R1, R3, R6).
+
+Artifacts are held by reference (``sha256:`` refs); histories are bounded windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict
+
+_setattr = object.__setattr__
+
+CURRENT_VALIDATOR_VERSION = 2
+
+
+class Frozen(BaseModel):
+    """Base of every core record: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """Shallow copy with updates, without validation (like pydantic's), but ~4x faster.
+
+        The hot path of every transition; callers pass already-typed values (mypy-checked
+        handlers), exactly as with ``BaseModel.model_copy``.
+        """
+        if deep:
+            return super().model_copy(update=update, deep=True)
+        cls = type(self)
+        new = cls.__new__(cls)
+        values = self.__dict__.copy()
+        if update:
+            values.update(update)
+        _setattr(new, "__dict__", values)
+        # fields_set is only consulted by exclude_unset dumps, which the core never uses
+        _setattr(new, "__pydantic_fields_set__", self.__pydantic_fields_set__)
+        _setattr(new, "__pydantic_extra__", None)
+        _setattr(new, "__pydantic_private__", None)
+        return new
+
+
+class RunStatus(StrEnum):
+    READY = "READY"
+    MODEL_RUNNING = "MODEL_RUNNING"
+    VALIDATING = "VALIDATING"
+    TOOL_RUNNING = "TOOL_RUNNING"
+    WAITING_TOOL = "WAITING_TOOL"
+    WAITING_USER = "WAITING_USER"
+    FINALIZING = "FINALIZING"
+    PAUSED = "PAUSED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+    BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
+    CANCEL_UNKNOWN = "CANCEL_UNKNOWN"
+
+
+TERMINAL: frozenset[RunStatus] = frozenset(
+    {
+        RunStatus.SUCCEEDED,
+        RunStatus.FAILED,
+        RunStatus.CANCELLED,
+        RunStatus.EXPIRED,
+        RunStatus.BUDGET_EXHAUSTED,
+        RunStatus.CANCEL_UNKNOWN,
+    }
+)
+NON_TERMINAL: tuple[RunStatus, ...] = tuple(s for s in RunStatus if s not in TERMINAL)
+# Passed through inside one transition; never the resting status of a committed state.
+TRANSIENT: frozenset[RunStatus] = frozenset({RunStatus.VALIDATING, RunStatus.FINALIZING})
+
+
+class OpStatus(StrEnum):
+    PROPOSED = "PROPOSED"  # validated, waiting for a user approval
+    DISPATCHED = "DISPATCHED"
+    ACCEPTED = "ACCEPTED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"  # timed out: PENDING_RECONCILIATION
+    CANCELLED = "CANCELLED"
+
+
+IN_FLIGHT: frozenset[OpStatus] = frozenset(
+    {OpStatus.DISPATCHED, OpStatus.ACCEPTED, OpStatus.RUNNING}
+)
+SETTLED: frozenset[OpStatus] = frozenset({OpStatus.SUCCEEDED, OpStatus.FAILED, OpStatus.CANCELLED})
+
+
+class ErrorClass(StrEnum):
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    OBJECT_AMBIGUOUS = "OBJECT_AMBIGUOUS"
+    RATE_LIMIT = "RATE_LIMIT"
+    STATE_CONFLICT = "STATE_CONFLICT"
+    TRANSIENT = "TRANSIENT"
+    UNKNOWN = "UNKNOWN"
+
+
+class TimerPurpose(StrEnum):
+    DEADLINE = "DEADLINE"
+    USER_EXPIRY = "USER_EXPIRY"
+    MODEL_BACKOFF = "MODEL_BACKOFF"
+    TOOL_BACKOFF = "TOOL_BACKOFF"
+    TOOL_POLL = "TOOL_POLL"
+    GAP_TIMEOUT = "GAP_TIMEOUT"  # scheduled by the processor for a seq gap (R5), never by the core
+
+
+class ToolSpec(Frozen):
+    name: str
+    parameters: dict[str, Any] = {"type": "object"}
+    permission: str = "read"
+    is_async: bool = False
+    idempotent: bool = True
+    cancellable: bool = False
+
+
+class Policy(Frozen):
+    allowed_permissions: tuple[str, ...] = ("read", "write")
+    approval_required: tuple[str, ...] = ()
+    max_model_attempts: int = 3
+    max_repairs: int = 2
+    max_tool_retries: int = 2
+    require_evidence: bool = False
+    required_tools: tuple[str, ...] = ()
+    user_wait_ms: int = 600_000
+    on_user_expiry: Literal["expire", "cancel"] = "expire"
+    on_goal_change: Literal["continue", "new_run"] = "continue"
+    on_no_progress: Literal["pause", "fail"] = "pause"
+    large_output_bytes: int = 16_384
+    poll_interval_ms: int = 30_000
+
+
+class Budgets(Frozen):
+    deadline_at: int | None = None
+    max_steps: int = 20
+    max_tokens: int | None = None
+    max_cost_micros: int | None = None
+    max_tool_calls: int | None = None
+
+
+class LoopLimits(Frozen):
+    max_repeat_action: int = 3
+    max_repeat_error: int = 3
+    max_steps_without_progress: int = 5
+    max_events: int = 200
+    detect_oscillation: bool = True
+
+
+class RunConfig(Frozen):
+    tools: tuple[ToolSpec, ...]
+    config_ref: str  # the frozen run configuration artifact (tools, policy, budgets, route)
+    policy: Policy
+    budgets: Budgets
+    loop: LoopLimits
+    model_route: str
+    validator_version: int
+
+    def tool(self, name: str) -> ToolSpec | None:
+        for spec in self.tools:
+            if spec.name == name:
+                return spec
+        return None
+
+
+class Usage(Frozen):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_micros: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def plus(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cost_micros=self.cost_micros + other.cost_micros,
+        )
+
+
+class TimeAccount(Frozen):
+    """Milliseconds split by who the run was waiting for (R16)."""
+
+    started_at: int
+    last_at: int
+    system_ms: int = 0
+    tool_wait_ms: int = 0
+    user_wait_ms: int = 0
+    ended_at: int | None = None
+
+
+class Operation(Frozen):
+    key: str
+    step: int
+    tool: str
+    call_id: str
+    args_json: str
+    action_hash: str
+    expected_version: str | None = None
+    policy_decision: Literal["allow", "approved"] = "allow"
+    status: OpStatus = OpStatus.DISPATCHED
+    dispatch: int = 1
+    retries: int = 0
+    result_ref: str | None = None
+    summary_ref: str | None = None
+    error_class: ErrorClass | None = None
+    error_code: str | None = None
+    cancel_unconfirmed: bool = False
+    polls: int = 0
+
+
+class Question(Frozen):
+    question_id: str
+    kind: Literal["approval", "clarification"]
+    artifact_ref: str
+    response_schema: dict[str, Any]
+    expires_at: int
+    token_id: str
+    version: int
+    timer_id: str
+
+
+class Timer(Frozen):
+    timer_id: str
+    purpose: TimerPurpose
+    due_at: int
+    op_key: str | None = None
+
+
+class LoopMemory(Frozen):
+    recent_actions: tuple[str, ...] = ()
+    recent_errors: tuple[str, ...] = ()
+    plan_history: tuple[str, ...] = ()
+    steps_without_progress: int = 0
+    progress_in_step: bool = False
+    last_candidate_count: int | None = None
+
+
+class ValidationRecord(Frozen):
+    validator_version: int
+    candidate_ref: str
+    ok: bool
+    action: str
+    error_code: str | None = None
+    evidence_hash: str
+
+
+class RunState(Frozen):
+    run_id: str
+    trace_id: str
+    submitted_event_id: str
+    status: RunStatus
+    path: tuple[RunStatus, ...] = ()
+    version: int = 1
+    resolution: int = 0
+    goal: str
+    config: RunConfig
+    step: int = 1
+    attempt: int = 1
+    repairs: int = 0
+    model_failures: int = 0
+    context_ref: str | None = None
+    candidate_ref: str | None = None
+    step_inputs: tuple[str, ...] = ()
+    memory_ref: str | None = None
+    evidence_refs: tuple[str, ...] = ()
+    usage: Usage = Usage()
+    tool_calls: int = 0
+    ops: tuple[Operation, ...] = ()
+    completed_ops: int = 0
+    result_refs: tuple[str, ...] = ()
+    succeeded_tools: tuple[str, ...] = ()
+    question: Question | None = None
+    timers: tuple[Timer, ...] = ()
+    loop: LoopMemory = LoopMemory()
+    last_decision: ValidationRecord | None = None
+    pending_final_ref: str | None = None
+    cancel_requested: bool = False
+    time: TimeAccount
+    outcome: str | None = None
+    result_ref: str | None = None
+    recent_event_ids: tuple[str, ...] = ()
+    control_event_ids: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def op(self, key: str) -> Operation | None:
+        for operation in self.ops:
+            if operation.key == key:
+                return operation
+        return None
+
+    def timer(self, tid: str) -> Timer | None:
+        for t in self.timers:
+            if t.timer_id == tid:
+                return t
+        return None
+
+    def to_json(self) -> str:
+        """Deterministic serialization (same state → same bytes)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> RunState:
+        return cls.model_validate_json(data)

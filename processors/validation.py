@@ -1,0 +1,318 @@
+"""Candidate validators, versioned and replayable without a model (R10, R28).
+
+``revalidate(candidate, context, validator_version)`` is a pure function; the decision it
+returns names the validator version and an evidence hash over everything it looked at.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator
+
+from processors.events import Candidate, ToolCallRequest
+from processors.ids import canonical_json, derive_key
+from processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
+
+Action = Literal["dispatch", "approve", "finalize", "repair", "fail"]
+
+# Error codes a bounded repair may fix; the rest fail at once.
+REPAIRABLE: frozenset[str] = frozenset(
+    {
+        "EMPTY_CANDIDATE",
+        "DUPLICATE_CALL_ID",
+        "UNKNOWN_TOOL",
+        "INVALID_ARGUMENTS_JSON",
+        "SCHEMA_VIOLATION",
+        "UNRESOLVED_REFERENCE",
+        "MISSING_EVIDENCE",
+        "COMPLETION_UNMET",
+    }
+)
+# When repairs are exhausted these ask the user instead of failing.
+ASK_WHEN_EXHAUSTED: frozenset[str] = frozenset({"UNRESOLVED_REFERENCE", "MISSING_EVIDENCE"})
+
+
+class ValidationContext(Frozen):
+    tools: tuple[ToolSpec, ...]
+    registry_hash: str = ""
+    policy: Policy
+    known_refs: tuple[str, ...] = ()
+    succeeded_tools: tuple[str, ...] = ()
+
+    @classmethod
+    def from_state(cls, state: RunState) -> ValidationContext:
+        # state order is deterministic, so no sorting is needed for the evidence hash
+        refs = (*state.evidence_refs, *state.step_inputs, *state.result_refs)
+        if state.memory_ref is not None:
+            refs = (*refs, state.memory_ref)
+        return cls(
+            tools=state.config.tools,
+            registry_hash=state.config.config_ref,
+            policy=state.config.policy,
+            known_refs=tuple(r for r in refs if r.startswith("sha256:")),
+            succeeded_tools=state.succeeded_tools,
+        )
+
+
+class ValidatedCall(Frozen):
+    call_id: str
+    tool: str
+    arguments_json: str  # canonical
+    expected_version: str | None
+    needs_approval: bool
+
+
+class ValidationDecision(Frozen):
+    validator_version: int
+    ok: bool
+    action: Action
+    error_code: str | None = None
+    detail: str = ""
+    evidence_hash: str
+    calls: tuple[ValidatedCall, ...] = ()
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(schema_json: str) -> Draft202012Validator:
+    # Pure memoization of a pure function (schema text → validator); no observable state.
+    return Draft202012Validator(json.loads(schema_json))
+
+
+def _schema_error(spec: ToolSpec, arguments: Any) -> str | None:
+    problem = schema_problem(spec.parameters, arguments)
+    return None if problem is None else f"{spec.name}: {problem}"
+
+
+def _refs_in(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value] if value.startswith("sha256:") else []
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _refs_in(v)]
+    if isinstance(value, list):
+        return [r for v in value for r in _refs_in(v)]
+    return []
+
+
+class _Fail(Exception):  # internal control flow only; never escapes this module
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(code)
+        self.code = code
+        self.detail = detail
+
+
+def _check_call(call: ToolCallRequest, ctx: ValidationContext, check_refs: bool) -> ValidatedCall:
+    spec = next((t for t in ctx.tools if t.name == call.name), None)
+    if spec is None:
+        raise _Fail("UNKNOWN_TOOL", f"no tool named {call.name!r}")
+    try:
+        arguments = json.loads(call.arguments_json)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise _Fail("INVALID_ARGUMENTS_JSON", f"{call.name}: arguments are not a JSON object")
+    canonical = canonical_json(arguments)
+    problem = _schema_error(spec, arguments)
+    if problem is not None:
+        raise _Fail("SCHEMA_VIOLATION", problem)
+    if spec.permission not in ctx.policy.allowed_permissions:
+        raise _Fail("PERMISSION_DENIED", f"{call.name}: permission {spec.permission!r} denied")
+    if check_refs:
+        missing = [r for r in _refs_in(arguments) if r not in ctx.known_refs]
+        if missing:
+            raise _Fail("UNRESOLVED_REFERENCE", f"{call.name}: unknown reference {missing[0]}")
+    return ValidatedCall(
+        call_id=call.id,
+        tool=call.name,
+        arguments_json=canonical,
+        expected_version=call.expected_version,
+        needs_approval=spec.permission in ctx.policy.approval_required,
+    )
+
+
+def _check_final(candidate: Candidate, ctx: ValidationContext, check_refs: bool) -> None:
+    missing_tools = [t for t in ctx.policy.required_tools if t not in ctx.succeeded_tools]
+    if missing_tools:
+        raise _Fail("COMPLETION_UNMET", f"required tools not verified: {missing_tools}")
+    if ctx.policy.require_evidence and not candidate.cited_refs:
+        raise _Fail("MISSING_EVIDENCE", "final answer cites no evidence")
+    if check_refs:
+        unknown = [r for r in candidate.cited_refs if r not in ctx.known_refs]
+        if unknown:
+            raise _Fail("UNRESOLVED_REFERENCE", f"cited evidence not found: {unknown[0]}")
+
+
+def _run(candidate: Candidate, ctx: ValidationContext, check_refs: bool) -> tuple[Action, Any]:
+    if not candidate.tool_calls and not candidate.content.strip():
+        raise _Fail("EMPTY_CANDIDATE", "no content and no tool calls")
+    if candidate.tool_calls:
+        ids = [c.id for c in candidate.tool_calls]
+        if check_refs and len(set(ids)) != len(ids):
+            raise _Fail("DUPLICATE_CALL_ID", "tool call ids repeat")
+        calls = tuple(_check_call(c, ctx, check_refs) for c in candidate.tool_calls)
+        action: Action = "approve" if any(c.needs_approval for c in calls) else "dispatch"
+        return action, calls
+    _check_final(candidate, ctx, check_refs)
+    return "finalize", ()
+
+
+def _v1(candidate: Candidate, ctx: ValidationContext) -> tuple[Action, Any]:
+    """v1: structure, tool name, argument schema, permission, completion condition."""
+    return _run(candidate, ctx, check_refs=False)
+
+
+def _v2(candidate: Candidate, ctx: ValidationContext) -> tuple[Action, Any]:
+    """v2: v1 plus reference resolution and unique call ids."""
+    return _run(candidate, ctx, check_refs=True)
+
+
+VALIDATORS: dict[int, Callable[[Candidate, ValidationContext], tuple[Action, Any]]] = {
+    1: _v1,
+    2: _v2,
+}
+
+
+def revalidate(
+    candidate: Candidate,
+    context: ValidationContext | RunState,
+    validator_version: int = CURRENT_VALIDATOR_VERSION,
+    candidate_json: str | None = None,
+) -> ValidationDecision:
+    """Validate a stored candidate with a given validator version; no model involved.
+
+    ``candidate_json`` may pass ``candidate.model_dump_json()`` when the caller has it.
+    """
+    ctx = (
+        context if isinstance(context, ValidationContext) else ValidationContext.from_state(context)
+    )
+    # the run's config_ref already covers tools and policy; a bare context hashes them
+    frozen = ctx.registry_hash or canonical_json(
+        {
+            "tools": [t.model_dump(mode="json") for t in ctx.tools],
+            "policy": ctx.policy.model_dump(mode="json"),
+        }
+    )
+    evidence = derive_key(
+        "validation",
+        validator_version,
+        candidate_json if candidate_json is not None else candidate.model_dump_json(),
+        frozen,
+        ",".join(ctx.known_refs),
+        ",".join(ctx.succeeded_tools),
+    )
+    validator = VALIDATORS.get(validator_version)
+    if validator is None:
+        return ValidationDecision(
+            validator_version=validator_version,
+            ok=False,
+            action="fail",
+            error_code="UNKNOWN_VALIDATOR_VERSION",
+            detail=f"no validator version {validator_version}",
+            evidence_hash=evidence,
+        )
+    try:
+        action, calls = validator(candidate, ctx)
+    except _Fail as failure:
+        return ValidationDecision(
+            validator_version=validator_version,
+            ok=False,
+            action="repair" if failure.code in REPAIRABLE else "fail",
+            error_code=failure.code,
+            detail=failure.detail,
+            evidence_hash=evidence,
+        )
+    return ValidationDecision(
+        validator_version=validator_version,
+        ok=True,
+        action=action,
+        evidence_hash=evidence,
+        calls=calls,
+    )
+
+
+_FAST_KEYWORDS = frozenset(
+    {
+        "type",
+        "required",
+        "properties",
+        "additionalProperties",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "enum",
+        "items",
+        "title",
+        "description",
+    }
+)
+_FAST_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def fast_valid(schema: Any, value: Any) -> bool:
+    """A conservative fast path: True only if ``value`` certainly satisfies ``schema``.
+
+    Covers the common subset of JSON Schema keywords; anything else (or any doubt) returns
+    False and the caller falls back to jsonschema, which stays the authority.
+    """
+    if schema is True:
+        return True
+    if not isinstance(schema, dict) or not _FAST_KEYWORDS.issuperset(schema):
+        return False
+    kind = schema.get("type")
+    if kind is not None:
+        check = _FAST_TYPES.get(kind) if isinstance(kind, str) else None
+        if check is None or not check(value):
+            return False
+    if "enum" in schema and not any(
+        value == option and type(value) is type(option) for option in schema["enum"]
+    ):
+        return False
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            return False
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            return False
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in schema and not value >= schema["minimum"]:
+            return False
+        if "maximum" in schema and not value <= schema["maximum"]:
+            return False
+    if (
+        isinstance(value, list)
+        and "items" in schema
+        and not all(fast_valid(schema["items"], item) for item in value)
+    ):
+        return False
+    if isinstance(value, dict):
+        if any(name not in value for name in schema.get("required", ())):
+            return False
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            sub = properties.get(name, extra)
+            if sub is False or not fast_valid(sub, item):
+                return False
+    return True
+
+
+def schema_problem(schema: dict[str, Any], value: Any) -> str | None:
+    """First JSON Schema violation of ``value`` (or None), using the memoized validator."""
+    if fast_valid(schema, value):
+        return None
+    validator = _compiled(canonical_json(schema))
+    for error in validator.iter_errors(value):
+        where = "/".join(str(p) for p in error.absolute_path) or "<root>"
+        return f"{where}: {error.message}"[:300]
+    return None
