@@ -1,0 +1,339 @@
+"""``agentruns bench sink``: how fast the Postgres projection keeps up with the run log.
+
+Run logs are produced the way the processor produces them: realistic runs (``bench.core``'s
+simulated world) are folded with the real core and written with ``streams.records`` as Event,
+Snapshot and Result records in Kafka transactions (:class:`LogWriter`, also used by the tests).
+
+Two phases, one sink (``connectors.sink.Sink``, in a thread):
+
+* throughput: a backlog of ``--events`` events is written first; the sink projects it from
+  scratch; events/s = events / time to the last commit;
+* lag: the writer paces ``--rate`` events/s for ``--seconds`` in 50 ms transactions (as the
+  processor commits); lag = time the sink's Postgres commit made the row visible minus the time
+  the Kafka transaction holding the event committed.
+
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Producer
+
+from bench.core import simulate
+from processors.effects import PublishResult
+from processors.events import Event
+from processors.transition import Artifact, transition
+from streams.codec import encode
+from streams.partitioning import event_key, partition_for, run_key
+from streams.records import RunSlot, event_record, result_record
+from streams.topics import EVENTS, RESULTS, STATE, topic_name
+
+Record = tuple[str, bytes, bytes, int]  # topic, key, value, partition
+
+
+def make_runs(count_events: int, tag: str, seed: int = 7) -> list[list[Event]]:
+    """Realistic run logs totalling at least ``count_events`` events; run ids start with tag."""
+    rng = random.Random(seed)
+    runs: list[list[Event]] = []
+    total = 0
+    i = 0
+    while total < count_events:
+        steps = rng.randint(2, 12)
+        log = simulate(rng, f"{tag}-{i:05d}", steps=steps)
+        runs.append(log)
+        total += len(log)
+        i += 1
+    return runs
+
+
+def interleave(runs: Sequence[Sequence[Event]], rng: random.Random) -> list[Event]:
+    """All events of all runs, each run's in order, runs interleaved at random."""
+    cursors = [0] * len(runs)
+    live = [i for i, r in enumerate(runs) if r]
+    out: list[Event] = []
+    while live:
+        k = rng.randrange(len(live))
+        i = live[k]
+        out.append(runs[i][cursors[i]])
+        cursors[i] += 1
+        if cursors[i] == len(runs[i]):
+            live[k] = live[-1]
+            live.pop()
+    return out
+
+
+@dataclass
+class LogWriter:
+    """Writes events the way the processor does: fold, then one transaction per batch holding
+    the Event records, the Result records of runs that became terminal, and one Snapshot per
+    run touched."""
+
+    bootstrap: str
+    prefix: str
+    partitions: int
+    transactional_id: str = field(default_factory=lambda: f"bench-writer-{uuid.uuid4().hex[:8]}")
+    slots: dict[str, RunSlot] = field(default_factory=dict)
+    # Called with the artifacts of a transaction BEFORE it commits, as the processor does (R2);
+    # e.g. `PostgresArtifactStore.put_many`. None: artifacts are not stored (the benchmark).
+    write_artifacts: Callable[[Sequence[Artifact]], object] | None = None
+
+    def __post_init__(self) -> None:
+        self.events_topic = topic_name(EVENTS, self.prefix)
+        self.state_topic = topic_name(STATE, self.prefix)
+        self.results_topic = topic_name(RESULTS, self.prefix)
+        self._producer = Producer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "transactional.id": self.transactional_id,
+                "enable.idempotence": True,
+                "linger.ms": 2,
+                "compression.type": "lz4",
+                "log_level": 3,
+            }
+        )
+        self._producer.init_transactions(30)
+
+    def plan(self, events: Iterable[Event]) -> list[Record]:
+        """Fold `events` and return the records of one transaction (snapshots last)."""
+        self.planned: list[tuple[str, int]] = []
+        self.artifacts: list[Artifact] = []
+        records: list[Record] = []
+        dirty: dict[str, RunSlot] = {}
+        for event in events:
+            slot = self.slots.get(event.run_id) or RunSlot(event.run_id)
+            result = transition(slot.state, event)
+            if result.state is None:
+                continue  # the processor refuses it to the DLQ; nothing is logged
+            seq = slot.last_seq + 1
+            self.artifacts.extend(result.artifacts)
+            part = partition_for(event.run_id, self.partitions)
+            record = event_record(event.run_id, seq, event, result, input_id=event.event_id)
+            records.append(
+                (self.events_topic, event_key(event.run_id, seq), encode("Event", record), part)
+            )
+            self.planned.append((event.run_id, seq))
+            for effect in result.effects:
+                if isinstance(effect, PublishResult):
+                    value = encode("Result", result_record(effect, seq=seq, at=event.at))
+                    records.append((self.results_topic, run_key(event.run_id), value, part))
+            slot.state = result.state
+            slot.last_seq = seq
+            slot.updated_at = max(slot.updated_at, event.at)
+            self.slots[event.run_id] = slot
+            dirty[event.run_id] = slot
+        for run_id, slot in dirty.items():
+            slot.version += 1
+            value = encode("Snapshot", slot.to_record())
+            part = partition_for(run_id, self.partitions)
+            records.append((self.state_topic, run_key(run_id), value, part))
+        return records
+
+    def send(self, records: Sequence[Record]) -> float:
+        """One transaction; returns the wall time (time.time()) it committed."""
+        if self.write_artifacts is not None and self.artifacts:
+            self.write_artifacts(self.artifacts)
+        self._producer.begin_transaction()
+        for topic, key, value, part in records:
+            while True:
+                try:
+                    self._producer.produce(topic, key=key, value=value, partition=part)
+                    break
+                except BufferError:
+                    self._producer.poll(0.01)
+        self._producer.commit_transaction(60)
+        return time.time()
+
+    def write(self, events: Sequence[Event], per_transaction: int = 500) -> int:
+        for start in range(0, len(events), per_transaction):
+            self.send(self.plan(events[start : start + per_transaction]))
+        return len(events)
+
+    def close(self) -> None:
+        """Flush and let the producer go (it would keep reconnecting to a stopped broker)."""
+        self._producer.flush(10)
+        del self._producer
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def paced_writer(
+    bootstrap: str, prefix: str, partitions: int, tag: str, rate: int, seconds: float
+) -> tuple[list[tuple[str, int, float]], float]:
+    """Write `rate` events/s for `seconds` in 50 ms transactions (new runs named tag-*);
+    returns every (run_id, seq, commit time) and the wall time it took."""
+    writer = LogWriter(bootstrap, prefix, partitions)
+    runs = make_runs(int(rate * seconds), tag, seed=13)
+    paced = interleave(runs, random.Random(17))[: int(rate * seconds)]
+    interval = 0.05
+    per_txn = max(1, int(rate * interval))
+    planned: list[tuple[list[Record], list[tuple[str, int]]]] = []
+    for first in range(0, len(paced), per_txn):
+        records = writer.plan(paced[first : first + per_txn])
+        planned.append((records, writer.planned))
+    committed: list[tuple[str, int, float]] = []
+    start = time.monotonic()
+    for n, (records, keys) in enumerate(planned):
+        pause = start + n * interval - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        at = writer.send(records)
+        committed.extend((run_id, seq, at) for run_id, seq in keys)
+    wall = time.monotonic() - start
+    writer.close()
+    return committed, wall
+
+
+def run_bench(
+    bootstrap: str,
+    database_url: str,
+    *,
+    events: int,
+    rate: int,
+    seconds: float,
+    partitions: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    from connectors.db import migrate
+    from connectors.sink import CommitReport, Sink, SinkConfig
+    from streams.admin import ensure_topics
+
+    migrate(database_url)
+    tag = f"bs{uuid.uuid4().hex[:6]}"
+    prefix = f"bench-sink-{tag}"
+    ensure_topics(bootstrap, prefix=prefix, partitions=partitions)
+    writer = LogWriter(bootstrap, prefix, partitions)
+    rng = random.Random(11)
+
+    # phase 1: a backlog, projected from scratch
+    backlog = interleave(make_runs(events, f"{tag}-a"), rng)
+    writer.write(backlog)
+    visible: dict[tuple[str, int], float] = {}
+    lock = threading.Lock()
+
+    def on_commit(report: CommitReport) -> None:
+        with lock:
+            for key in report.events:
+                visible[key] = report.committed_at
+
+    sink = Sink(
+        SinkConfig(
+            bootstrap=bootstrap,
+            database_url=database_url,
+            prefix=prefix,
+            group_id=f"{prefix}-sink",
+            assign="all",
+            batch_size=batch_size,
+        ),
+        on_commit=on_commit,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=sink.run, args=(stop,), name="sink", daemon=True)
+    began = time.time()
+    cpu_began = time.process_time()
+    thread.start()
+    deadline = time.monotonic() + 600
+    while sink.stats.events < len(backlog):
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"sink projected {sink.stats.events} of {len(backlog)} events")
+        time.sleep(0.01)
+    with lock:
+        last = max(visible.values())
+    throughput = len(backlog) / (last - began)
+    cpu = time.process_time() - cpu_began  # this process only: the sink (writer is idle)
+    fold_s, write_s = sink.stats.fold_s, sink.stats.write_s
+    backlog_batches = sink.stats.batches
+
+    # phase 2: paced writes, lag from Kafka commit to visible row. The writer runs in its own
+    # process (the sink thread would otherwise share its interpreter lock) and plans (folds,
+    # encodes) every transaction before its clock starts, so it only produces while pacing.
+    writer.close()
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        committed_list, wall = pool.apply(
+            paced_writer, (bootstrap, prefix, partitions, f"{tag}-b", rate, seconds)
+        )
+    committed = {(run_id, seq): at for run_id, seq, at in committed_list}
+    deadline = time.monotonic() + 120
+    while True:
+        with lock:
+            done = all(k in visible for k in committed)
+        if done or time.monotonic() > deadline or not thread.is_alive():
+            break
+        time.sleep(0.02)
+    stop.set()
+    thread.join(30)
+    with lock:
+        lags = [visible[k] - t for k, t in committed.items() if k in visible]
+    missing = len(committed) - len(lags)
+    return {
+        "bench": "sink",
+        "events_projected": len(backlog),
+        "runs": len({e.run_id for e in backlog}),
+        "events_per_second": round(throughput),
+        "backlog_batches": backlog_batches,
+        "backlog_cpu_seconds": round(cpu, 2),
+        "events_per_cpu_second": round(len(backlog) / cpu),
+        "backlog_fold_seconds": round(fold_s, 2),
+        "backlog_write_seconds": round(write_s, 2),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "paced_rate": rate,
+        "paced_events": len(committed),
+        "paced_achieved_rate": round(len(committed) / wall),
+        "lag_p50_ms": round(_percentile(lags, 0.50) * 1000, 1),
+        "lag_p99_ms": round(_percentile(lags, 0.99) * 1000, 1),
+        "lag_max_ms": round(max(lags, default=0.0) * 1000, 1),
+        "lag_missing": missing,
+        "partitions": partitions,
+        "batch_size": batch_size,
+        "sink_retries": sink.stats.retries,
+        "targets": {"events_per_second": 10_000, "lag_p99_ms": 1_000},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns bench sink")
+    parser.add_argument("--events", type=int, default=50_000, help="backlog size (throughput)")
+    parser.add_argument("--rate", type=int, default=2_000, help="paced events/s (lag)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="paced duration")
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=5_000)
+    args = parser.parse_args(argv)
+    from connectors.services import ServiceStack
+
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        report = run_bench(
+            stack.endpoints.kafka_bootstrap,
+            stack.endpoints.database_url,
+            events=args.events,
+            rate=args.rate,
+            seconds=args.seconds,
+            partitions=args.partitions,
+            batch_size=args.batch_size,
+        )
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

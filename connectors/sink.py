@@ -1,0 +1,925 @@
+"""`agentruns sink`: the exactly-once Postgres projection of the run log (R27).
+
+The sink consumes `<prefix>.events`, `<prefix>.state` and `<prefix>.results` (read_committed) and
+folds every run's events with the CURRENT core (`processors.transition.transition`) into the
+tables of migration 0002: runs, events, operations, questions, results, run_snapshots.
+
+Exactly once, in the order `_commit` writes it down, in ONE Postgres transaction per batch:
+
+1. the states of the batch's runs that are not cached are read from `runs.state` (the fold at
+   `runs.last_seq`, committed together with the offsets, so always consistent with them);
+2. the batch's events are folded; an event whose seq is not above the run's last seq is skipped;
+3. rows are upserted in bulk (one `INSERT ... SELECT FROM unnest(...)` per table), each upsert
+   guarded by seq: a runs row never moves backwards (`WHERE runs.last_seq < EXCLUDED.last_seq`);
+4. the consumed positions (`sink_offsets`: consumer, topic, partition, next offset);
+5. COMMIT; only then does the in-memory state cache take the batch's new states.
+
+On start and on every assignment the sink seeks to the offsets in Postgres (Kafka's committed
+offsets are never used). A crash anywhere before 5 leaves rows and offsets as they were; a crash
+after 5 but before Kafka hears anything changes nothing either. A lost connection (Postgres
+restarting) is retried with backoff with the same messages; a commit whose outcome is unknown is
+re-applied, which the guards make a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+from prometheus_client import Counter, Gauge, Histogram
+
+from connectors.errors import AgentrunsError
+from processors.effects import Effect
+from processors.events import (
+    CancelConfirmed,
+    CancelRequested,
+    Event,
+    ReconcileCompleted,
+    ReconcileOutcome,
+    TimerFired,
+    ToolCallFailed,
+    ToolCallSucceeded,
+    UserReplied,
+)
+from processors.state import SETTLED, Operation, OpStatus, Question, RunState
+from processors.transition import Disposition, transition
+from streams.codec import CodecError, decode
+from streams.records import parse_event_body
+from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
+
+log = logging.getLogger("agentruns.sink")
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+SINK_EVENTS = Counter("agentruns_sink_events_total", "Events projected into Postgres")
+SINK_SKIPPED = Counter(
+    "agentruns_sink_skipped_total", "Records skipped: already projected or undecodable", ["why"]
+)
+SINK_RETRIES = Counter("agentruns_sink_retries_total", "Postgres batches retried after an error")
+SINK_DIVERGENCES = Counter(
+    "agentruns_sink_divergences_total",
+    "Events whose disposition under the current core differs from the recorded one",
+)
+SINK_BATCH_SECONDS = Histogram(
+    "agentruns_sink_batch_seconds",
+    "Fold + write + commit of one sink batch",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+SINK_CACHED_RUNS = Gauge("agentruns_sink_cached_runs", "Run states held in memory by the sink")
+
+
+class SinkError(AgentrunsError):
+    """The sink cannot go on (a database error that retrying does not fix)."""
+
+
+def ms_time(ms: int) -> datetime:
+    """Event-data milliseconds as an exact timestamptz value."""
+    return EPOCH + timedelta(milliseconds=ms)
+
+
+# --------------------------------------------------------------------------- the pure projection
+
+OP_COLUMNS = (
+    "run_id",
+    "op_key",
+    "step",
+    "tool",
+    "call_id",
+    "status",
+    "dispatch",
+    "retries",
+    "polls",
+    "policy_decision",
+    "result_ref",
+    "error_class",
+    "error_code",
+    "reconciliation",
+    "cancel_unconfirmed",
+    "seq",
+)
+QUESTION_COLUMNS = (
+    "run_id",
+    "question_id",
+    "kind",
+    "artifact_ref",
+    "expires_at",
+    "token_id",
+    "state_version",
+    "status",
+    "opened_seq",
+    "closed_seq",
+    "seq",
+)
+RUN_COLUMNS = (
+    "run_id",
+    "last_seq",
+    "status",
+    "step",
+    "attempt",
+    "version",
+    "resolution",
+    "trace_id",
+    "goal",
+    "input_tokens",
+    "output_tokens",
+    "cost_micros",
+    "tool_calls",
+    "started_at",
+    "last_event_at",
+    "ended_at",
+    "system_ms",
+    "tool_wait_ms",
+    "user_wait_ms",
+    "outcome",
+    "result_ref",
+    "state",
+)
+EVENT_COLUMNS = (
+    "run_id",
+    "seq",
+    "event_id",
+    "type",
+    "step",
+    "attempt",
+    "trace_id",
+    "at",
+    "disposition",
+    "reason",
+    "input_id",
+    "status",
+    "payload",
+)
+
+
+def op_row(run_id: str, op: Operation, seq: int, reconciliation: str | None) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "op_key": op.key,
+        "step": op.step,
+        "tool": op.tool,
+        "call_id": op.call_id,
+        "status": str(op.status),
+        "dispatch": op.dispatch,
+        "retries": op.retries,
+        "polls": op.polls,
+        "policy_decision": op.policy_decision,
+        "result_ref": op.result_ref,
+        "error_class": None if op.error_class is None else str(op.error_class),
+        "error_code": op.error_code,
+        "reconciliation": reconciliation,
+        "cancel_unconfirmed": op.cancel_unconfirmed,
+        "seq": seq,
+    }
+
+
+def question_row(
+    run_id: str, q: Question, status: str, seq: int, *, opened: bool
+) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "question_id": q.question_id,
+        "kind": q.kind,
+        "artifact_ref": q.artifact_ref,
+        "expires_at": ms_time(q.expires_at),
+        "token_id": q.token_id,
+        "state_version": q.version,
+        "status": status,
+        "opened_seq": seq if opened else None,
+        "closed_seq": None if opened else seq,
+        "seq": seq,
+    }
+
+
+def run_row(state: RunState, last_seq: int) -> dict[str, Any]:
+    t = state.time
+    return {
+        "run_id": state.run_id,
+        "last_seq": last_seq,
+        "status": str(state.status),
+        "step": state.step,
+        "attempt": state.attempt,
+        "version": state.version,
+        "resolution": state.resolution,
+        "trace_id": state.trace_id,
+        "goal": state.goal,
+        "input_tokens": state.usage.input_tokens,
+        "output_tokens": state.usage.output_tokens,
+        "cost_micros": state.usage.cost_micros,
+        "tool_calls": state.tool_calls,
+        "started_at": ms_time(t.started_at),
+        "last_event_at": ms_time(t.last_at),
+        "ended_at": None if t.ended_at is None else ms_time(t.ended_at),
+        "system_ms": t.system_ms,
+        "tool_wait_ms": t.tool_wait_ms,
+        "user_wait_ms": t.user_wait_ms,
+        "outcome": state.outcome,
+        "result_ref": state.result_ref,
+        "state": state.model_dump_json(),
+    }
+
+
+def _settled_by(event: Event, old: Operation) -> Operation | None:
+    """The last version of an op the transition settled and pruned in the same step (the core
+    drops settled ops when a new step starts, so that version is in no state)."""
+    if getattr(event, "operation_key", None) != old.key:
+        return None
+    match event:
+        case ToolCallSucceeded():
+            return old.model_copy(
+                update={"status": OpStatus.SUCCEEDED, "result_ref": event.result_ref}
+            )
+        case ReconcileCompleted() if event.outcome is ReconcileOutcome.FOUND_SUCCEEDED:
+            return old.model_copy(
+                update={"status": OpStatus.SUCCEEDED, "result_ref": event.result_ref}
+            )
+        case ToolCallFailed():
+            return old.model_copy(
+                update={
+                    "status": OpStatus.FAILED,
+                    "error_class": event.error_class,
+                    "error_code": event.error_code,
+                }
+            )
+        case CancelConfirmed():
+            return old.model_copy(update={"status": OpStatus.CANCELLED})
+        case _:
+            return None
+
+
+def _question_end(event: Event, q: Question, applied: bool) -> str:
+    if applied and isinstance(event, UserReplied) and event.question_id == q.question_id:
+        return "answered"
+    if isinstance(event, TimerFired) and event.timer_id == q.timer_id:
+        return "expired"
+    if isinstance(event, CancelRequested):
+        return "cancelled"
+    return "closed"
+
+
+@dataclass
+class Projected:
+    """What one event adds to the projection."""
+
+    state: RunState
+    event: dict[str, Any]
+    ops: list[dict[str, Any]]
+    questions: list[dict[str, Any]]
+    disposition: Disposition
+    effects: tuple[Effect, ...] = ()
+    reason: str | None = None
+
+
+def project_event(state: RunState | None, record: dict[str, Any]) -> Projected | None:
+    """Fold one Event record into `state` and say which rows change. Pure (used by audit too)."""
+    event = parse_event_body(record["body"])
+    result = transition(state, event)
+    new = result.state
+    if new is None:
+        return None
+    run_id, seq = record["run_id"], record["seq"]
+    ops: list[dict[str, Any]] = []
+    old_ops: tuple[Operation, ...] = () if state is None else state.ops
+    applied = result.disposition is Disposition.APPLIED
+    recon = event.outcome.value if applied and isinstance(event, ReconcileCompleted) else None
+    recon_key = getattr(event, "operation_key", None)
+    if new.ops is not old_ops:
+        before = {o.key: o for o in old_ops}
+        for op in new.ops:
+            if before.pop(op.key, None) is not op:
+                ops.append(op_row(run_id, op, seq, recon if op.key == recon_key else None))
+        for gone in before.values():  # pruned in this transition
+            if gone.status in SETTLED:
+                continue  # its final version was projected when it settled
+            final = _settled_by(event, gone)
+            if final is None:
+                final = gone.model_copy(update={"status": OpStatus.CANCELLED})
+            ops.append(op_row(run_id, final, seq, recon if gone.key == recon_key else None))
+    questions: list[dict[str, Any]] = []
+    old_q = None if state is None else state.question
+    if new.question is not old_q:
+        if old_q is not None and (
+            new.question is None or new.question.question_id != old_q.question_id
+        ):
+            status = _question_end(event, old_q, applied)
+            questions.append(question_row(run_id, old_q, status, seq, opened=False))
+        if new.question is not None and (
+            old_q is None or old_q.question_id != new.question.question_id
+        ):
+            questions.append(question_row(run_id, new.question, "open", seq, opened=True))
+    row = {
+        "run_id": run_id,
+        "seq": seq,
+        "event_id": record["event_id"],
+        "type": record["type"],
+        "step": record["step"],
+        "attempt": record["attempt"],
+        "trace_id": record["trace_id"],
+        "at": ms_time(record["at"]),
+        "disposition": record["disposition"],
+        "reason": record["reason"],
+        "input_id": record["input_id"],
+        "status": str(new.status),
+        "payload": record["body"],
+    }
+    return Projected(new, row, ops, questions, result.disposition, result.effects, result.reason)
+
+
+def merge_op(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, Any]) -> None:
+    """Later version of an op wins; a reconciliation outcome sticks until a newer one."""
+    key = (row["run_id"], row["op_key"])
+    previous = rows.get(key)
+    if previous is not None and row["reconciliation"] is None:
+        row = {**row, "reconciliation": previous["reconciliation"]}
+    rows[key] = row
+
+
+def merge_question(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, Any]) -> None:
+    key = (row["run_id"], row["question_id"])
+    previous = rows.get(key)
+    if previous is not None and row["opened_seq"] is None:
+        row = {**row, "opened_seq": previous["opened_seq"]}
+    rows[key] = row
+
+
+# --------------------------------------------------------------------------- SQL
+
+
+@dataclass(frozen=True)
+class Table:
+    """A projection table written in bulk: COPY into a session temp table, then one
+    INSERT ... SELECT ... ON CONFLICT into the real table (COPY is psycopg's fast path)."""
+
+    name: str
+    columns: tuple[str, ...]
+    conflict: str
+    update: str
+
+    @property
+    def stage(self) -> str:
+        return f"_stage_{self.name}"
+
+    def create_stage(self) -> str:
+        return (
+            f"CREATE TEMP TABLE IF NOT EXISTS {self.stage} (LIKE {self.name} INCLUDING DEFAULTS)"
+            " ON COMMIT DELETE ROWS"
+        )
+
+    def copy(self) -> str:
+        return f"COPY {self.stage} ({', '.join(self.columns)}) FROM STDIN"
+
+    def upsert(self) -> str:
+        names = ", ".join(self.columns)
+        return (
+            f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self.stage}"
+            f" ON CONFLICT {self.conflict} {self.update}"
+        )
+
+
+def _set(columns: Iterable[str], skip: Iterable[str] = ()) -> str:
+    skipped = set(skip)
+    return ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c not in skipped)
+
+
+RESULT_COLUMNS = (
+    "run_id",
+    "resolution",
+    "status",
+    "seq",
+    "result_ref",
+    "summary",
+    "trace_id",
+    "at",
+)
+SNAPSHOT_COLUMNS = ("run_id", "last_seq", "version", "status", "updated_at")
+
+EVENTS_TABLE = Table("events", EVENT_COLUMNS, "(run_id, seq)", "DO NOTHING")
+RUNS_TABLE = Table(
+    "runs",
+    RUN_COLUMNS,
+    "(run_id)",
+    "DO UPDATE SET "
+    + _set(RUN_COLUMNS, skip=("run_id",))
+    + ", projected_at = now() WHERE runs.last_seq < EXCLUDED.last_seq",
+)
+OPS_TABLE = Table(
+    "operations",
+    OP_COLUMNS,
+    "(run_id, op_key)",
+    "DO UPDATE SET "
+    + _set(OP_COLUMNS, skip=("run_id", "op_key", "reconciliation"))
+    + ", reconciliation = COALESCE(EXCLUDED.reconciliation, operations.reconciliation)"
+    " WHERE operations.seq < EXCLUDED.seq",
+)
+QUESTIONS_TABLE = Table(
+    "questions",
+    QUESTION_COLUMNS,
+    "(run_id, question_id)",
+    "DO UPDATE SET "
+    + _set(QUESTION_COLUMNS, skip=("run_id", "question_id", "opened_seq"))
+    + ", opened_seq = COALESCE(questions.opened_seq, EXCLUDED.opened_seq)"
+    " WHERE questions.seq < EXCLUDED.seq",
+)
+RESULTS_TABLE = Table(
+    "results",
+    RESULT_COLUMNS,
+    "(run_id, resolution)",
+    "DO UPDATE SET "
+    + _set(RESULT_COLUMNS, skip=("run_id", "resolution"))
+    + " WHERE results.seq < EXCLUDED.seq",
+)
+SNAPSHOTS_TABLE = Table(
+    "run_snapshots",
+    SNAPSHOT_COLUMNS,
+    "(run_id)",
+    "DO UPDATE SET "
+    + _set(SNAPSHOT_COLUMNS, skip=("run_id",))
+    + " WHERE run_snapshots.version < EXCLUDED.version",
+)
+TABLES = (EVENTS_TABLE, RUNS_TABLE, OPS_TABLE, QUESTIONS_TABLE, RESULTS_TABLE, SNAPSHOTS_TABLE)
+
+SQL_OFFSETS = (
+    "INSERT INTO sink_offsets (consumer, topic, partition, next_offset)"
+    " SELECT %s, topic, partition, next_offset"
+    " FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS t(topic, partition, next_offset)"
+    " ON CONFLICT (consumer, topic, partition) DO UPDATE"
+    " SET next_offset = EXCLUDED.next_offset, updated_at = now()"
+    " WHERE sink_offsets.next_offset < EXCLUDED.next_offset"
+)
+
+
+def write_rows(cur: psycopg.Cursor[Any], table: Table, rows: Iterable[dict[str, Any]]) -> None:
+    """Stage `rows` with COPY, then upsert them (the stage empties itself at commit)."""
+    columns = table.columns
+    with cur.copy(table.copy()) as copy:
+        for row in rows:
+            copy.write_row(tuple(row[c] for c in columns))
+    cur.execute(table.upsert())
+
+
+def read_offsets(conn: Conn, consumer: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    rows = conn.execute(
+        "SELECT topic, partition, next_offset FROM sink_offsets"
+        " WHERE consumer = %s AND topic = ANY(%s)",
+        (consumer, list(topics)),
+    ).fetchall()
+    return {(str(t), int(p)): int(o) for t, p, o in rows}
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+@dataclass
+class SinkConfig:
+    bootstrap: str
+    database_url: str
+    prefix: str = DEFAULT_PREFIX
+    group_id: str = "agentruns-sink"
+    # "group": subscribe as a consumer group (several sinks share the partitions);
+    # "all": assign every partition to this one process (no group rebalancing at all).
+    assign: str = "group"
+    instance_id: str | None = None  # static group membership: a restart takes over at once
+    batch_size: int = 5000
+    poll_timeout_s: float = 0.05
+    max_cached_runs: int = 100_000
+    retry_max_delay_s: float = 5.0
+    session_timeout_ms: int = 10_000
+    extra_consumer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SinkStats:
+    batches: int = 0
+    events: int = 0
+    snapshots: int = 0
+    results: int = 0
+    skipped: int = 0
+    undecodable: int = 0
+    retries: int = 0
+    divergences: int = 0
+    gaps: int = 0
+    fold_s: float = 0.0  # time folding (CPU)
+    write_s: float = 0.0  # time writing and committing (Postgres)
+
+
+@dataclass
+class CommitReport:
+    """Passed to `on_commit` after a batch is durable (benchmarks measure lag with it)."""
+
+    committed_at: float  # time.time()
+    events: list[tuple[str, int]]
+
+
+@dataclass
+class _Prepared:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)
+    ops: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+
+class _Retry(Exception):
+    pass
+
+
+class Sink:
+    """One sink process (or thread in monolith mode): `run(stop)` until stop is set."""
+
+    def __init__(
+        self, config: SinkConfig, *, on_commit: Callable[[CommitReport], None] | None = None
+    ) -> None:
+        self.config = config
+        self.on_commit = on_commit
+        p = config.prefix
+        self.events_topic = topic_name(EVENTS, p)
+        self.state_topic = topic_name(STATE, p)
+        self.results_topic = topic_name(RESULTS, p)
+        self.topics = [self.events_topic, self.state_topic, self.results_topic]
+        self.stats = SinkStats()
+        self._cache: dict[str, tuple[int, RunState]] = {}
+        self._conn: Conn | None = None
+        self._staged: Conn | None = None  # the connection whose stage tables exist
+        self._stop = threading.Event()
+        self._consumer = Consumer(self._consumer_config())
+        self._closed = False
+
+    def _consumer_config(self) -> dict[str, Any]:
+        c = self.config
+        conf: dict[str, Any] = {
+            "bootstrap.servers": c.bootstrap,
+            "group.id": c.group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": c.session_timeout_ms,
+            "heartbeat.interval.ms": max(500, c.session_timeout_ms // 5),
+            "fetch.wait.max.ms": 20,
+            "log_level": 3,
+        }
+        if c.instance_id:
+            conf["group.instance.id"] = c.instance_id
+        conf.update(c.extra_consumer)
+        return conf
+
+    # ------------------------------------------------------------------ Postgres
+
+    def _connection(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.config.database_url, connect_timeout=5)
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
+    def _with_retry(self, what: str, fn: Callable[[Conn], Any]) -> Any:
+        """Run `fn` in a transaction; on a lost connection back off and retry until stopped."""
+        delay = 0.05
+        while True:
+            try:
+                conn = self._connection()
+                with conn.transaction():
+                    return fn(conn)
+            except (
+                psycopg.OperationalError,
+                psycopg.errors.SerializationFailure,
+                psycopg.errors.DeadlockDetected,
+            ) as exc:
+                self._drop_connection()
+                self.stats.retries += 1
+                SINK_RETRIES.inc()
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                log.warning("%s failed (%s); retrying in %.2fs", what, first, delay)
+                if self._stop.wait(delay):
+                    raise _Retry(what) from exc
+                delay = min(delay * 2, self.config.retry_max_delay_s)
+            except psycopg.Error as exc:
+                self._drop_connection()
+                raise SinkError(f"{what} failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ assignment
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._cache.clear()  # another sink may have projected these runs meanwhile
+        offsets = self._with_retry(
+            "reading sink offsets",
+            lambda conn: read_offsets(conn, self.config.group_id, self.topics),
+        )
+        for tp in partitions:
+            tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
+        consumer.assign(partitions)
+        log.info(
+            "assigned %d partitions, seeking to the offsets stored in Postgres", len(partitions)
+        )
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._cache.clear()
+        consumer.unassign()
+
+    def _assign_all(self) -> None:
+        metadata = self._consumer.list_topics(timeout=30)
+        partitions: list[TopicPartition] = []
+        for topic in self.topics:
+            meta = metadata.topics.get(topic)
+            if meta is None or meta.error is not None:
+                raise SinkError(
+                    f"topic {topic} does not exist",
+                    hint="create the topics first: agentruns topics create",
+                )
+            partitions.extend(TopicPartition(topic, p) for p in sorted(meta.partitions))
+        self._on_assign(self._consumer, partitions)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Project until `stop` is set, then close."""
+        self._stop = stop
+        try:
+            if self.config.assign == "all":
+                self._assign_all()
+            else:
+                self._consumer.subscribe(
+                    self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke
+                )
+            while not stop.is_set():
+                messages = self._consumer.consume(
+                    self.config.batch_size, self.config.poll_timeout_s
+                )
+                if messages:
+                    self.apply(messages)
+        except _Retry:
+            log.info("stopped while Postgres was unavailable; the batch will be re-read")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RuntimeError, KafkaException):
+            self._consumer.close()
+        self._drop_connection()
+
+    def apply(self, messages: Sequence[Message]) -> None:
+        """Project one batch of consumed messages in one database transaction."""
+        began = time.monotonic()
+        positions: dict[tuple[str, int], int] = {}
+        events: list[dict[str, Any]] = []
+        snapshots: dict[str, dict[str, Any]] = {}
+        results: dict[tuple[str, int], dict[str, Any]] = {}
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consume error: %s", error)
+                continue
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            assert topic is not None and partition is not None and offset is not None
+            positions[(topic, partition)] = offset + 1
+            value = message.value()
+            if value is None:
+                continue
+            try:
+                if topic == self.events_topic:
+                    events.append(decode(value, expected_name="Event").record)
+                elif topic == self.state_topic:
+                    snap = decode(value, expected_name="Snapshot").record
+                    held = snapshots.get(snap["run_id"])
+                    if held is None or held["version"] < snap["version"]:
+                        snapshots[snap["run_id"]] = snap
+                else:
+                    res = decode(value, expected_name="Result").record
+                    results[(res["run_id"], res["version"])] = res
+            except CodecError as exc:
+                # The processor never writes these; a foreign writer did. Skipped and counted
+                # (the projection cannot represent it); the offset still moves on.
+                self.stats.undecodable += 1
+                SINK_SKIPPED.labels("undecodable").inc()
+                log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
+        if not positions:
+            return
+
+        def write(conn: Conn) -> _Prepared:
+            began = time.monotonic()
+            prepared = self._fold(conn, events)
+            folded = time.monotonic()
+            self._write(conn, prepared, snapshots, results, positions)
+            self.stats.fold_s += folded - began
+            self.stats.write_s += time.monotonic() - folded
+            return prepared
+
+        prepared = self._with_retry("writing a sink batch", write)
+        # Durable: now the cache may advance.
+        self._cache.update(prepared.runs)
+        if len(self._cache) > self.config.max_cached_runs:
+            self._cache.clear()
+        SINK_CACHED_RUNS.set(len(self._cache))
+        self.stats.batches += 1
+        self.stats.events += len(prepared.events)
+        self.stats.snapshots += len(snapshots)
+        self.stats.results += len(results)
+        SINK_EVENTS.inc(len(prepared.events))
+        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
+        if self.on_commit is not None:
+            self.on_commit(
+                CommitReport(time.time(), [(e["run_id"], e["seq"]) for e in prepared.events])
+            )
+
+    def _fold(self, conn: Conn, events: list[dict[str, Any]]) -> _Prepared:
+        prepared = _Prepared()
+        missing = list({e["run_id"] for e in events if e["run_id"] not in self._cache})
+        loaded: dict[str, tuple[int, RunState]] = {}
+        if missing:
+            for run_id, last_seq, state in conn.execute(
+                "SELECT run_id, last_seq, state::text FROM runs WHERE run_id = ANY(%s)",
+                (missing,),
+            ):
+                loaded[run_id] = (int(last_seq), RunState.model_validate_json(state))
+        for record in events:
+            run_id, seq = record["run_id"], record["seq"]
+            current = prepared.runs.get(run_id) or self._cache.get(run_id) or loaded.get(run_id)
+            last_seq, state = current if current is not None else (0, None)
+            if seq <= last_seq:
+                self.stats.skipped += 1
+                SINK_SKIPPED.labels("already_projected").inc()
+                continue
+            if seq != last_seq + 1:
+                self.stats.gaps += 1
+                log.error(
+                    "run %s: event seq %d follows %d; folding what the log holds",
+                    run_id,
+                    seq,
+                    last_seq,
+                    extra={"run_id": run_id, "seq": seq},
+                )
+            projected = project_event(state, record)
+            if projected is None:
+                log.error("run %s seq %d: the fold has no state", run_id, seq)
+                continue
+            if str(projected.disposition) != record["disposition"]:
+                self.stats.divergences += 1
+                SINK_DIVERGENCES.inc()
+            prepared.runs[run_id] = (seq, projected.state)
+            prepared.events.append(projected.event)
+            for row in projected.ops:
+                merge_op(prepared.ops, row)
+            for row in projected.questions:
+                merge_question(prepared.questions, row)
+        return prepared
+
+    def _write(
+        self,
+        conn: Conn,
+        prepared: _Prepared,
+        snapshots: dict[str, dict[str, Any]],
+        results: dict[tuple[str, int], dict[str, Any]],
+        positions: dict[tuple[str, int], int],
+    ) -> None:
+        with conn.cursor() as cur:
+            if self._staged is not conn:
+                for table in TABLES:
+                    cur.execute(table.create_stage())
+                self._staged = conn
+            if prepared.events:
+                write_rows(cur, EVENTS_TABLE, prepared.events)
+            if prepared.runs:
+                rows = (run_row(state, seq) for seq, state in prepared.runs.values())
+                write_rows(cur, RUNS_TABLE, rows)
+            if prepared.ops:
+                write_rows(cur, OPS_TABLE, prepared.ops.values())
+            if prepared.questions:
+                write_rows(cur, QUESTIONS_TABLE, prepared.questions.values())
+            if results:
+                write_rows(
+                    cur,
+                    RESULTS_TABLE,
+                    (
+                        {
+                            "run_id": r["run_id"],
+                            "resolution": r["version"],
+                            "status": r["status"],
+                            "seq": r["seq"],
+                            "result_ref": r["result_ref"],
+                            "summary": r["summary"],
+                            "trace_id": r["trace_id"],
+                            "at": ms_time(r["at"]),
+                        }
+                        for r in results.values()
+                    ),
+                )
+            if snapshots:
+                write_rows(
+                    cur,
+                    SNAPSHOTS_TABLE,
+                    (
+                        {
+                            "run_id": snap["run_id"],
+                            "last_seq": snap["last_seq"],
+                            "version": snap["version"],
+                            "status": snap["status"],
+                            "updated_at": ms_time(snap["updated_at"]),
+                        }
+                        for snap in snapshots.values()
+                    ),
+                )
+            keys = sorted(positions)
+            cur.execute(
+                SQL_OFFSETS,
+                (
+                    self.config.group_id,
+                    [t for t, _ in keys],
+                    [p for _, p in keys],
+                    [positions[k] for k in keys],
+                ),
+            )
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentruns sink", description="project the run log into Postgres, exactly once"
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
+    parser.add_argument("--group", default="agentruns-sink", help="consumer group / offset owner")
+    parser.add_argument(
+        "--assign",
+        choices=("group", "all"),
+        default="group",
+        help="group: share partitions with other sinks; all: this process takes every partition",
+    )
+    parser.add_argument("--instance-id", help="static group membership id (fast restarts)")
+    parser.add_argument("--batch-size", type=int, default=5000, help="max records per batch")
+    parser.add_argument("--poll-ms", type=int, default=50, help="max wait to fill a batch")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from connectors.db import migrate
+    from connectors.logs import setup_logging
+    from connectors.services import ServiceStack
+
+    setup_logging(args.log_level, component="sink")
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    try:
+        with ServiceStack() as stack:
+            assert stack.endpoints is not None
+            migrate(stack.endpoints.database_url)
+            sink = Sink(
+                SinkConfig(
+                    bootstrap=stack.endpoints.kafka_bootstrap,
+                    database_url=stack.endpoints.database_url,
+                    prefix=args.prefix,
+                    group_id=args.group,
+                    assign=args.assign,
+                    instance_id=args.instance_id,
+                    batch_size=args.batch_size,
+                    poll_timeout_s=args.poll_ms / 1000,
+                )
+            )
+            log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
+            sink.run(stop)
+            log.info("sink stopped: %s", sink.stats)
+    except AgentrunsError as exc:
+        print(f"agentruns sink: {exc.one_line()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

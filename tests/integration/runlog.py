@@ -1,0 +1,102 @@
+"""Run logs for the sink and audit tests: scripted runs folded through the real core and
+written as Event/Snapshot/Result records in Kafka transactions, as the processor writes them."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from bench.core import simulate
+from bench.sink import LogWriter, interleave
+from connectors.artifacts import PostgresArtifactStore
+from connectors.sink import Sink, SinkConfig
+from processors.events import Event
+from streams.admin import ensure_topics
+
+PARTITIONS = 3
+
+
+def scripted_runs(tag: str, count: int, seed: int = 5) -> list[list[Event]]:
+    """`count` short runs; every third one with chaos (duplicates, cancels, stale results...)."""
+    rng = random.Random(seed)
+    return [
+        simulate(
+            rng,
+            f"{tag}-{i:04d}",
+            steps=rng.randint(1, 4),
+            chaos=0.15 if i % 3 == 0 else 0.0,
+            faults=0.2,
+        )
+        for i in range(count)
+    ]
+
+
+def new_log(bootstrap: str, store: PostgresArtifactStore | None, prefix: str) -> LogWriter:
+    """A writer on fresh topics; with `store`, artifacts are written before each commit (R2)."""
+    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
+    return LogWriter(
+        bootstrap,
+        prefix,
+        PARTITIONS,
+        write_artifacts=None if store is None else store.put_many,
+    )
+
+
+def write_runs(
+    writer: LogWriter, runs: Sequence[Sequence[Event]], *, per_transaction: int = 150, seed: int = 1
+) -> list[tuple[str, int]]:
+    """Interleave the runs and write them; returns every (run_id, seq) written."""
+    events = interleave(runs, random.Random(seed))
+    keys: list[tuple[str, int]] = []
+    for start in range(0, len(events), per_transaction):
+        records = writer.plan(events[start : start + per_transaction])
+        keys.extend(writer.planned)
+        writer.send(records)
+    return keys
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def projected_events(database_url: str, tag: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM events WHERE run_id LIKE %s", (f"{tag}-%",)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@contextmanager
+def running_sink(bootstrap: str, database_url: str, prefix: str, **options: Any) -> Iterator[Sink]:
+    sink = Sink(
+        SinkConfig(
+            bootstrap=bootstrap,
+            database_url=database_url,
+            prefix=prefix,
+            **{"group_id": f"{prefix}-sink", "assign": "all", **options},
+        )
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield sink
+    finally:
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive()

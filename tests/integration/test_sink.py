@@ -1,0 +1,212 @@
+"""`agentruns sink` against the real broker and Postgres: the projection is the fold of the log,
+exactly once across kill -9 restarts and Postgres restarts."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from connectors.audit import audit
+from connectors.db import migrate
+from connectors.local_postgres import LocalPostgres
+from connectors.procs import free_port_block
+from processors.transition import fold
+from streams.records import parse_event_body
+from tests.integration.runlog import (
+    new_log,
+    projected_events,
+    running_sink,
+    scripted_runs,
+    wait_for,
+    write_runs,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_projection_equals_the_fold_of_the_log_for_200_runs(
+    kafka_bootstrap: str, database_url: str, unique_name: str
+) -> None:
+    prefix = unique_name
+    runs = scripted_runs(prefix, 200)
+    writer = new_log(kafka_bootstrap, None, prefix)
+    keys = write_runs(writer, runs)
+    writer.close()
+    with running_sink(kafka_bootstrap, database_url, prefix) as sink:
+        wait_for(lambda: sink.stats.events >= len(keys), 120, "the sink to project the log")
+    report = audit(kafka_bootstrap, prefix, database_url)
+    assert report.runs == 200
+    assert report.differences == [], [d.line() for d in report.differences[:20]]
+    with psycopg.connect(database_url) as conn:
+        rows = dict(
+            conn.execute(
+                "SELECT run_id, status FROM runs WHERE run_id LIKE %s", (f"{prefix}-%",)
+            ).fetchall()
+        )
+        ops = conn.execute(
+            "SELECT count(*) FROM operations WHERE run_id LIKE %s", (f"{prefix}-%",)
+        ).fetchone()
+    # independent of the sink's code: the core's own fold of the events written
+    for log in runs:
+        state = fold(parse_event_body(e.model_dump_json()) for e in log)
+        assert state is not None
+        assert rows[state.run_id] == str(state.status)
+    assert projected_events(database_url, prefix) == len(keys)
+    assert ops is not None and ops[0] > 200
+    assert sink.stats.divergences == 0 and sink.stats.gaps == 0
+
+
+def _start_sink(prefix: str, kafka_bootstrap: str, database_url: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "DATABASE_URL": database_url,
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "connectors.sink",
+            "--prefix",
+            prefix,
+            "--group",
+            f"{prefix}-sink",
+            "--assign",
+            "group",
+            "--instance-id",
+            "sink-0",
+            "--batch-size",
+            "100",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_sink_killed_at_random_points_projects_exactly_once(
+    kafka_bootstrap: str, database_url: str, unique_name: str
+) -> None:
+    prefix = unique_name
+    rng = random.Random(42)
+    runs = scripted_runs(prefix, 120, seed=9)
+    writer = new_log(kafka_bootstrap, None, prefix)
+    half = len(runs) // 2
+    keys = write_runs(writer, runs[:half])
+    writer_done = threading.Event()
+    written: list[tuple[str, int]] = []
+
+    def write_rest() -> None:
+        written.extend(write_runs(writer, runs[half:], per_transaction=40))
+        writer_done.set()
+
+    proc = _start_sink(prefix, kafka_bootstrap, database_url)
+    background = threading.Thread(target=write_rest, daemon=True)
+    background.start()
+    kills = 0
+    try:
+        for _ in range(4):
+            seen = projected_events(database_url, prefix)
+
+            def progressed(seen: int = seen) -> bool:
+                now = projected_events(database_url, prefix)
+                return now > seen or (writer_done.is_set() and now >= len(keys) + len(written))
+
+            # kill -9 at a random point after some progress, mid-batch or between batches
+            wait_for(progressed, 60, "sink progress")
+            threading.Event().wait(rng.uniform(0.0, 0.4))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            kills += 1
+            proc = _start_sink(prefix, kafka_bootstrap, database_url)
+        wait_for(writer_done.is_set, 120, "the writer")
+        total = len(keys) + len(written)
+        wait_for(
+            lambda: projected_events(database_url, prefix) >= total, 120, "the full projection"
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    # 0 after a graceful stop; -SIGTERM if the last one was still starting up
+    assert proc.returncode in (0, -signal.SIGTERM)
+    writer.close()
+    with psycopg.connect(database_url) as conn:
+        seqs = conn.execute(
+            "SELECT run_id, count(*), min(seq), max(seq) FROM events WHERE run_id LIKE %s"
+            " GROUP BY run_id",
+            (f"{prefix}-%",),
+        ).fetchall()
+        offsets = conn.execute(
+            "SELECT topic, partition, next_offset FROM sink_offsets WHERE consumer = %s",
+            (f"{prefix}-sink",),
+        ).fetchall()
+    assert kills == 4
+    assert projected_events(database_url, prefix) == total  # no duplicate, none missing
+    assert len(seqs) == len(runs)
+    for _run_id, count, low, high in seqs:
+        assert (low, high) == (1, count)  # gapless
+    report = audit(kafka_bootstrap, prefix, database_url)
+    assert report.differences == [], [d.line() for d in report.differences[:20]]
+    _assert_offsets_at_end(kafka_bootstrap, offsets)
+
+
+def _assert_offsets_at_end(bootstrap: str, offsets: list[tuple[str, int, int]]) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "offset-check"})
+    try:
+        for topic, partition, next_offset in offsets:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), 10)
+            # the last record consumed is followed only by its transaction's commit marker
+            assert high - 1 <= next_offset <= high, (topic, partition, next_offset, high)
+    finally:
+        consumer.close()
+    assert {t.rsplit(".", 1)[-1] for t, _, _ in offsets} == {"events", "state", "results"}
+
+
+@pytest.fixture(scope="module")
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A Postgres of this module's own, so a test can stop and start it."""
+    directory = Path(tempfile.mkdtemp(prefix="agentruns-sink-pg-"))
+    directory.chmod(0o755)
+    server = LocalPostgres(directory, port=free_port_block(1, start=25432), durable=False)
+    server.start()
+    try:
+        migrate(server.url)
+        yield server
+    finally:
+        server.wipe()
+
+
+def test_postgres_restart_while_sinking_retries_and_loses_nothing(
+    kafka_bootstrap: str, own_postgres: LocalPostgres, unique_name: str
+) -> None:
+    prefix = unique_name
+    url = own_postgres.url
+    runs = scripted_runs(prefix, 60, seed=3)
+    writer = new_log(kafka_bootstrap, None, prefix)
+    keys = write_runs(writer, runs[:30], per_transaction=30)
+    with running_sink(kafka_bootstrap, url, prefix, batch_size=50) as sink:
+        wait_for(lambda: sink.stats.events > 0, 60, "first batches")
+        own_postgres.stop(mode="immediate")  # a crash, not a polite shutdown
+        keys += write_runs(writer, runs[30:], per_transaction=30)
+        writer.close()
+        wait_for(lambda: sink.stats.retries >= 2, 60, "the sink to retry")
+        own_postgres.start()
+        wait_for(lambda: sink.stats.events >= len(keys), 120, "the sink to catch up")
+    assert projected_events(url, prefix) == len(keys)
+    report = audit(kafka_bootstrap, prefix, url)
+    assert report.differences == [], [d.line() for d in report.differences[:20]]
