@@ -1,0 +1,428 @@
+"""`agentruns api` over real HTTP (uvicorn on a free port) against the real broker and Postgres,
+with the in-process processor, the sink (connectors/sink.py) and the executor double."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import uvicorn
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from connectors.api import ApiConfig, callback_url, create_app, sign_token, verify_token
+from connectors.artifacts import PostgresArtifactStore
+from connectors.client import ResultsConsumer
+from processors.effects import CallModel, CallTool, CancelTool
+from processors.events import (
+    CancelConfirmed,
+    Candidate,
+    Event,
+    ModelCallCompleted,
+    ModelOutcome,
+    ToolCallAccepted,
+    ToolCallRequest,
+)
+from processors.state import ToolSpec
+from streams.admin import ensure_topics
+from streams.codec import decode
+from streams.partitioning import partition_for
+from streams.processor import Processor, ProcessorConfig
+from streams.topics import RESULTS, topic_name
+from tests.integration.pipeline import SEARCH, ExecutorDouble, now_ms, wait_for
+from tests.integration.runlog import running_sink
+
+PARTITIONS = 3
+TOKEN = "test-bearer-" + uuid.uuid4().hex
+SECRET = b"test-secret-" + uuid.uuid4().hex.encode()
+REPORT = ToolSpec(
+    name="long_report",
+    parameters={"type": "object", "properties": {"report": {"type": "string"}}},
+    is_async=True,
+    cancellable=True,
+)
+GUARDED = SEARCH.model_copy(update={"permission": "write"})
+
+
+class ScriptedDouble(ExecutorDouble):
+    """The executor double, plus: runs listed in `async_runs` call `long_report`, which the
+    backend only accepts (202); a CancelTool is confirmed."""
+
+    def __init__(self, bootstrap: str, prefix: str) -> None:
+        super().__init__(bootstrap, prefix, PARTITIONS, steps=2)
+        self.async_runs: set[str] = set()
+
+    def answer(self, effect: Any) -> Iterable[Event]:
+        key = effect.idempotency_key
+        ids = {"run_id": effect.run_id, "event_id": f"{key}:result", "trace_id": effect.trace_id}
+        if isinstance(effect, CallModel) and effect.run_id in self.async_runs and effect.step == 1:
+            call = ToolCallRequest(id="c1", name="long_report", arguments_json='{"report":"q3"}')
+            yield ModelCallCompleted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                attempt=effect.attempt,
+                outcome=ModelOutcome.FINISHED,
+                candidate_ref="sha256:" + "c" * 64,
+                candidate=Candidate(tool_calls=(call,)),
+            )
+        elif isinstance(effect, CallTool) and effect.operation.tool == "long_report":
+            yield ToolCallAccepted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation.key,
+                dispatch=effect.operation.dispatch,
+            )
+        elif isinstance(effect, CancelTool):
+            yield CancelConfirmed(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation_key,
+                dispatch=effect.dispatch,
+            )
+        else:
+            yield from super().answer(effect)
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    database_url: str
+    prefix: str
+    url: str
+    double: ScriptedDouble
+    http: httpx.Client
+
+    def submit(self, key: str, **task: Any) -> str:
+        body = {"goal": "find three documents", "tools": [SEARCH.model_dump()], **task}
+        r = self.http.post("/runs", json=body, headers={"Idempotency-Key": key})
+        assert r.status_code in (200, 202), r.text
+        return str(r.json()["run_id"])
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        r = self.http.get(f"/runs/{run_id}")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def wait_status(self, run_id: str, *statuses: str, timeout: float = 40) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+
+        def reached() -> bool:
+            r = self.http.get(f"/runs/{run_id}")
+            if r.status_code == 404:  # submitted straight to Kafka, not projected yet
+                return False
+            assert r.status_code == 200, r.text
+            seen.update(r.json())
+            return seen["status"] in statuses
+
+        wait_for(reached, timeout=timeout, what=f"{run_id} to reach {statuses}", every=0.1)
+        return seen
+
+
+@contextmanager
+def serving(config: ApiConfig) -> Iterator[str]:
+    """The API on uvicorn, on a free port, in a thread; yields its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name="api")
+    thread.start()
+    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextmanager
+def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
+    """Processor + sink + executor double + API for one topic prefix."""
+    prefix = f"t-api-{uuid.uuid4().hex[:10]}"
+    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
+    store = PostgresArtifactStore(database_url)
+    proc = Processor(
+        ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc"),
+        store.put_many,
+    )
+    stop = threading.Event()
+    proc_thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
+    proc_thread.start()
+    double = ScriptedDouble(bootstrap, prefix)
+    double.start()
+    config = ApiConfig(
+        bootstrap=bootstrap,
+        database_url=database_url,
+        api_token=TOKEN,
+        secret=SECRET,
+        prefix=prefix,
+    )
+    try:
+        with running_sink(bootstrap, database_url, prefix), serving(config) as url:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+                yield Stack(bootstrap, database_url, prefix, url, double, http)
+    finally:
+        double.close()
+        stop.set()
+        proc_thread.join(30)
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_bootstrap: str, database_url: str) -> Iterator[Stack]:
+    with pipeline(kafka_bootstrap, database_url) as s:
+        yield s
+
+
+def committed_result(bootstrap: str, prefix: str, run_id: str) -> dict[str, Any] | None:
+    """The run's record on the results topic as a read_committed reader sees it now."""
+    topic = topic_name(RESULTS, prefix)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+            "log_level": 3,
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, partition_for(run_id, PARTITIONS), 0)])
+        found = None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                assert err.code() == KafkaError._PARTITION_EOF, err
+                return found
+            record = decode(msg.value() or b"", "Result").record
+            if record["run_id"] == run_id:
+                found = record
+        raise AssertionError("reading the results partition did not reach its end")
+    finally:
+        consumer.close()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
+    stack: Stack,
+) -> None:
+    with httpx.Client(base_url=stack.url, timeout=10) as anon:
+        for method, path in [
+            ("POST", "/runs"),
+            ("GET", "/runs/x"),
+            ("GET", "/runs/x/events"),
+            ("POST", "/runs/x/replies"),
+            ("POST", "/runs/x/cancel"),
+            ("POST", "/operations/k/callback"),
+        ]:
+            r = anon.request(method, path, json={})
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+        wrong = anon.get("/runs/x", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert anon.get("/healthz").json()["status"] == "ok"
+        assert "agentruns_api_requests_total" in anon.get("/metrics").text
+        spec = anon.get("/openapi.json").json()
+        assert "/runs/{run_id}/replies" in spec["paths"]
+        signed = anon.post("/operations/k/callback?sig=forged", json={"status": "succeeded"})
+        assert signed.status_code == 401
+
+
+def test_submit_is_idempotent_and_the_result_arrives_through_the_results_consumer(
+    stack: Stack,
+) -> None:
+    key = f"order-{uuid.uuid4().hex}"
+    body = {"goal": "find three documents", "tools": [SEARCH.model_dump()]}
+    first = stack.http.post("/runs", json=body, headers={"Idempotency-Key": key})
+    again = stack.http.post("/runs", json=body, headers={"Idempotency-Key": key})
+    assert (first.status_code, again.status_code) == (202, 200), (first.text, again.text)
+    run_id = first.json()["run_id"]
+    assert again.json()["run_id"] == run_id
+    assert first.headers["location"] == f"/runs/{run_id}"
+    other = stack.http.post("/runs", json={"goal": "other"}, headers={"Idempotency-Key": key})
+    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
+    assert stack.http.post("/runs", json=body).status_code == 400
+    bad = stack.http.post("/runs", json={"goal": 3}, headers={"Idempotency-Key": "k-" + key})
+    assert bad.status_code == 422 and bad.json()["error"] == "invalid_task"
+
+    with ResultsConsumer(
+        stack.bootstrap, group_id=f"{stack.prefix}-results", prefix=stack.prefix
+    ) as consumer:
+        got = None
+        for result in consumer.results(follow=True):
+            if result.run_id == run_id:
+                got = result
+                break
+    assert got is not None and got.status == "SUCCEEDED" and got.result_ref
+
+    run = stack.wait_status(run_id, "SUCCEEDED")
+    assert run["terminal"] and run["result"]["result_ref"] == got.result_ref
+    assert run["result"]["content"] is not None
+    assert set(run["waits"]) == {"system_ms", "tool_wait_ms", "user_wait_ms"}
+    assert [o["status"] for o in run["operations"]] == ["SUCCEEDED"]
+    events = stack.http.get(f"/runs/{run_id}/events").json()["events"]
+    assert events[0]["type"] == "RunSubmitted" and events[0]["trace_id"] == run["trace_id"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    submits = [e for e in events if e["type"] == "RunSubmitted"]
+    assert len(submits) == 1  # the repeat was dropped
+    assert stack.http.get("/runs/run-unknown").status_code == 404
+
+
+def test_success_is_never_reported_before_the_terminal_state_is_committed(stack: Stack) -> None:
+    run_ids = [stack.submit(f"race-{uuid.uuid4().hex}") for _ in range(4)]
+    seen: dict[str, list[str]] = {r: [] for r in run_ids}
+    checked: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(checked) < len(run_ids):
+        assert time.monotonic() < deadline, seen
+        for run_id in run_ids:
+            if run_id in checked:
+                continue
+            run = stack.http.get(f"/runs/{run_id}").json()
+            seen[run_id].append(run["status"])
+            if not run["terminal"]:
+                assert run["result"] is None
+                continue
+            assert run["status"] == "SUCCEEDED" and run["result"]["result_ref"]
+            # At the moment the API says SUCCEEDED, a read_committed reader already sees it.
+            record = committed_result(stack.bootstrap, stack.prefix, run_id)
+            assert record is not None and record["status"] == "SUCCEEDED", run_id
+            assert record["result_ref"] == run["result"]["result_ref"]
+            checked.add(run_id)
+    for statuses in seen.values():
+        first_done = statuses.index("SUCCEEDED")
+        assert all(s == "SUCCEEDED" for s in statuses[first_done:])
+        assert "SUCCEEDED" not in statuses[:first_done]
+
+
+def _waiting_question(stack: Stack, **policy: Any) -> tuple[str, dict[str, Any]]:
+    run_id = stack.submit(
+        f"approve-{uuid.uuid4().hex}",
+        tools=[GUARDED.model_dump()],
+        policy={"approval_required": ["write"], **policy},
+    )
+    run = stack.wait_status(run_id, "WAITING_USER")
+    question = run["question"]
+    assert question["kind"] == "approval" and question["resume_token"]
+    assert question["content"]["approve"][0]["tool"] == "search_docs"
+    assert run["waits"]["current"]["waiting_for"] == "user"
+    return run_id, question
+
+
+def test_replies_with_a_forged_or_reused_token_are_rejected_a_valid_one_is_consumed_once(
+    stack: Stack,
+) -> None:
+    run_id, q = _waiting_question(stack)
+    token = q["resume_token"]
+    claims = verify_token(SECRET, token)
+    assert (claims.run_id, claims.token_id) == (run_id, q["token_id"])
+
+    def reply(tok: str, response: dict[str, Any], run: str = run_id) -> httpx.Response:
+        return stack.http.post(
+            f"/runs/{run}/replies", json={"resume_token": tok, "response": response}
+        )
+
+    head, body, sig = token.split(".")
+    forged = [
+        f"{head}.{body}.{sig[:-2]}AA",  # tampered signature
+        sign_token(b"another secret", claims),  # signed with the wrong key
+        f"{head}.{sign_token(SECRET, claims).split('.')[1]}x.{sig}",  # tampered claims
+        "not-a-token",
+    ]
+    for tok in forged:
+        r = reply(tok, {"approved": True})
+        assert r.status_code == 409 and r.json()["error"] == "token_forged", r.text
+    other_run = reply(token, {"approved": True}, run="run-someone-else")
+    assert other_run.status_code == 409 and other_run.json()["error"] == "token_forged"
+    invalid = reply(token, {"approved": "yes"})
+    assert invalid.status_code == 422 and invalid.json()["error"] == "response_invalid"
+
+    # four clients race with the same valid token: exactly one reply is accepted
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: reply(token, {"approved": True}), range(4)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [202, 409, 409, 409], [r.text for r in answers]
+    assert {r.json()["error"] for r in answers if r.status_code == 409} == {"token_used"}
+    again = reply(token, {"approved": True})
+    assert again.status_code == 409 and again.json()["error"] == "token_used"
+
+    stack.wait_status(run_id, "SUCCEEDED")
+    late = reply(token, {"approved": False})
+    assert late.status_code == 409 and late.json()["error"] == "token_used"
+    with psycopg.connect(stack.database_url) as conn:
+        applied = conn.execute(
+            "SELECT count(*) FROM events WHERE run_id = %s AND type = 'UserReplied'"
+            " AND disposition = 'APPLIED'",
+            (run_id,),
+        ).fetchone()
+    assert applied == (1,)
+
+
+def test_a_reply_after_expiry_is_rejected(stack: Stack) -> None:
+    run_id, q = _waiting_question(stack, user_wait_ms=1500)
+    wait_for(lambda: now_ms() > q["expires_at"], timeout=10, what="the question to expire")
+    r = stack.http.post(
+        f"/runs/{run_id}/replies",
+        json={"resume_token": q["resume_token"], "response": {"approved": True}},
+    )
+    assert r.status_code == 409 and r.json()["error"] == "token_expired", r.text
+    assert stack.run(run_id)["status"] == "WAITING_USER"  # nothing reached the core
+
+
+def _waiting_tool(stack: Stack) -> tuple[str, dict[str, Any]]:
+    key = f"async-{uuid.uuid4().hex}"
+    from connectors.api import run_id_for_key
+
+    stack.double.async_runs.add(run_id_for_key(key))
+    run_id = stack.submit(key, tools=[SEARCH.model_dump(), REPORT.model_dump()])
+    run = stack.wait_status(run_id, "WAITING_TOOL")
+    [op] = run["operations"]
+    assert op["tool"] == "long_report" and op["status"] == "ACCEPTED"
+    return run_id, op
+
+
+def test_cancel_during_a_long_async_tool(stack: Stack) -> None:
+    run_id, _op = _waiting_tool(stack)
+    r = stack.http.post(f"/runs/{run_id}/cancel", json={"reason": "user changed their mind"})
+    assert r.status_code == 202, r.text
+    run = stack.wait_status(run_id, "CANCELLED", "CANCEL_UNKNOWN")
+    assert run["status"] == "CANCELLED"
+    assert run["result"] is not None and run["operations"][0]["status"] == "CANCELLED"
+    assert run["waits"]["tool_wait_ms"] >= 0
+    again = stack.http.post(f"/runs/{run_id}/cancel", json={})
+    assert again.status_code == 409 and again.json()["error"] == "run_terminal"
+    assert stack.http.post("/runs/run-nobody/cancel", json={}).status_code == 404
+
+
+def test_an_async_tool_callback_completes_the_operation(stack: Stack) -> None:
+    run_id, op = _waiting_tool(stack)
+    url = callback_url(stack.url, op["op_key"], SECRET)
+    payload = {"key": op["op_key"], "status": "succeeded", "result": {"rows": 3}}
+    with httpx.Client(timeout=10) as backend:  # a tool backend: no bearer token, a signed URL
+        first = backend.post(url, json=payload)
+        assert first.status_code == 202, first.text
+        run = stack.wait_status(run_id, "SUCCEEDED")
+        assert run["operations"][0]["status"] == "SUCCEEDED"
+        repeat = backend.post(url, json=payload)
+        assert repeat.status_code == 200 and repeat.json()["accepted"] is False
+    missing = stack.http.post("/operations/no-such-op/callback", json={"status": "succeeded"})
+    assert missing.status_code == 404
