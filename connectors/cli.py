@@ -77,13 +77,30 @@ def _dev_status(args: argparse.Namespace) -> int:
 # Commands whose module parses its own arguments: `agentruns <words...> [args]` runs
 # `module.main(args)`. They are listed in the parser too, for `agentruns --help`.
 FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
+    ("run",): ("connectors.monolith", "every layer in one process (development)"),
     ("processor",): ("connectors.processor_service", "run a processor process"),
+    ("executor", "model"): ("connectors.model_executor", "run a model executor process"),
+    ("executor", "tool"): ("connectors.tool_executor", "run a tool executor process"),
     ("timer",): ("connectors.timer_service", "run the timer service (time enters as events)"),
-    ("bench", "processor"): ("bench.processor", "the processor against the real broker"),
+    ("sink",): ("connectors.sink", "project the topics into Postgres"),
+    ("scan",): ("connectors.scanner", "find and diagnose runs without progress"),
+    ("api",): ("connectors.api", "the HTTP API"),
+    ("submit",): ("connectors.client:main_submit", "submit a task (upstream producer)"),
+    ("results",): ("connectors.client:main_results", "print terminal results (--follow)"),
+    ("reply",): ("connectors.client:main_reply", "answer a run's question"),
+    ("cancel",): ("connectors.client:main_cancel", "cancel a run"),
+    ("replay",): ("connectors.audit:replay_main", "print a run's timeline from the log"),
+    ("audit",): ("connectors.audit:main", "fold the log, compare with snapshots and Postgres"),
+    ("revalidate",): ("connectors.audit:revalidate_main", "re-run validators over candidates"),
     ("demo",): ("connectors.demo", "start what is needed and run the demo scenarios"),
+    ("chaos",): ("connectors.chaos", "mixed runs while components are killed"),
     ("dev", "model-server"): ("connectors.model_server", "run the scripted model server"),
     ("dev", "tool-server"): ("connectors.tool_server", "run the example tool server"),
     ("bench", "core"): ("bench.core", "fold events through the pure core"),
+    ("bench", "processor"): ("bench.processor", "the processor against the real broker"),
+    ("bench", "executors"): ("bench.executors", "tool calls through the tool executor"),
+    ("bench", "sink"): ("bench.sink", "projection rate and lag"),
+    ("bench", "loop"): ("bench.loop", "N concurrent 10-step agent loops end to end"),
 }
 
 
@@ -170,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for (name,), (_, text) in ((k, v) for k, v in FORWARDED.items() if len(k) == 1):
         sub.add_parser(name, help=f"{text} (see its --help)")
+    executor = sub.add_parser("executor", help="model or tool executor processes")
+    executor_sub = executor.add_subparsers(dest="executor_kind", required=True)
+    for (*_, name), (_, text) in ((k, v) for k, v in FORWARDED.items() if k[0] == "executor"):
+        executor_sub.add_parser(name, help=f"{text} (see its --help)")
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object last")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for (*_, name), (_, text) in ((k, v) for k, v in FORWARDED.items() if k[0] == "bench"):
@@ -182,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     forwarded = _forwarded(words)
     try:
         if forwarded is not None:
-            module, rest = forwarded
-            return int(importlib.import_module(module).main(rest))
+            target, rest = forwarded
+            module, _, function = target.partition(":")
+            return int(getattr(importlib.import_module(module), function or "main")(rest))
         args = build_parser().parse_args(words)
         return int(args.func(args))
     except AgentrunsError as exc:

@@ -75,6 +75,7 @@ class TimerService:
         *,
         prefix: str = "agentruns",
         group_id: str = "agentruns-timer",
+        instance_id: str = "0",
         tick_ms: int = 50,
     ) -> None:
         self.bootstrap = bootstrap
@@ -92,6 +93,10 @@ class TimerService:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "fetch.wait.max.ms": 20,
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 1000,
+                # Static membership: a restarted timer service resumes its partitions at once.
+                "group.instance.id": f"{group_id}-{instance_id}",
                 "log_level": 3,
             }
         )
@@ -215,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
     parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
     parser.add_argument("--group", default="agentruns-timer")
+    parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
     parser.add_argument("--tick-ms", type=int, default=50)
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -236,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ep.database_url,
             prefix=args.prefix,
             group_id=args.group,
+            instance_id=args.instance_id,
             tick_ms=args.tick_ms,
         )
         service.run(stop)
