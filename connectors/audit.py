@@ -37,6 +37,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from prometheus_client import Counter, Gauge
 
 from connectors.errors import AgentrunsError, AgentrunsKafkaError
+from connectors.model_executor import candidate_from_artifact
 from connectors.sink import (
     EVENT_COLUMNS,
     OP_COLUMNS,
@@ -59,7 +60,7 @@ from processors.effects import (
     Reconcile,
     ScheduleTimer,
 )
-from processors.events import Candidate, ModelCallCompleted, ModelOutcome
+from processors.events import ModelCallCompleted, ModelOutcome
 from processors.state import RunState
 from processors.transition import Disposition, transition
 from processors.validation import ValidationContext, revalidate
@@ -728,7 +729,8 @@ def revalidate_runs(
         decision = after.last_decision
         assert decision is not None and event.candidate is not None
         content = stored.get(decision.candidate_ref)
-        candidate = event.candidate if content is None else Candidate.model_validate_json(content)
+        # The model executor's artifact (an assistant message) or the core's own format.
+        candidate = event.candidate if content is None else candidate_from_artifact(content)
         context = ValidationContext.from_state(before)
         again = revalidate(candidate, context, decision.validator_version)
         fresh = revalidate(candidate, context, version)

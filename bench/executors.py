@@ -1,0 +1,318 @@
+"""``agentruns bench executors``: tool-call effects through the real broker to the tool server.
+
+One tool executor process (``python -m connectors.tool_executor``) and the example tool server
+(its own process, zero tool latency) against a real Kafka and Postgres (``ServiceStack``:
+``KAFKA_BOOTSTRAP_SERVERS``/``DATABASE_URL`` when set, else an ephemeral local stack started
+and stopped here). This process plays the processor: it produces ``CallTool`` effect records
+and reads the committed ``ToolCallSucceeded`` inputs back from the inbox (read_committed).
+
+Two phases:
+
+- throughput: ``--calls`` effects produced at once; calls/s = calls / (first produce -> last
+  answer visible);
+- latency: ``--rate`` effects per second for ``--seconds``; the added latency of a call is
+  "effect produced" -> "answer visible in the inbox" (the tool itself takes no time), p50/p99.
+
+Prints one JSON object on its last line. Targets: >= 1,000 calls/s per executor process,
+p99 added latency <= 50 ms at 200 calls/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc), or None elsewhere."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@contextlib.contextmanager
+def _process(
+    command: list[str], banner: bool = False
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE if banner else subprocess.DEVNULL, text=True
+    )
+    first = ""
+    try:
+        if banner:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+        yield proc, first
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+class Collector:
+    """Reads the inbox in a thread; remembers when each input id became visible."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 10,
+                "log_level": 3,
+            }
+        )
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        self.seen: dict[str, float] = {}
+        self.kinds: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from streams.codec import decode
+
+        while not self.stop.is_set():
+            for message in self.consumer.consume(1000, 0.01):
+                now = time.monotonic()
+                value = message.value()
+                if message.error() is not None or value is None:
+                    continue
+                record = decode(value, expected_name="Input").record
+                with self.lock:
+                    self.seen.setdefault(record["input_id"], now)
+                    self.kinds[record["kind"]] = self.kinds.get(record["kind"], 0) + 1
+
+    def wait(self, ids: list[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(i in self.seen for i in ids):
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.consumer.close()
+
+
+def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]]:
+    """(input id of the answer, encoded Effect record, run_id) for ``count`` CallTools."""
+    from processors.effects import CallTool, OperationSpec
+    from processors.ids import canonical_json
+    from streams.codec import encode
+    from streams.records import effect_record
+
+    out = []
+    now = int(time.time() * 1000)
+    for i in range(start, start + count):
+        run_id = f"bench-{prefix}-{i % 97}"
+        key = f"{prefix}:call:{i}"
+        effect = CallTool(
+            idempotency_key=key,
+            run_id=run_id,
+            step=1,
+            attempt=1,
+            trace_id=f"trace-{i}",
+            operation=OperationSpec(
+                key=f"op-{prefix}-{i}",
+                tool="create_ticket",
+                arguments_json=canonical_json({"title": f"bench ticket {i}"}),
+                expected_version=None,
+                policy_decision="allow",
+                dispatch=1,
+            ),
+        )
+        value = encode("Effect", effect_record(effect, seq=i + 1, at=now))
+        out.append((f"{key}:result", value, run_id))
+    return out
+
+
+def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str, Any]:
+    from confluent_kafka import Producer
+
+    from connectors.db import migrate
+    from streams.admin import ensure_topics
+    from streams.topics import INBOX, effect_suffix, topic_name
+
+    migrate(database_url)
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    ensure_topics(bootstrap, prefix=prefix, partitions=args.partitions)
+    effects_topic = topic_name(effect_suffix("tool"), prefix)
+    server_cmd = [sys.executable, "-m", "connectors.tool_server", "--port", "0"]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _process(server_cmd, banner=True) as (_, banner),
+    ):
+        url = banner.split("listening on ", 1)[1].split()[0]
+        registry = json.loads((REPO / "connectors" / "tools.example.json").read_text())
+        registry["base_url"] = url
+        registry_path = Path(tmp) / "tools.json"
+        registry_path.write_text(json.dumps(registry))
+        executor_cmd = [
+            sys.executable, "-m", "connectors.tool_executor",
+            "--bootstrap", bootstrap, "--database-url", database_url, "--prefix", prefix,
+            "--registry", str(registry_path), "--workers", str(args.workers),
+            "--max-batch", str(args.max_batch),
+        ]  # fmt: skip
+        collector = Collector(bootstrap, topic_name(INBOX, prefix), args.partitions)
+        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
+        try:
+            with _process(executor_cmd) as (executor, _):
+                # warm-up: the executor joins its group, connections open
+                warm = _effects(prefix, 50, 0)
+                for _, value, run_id in warm:
+                    producer.produce(effects_topic, key=run_id.encode(), value=value)
+                producer.flush(30)
+                if not collector.wait([i for i, _, _ in warm], 120):
+                    raise RuntimeError("the executor did not answer the warm-up calls")
+                cpu0 = _cpu_seconds(executor.pid)
+                throughput = _throughput(args, producer, collector, effects_topic, prefix)
+                cpu1 = _cpu_seconds(executor.pid)
+                latency = _latency(args, producer, collector, effects_topic, prefix)
+                if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
+                    per_call = (cpu1 - cpu0) / throughput["calls"]
+                    throughput["executor_cpu_ms_per_call"] = round(per_call * 1000, 3)
+                    throughput["cpu_bound_calls_per_s"] = round(1 / per_call, 1)
+        finally:
+            producer.flush(10)
+            collector.close()
+    ok = throughput["calls_per_s"] >= 1000 and latency["p99_ms"] <= 50
+    return {
+        "bench": "executors",
+        "calls_per_s": throughput["calls_per_s"],
+        "added_latency_ms": {"p50": latency["p50_ms"], "p99": latency["p99_ms"]},
+        "throughput": throughput,
+        "latency": latency,
+        "workers": args.workers,
+        "max_batch": args.max_batch,
+        "partitions": args.partitions,
+        "cpus": os.cpu_count(),
+        "load_average_1m": _load_average(),
+        "targets": {"calls_per_s": 1000, "p99_ms_at_200_per_s": 50},
+        "meets_targets": ok,
+    }
+
+
+def _throughput(
+    args: argparse.Namespace, producer: Any, collector: Collector, topic: str, prefix: str
+) -> dict[str, Any]:
+    batch = _effects(prefix, args.calls, 1_000_000)
+    began = time.monotonic()
+    sent: dict[str, float] = {}
+    for input_id, value, run_id in batch:
+        producer.produce(topic, key=run_id.encode(), value=value)
+        sent[input_id] = time.monotonic()
+        producer.poll(0)
+    producer.flush(30)
+    if not collector.wait(list(sent), args.timeout):
+        with collector.lock:
+            missing = sum(1 for i in sent if i not in collector.seen)
+        raise RuntimeError(f"{missing} of {len(sent)} calls unanswered after {args.timeout}s")
+    with collector.lock:
+        ended = max(collector.seen[i] for i in sent)
+        lat = [(collector.seen[i] - t) * 1000 for i, t in sent.items()]
+    elapsed = ended - began
+    return {
+        "calls": len(sent),
+        "seconds": round(elapsed, 3),
+        "calls_per_s": round(len(sent) / elapsed, 1),
+        "p50_ms_under_load": round(_percentile(lat, 0.5), 2),
+    }
+
+
+def _latency(
+    args: argparse.Namespace, producer: Any, collector: Collector, topic: str, prefix: str
+) -> dict[str, Any]:
+    count = int(args.rate * args.seconds)
+    batch = _effects(prefix, count, 2_000_000)
+    interval = 1.0 / args.rate
+    sent: dict[str, float] = {}
+    began = time.monotonic()
+    for n, (input_id, value, run_id) in enumerate(batch):
+        due = began + n * interval
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        producer.produce(topic, key=run_id.encode(), value=value)
+        producer.poll(0)
+        sent[input_id] = time.monotonic()
+    producer.flush(30)
+    if not collector.wait(list(sent), args.timeout):
+        raise RuntimeError("latency phase: calls unanswered")
+    with collector.lock:
+        lat = [(collector.seen[i] - t) * 1000 for i, t in sent.items()]
+    return {
+        "rate_per_s": args.rate,
+        "calls": count,
+        "p50_ms": round(_percentile(lat, 0.5), 2),
+        "p90_ms": round(_percentile(lat, 0.9), 2),
+        "p99_ms": round(_percentile(lat, 0.99), 2),
+        "max_ms": round(max(lat), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns bench executors", description=__doc__)
+    parser.add_argument("--calls", type=int, default=5000, help="throughput phase calls")
+    parser.add_argument("--rate", type=float, default=200.0, help="latency phase calls/s")
+    parser.add_argument("--seconds", type=float, default=10.0, help="latency phase duration")
+    parser.add_argument("--workers", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    from connectors.services import ServiceStack
+
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        result = run(args, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

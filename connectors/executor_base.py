@@ -1,0 +1,740 @@
+"""Shared executor plumbing: the consume loop, executed-action records, one transaction per batch.
+
+An executor consumes one effects topic (read_committed, manual commits), carries out each effect
+with a :class:`Handler` (in a thread pool: the calls are I/O bound) and answers with one core
+event per effect, sent to the inbox as an ``Input`` record. What one batch does, in order
+(:meth:`Executor._process`):
+
+1. decode the batch; undecodable or invalid effects become dead letters (R30);
+2. one statement reads the executed-action records of the batch's keys as they were and marks
+   every key that is not completed ``started`` (``starts`` counts the beginnings);
+3. keys with a ``completed`` record are answered by re-sending the stored input verbatim;
+4. the others are executed in the pool; the handler sees the previous record, so a
+   ``started`` row (a crash between the call and the commit) leads to reconciliation instead
+   of a blind second call;
+5. the artifacts the handlers made are written (write-once, content-addressed) BEFORE anything
+   references them (R2);
+6. the records become ``completed`` with the exact input record (first writer wins: a row that
+   is already completed is kept and its input is the one sent);
+7. one Kafka transaction: the inputs (key run_id, partition ``partition_for(run_id, n)``), the
+   dead letters, the consumed offsets (``send_offsets_to_transaction``), commit. It runs in a
+   committer thread while the next batch executes (one transaction in flight at most); before
+   the next batch is handed over, the previous commit is awaited, and if it failed both
+   batches are re-read from the failed batch's offsets (answered from their records).
+
+A crash anywhere before 7 commits leaves the offsets where they were: the effects come back and
+steps 2-3 answer every completed key from its record. Input ids are ``<effect key>:result``, so
+the processor drops a re-sent input as an exact duplicate (same id, same bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Protocol
+
+import psycopg
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from pydantic import ValidationError
+
+from connectors.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
+from connectors.errors import AgentrunsError, AgentrunsKafkaError
+from processors.effects import Effect
+from processors.events import Event
+from streams import dlq
+from streams.codec import CodecError, decode, encode
+from streams.partitioning import partition_for, run_key
+from streams.records import parse_effect_body
+from streams.topics import DLQ, INBOX, effect_suffix, topic_name
+
+log = logging.getLogger("agentruns.executor")
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+class ExecutorError(AgentrunsError):
+    """An executor cannot run (bad configuration, missing topic, database down)."""
+
+
+def now_ms() -> int:
+    """Executors are at the edge: their results carry the wall clock."""
+    return int(time.time() * 1000)
+
+
+def result_input_id(effect: Effect) -> str:
+    """The input id (and event id) of an effect's answer: deterministic from its key."""
+    return f"{effect.idempotency_key}:result"
+
+
+def event_identity(effect: Effect, at: int | None = None) -> dict[str, Any]:
+    """The EventBase fields of the answer to ``effect``."""
+    return {
+        "run_id": effect.run_id,
+        "event_id": result_input_id(effect),
+        "at": now_ms() if at is None else at,
+        "trace_id": effect.trace_id,
+    }
+
+
+def input_record(effect: Effect, event: Event) -> dict[str, Any]:
+    """The inbox ``Input`` record (schema v2) carrying ``event`` as the answer to ``effect``."""
+    return {
+        "input_id": result_input_id(effect),
+        "run_id": effect.run_id,
+        "kind": event.type,
+        "trace_id": effect.trace_id,
+        "producer_id": None,
+        "producer_seq": None,
+        "at": event.at,
+        "body": event.model_dump_json(),
+        "reply_to": None,
+    }
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One row of ``executed_actions`` (migration 0003)."""
+
+    key: str
+    effect_type: str
+    status: str  # started | completed
+    starts: int
+    input_json: str | None
+    detail: str | None
+
+    @property
+    def completed(self) -> bool:
+        return self.status == "completed" and self.input_json is not None
+
+    def input(self) -> dict[str, Any]:
+        assert self.input_json is not None
+        value: dict[str, Any] = json.loads(self.input_json)
+        return value
+
+
+@dataclass(frozen=True)
+class Completion:
+    effect: Effect
+    input: dict[str, Any]
+    detail: str
+
+
+def operation_key_of(effect: Effect) -> str | None:
+    op = getattr(effect, "operation", None)
+    if op is not None:
+        return str(op.key)
+    key = getattr(effect, "operation_key", None)
+    return None if key is None else str(key)
+
+
+class ActionRecords:
+    """The executed-action records in Postgres. One connection; the loop thread only."""
+
+    _COLUMNS = "idempotency_key, effect_type, status, starts, input_json, detail"
+
+    def __init__(self, database_url: str, executor: str, *, retries: int = 30) -> None:
+        self._url = database_url
+        self._executor = executor
+        self._retries = retries
+        self._conn: Conn | None = None
+
+    def _connection(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._url, autocommit=True)
+        return self._conn
+
+    def _retry(self, what: str, fn: Callable[[Conn], Any]) -> Any:
+        delay = 0.1
+        for attempt in range(self._retries):
+            try:
+                return fn(self._connection())
+            except psycopg.OperationalError as exc:
+                self.close()
+                if attempt == self._retries - 1:
+                    raise ExecutorError(f"{what} failed: {exc}", retryable=True) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def fetch(self, keys: Sequence[str]) -> dict[str, ActionRecord]:
+        if not keys:
+            return {}
+
+        def read(conn: Conn) -> dict[str, ActionRecord]:
+            rows = conn.execute(
+                f"SELECT {self._COLUMNS} FROM executed_actions WHERE idempotency_key = ANY(%s)",
+                (list(keys),),
+            ).fetchall()
+            return {r[0]: ActionRecord(*r) for r in rows}
+
+        result: dict[str, ActionRecord] = self._retry("reading executed actions", read)
+        return result
+
+    def begin(self, effects: Sequence[Effect]) -> dict[str, ActionRecord]:
+        """One statement: return the records as they were, and mark every key that is not
+        completed ``started`` (new rows, or ``starts + 1`` for a started one: a restart).
+
+        The outer SELECT reads the snapshot from before the INSERT of its own statement,
+        so it returns the previous records, exactly what the handlers must see."""
+        if not effects:
+            return {}
+        columns = (
+            [e.idempotency_key for e in effects],
+            [e.type for e in effects],
+            [e.run_id for e in effects],
+            [e.step for e in effects],
+            [e.attempt for e in effects],
+            [operation_key_of(e) for e in effects],
+        )
+
+        def write(conn: Conn) -> dict[str, ActionRecord]:
+            rows = conn.execute(
+                "WITH started AS ("
+                " INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step,"
+                " attempt, operation_key, status, executor)"
+                " SELECT k, t, r, s, a, o, 'started', %s FROM unnest("
+                " %b::text[], %b::text[], %b::text[], %b::int[], %b::int[], %b::text[])"
+                " AS v(k, t, r, s, a, o)"
+                " ON CONFLICT (idempotency_key) DO UPDATE"
+                " SET starts = executed_actions.starts + 1, executor = EXCLUDED.executor"
+                " WHERE executed_actions.status = 'started')"
+                f" SELECT {self._COLUMNS} FROM executed_actions"
+                " WHERE idempotency_key = ANY(%b::text[])",
+                (self._executor, *columns, columns[0]),
+            ).fetchall()
+            return {r[0]: ActionRecord(*r) for r in rows}
+
+        result: dict[str, ActionRecord] = self._retry("starting actions", write)
+        return result
+
+    def complete(
+        self, completions: Sequence[Completion], artifacts: Sequence[StoredArtifact] = ()
+    ) -> dict[str, dict[str, Any]]:
+        """Write the artifacts and record the inputs, in ONE statement (atomic, one round trip).
+
+        Returns key -> the input to send: ours, or the first writer's when another executor
+        completed the key first (a row already completed is never overwritten)."""
+        if not completions:
+            return {}
+        unique: dict[str, StoredArtifact] = {}
+        for artifact in artifacts:
+            unique.setdefault(artifact.ref, artifact)
+        blobs = [a.content.encode() for a in unique.values()]
+        for ref, blob in zip(unique, blobs, strict=True):
+            if len(blob) > MAX_ARTIFACT_BYTES:
+                raise ExecutorError(f"artifact {ref} is {len(blob)} bytes, over the limit")
+        params = (
+            list(unique),
+            [a.media_type for a in unique.values()],
+            [len(b) for b in blobs],
+            blobs,
+            [c.effect.idempotency_key for c in completions],
+            [c.input["kind"] for c in completions],
+            [c.input["input_id"] for c in completions],
+            [json.dumps(c.input, sort_keys=True, separators=(",", ":")) for c in completions],
+            [c.detail for c in completions],
+        )
+
+        def write(conn: Conn) -> set[str]:
+            rows = conn.execute(
+                "WITH stored AS ("
+                " INSERT INTO artifacts (ref, media_type, size_bytes, content)"
+                " SELECT * FROM unnest(%b::text[], %b::text[], %b::int[], %b::bytea[])"
+                " ON CONFLICT (ref) DO NOTHING)"
+                " UPDATE executed_actions AS a SET status = 'completed', result_kind = v.kind,"
+                " input_id = v.input_id, input_json = v.input_json, detail = v.detail,"
+                " completed_at = now()"
+                " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[])"
+                " AS v(key, kind, input_id, input_json, detail)"
+                " WHERE a.idempotency_key = v.key AND a.status = 'started'"
+                " RETURNING a.idempotency_key",
+                params,
+            ).fetchall()
+            return {str(r[0]) for r in rows}
+
+        updated: set[str] = self._retry("completing actions", write)
+        chosen = {c.effect.idempotency_key: c.input for c in completions}
+        raced = [k for k in chosen if k not in updated]
+        if raced:
+            for key, record in self.fetch(raced).items():
+                if record.completed:
+                    chosen[key] = record.input()
+        return chosen
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a handler made of one effect: the answer event, the artifacts it references."""
+
+    event: Event
+    artifacts: tuple[StoredArtifact, ...] = ()
+    detail: str = ""
+
+
+class Handler(Protocol):
+    """Carries out effects of some types. ``execute`` runs in a pool thread and never raises
+    for outside failures: it classifies them into the answer event."""
+
+    effect_types: frozenset[str]
+
+    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class ExecutorConfig:
+    bootstrap: str
+    database_url: str
+    kind: str  # "model" or "tool": which effects topic
+    prefix: str = "agentruns"
+    group_id: str | None = None  # default: <prefix>-executor-<kind>
+    # Stable per process slot: a restarted executor with the same id aborts the transaction
+    # its predecessor left open at once (instead of waiting for transaction.timeout.ms).
+    instance_id: str = "0"
+    workers: int = 32
+    max_batch: int = 256
+    poll_timeout_s: float = 0.1
+    transaction_timeout_ms: int = 10_000
+    session_timeout_ms: int = 6000
+    max_poll_interval_ms: int = 300_000
+    extra_consumer: dict[str, Any] = field(default_factory=dict)
+    extra_producer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group(self) -> str:
+        return self.group_id or f"{self.prefix}-executor-{self.kind}"
+
+
+@dataclass
+class ExecutorStats:
+    batches: int = 0
+    effects: int = 0
+    executed: int = 0
+    replayed: int = 0
+    dead_letters: int = 0
+    aborts: int = 0
+    execute_s: float = 0.0  # records + outside calls
+    produce_s: float = 0.0  # begin + produce
+    offsets_s: float = 0.0  # send_offsets_to_transaction
+    commit_s: float = 0.0  # commit_transaction
+
+
+class Executor:
+    """The consume-execute-produce loop around one handler. One thread owns it (``run``)."""
+
+    def __init__(self, config: ExecutorConfig, handler: Handler) -> None:
+        self.config = config
+        self.handler = handler
+        self.stats = ExecutorStats()
+        c = config
+        self.effects_topic = topic_name(effect_suffix(c.kind), c.prefix)
+        self.inbox = topic_name(INBOX, c.prefix)
+        self.dlq = topic_name(DLQ, c.prefix)
+        self._name = f"{c.group}-{c.instance_id}"
+        self._records = ActionRecords(c.database_url, self._name)
+        self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"commit-{c.kind}")
+        self._pending: tuple[Future[None], dict[int, int]] | None = None
+        self._consumer = self._new_consumer()
+        # Two transactional producers, used in turn: a transaction begun right after the
+        # previous one committed (on the same transactional.id) waits for its markers
+        # (CONCURRENT_TRANSACTIONS, retried by librdkafka after ~20 ms); alternating ids
+        # removes that wait. Transactions still never overlap (one committer thread).
+        self._producers = [self._new_producer("a"), self._new_producer("b")]
+        self._turn = 0
+        self._inbox_partitions = self._partitions(self.inbox)
+        self._closed = False
+
+    # ------------------------------------------------------------------ clients
+
+    def _new_consumer(self) -> Consumer:
+        c = self.config
+        return Consumer(
+            {
+                "bootstrap.servers": c.bootstrap,
+                "group.id": c.group,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": c.session_timeout_ms,
+                "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
+                "max.poll.interval.ms": c.max_poll_interval_ms,
+                "fetch.wait.max.ms": 10,
+                "log_level": 3,
+                **c.extra_consumer,
+            }
+        )
+
+    def _new_producer(self, slot: str) -> Producer:
+        c = self.config
+        producer = Producer(
+            {
+                "bootstrap.servers": c.bootstrap,
+                "transactional.id": f"{self._name}-{slot}",
+                "transaction.timeout.ms": c.transaction_timeout_ms,
+                "enable.idempotence": True,
+                "linger.ms": 0,
+                "log_level": 3,
+                **c.extra_producer,
+            }
+        )
+        try:
+            producer.init_transactions(30)
+        except KafkaException as exc:
+            raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
+        return producer
+
+    def _partitions(self, topic: str) -> int:
+        metadata = self._producers[0].list_topics(topic, timeout=30)
+        info = metadata.topics.get(topic)
+        if info is None or info.error is not None or not info.partitions:
+            raise ExecutorError(
+                f"topic {topic} does not exist", hint="create it with `agentruns topics create`"
+            )
+        return len(info.partitions)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self, stop: threading.Event) -> None:
+        """Execute effects until ``stop`` is set; the batch in hand is finished first."""
+        self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
+        try:
+            while not stop.is_set():
+                first = self._consumer.poll(self.config.poll_timeout_s)
+                if first is None:
+                    self._settle()
+                    continue
+                batch = [first]
+                if self.config.max_batch > 1:
+                    batch.extend(self._consumer.consume(self.config.max_batch - 1, 0))
+                self._process(batch)
+            self._settle()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._settle()
+        with contextlib.suppress(RuntimeError, KafkaException):
+            self._consumer.close()
+        self._committer.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.handler.close()
+        self._records.close()
+        for producer in self._producers:
+            with contextlib.suppress(Exception):
+                producer.flush(5)
+
+    # ------------------------------------------------------------------ one batch
+
+    def _process(self, messages: list[Message]) -> None:
+        effects: list[Effect] = []
+        dead: list[dict[str, Any]] = []
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for message in messages:
+            if message.error() is not None:
+                log.warning("consumer error: %s", message.error())
+                continue
+            partition, offset = message.partition() or 0, message.offset() or 0
+            first.setdefault(partition, offset)
+            last[partition] = offset + 1
+            effect = self._decode(message, dead)
+            if effect is not None:
+                effects.append(effect)
+        if not first:
+            return
+        began = time.monotonic()
+        try:
+            inputs = self._execute(effects)
+            self.stats.execute_s += time.monotonic() - began
+        except Exception as exc:  # database down, or a handler bug: never lose the batch
+            if isinstance(exc, ExecutorError | psycopg.Error):
+                log.error("batch failed, retrying it: %s", exc)
+            else:
+                log.exception("batch failed unexpectedly, retrying it")
+            self.stats.aborts += 1
+            if self._settle(also_rewind=first):  # else already rewound to the failed batch
+                self._rewind(first)
+            time.sleep(0.5)
+            return
+        # The previous batch's transaction committed while this one executed (pipelining).
+        # If it failed, rewind to it: this batch's records are completed, so both batches'
+        # effects come back and are answered from their records.
+        if not self._settle(also_rewind=first):
+            return
+        metadata = self._consumer.consumer_group_metadata()
+        future = self._committer.submit(self._commit, inputs, dead, last, metadata)
+        self._pending = (future, first)
+
+    def _settle(self, also_rewind: dict[int, int] | None = None) -> bool:
+        """Wait for the transaction in flight. False (after recovering and rewinding to its
+        batch, and to ``also_rewind``) when it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return True
+        future, first = pending
+        try:
+            future.result()
+            return True
+        except KafkaException as exc:
+            rewind = dict(first)
+            for partition, offset in (also_rewind or {}).items():
+                rewind[partition] = min(offset, rewind.get(partition, offset))
+            self._recover(exc, rewind)
+            return False
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Before partitions move: finish the transaction in flight (its offsets are theirs)."""
+        self._settle()
+
+    def _decode(self, message: Message, dead: list[dict[str, Any]]) -> Effect | None:
+        value = message.value() or b""
+        try:
+            record = decode(value, expected_name="Effect").record
+            effect = parse_effect_body(record["body"])
+        except CodecError as exc:
+            dead.append(self._dead_letter(message, str(exc), exc.error_class))
+            return None
+        except ValidationError as exc:
+            reason = f"invalid effect body: {exc.error_count()} errors"
+            dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
+            return None
+        if effect.type not in self.handler.effect_types:
+            reason = f"{effect.type} is not executed by the {self.config.kind} executor"
+            dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
+            return None
+        return effect
+
+    def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
+        self.stats.dead_letters += 1
+        log.warning("dead letter (%s): %s", error_class, reason)
+        _, timestamp = message.timestamp()
+        return dlq.dead_letter(
+            reason,
+            error_class,
+            message.topic() or self.effects_topic,
+            message.partition() or 0,
+            message.offset() or 0,
+            message.key(),
+            message.value(),
+            _header_list(message),
+            now_ms(),
+            original_timestamp=timestamp if timestamp > 0 else None,
+        )
+
+    def _execute(self, effects: list[Effect]) -> list[tuple[str, dict[str, Any]]]:
+        """(run_id, input record) per distinct effect key, in batch order."""
+        unique: dict[str, Effect] = {}
+        for effect in effects:
+            unique.setdefault(effect.idempotency_key, effect)
+        records = self._records.begin(list(unique.values()))
+        answers: dict[str, dict[str, Any]] = {}
+        todo: list[Effect] = []
+        for key, effect in unique.items():
+            record = records.get(key)
+            if record is not None and record.completed:
+                answers[key] = record.input()
+            else:
+                todo.append(effect)
+        self.stats.replayed += len(answers)
+        if todo:
+            futures = [
+                self._pool.submit(self.handler.execute, e, records.get(e.idempotency_key))
+                for e in todo
+            ]
+            outcomes = [f.result() for f in futures]
+            completions = [
+                Completion(e, input_record(e, o.event), o.detail)
+                for e, o in zip(todo, outcomes, strict=True)
+            ]
+            # artifacts and records in one statement, before any input referencing them (R2)
+            artifacts = [a for o in outcomes for a in o.artifacts]
+            answers.update(self._records.complete(completions, artifacts))
+            self.stats.executed += len(todo)
+        self.stats.effects += len(unique)
+        return [(unique[k].run_id, answers[k]) for k in unique]
+
+    def _commit(
+        self,
+        inputs: Iterable[tuple[str, dict[str, Any]]],
+        dead: list[dict[str, Any]],
+        offsets: dict[int, int],
+        metadata: Any,
+    ) -> None:
+        """One transaction (the committer thread; one at a time): inputs, dead letters,
+        the consumed offsets, commit."""
+        producer = self._producers[self._turn]
+        began = time.monotonic()
+        producer.begin_transaction()
+        for run_id, record in inputs:
+            producer.produce(
+                self.inbox,
+                key=run_key(run_id),
+                value=encode("Input", record),
+                partition=partition_for(run_id, self._inbox_partitions),
+                headers=[("trace_id", record["trace_id"].encode()), ("run_id", run_id.encode())],
+            )
+        for record in dead:
+            producer.produce(
+                self.dlq, key=record["original_key"], value=encode("DeadLetter", record)
+            )
+        produced = time.monotonic()
+        producer.send_offsets_to_transaction(
+            [TopicPartition(self.effects_topic, p, o) for p, o in offsets.items()],
+            metadata,
+            30,
+        )
+        sent = time.monotonic()
+        producer.commit_transaction(30)
+        stats = self.stats
+        stats.produce_s += produced - began
+        stats.offsets_s += sent - produced
+        stats.commit_s += time.monotonic() - sent
+        self._turn = 1 - self._turn
+        self.stats.batches += 1
+
+    # ------------------------------------------------------------------ failures
+
+    def _abort_quietly(self) -> None:
+        try:
+            self._producers[self._turn].abort_transaction(30)
+        except KafkaException as exc:
+            log.debug("abort: %s", exc)
+
+    def _recover(self, exc: KafkaException, first: dict[int, int]) -> None:
+        """Abortable: abort and re-read the batch. Fatal (fenced): a new producer, re-read."""
+        error = exc.args[0] if exc.args else None
+        fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
+        log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
+        self.stats.aborts += 1
+        if fatal:
+            self._producers[self._turn] = self._new_producer("ab"[self._turn])
+        else:
+            self._abort_quietly()
+        self._rewind(first)
+
+    def _rewind(self, first: dict[int, int]) -> None:
+        """Seek back to the batch's first offsets: its effects come back, answered from records."""
+        for partition, offset in first.items():
+            try:
+                self._consumer.seek(TopicPartition(self.effects_topic, partition, offset))
+            except KafkaException as exc:  # no longer assigned: its new owner re-reads it
+                log.info("not rewinding partition %d: %s", partition, exc)
+
+
+def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:
+    headers = message.headers()
+    if headers is None:
+        return []
+    if isinstance(headers, dict):
+        return list(headers.items())
+    return list(headers)
+
+
+# --------------------------------------------------------------------------- process mains
+
+
+def run_until_signal(executor: Executor) -> int:
+    """Run in this thread until SIGTERM/SIGINT; finish the batch in hand, then exit 0."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        executor.run(stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def add_common_arguments(parser: Any, kind: str) -> None:
+    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"))
+    parser.add_argument("--prefix", default="agentruns", help="topic prefix")
+    parser.add_argument("--group", default=None, help=f"consumer group (<prefix>-executor-{kind})")
+    parser.add_argument(
+        "--instance", default="0", help="stable instance id (transactional.id suffix)"
+    )
+    parser.add_argument("--workers", type=int, default=32 if kind == "tool" else 16)
+    parser.add_argument("--max-batch", type=int, default=256 if kind == "tool" else 32)
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
+    """The executor config; resolves Kafka/Postgres like every command when not given.
+
+    Returns the config and the ServiceStack to close (or None)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    stack = None
+    bootstrap, database = args.bootstrap, args.database_url
+    if not bootstrap or not database:
+        from connectors.services import ServiceStack
+
+        stack = ServiceStack()
+        endpoints = stack.start()
+        bootstrap = bootstrap or endpoints.kafka_bootstrap
+        database = database or endpoints.database_url
+    from connectors.db import migrate
+
+    migrate(database)
+    config = ExecutorConfig(
+        bootstrap=bootstrap,
+        database_url=database,
+        kind=kind,
+        prefix=args.prefix,
+        group_id=args.group,
+        instance_id=args.instance,
+        workers=args.workers,
+        max_batch=args.max_batch,
+    )
+    return config, stack
+
+
+__all__ = [
+    "ActionRecord",
+    "ActionRecords",
+    "Executor",
+    "ExecutorConfig",
+    "ExecutorError",
+    "Handler",
+    "Outcome",
+    "add_common_arguments",
+    "config_from_args",
+    "event_identity",
+    "input_record",
+    "now_ms",
+    "result_input_id",
+    "run_until_signal",
+]

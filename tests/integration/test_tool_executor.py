@@ -1,0 +1,705 @@
+"""The tool executor against the real broker, the real Postgres and the example tool server.
+
+The tests play the processor: they produce Effect records to ``effects.tool`` and read the
+Input records the executor commits to the inbox (read_committed). Helpers here are shared with
+test_model_executor.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from connectors import tool_server
+from connectors._devserver import ServerHandle
+from connectors.artifacts import PostgresArtifactStore
+from connectors.executor_base import Executor, ExecutorConfig
+from connectors.tool_executor import ToolExecutor
+from processors.effects import CallTool, CancelTool, Effect, OperationSpec, PollTool, Reconcile
+from processors.events import (
+    CancelConfirmed,
+    CancelUnconfirmed,
+    Event,
+    ReconcileCompleted,
+    ReconcileOutcome,
+    ToolCallAccepted,
+    ToolCallFailed,
+    ToolCallSucceeded,
+    ToolCallTimedOut,
+    ToolStatusReported,
+)
+from processors.ids import canonical_json
+from processors.state import ErrorClass
+from streams.admin import ensure_topics
+from streams.codec import decode, encode
+from streams.partitioning import partition_for
+from streams.records import effect_record, parse_event_body
+from streams.topics import INBOX, effect_suffix, topic_name
+
+REPO = Path(__file__).resolve().parents[2]
+PARTITIONS = 2
+E = TypeVar("E")
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- the broker side
+
+
+class Inbox:
+    """Reads the inbox (read_committed) into input_id -> list of (raw bytes, record)."""
+
+    def __init__(self, bootstrap: str, prefix: str) -> None:
+        self.topic = topic_name(INBOX, prefix)
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"{prefix}-reader",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 5,
+                "log_level": 3,
+            }
+        )
+        self.consumer.assign([TopicPartition(self.topic, p, 0) for p in range(PARTITIONS)])
+        self.seen: dict[str, list[tuple[bytes, dict[str, Any]]]] = {}
+        self.partitions: dict[str, int] = {}
+
+    def drain(self) -> int:
+        """Read what is there; return how many input ids have been seen so far."""
+        for message in self.consumer.consume(1000, 0.05):
+            if message.error() is not None:
+                continue
+            value = message.value()
+            assert value is not None
+            record = decode(value, expected_name="Input").record
+            self.seen.setdefault(record["input_id"], []).append((value, record))
+            self.partitions[record["input_id"]] = message.partition() or 0
+        return len(self.seen)
+
+    def event(self, effect: Effect, timeout: float = 20.0) -> Event:
+        input_id = f"{effect.idempotency_key}:result"
+
+        def ready() -> bool:
+            self.drain()
+            return input_id in self.seen
+
+        wait_until(ready, timeout, f"the answer to {effect.type} {effect.idempotency_key[:8]}")
+        _, record = self.seen[input_id][0]
+        assert self.partitions[input_id] == partition_for(effect.run_id, PARTITIONS)
+        event = parse_event_body(record["body"])
+        assert record["kind"] == event.type and event.event_id == input_id
+        assert record["run_id"] == effect.run_id and record["trace_id"] == effect.trace_id
+        return event
+
+    def typed(self, effect: Effect, kind: type[E], timeout: float = 20.0) -> E:
+        event = self.event(effect, timeout)
+        assert isinstance(event, kind), event
+        return event
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class Effects:
+    """Produces effect records like the processor does (key run_id)."""
+
+    def __init__(self, bootstrap: str, prefix: str, kind: str) -> None:
+        self.topic = topic_name(effect_suffix(kind), prefix)
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
+        self.seq = 0
+
+    def send(self, *effects: Effect) -> None:
+        for effect in effects:
+            self.seq += 1
+            record = effect_record(effect, seq=self.seq, at=int(time.time() * 1000))
+            self.producer.produce(
+                self.topic, key=effect.run_id.encode(), value=encode("Effect", record)
+            )
+        self.producer.flush(10)
+
+
+@dataclass
+class Harness:
+    bootstrap: str
+    database_url: str
+    prefix: str
+    inbox: Inbox
+    effects: Effects
+    executor: Executor | None = None
+    thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, executor: Executor) -> None:
+        self.executor = executor
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=executor.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def stop_executor(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(30)
+            assert not self.thread.is_alive()
+
+    def config(self, kind: str, **overrides: Any) -> ExecutorConfig:
+        return ExecutorConfig(
+            bootstrap=self.bootstrap,
+            database_url=self.database_url,
+            kind=kind,
+            prefix=self.prefix,
+            workers=8,
+            max_batch=64,
+            **overrides,
+        )
+
+    def record(self, key: str) -> tuple[Any, ...] | None:
+        with psycopg.connect(self.database_url) as conn:
+            row = conn.execute(
+                "SELECT status, starts, result_kind, input_json FROM executed_actions"
+                " WHERE idempotency_key = %s",
+                (key,),
+            ).fetchone()
+        return None if row is None else tuple(row)
+
+    def artifact(self, ref: str) -> Any:
+        store = PostgresArtifactStore(self.database_url)
+        try:
+            text = store.get(ref)
+        finally:
+            store.close()
+        assert text is not None, f"artifact {ref} missing"
+        return json.loads(text)
+
+
+def release(harness: Harness) -> None:
+    """Drop the Kafka clients now (not when the broker is already gone at session end)."""
+    harness.executor = None
+    harness.effects.producer.flush(5)
+    del harness.effects.producer
+    gc.collect()
+
+
+def make_harness(bootstrap: str, database_url: str, prefix: str, kind: str) -> Harness:
+    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
+    return Harness(
+        bootstrap, database_url, prefix, Inbox(bootstrap, prefix), Effects(bootstrap, prefix, kind)
+    )
+
+
+# --------------------------------------------------------------------------- effects
+
+
+class Ids:
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.n = 0
+
+    def _base(self, kind: str) -> dict[str, Any]:
+        self.n += 1
+        return {
+            "idempotency_key": f"{self.run_id}:{kind}:{self.n}",
+            "run_id": self.run_id,
+            "step": 1,
+            "attempt": 1,
+            "trace_id": f"trace-{self.run_id}",
+        }
+
+    def call(
+        self, tool: str, args: dict[str, Any], op_key: str | None = None, dispatch: int = 1
+    ) -> CallTool:
+        base = self._base("call")
+        operation = OperationSpec(
+            key=op_key or f"op-{base['idempotency_key']}",
+            tool=tool,
+            arguments_json=canonical_json(args),
+            expected_version=None,
+            policy_decision="allow",
+            dispatch=dispatch,
+        )
+        return CallTool(**base, operation=operation)
+
+    def reconcile(self, call: CallTool) -> Reconcile:
+        op = call.operation
+        return Reconcile(
+            **self._base("reconcile"), operation_key=op.key, tool=op.tool, dispatch=op.dispatch
+        )
+
+    def poll(self, call: CallTool, poll: int) -> PollTool:
+        op = call.operation
+        return PollTool(
+            **self._base("poll"),
+            operation_key=op.key,
+            tool=op.tool,
+            dispatch=op.dispatch,
+            poll=poll,
+        )
+
+    def cancel(self, call: CallTool) -> CancelTool:
+        op = call.operation
+        return CancelTool(
+            **self._base("cancel"), operation_key=op.key, tool=op.tool, dispatch=op.dispatch
+        )
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def fast_registry(tmp: Path, base_url: str) -> Path:
+    """The example registry with short timeouts (a 'late' answer costs 0.4 s, not 5 s)."""
+    data = json.loads((REPO / "connectors" / "tools.example.json").read_text())
+    data["base_url"] = base_url
+    for tool in data["tools"]:
+        tool["timeout_ms"] = 400
+    offline = dict(data["tools"][0], name="offline_tool", endpoint="http://127.0.0.1:9/x")
+    data["tools"].append(offline)
+    path = tmp / "tools.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+class Callbacks:
+    """A tiny HTTP receiver for X-Callback-URL completions."""
+
+    def __init__(self) -> None:
+        received: list[tuple[str | None, Any]] = []
+        self.received = received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                received.append((self.headers.get("Idempotency-Key"), json.loads(body)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callbacks"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class ToolEnv:
+    harness: Harness
+    server: ServerHandle
+    http: httpx.Client
+    registry: Path
+    callbacks: Callbacks
+
+    def fault(self, **rule: Any) -> None:
+        self.http.post("/faults", json=rule).raise_for_status()
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.http.get("/stats").json()
+        return result
+
+    def counts(self, key: str) -> tuple[int, int]:
+        """(executions, calls) of an operation key at the tool server."""
+        data = self.http.get(f"/executions/{key}").json()
+        return int(data["count"]), int(data["calls"])
+
+
+@pytest.fixture(scope="module")
+def tool_env(
+    kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ToolEnv]:
+    tmp = tmp_path_factory.mktemp("tools")
+    server = tool_server.serve("127.0.0.1", 0, report_delay_ms=100)
+    registry = fast_registry(tmp, server.url)
+    callbacks = Callbacks()
+    prefix = f"t-tool-exec-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    harness = make_harness(kafka_bootstrap, database_url, prefix, "tool")
+    harness.start(ToolExecutor(harness.config("tool"), registry, callback_url=callbacks.url))
+    http = httpx.Client(base_url=server.url, timeout=5.0)
+    try:
+        yield ToolEnv(harness, server, http, registry, callbacks)
+    finally:
+        harness.stop_executor()
+        harness.inbox.close()
+        release(harness)
+        http.close()
+        callbacks.close()
+        server.close()
+
+
+@pytest.fixture
+def env(tool_env: ToolEnv, request: pytest.FixtureRequest) -> ToolEnv:
+    tool_env.http.delete("/faults").raise_for_status()
+    return tool_env
+
+
+def ids_for(request: pytest.FixtureRequest) -> Ids:
+    return Ids(f"run-{request.node.name[:30]}-{time.monotonic_ns() % 10**9}")
+
+
+TICKET = {"title": "Printer offline", "priority": "high"}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_success_stores_the_raw_output_and_records_the_action(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    env.harness.effects.send(call)
+    event = env.harness.inbox.typed(call, ToolCallSucceeded)
+    assert event.operation_key == call.operation.key and event.summary is None
+    artifact = env.harness.artifact(event.result_ref)
+    assert artifact["type"] == "tool_result" and artifact["tool"] == "create_ticket"
+    assert artifact["arguments"] == TICKET and artifact["operation_key"] == call.operation.key
+    assert artifact["output"]["ticket_id"].startswith("T-")
+    status, starts, kind, _ = env.harness.record(call.idempotency_key) or ()
+    assert (status, starts, kind) == ("completed", 1, "ToolCallSucceeded")
+    assert env.counts(call.operation.key) == (1, 1)
+
+
+def test_large_output_gets_a_deterministic_summary(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("search_docs", {"query": "refund", "size": 60_000})
+    env.harness.effects.send(call)
+    event = env.harness.inbox.typed(call, ToolCallSucceeded)
+    assert event.summary is not None and event.result_bytes > 60_000
+    assert event.summary.byte_count == event.result_bytes
+    raw = env.harness.artifact(event.result_ref)
+    assert len(canonical_json(raw["output"])) == event.result_bytes
+
+
+@pytest.mark.parametrize(
+    ("fault", "error_class", "code"),
+    [
+        ({"kind": "403"}, ErrorClass.PERMISSION_DENIED, "permission_denied"),
+        ({"kind": "409"}, ErrorClass.STATE_CONFLICT, "stale_version"),
+        ({"kind": "429", "retry_after": 2.5}, ErrorClass.RATE_LIMIT, "rate_limited"),
+        ({"kind": "300"}, ErrorClass.OBJECT_AMBIGUOUS, "ambiguous"),
+        ({"kind": "500"}, ErrorClass.TRANSIENT, None),
+        ({"kind": "503"}, ErrorClass.TRANSIENT, None),
+    ],
+)
+def test_status_classes(
+    env: ToolEnv,
+    request: pytest.FixtureRequest,
+    fault: dict[str, Any],
+    error_class: ErrorClass,
+    code: str | None,
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    env.fault(target="create_ticket", key=call.operation.key, **fault)
+    env.harness.effects.send(call)
+    event = env.harness.inbox.typed(call, ToolCallFailed)
+    assert event.error_class is error_class
+    assert code is None or event.error_code == code  # else the server's own error code
+    if fault["kind"] == "429":
+        assert event.retry_after_ms == 2500
+    assert env.counts(call.operation.key)[0] == 0  # rejections execute nothing
+
+
+def test_real_rejections_and_unreachable_tools(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    ambiguous = ids.call(
+        "update_record", {"name": "Acme", "fields": {"x": 1}, "expected_version": 1}
+    )
+    stale = ids.call("update_record", {"record_id": "R-3", "fields": {}, "expected_version": 99})
+    invalid = ids.call("create_ticket", {"nope": True})
+    unknown = ids.call("no_such_tool", {})
+    offline = ids.call("offline_tool", {"query": "x"})
+    env.harness.effects.send(ambiguous, stale, invalid, unknown, offline)
+    inbox = env.harness.inbox
+    assert inbox.typed(ambiguous, ToolCallFailed).error_class is ErrorClass.OBJECT_AMBIGUOUS
+    assert inbox.typed(stale, ToolCallFailed).error_class is ErrorClass.STATE_CONFLICT
+    bad = inbox.typed(invalid, ToolCallFailed)
+    assert (bad.error_class, bad.error_code) == (ErrorClass.UNKNOWN, "invalid_arguments")
+    assert inbox.typed(unknown, ToolCallFailed).error_code == "unknown_tool"
+    down = inbox.typed(offline, ToolCallFailed)  # nothing was sent: safe to retry
+    assert (down.error_class, down.error_code) == (ErrorClass.TRANSIENT, "connect_failed")
+
+
+def test_timeout_but_executed_then_reconcile_finds_it(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    env.fault(target="create_ticket", key=call.operation.key, kind="late", delay_ms=1500)
+    env.harness.effects.send(call)
+    env.harness.inbox.typed(call, ToolCallTimedOut)  # UNKNOWN, never failed
+    reconcile = ids.reconcile(call)
+    env.harness.effects.send(reconcile)
+    found = env.harness.inbox.typed(reconcile, ReconcileCompleted)
+    assert found.outcome is ReconcileOutcome.FOUND_SUCCEEDED and found.result_ref
+    assert env.harness.artifact(found.result_ref)["output"]["ticket_id"].startswith("T-")
+    assert env.counts(call.operation.key) == (1, 1)
+
+
+def test_dropped_before_execution_then_resend_with_the_same_key(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("send_email", {"to": "a@example.com", "subject": "s", "body": "b"})
+    env.fault(target="send_email", key=call.operation.key, kind="drop")
+    env.harness.effects.send(call)
+    env.harness.inbox.typed(call, ToolCallTimedOut)
+    reconcile = ids.reconcile(call)
+    env.harness.effects.send(reconcile)
+    outcome = env.harness.inbox.typed(reconcile, ReconcileCompleted).outcome
+    assert outcome is ReconcileOutcome.NOT_EXECUTED
+    resend = ids.call(
+        call.operation.tool,
+        {"to": "a@example.com", "subject": "s", "body": "b"},
+        op_key=call.operation.key,
+        dispatch=2,
+    )
+    env.harness.effects.send(resend)
+    assert env.harness.inbox.typed(resend, ToolCallSucceeded).dispatch == 2
+    assert env.counts(call.operation.key) == (1, 2)  # two requests, one execution
+
+
+def test_undeterminable_lookup(env: ToolEnv, request: pytest.FixtureRequest) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    env.fault(target="create_ticket", key=call.operation.key, kind="drop_after")
+    env.fault(target="operations", key=call.operation.key, kind="unknown")
+    env.harness.effects.send(call)
+    env.harness.inbox.typed(call, ToolCallTimedOut)
+    reconcile = ids.reconcile(call)
+    env.harness.effects.send(reconcile)
+    outcome = env.harness.inbox.typed(reconcile, ReconcileCompleted).outcome
+    assert outcome is ReconcileOutcome.UNDETERMINABLE
+    assert env.counts(call.operation.key) == (1, 1)
+
+
+def test_async_tool_accepted_then_poll_and_callback(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("run_report", {"report": "sales", "duration_ms": 300})
+    env.harness.effects.send(call)
+    env.harness.inbox.typed(call, ToolCallAccepted)
+    first = ids.poll(call, 1)
+    env.harness.effects.send(first)
+    running = env.harness.inbox.typed(first, ToolStatusReported)
+    assert running.poll == 1 and running.status == "running"
+    wait_until(
+        lambda: any(k == call.operation.key for k, _ in env.callbacks.received), 10, "callback"
+    )
+    body = next(b for k, b in env.callbacks.received if k == call.operation.key)
+    assert body["status"] == "succeeded"
+    second = ids.poll(call, 2)
+    env.harness.effects.send(second)
+    done = env.harness.inbox.typed(second, ToolCallSucceeded)
+    assert env.harness.artifact(done.result_ref)["output"] == body["result"]
+
+
+def test_cancel_confirmed_and_unconfirmed(env: ToolEnv, request: pytest.FixtureRequest) -> None:
+    ids = ids_for(request)
+    running = ids.call("run_report", {"report": "long", "duration_ms": 60_000})
+    finished = ids.call("run_report", {"report": "short", "duration_ms": 1})
+    no_cancel_url = ids.call("create_ticket", TICKET)
+    env.harness.effects.send(running, finished, no_cancel_url)
+    env.harness.inbox.typed(running, ToolCallAccepted)
+    env.harness.inbox.typed(finished, ToolCallAccepted)
+    env.harness.inbox.typed(no_cancel_url, ToolCallSucceeded)
+    key = finished.operation.key
+    wait_until(
+        lambda: env.http.get(f"/operations/{key}").json()["status"] == "succeeded", 10, "done"
+    )
+    cancels = [ids.cancel(running), ids.cancel(finished), ids.cancel(no_cancel_url)]
+    env.harness.effects.send(*cancels)
+    assert isinstance(env.harness.inbox.event(cancels[0]), CancelConfirmed)
+    assert isinstance(env.harness.inbox.event(cancels[1]), CancelUnconfirmed)
+    assert isinstance(env.harness.inbox.event(cancels[2]), CancelUnconfirmed)
+
+
+def test_redelivered_effect_is_answered_from_the_record(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    env.harness.effects.send(call)
+    env.harness.inbox.typed(call, ToolCallSucceeded)
+    env.harness.effects.send(call)  # the same effect again (a redelivery)
+    input_id = f"{call.idempotency_key}:result"
+    wait_until(
+        lambda: (env.harness.inbox.drain(), len(env.harness.inbox.seen[input_id]) == 2)[1],
+        20,
+        "the second answer",
+    )
+    (a, _), (b, _) = env.harness.inbox.seen[input_id]
+    assert a == b  # byte-identical: same input id, same at, same body
+    assert env.counts(call.operation.key) == (1, 1)  # no second request
+
+
+def _mark_started(harness: Harness, call: CallTool) -> None:
+    with psycopg.connect(harness.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step, attempt,"
+            " operation_key, status, executor) VALUES (%s, 'CallTool', %s, 1, 1, %s,"
+            " 'started', 'crashed')",
+            (call.idempotency_key, call.run_id, call.operation.key),
+        )
+
+
+def test_started_record_is_reconciled_not_called_again(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """A crash between the call and the commit: the redelivery looks the key up first."""
+    ids = ids_for(request)
+    executed = ids.call("create_ticket", TICKET)
+    never_sent = ids.call("create_ticket", {"title": "Other"})
+    unknowable = ids.call("create_ticket", {"title": "Third"})
+    # the "crashed" executor had sent the first call; not the second; the third can't be told
+    env.http.post(
+        "/tools/create_ticket", json=TICKET, headers={"Idempotency-Key": executed.operation.key}
+    ).raise_for_status()
+    for call in (executed, never_sent, unknowable):
+        _mark_started(env.harness, call)
+    env.fault(target="operations", key=unknowable.operation.key, kind="unknown")
+    env.harness.effects.send(executed, never_sent, unknowable)
+    env.harness.inbox.typed(executed, ToolCallSucceeded)
+    env.harness.inbox.typed(never_sent, ToolCallSucceeded)
+    env.harness.inbox.typed(unknowable, ToolCallTimedOut)
+    assert env.counts(executed.operation.key) == (1, 1)  # looked up, not called again
+    assert env.counts(never_sent.operation.key) == (1, 1)  # 404, then called once
+    assert env.counts(unknowable.operation.key) == (0, 0)  # never blindly called
+    assert (env.harness.record(executed.idempotency_key) or ())[1] == 2  # starts
+
+
+def test_a_second_executor_joining_mid_stream_executes_nothing_twice(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """Scale-out: a rebalance moves partitions while batches are in flight (commits of the
+    old owner may fail and rewind); every effect is answered, every key executed once."""
+    base = ids_for(request).run_id
+
+    def make(n: int) -> list[CallTool]:  # one run per call: effects spread over partitions
+        first = len(calls)
+        return [
+            Ids(f"{base}-{i}").call("create_ticket", {"title": f"scale {i}"})
+            for i in range(first, first + n)
+        ]
+
+    env.fault(target="create_ticket", kind="slow", delay_ms=10, times=None)
+    second = Harness(
+        env.harness.bootstrap, env.harness.database_url, env.harness.prefix,
+        env.harness.inbox, env.harness.effects,
+    )  # fmt: skip
+    calls: list[CallTool] = []
+    try:
+        second.start(ToolExecutor(env.harness.config("tool", instance_id="1"), env.registry))
+        assert second.executor is not None
+        deadline = time.monotonic() + 60
+        while second.executor.stats.effects == 0:  # keep effects flowing until it takes over
+            assert time.monotonic() < deadline, "the second executor never got a partition"
+            wave = make(10)
+            env.harness.effects.send(*wave)
+            calls.extend(wave)
+            time.sleep(0.05)
+        wave = make(100)
+        env.harness.effects.send(*wave)
+        calls.extend(wave)
+        for call in calls:
+            env.harness.inbox.event(call, timeout=60)
+    finally:
+        second.stop_executor()
+        env.http.delete("/faults")
+    stats = env.stats()
+    assert all(stats["executions"].get(c.operation.key) == 1 for c in calls)
+    for call in calls:
+        copies = {raw for raw, _ in env.harness.inbox.seen[f"{call.idempotency_key}:result"]}
+        assert len(copies) == 1
+
+
+def test_callback_url_is_per_operation_and_signed_like_the_api() -> None:
+    from connectors.api import callback_url
+    from connectors.tool_executor import ToolHandler, ToolRegistry
+
+    registry = ToolRegistry.load(REPO / "connectors" / "tools.example.json")
+    template = "http://api.test/operations/{key}/callback"
+    handler = ToolHandler(registry, callback_url=template, callback_secret=b"secret")
+    try:
+        assert handler.callback_for("k1") == callback_url("http://api.test", "k1", b"secret")
+    finally:
+        handler.close()
+
+
+def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    calls = [ids.call("create_ticket", {"title": f"ticket {i}"}) for i in range(400)]
+    # a little latency per call so the kill lands while calls are in flight
+    env.fault(target="create_ticket", kind="slow", delay_ms=20, times=None)
+    before = env.stats()["tool_calls"]
+    command = [
+        sys.executable, "-m", "connectors.tool_executor",
+        "--bootstrap", env.harness.bootstrap, "--database-url", env.harness.database_url,
+        "--prefix", env.harness.prefix, "--instance", "k9",
+        "--registry", str(env.registry), "--workers", "16", "--max-batch", "50",
+    ]  # fmt: skip
+    env.harness.stop_executor()  # the subprocesses take over the executor group
+    try:
+        first = subprocess.Popen(command, cwd=REPO)
+        env.harness.effects.send(*calls)
+        wait_until(lambda: env.stats()["tool_calls"] >= before + 120, 60, "calls in flight")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        env.harness.inbox.drain()
+        answered = sum(f"{c.idempotency_key}:result" in env.harness.inbox.seen for c in calls)
+        assert answered < len(calls)  # the kill landed mid-run
+        second = subprocess.Popen(command, cwd=REPO)
+        try:
+            for call in calls:
+                env.harness.inbox.event(call, timeout=60)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
+    finally:
+        env.http.delete("/faults")
+        env.harness.start(
+            ToolExecutor(env.harness.config("tool"), env.registry, callback_url=env.callbacks.url)
+        )
+    stats = env.stats()
+    for call in calls:
+        key = call.operation.key
+        assert stats["executions"].get(key) == 1, key
+        assert stats["calls"].get(key) == 1, key  # never a blind second request
+        copies = {raw for raw, _ in env.harness.inbox.seen[f"{call.idempotency_key}:result"]}
+        assert len(copies) == 1  # one answer per effect (re-sends are byte-identical)
