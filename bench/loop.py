@@ -1,0 +1,284 @@
+"""`agentruns bench loop`: the headline benchmark, the whole pipeline end to end.
+
+N concurrent runs (default levels 1, 16, 64) of a 10-step agent loop: each step is a streamed
+model call to the scripted model server (zero latency) that asks for one tool call to the
+example tool server (zero latency), whose result starts the next step; the 11th model call
+answers. Every component is its own process (model server, tool server, processor, model
+executor, tool executor), as in production. Figures: durable steps/s (a step counts when the
+snapshot that starts the next step is committed), per-step latency p50/p99, run latency
+p50/p99, and the peak RSS of each process. One JSON object on the last line; also written to
+bench/results/loop.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from connectors.db import migrate
+from connectors.demo import registry_tools
+from connectors.procs import free_port_block
+from connectors.services import ServiceStack
+from connectors.supervisor import Supervisor
+from processors.events import Message, RunSubmitted
+from processors.state import Budgets
+from streams.admin import ensure_topics
+from streams.codec import decode, encode
+from streams.partitioning import partition_for
+from streams.topics import INBOX, RESULTS, STATE, topic_name
+
+STEPS = 10
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _peak_rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return float("nan")
+
+
+class Driver:
+    """Keeps `concurrency` runs in flight and measures them from the committed topics."""
+
+    def __init__(self, bootstrap: str, prefix: str, partitions: int) -> None:
+        self.prefix = prefix
+        self.partitions = partitions
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
+        self.inbox = topic_name(INBOX, prefix)
+        self.tools = registry_tools()
+        self.submitted: dict[str, float] = {}
+        self.step_seen: dict[str, tuple[int, float]] = {}
+        self.step_latencies: list[float] = []
+        self.run_latencies: list[float] = []
+        self.done: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-loop-{uuid.uuid4().hex[:8]}",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 5,
+                "log_level": 3,
+            }
+        )
+        self._consumer.assign(
+            [
+                TopicPartition(topic_name(t, prefix), p, 0)
+                for t in (STATE, RESULTS)
+                for p in range(partitions)
+            ]
+        )
+        self.stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def submit(self, level: int, i: int) -> str:
+        run_id = f"loop-{level}-{i}-{uuid.uuid4().hex[:6]}"
+        event = RunSubmitted(
+            run_id=run_id,
+            event_id=f"{run_id}:submit",
+            at=int(time.time() * 1000),
+            trace_id=uuid.uuid4().hex,
+            goal="ten tickets",
+            messages=(Message(role="user", content=f"scenario:bench_10 run {run_id}"),),
+            tools=self.tools,
+            model_route="scenario:bench_10",
+            budgets=Budgets(max_steps=STEPS + 5),
+        )
+        record = {
+            "input_id": event.event_id,
+            "run_id": run_id,
+            "kind": event.type,
+            "trace_id": event.trace_id,
+            "producer_id": None,
+            "producer_seq": None,
+            "at": event.at,
+            "body": event.model_dump_json(),
+            "reply_to": None,
+        }
+        with self._lock:
+            self.submitted[run_id] = time.monotonic()
+        self.producer.produce(
+            self.inbox,
+            key=run_id.encode(),
+            value=encode("Input", record),
+            partition=partition_for(run_id, self.partitions),
+        )
+        self.producer.poll(0)
+        return run_id
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            for msg in self._consumer.consume(500, 0.05):
+                value = msg.value()
+                if msg.error() is not None or value is None:
+                    continue
+                now = time.monotonic()
+                topic = msg.topic() or ""
+                if topic.endswith(".state"):
+                    snap = decode(value, "Snapshot").record
+                    state = json.loads(snap["state"]) if snap["state"] else None
+                    if state is None:
+                        continue
+                    run_id, step = snap["run_id"], int(state["step"])
+                    with self._lock:
+                        seen = self.step_seen.get(run_id)
+                        if seen is None:
+                            began = self.submitted.get(run_id, now)
+                            self.step_seen[run_id] = (step, began)
+                        elif step > seen[0]:
+                            self.step_latencies.append((now - seen[1]) / (step - seen[0]))
+                            self.step_seen[run_id] = (step, now)
+                else:
+                    result = decode(value, "Result").record
+                    with self._lock:
+                        submitted = self.submitted.get(result["run_id"])
+                        if submitted is not None and result["run_id"] not in self.done:
+                            self.done[result["run_id"]] = result["status"]
+                            self.run_latencies.append(now - submitted)
+
+    def level(self, concurrency: int, runs: int, timeout: float) -> dict[str, Any]:
+        self.producer.flush(10)
+        with self._lock:
+            base_steps = len(self.step_latencies)
+            base_runs = len(self.run_latencies)
+        started = time.monotonic()
+        mine: list[str] = []
+        next_index = 0
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                in_flight = sum(1 for r in mine if r not in self.done)
+                finished = sum(1 for r in mine if r in self.done)
+            if finished >= runs:
+                break
+            while in_flight < concurrency and next_index < runs:
+                mine.append(self.submit(concurrency, next_index))
+                next_index += 1
+                in_flight += 1
+            self.producer.flush(5)
+            time.sleep(0.005)
+        elapsed = time.monotonic() - started
+        with self._lock:
+            steps = sorted(self.step_latencies[base_steps:])
+            run_lat = sorted(self.run_latencies[base_runs:])
+            statuses = [self.done.get(r, "UNFINISHED") for r in mine]
+        completed = sum(1 for s in statuses if s != "UNFINISHED")
+        return {
+            "concurrency": concurrency,
+            "runs": runs,
+            "completed": completed,
+            "succeeded": statuses.count("SUCCEEDED"),
+            "seconds": round(elapsed, 2),
+            "durable_steps_per_s": round(len(steps) / elapsed, 1) if elapsed else 0.0,
+            "step_latency_p50_ms": round(_pct(steps, 0.5) * 1000, 1),
+            "step_latency_p99_ms": round(_pct(steps, 0.99) * 1000, 1),
+            "run_latency_p50_ms": round(_pct(run_lat, 0.5) * 1000, 1),
+            "run_latency_p99_ms": round(_pct(run_lat, 0.99) * 1000, 1),
+        }
+
+    def close(self) -> None:
+        self.stop.set()
+        self._watcher.join(timeout=10)
+        self._consumer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns bench loop", description=__doc__)
+    parser.add_argument("--levels", default="1,16,64", help="concurrent runs per level")
+    parser.add_argument(
+        "--runs", default="20,300,700", help="runs per level (at least 1,000 in all)"
+    )
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
+    parser.add_argument("--out", default="bench/results/loop.json")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    levels = [int(x) for x in args.levels.split(",")]
+    runs = [int(x) for x in args.runs.split(",")]
+    if len(runs) != len(levels):
+        parser.error("--runs needs one count per level")
+    prefix = f"loop-{uuid.uuid4().hex[:8]}"
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
+        model_port = free_port_block(1, start=46000)
+        tool_port = free_port_block(1, start=model_port + 1)
+        env = {
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
+            "DATABASE_URL": ep.database_url,
+            "AGENTRUNS_LOG_LEVEL": "WARNING",
+        }
+        sup = Supervisor(Path(tempfile.gettempdir()) / f"{prefix}-logs", env)
+        common = ("--prefix", prefix)
+        sup.add("model-server", "connectors.model_server", "--port", str(model_port))
+        sup.add("tool-server", "connectors.tool_server", "--port", str(tool_port))
+        sup.add("processor", "connectors.processor_service", *common, "--log-level", "WARNING")
+        sup.add(
+            "model-executor",
+            "connectors.model_executor",
+            *common,
+            "--base-url",
+            f"http://127.0.0.1:{model_port}",
+        )
+        sup.add(
+            "tool-executor",
+            "connectors.tool_executor",
+            *common,
+            "--base-url",
+            f"http://127.0.0.1:{tool_port}",
+        )
+        sup.start_all()
+        driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
+        results = []
+        try:
+            driver.level(1, 1, 120)  # warm-up: every process connected and joined
+            for concurrency, count in zip(levels, runs, strict=True):
+                print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
+                results.append(driver.level(concurrency, count, args.timeout))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            rss = {
+                name: _peak_rss_mib(c.process.pid)
+                for name, c in sup.components.items()
+                if c.process is not None
+            }
+        finally:
+            driver.close()
+            sup.stop_all()
+    figures = {
+        "bench": "loop",
+        "steps_per_run": STEPS,
+        "runs_total": sum(r["runs"] for r in results),
+        "levels": results,
+        "peak_rss_mib": rss,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,313 @@
+"""`agentruns chaos`: mixed runs while a driver kill -9s random components.
+
+Starts Kafka and Postgres (local ones when none is configured), the scripted model server and
+the example tool server (never killed: they stand for the outside world), and the pipeline as
+separate processes: two processors, both executors, the timer service and the sink. It submits
+runs of mixed scenarios, injects a few bad inputs, kill -9s a random component every few seconds
+and restarts it, restarts the broker once (when it is ours), waits for every run to end, and
+then checks:
+
+- every run has exactly one terminal result;
+- no tool idempotency key was executed twice (the tool server's counters);
+- `agentruns audit` finds no difference between the log, the snapshots and Postgres;
+- the DLQ holds exactly the injected bad inputs.
+
+It prints runs, kills, restarts, duplicates and lost runs, and one JSON object last. Exit code 0
+only when every check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from confluent_kafka import Producer
+
+from connectors import model_server, tool_server
+from connectors.audit import audit
+from connectors.db import migrate
+from connectors.demo import registry_tools
+from connectors.services import ServiceStack, state_dir
+from connectors.supervisor import Supervisor
+from processors.events import Message, RunSubmitted
+from processors.state import Budgets, Policy
+from streams.admin import ensure_topics
+from streams.codec import encode
+from streams.partitioning import partition_for
+from streams.topics import DLQ, INBOX, RESULTS, topic_name
+
+PARTITIONS = 6
+KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
+
+
+@dataclass(frozen=True)
+class Mix:
+    model_scenario: str
+    budgets: Budgets
+    policy: Policy
+
+
+MIXES = (
+    Mix("multi_tool", Budgets(), Policy()),
+    Mix("flaky_stream", Budgets(), Policy()),
+    Mix("loop_forever", Budgets(), Policy()),
+    Mix("multi_tool", Budgets(max_steps=2), Policy()),
+    Mix(
+        "approval",
+        Budgets(),
+        Policy(
+            approval_required=("admin",),
+            allowed_permissions=("read", "write", "admin"),
+            user_wait_ms=2000,
+        ),
+    ),
+)
+
+
+def _read_results(bootstrap: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    from connectors.audit import read_topic
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for record in read_topic(bootstrap, topic_name(RESULTS, prefix), "Result"):
+        out.setdefault(record["run_id"], []).append(record)
+    return out
+
+
+def _dlq_count(bootstrap: str, prefix: str) -> int:
+    from connectors.audit import read_topic
+
+    return sum(1 for _ in read_topic(bootstrap, topic_name(DLQ, prefix), "DeadLetter"))
+
+
+def run_chaos(
+    *,
+    runs: int,
+    minutes: float,
+    kill_every: float,
+    broker_restart: bool,
+    seed: int,
+    say: Any = print,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    prefix = f"chaos-{uuid.uuid4().hex[:8]}"
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=PARTITIONS)
+        with (
+            model_server.serve("127.0.0.1", 0) as models,
+            tool_server.serve("127.0.0.1", 0, report_delay_ms=500) as tools,
+        ):
+            env = {
+                **os.environ,
+                "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
+                "DATABASE_URL": ep.database_url,
+                "AGENTRUNS_LOG_LEVEL": "WARNING",
+            }
+            log_dir = state_dir() / "logs" / prefix
+            sup = Supervisor(log_dir, env)
+            common = ("--prefix", prefix)
+            for i in (0, 1):
+                sup.add(
+                    f"processor-{i}",
+                    "connectors.processor_service",
+                    *common,
+                    "--instance-id",
+                    str(i),
+                    "--log-level",
+                    "WARNING",
+                )
+            sup.add(
+                "model-executor", "connectors.model_executor", *common, "--base-url", models.url
+            )
+            sup.add("tool-executor", "connectors.tool_executor", *common, "--base-url", tools.url)
+            sup.add("timer", "connectors.timer_service", *common, "--log-level", "WARNING")
+            sup.add("sink", "connectors.sink", *common, "--log-level", "WARNING")
+            sup.start_all()
+            producer = Producer(
+                {"bootstrap.servers": ep.kafka_bootstrap, "enable.idempotence": True}
+            )
+            inbox = topic_name(INBOX, prefix)
+            tool_specs = registry_tools()
+            run_ids: list[str] = []
+            kills = 0
+            restarts = 0
+            broker_restarts = 0
+            stop_killing = threading.Event()
+            began = time.monotonic()
+            deadline = began + minutes * 60
+
+            def killer() -> None:
+                nonlocal kills, restarts, broker_restarts
+                restarted_broker = not broker_restart or stack.local is None
+                while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
+                    if not restarted_broker and kills >= 3:
+                        say("chaos: restarting the Kafka broker")
+                        assert stack.local is not None
+                        stack.local.kafka.restart()
+                        broker_restarts += 1
+                        restarted_broker = True
+                        continue
+                    name = rng.choice(KILLABLE)
+                    sup.kill(name)
+                    kills += 1
+                    stop_killing.wait(rng.uniform(0.0, 2.0))
+                    sup.start(name)
+                    restarts += 1
+                    say(f"chaos: kill -9 {name}, restarted ({kills} kills)")
+
+            killing = threading.Thread(target=killer, daemon=True)
+            killing.start()
+            injected = 0
+            try:
+                for i in range(runs):
+                    mix = MIXES[i % len(MIXES)]
+                    run_id = f"chaos-{i:04d}-{mix.model_scenario}"
+                    event = RunSubmitted(
+                        run_id=run_id,
+                        event_id=f"{run_id}:submit",
+                        at=int(time.time() * 1000),
+                        trace_id=uuid.uuid4().hex,
+                        goal=f"chaos {mix.model_scenario}",
+                        messages=(
+                            Message(role="user", content=f"scenario:{mix.model_scenario} {run_id}"),
+                        ),
+                        tools=tool_specs,
+                        policy=mix.policy,
+                        model_route=f"scenario:{mix.model_scenario}",
+                        budgets=mix.budgets,
+                    )
+                    record = {
+                        "input_id": event.event_id,
+                        "run_id": run_id,
+                        "kind": event.type,
+                        "trace_id": event.trace_id,
+                        "producer_id": None,
+                        "producer_seq": None,
+                        "at": event.at,
+                        "body": event.model_dump_json(),
+                        "reply_to": None,
+                    }
+                    producer.produce(
+                        inbox,
+                        key=run_id.encode(),
+                        value=encode("Input", record),
+                        partition=partition_for(run_id, PARTITIONS),
+                    )
+                    run_ids.append(run_id)
+                    if i % 50 == 0:  # bad input, which must end in the DLQ and nowhere else
+                        producer.produce(inbox, key=b"garbage", value=b"\x00not avro", partition=0)
+                        injected += 1
+                    producer.poll(0)
+                    time.sleep(rng.uniform(0.0, 0.05))
+                producer.flush(60)
+                say(f"chaos: submitted {runs} runs and {injected} bad inputs")
+                results: dict[str, list[dict[str, Any]]] = {}
+                while time.monotonic() < deadline:
+                    results = _read_results(ep.kafka_bootstrap, prefix)
+                    if all(r in results for r in run_ids):
+                        break
+                    for name in sup.components:
+                        if not sup.alive(name) and not stop_killing.is_set():
+                            sup.start(name)
+                    time.sleep(2.0)
+            finally:
+                stop_killing.set()
+                killing.join(timeout=120)
+            # Let the sink catch up before the audit compares Postgres with the log.
+            for name in sup.components:
+                sup.start(name)
+            results = _read_results(ep.kafka_bootstrap, prefix)
+            report = None
+            for _ in range(30):
+                report = audit(ep.kafka_bootstrap, prefix, ep.database_url, run_ids=run_ids)
+                if not report.differences:
+                    break
+                time.sleep(2.0)
+            assert report is not None
+            executions = httpx.get(f"{tools.url}/stats", timeout=10).json().get("executions", {})
+            dlq = _dlq_count(ep.kafka_bootstrap, prefix)
+            sup.stop_all()
+        restartable = stack.local is not None
+    lost = [r for r in run_ids if r not in results]
+    terminal_twice = [
+        r for r, rs in results.items() if len({json.dumps(x, sort_keys=True) for x in rs}) > 1
+    ]
+    duplicates = {k: n for k, n in executions.items() if n > 1}
+    return {
+        "runs": len(run_ids),
+        "kills": kills,
+        "restarts": restarts,
+        "broker_restarts": broker_restarts,
+        "broker_restartable": restartable,
+        "lost": len(lost),
+        "terminal_twice": len(terminal_twice),
+        "duplicate_tool_executions": len(duplicates),
+        "audit_differences": len(report.differences),
+        "audit_first": [str(d) for d in report.differences[:5]],
+        "dlq_injected": injected,
+        "dlq": dlq,
+        "statuses": _count(r[-1]["status"] for r in results.values()),
+        "seconds": round(time.monotonic() - began, 1),
+        "logs": str(log_dir),
+    }
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns chaos", description=__doc__)
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--minutes", type=float, default=10.0, help="time limit")
+    parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
+    parser.add_argument("--no-broker-restart", action="store_true")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    figures = run_chaos(
+        runs=args.runs,
+        minutes=args.minutes,
+        kill_every=args.kill_every,
+        broker_restart=not args.no_broker_restart,
+        seed=args.seed,
+        say=lambda text: print(text, file=sys.stderr, flush=True),
+    )
+    ok = ok_figures(figures)
+    print(
+        f"runs {figures['runs']}, kills {figures['kills']}, restarts {figures['restarts']}, "
+        f"broker restarts {figures['broker_restarts']}, duplicates "
+        f"{figures['duplicate_tool_executions']}, lost {figures['lost']}, audit differences "
+        f"{figures['audit_differences']}: {'OK' if ok else 'FAILED'}",
+        file=sys.stderr,
+    )
+    print(json.dumps(figures))
+    return 0 if ok else 1
+
+
+def ok_figures(figures: dict[str, Any]) -> bool:
+    return bool(
+        figures["lost"] == 0
+        and figures["terminal_twice"] == 0
+        and figures["duplicate_tool_executions"] == 0
+        and figures["audit_differences"] == 0
+        and figures["dlq"] == figures["dlq_injected"]
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
