@@ -10,11 +10,14 @@ import json
 from typing import Any
 
 _SEP = "\x1f"
+# json.dumps with non-default options builds a new JSONEncoder on every call; one shared,
+# stateless encoder with the same options gives the same bytes for less work.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def canonical_json(value: Any) -> str:
     """JSON with sorted keys and no insignificant whitespace (byte-stable)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _CANONICAL.encode(value)
 
 
 def sha256_hex(text: str) -> str:

@@ -365,14 +365,19 @@ def record_error(s: RunState, code: str) -> tuple[RunState, str | None]:
 
 def record_actions(s: RunState, action_hashes: list[str]) -> tuple[RunState, str | None]:
     """Remember tool+args hashes and the step's plan hash; name a loop pattern (R21)."""
+    loop, pattern = _remember_actions(s, action_hashes)
+    return s.model_copy(update={"loop": loop}), pattern
+
+
+def _remember_actions(s: RunState, action_hashes: list[str]) -> tuple[LoopMemory, str | None]:
+    """``record_actions`` without the state copy: the new loop memory and the loop it names."""
     limits = s.config.loop
     actions = (*s.loop.recent_actions, *action_hashes)[-LOOP_WINDOW:]
     plan = action_hashes[0] if len(action_hashes) == 1 else short_hash(*sorted(action_hashes))
     plans = (*s.loop.plan_history, plan)[-4:]
     loop = s.loop.model_copy(update={"recent_actions": actions, "plan_history": plans})
-    s = s.model_copy(update={"loop": loop})
     if _all_same(actions, limits.max_repeat_action):
-        return s, "loop:repeated_action"
+        return loop, "loop:repeated_action"
     if (
         limits.detect_oscillation
         and len(plans) == 4
@@ -380,8 +385,8 @@ def record_actions(s: RunState, action_hashes: list[str]) -> tuple[RunState, str
         and plans[1] == plans[3]
         and plans[0] != plans[1]
     ):
-        return s, "loop:plan_oscillation"
-    return s, None
+        return loop, "loop:plan_oscillation"
+    return loop, None
 
 
 def _mark_progress(s: RunState) -> RunState:
@@ -478,20 +483,19 @@ def _on_model_completed(s: RunState, e: ModelCallCompleted) -> Transition:
     if (e.step, e.attempt) != (s.step, s.attempt):
         return _unchanged(s, Disposition.LATE, f"result of old attempt {e.step}.{e.attempt}")
     out = _Out(s, e)
-    usage = Usage(
-        input_tokens=e.usage.input_tokens,
-        output_tokens=e.usage.output_tokens,
-        cost_micros=e.usage.cost_micros,
+    usage_total = Usage(
+        input_tokens=s.usage.input_tokens + e.usage.input_tokens,
+        output_tokens=s.usage.output_tokens + e.usage.output_tokens,
+        cost_micros=s.usage.cost_micros + e.usage.cost_micros,
     )
-    usage_total = s.usage.plus(usage)
-    if e.outcome is not ModelOutcome.FINISHED or e.candidate is None:
-        s = s.model_copy(update={"usage": usage_total})
+    if e.outcome is ModelOutcome.FINISHED and e.candidate is not None:
+        candidate_json = e.candidate.model_dump_json()
+        ref = out.store(candidate_json)
+        # applied together with the validation decision: one state copy instead of two
+        applied = {"usage": usage_total, "candidate_ref": e.candidate_ref or ref}
+        return out.done(_validate(s, out, e.candidate, candidate_json, applied))
+    s = s.model_copy(update={"usage": usage_total})
     match e.outcome:
-        case ModelOutcome.FINISHED if e.candidate is not None:
-            candidate_json = e.candidate.model_dump_json()
-            ref = out.store(candidate_json)
-            s = s.model_copy(update={"usage": usage_total, "candidate_ref": e.candidate_ref or ref})
-            return out.done(_validate(s, out, e.candidate, candidate_json))
         case ModelOutcome.BLOCKED:
             return out.done(_terminate(s, out, RunStatus.FAILED, "model:blocked"))
         case ModelOutcome.RATE_LIMITED:
@@ -516,9 +520,13 @@ def _on_model_completed(s: RunState, e: ModelCallCompleted) -> Transition:
 # --------------------------------------------------------------------------- VALIDATING
 
 
-def _validate(s: RunState, out: _Out, candidate: Candidate, candidate_json: str) -> RunState:
+def _validate(
+    s: RunState, out: _Out, candidate: Candidate, candidate_json: str, applied: dict[str, Any]
+) -> RunState:
+    """``applied``: the model result's state update, folded into the decision's copy."""
     s = _goto(s, out, RunStatus.VALIDATING)
-    cref = s.candidate_ref or ""
+    cref = applied["candidate_ref"] or ""
+    # the validation context reads neither usage nor candidate_ref, so ``s`` may lag here
     decision = revalidate(
         candidate, ValidationContext.from_state(s), s.config.validator_version, candidate_json
     )
@@ -530,7 +538,7 @@ def _validate(s: RunState, out: _Out, candidate: Candidate, candidate_json: str)
         error_code=decision.error_code,
         evidence_hash=decision.evidence_hash,
     )
-    s = s.model_copy(update={"last_decision": record})
+    s = s.model_copy(update={**applied, "last_decision": record})
     match decision.action:
         case "dispatch" | "approve":
             return _dispatch(s, out, decision.calls, approve=decision.action == "approve")
@@ -593,17 +601,17 @@ def _dispatch(s: RunState, out: _Out, calls: Iterable[ValidatedCall], approve: b
     limit = s.config.budgets.max_tool_calls
     if limit is not None and s.tool_calls + len(ops) > limit:
         return _terminate(s, out, RunStatus.BUDGET_EXHAUSTED, "budget:max_tool_calls")
-    s, loop = record_actions(s, [o.action_hash for o in ops.values()])
-    if loop is not None:
-        return _terminate(s, out, RunStatus.FAILED, loop)
-    s = s.model_copy(update={"ops": (*s.ops, *ops.values())})
+    loop, pattern = _remember_actions(s, [o.action_hash for o in ops.values()])
+    if pattern is not None:
+        return _terminate(s.model_copy(update={"loop": loop}), out, RunStatus.FAILED, pattern)
+    update: dict[str, Any] = {"loop": loop, "ops": (*s.ops, *ops.values())}
     if approve:
         payload = {"approve": [{"tool": o.tool, "arguments": o.args_json} for o in ops.values()]}
-        return _ask(s, out, "approval", payload)
+        return _ask(s.model_copy(update=update), out, "approval", payload)
     for op in ops.values():
-        _send(s, out, op)
-    s = s.model_copy(update={"tool_calls": s.tool_calls + len(ops)})
-    return _goto(s, out, RunStatus.TOOL_RUNNING)
+        _send(s, out, op)  # reads only run/step/attempt/trace ids, unchanged by ``update``
+    update["tool_calls"] = s.tool_calls + len(ops)
+    return _goto(s.model_copy(update=update), out, RunStatus.TOOL_RUNNING)
 
 
 def _start_approved(s: RunState, out: _Out) -> RunState:
@@ -711,8 +719,12 @@ def _tool_phase(s: RunState) -> RunStatus:
     return RunStatus.TOOL_RUNNING
 
 
+def _replaced(ops: tuple[Operation, ...], op: Operation) -> tuple[Operation, ...]:
+    return tuple([op if o.key == op.key else o for o in ops])
+
+
 def _replace_op(s: RunState, op: Operation) -> RunState:
-    return s.model_copy(update={"ops": tuple(op if o.key == op.key else o for o in s.ops)})
+    return s.model_copy(update={"ops": _replaced(s.ops, op)})
 
 
 def _resend(s: RunState, out: _Out, op: Operation, retries: int | None = None) -> RunState:
@@ -802,9 +814,10 @@ def _succeed(
     op = op.model_copy(
         update={"status": OpStatus.SUCCEEDED, "result_ref": result_ref, "summary_ref": summary_ref}
     )
-    s = _cancel_timers(_replace_op(s, op), out, keep=lambda t: t.op_key != op.key)
+    s = _cancel_timers(s, out, keep=lambda t: t.op_key != op.key)
     tools = s.succeeded_tools if op.tool in s.succeeded_tools else (*s.succeeded_tools, op.tool)
     update: dict[str, Any] = {
+        "ops": _replaced(s.ops, op),
         "completed_ops": s.completed_ops + 1,
         "succeeded_tools": tools,
         "step_inputs": (*s.step_inputs, summary_ref or result_ref or f"succeeded:{op.tool}"),

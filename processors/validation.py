@@ -53,7 +53,7 @@ class ValidationContext(Frozen):
             tools=state.config.tools,
             registry_hash=state.config.config_ref,
             policy=state.config.policy,
-            known_refs=tuple(r for r in refs if r.startswith("sha256:")),
+            known_refs=tuple([r for r in refs if r.startswith("sha256:")]),
             succeeded_tools=state.succeeded_tools,
         )
 
