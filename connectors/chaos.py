@@ -96,8 +96,11 @@ def run_chaos(
     kill_every: float,
     broker_restart: bool,
     seed: int,
+    submit_seconds: float = 60.0,
     say: Any = print,
 ) -> dict[str, Any]:
+    """Submit `runs` runs spread over `submit_seconds` (so kills land while runs are in
+    flight), kill a component every ~`kill_every` s until every run is terminal."""
     rng = random.Random(seed)
     prefix = f"chaos-{uuid.uuid4().hex[:8]}"
     with ServiceStack(ephemeral=True) as stack:
@@ -210,7 +213,7 @@ def run_chaos(
                         producer.produce(inbox, key=b"garbage", value=b"\x00not avro", partition=0)
                         injected += 1
                     producer.poll(0)
-                    time.sleep(rng.uniform(0.0, 0.05))
+                    time.sleep(rng.uniform(0.0, 2.0) * submit_seconds / runs)
                 producer.flush(60)
                 say(f"chaos: submitted {runs} runs and {injected} bad inputs")
                 results: dict[str, list[dict[str, Any]]] = {}
@@ -278,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
     parser.add_argument("--no-broker-restart", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--submit-seconds", type=float, default=120.0, help="spread the submissions over this"
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     figures = run_chaos(
         runs=args.runs,
@@ -285,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kill_every=args.kill_every,
         broker_restart=not args.no_broker_restart,
         seed=args.seed,
+        submit_seconds=args.submit_seconds,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     ok = ok_figures(figures)

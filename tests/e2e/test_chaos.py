@@ -14,7 +14,9 @@ from connectors.chaos import ok_figures, run_chaos
 
 @pytest.mark.timeout(900)
 def test_chaos_kills_lose_and_repeat_nothing() -> None:
-    figures = run_chaos(runs=30, minutes=8, kill_every=4.0, broker_restart=True, seed=11)
+    figures = run_chaos(
+        runs=30, minutes=8, kill_every=3.0, broker_restart=True, seed=11, submit_seconds=45
+    )
     assert figures["kills"] >= 5, figures
     # The broker is restarted only when it is ours (not one given by KAFKA_BOOTSTRAP_SERVERS).
     assert figures["broker_restarts"] == int(figures["broker_restartable"]), figures
