@@ -8,18 +8,14 @@ Kafka transaction that references the refs commits (R2). Reads are by ref.
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
-
-import psycopg
+from typing import Protocol
 
 from connectors.errors import AgentrunsError
+from connectors.pg import Conn, RetryingConnection
 
 MAX_ARTIFACT_BYTES = 16 * 1024 * 1024
-T = TypeVar("T")
-Conn = psycopg.Connection[tuple[object, ...]]
 
 
 class ArtifactLike(Protocol):
@@ -54,27 +50,7 @@ class PostgresArtifactStore:
     """One connection, reconnected on failure; safe to share within one thread only."""
 
     def __init__(self, database_url: str, *, retries: int = 30) -> None:
-        self._url = database_url
-        self._retries = retries
-        self._conn: Conn | None = None
-
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._url, autocommit=True)
-        return self._conn
-
-    def _with_retry(self, what: str, fn: Callable[[Conn], T]) -> T:
-        delay = 0.1
-        for attempt in range(self._retries):
-            try:
-                return fn(self._connection())
-            except psycopg.OperationalError as exc:
-                self.close()
-                if attempt == self._retries - 1:
-                    raise ArtifactStoreError(f"{what} failed: {exc}", retryable=True) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+        self._db = RetryingConnection(database_url, ArtifactStoreError, retries=retries)
 
     def put_many(self, artifacts: Iterable[ArtifactLike]) -> int:
         rows = []
@@ -102,7 +78,7 @@ class PostgresArtifactStore:
             )
             return len(rows)
 
-        return self._with_retry("writing artifacts", write)
+        return self._db.run("writing artifacts", write)
 
     def put(self, content: str, media_type: str = "application/json") -> str:
         artifact = StoredArtifact.of(content, media_type)
@@ -114,16 +90,12 @@ class PostgresArtifactStore:
             rows = conn.execute(
                 "SELECT ref, content FROM artifacts WHERE ref = ANY(%s)", (list(refs),)
             ).fetchall()
-            return {str(ref): bytes(content).decode() for ref, content in rows}  # type: ignore[call-overload]
+            return {str(ref): bytes(content).decode() for ref, content in rows}
 
-        return self._with_retry("reading artifacts", read)
+        return self._db.run("reading artifacts", read)
 
     def get(self, ref: str) -> str | None:
         return self.get_many([ref]).get(ref)
 
     def close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+        self._db.close()

@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -48,6 +48,7 @@ from pydantic import ValidationError
 
 from connectors.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
 from connectors.errors import AgentrunsError, AgentrunsKafkaError
+from connectors.pg import Conn, RetryingConnection
 from processors.effects import Effect
 from processors.events import Event
 from streams import dlq
@@ -57,8 +58,6 @@ from streams.records import parse_effect_body
 from streams.topics import DLQ, INBOX, effect_suffix, topic_name
 
 log = logging.getLogger("agentruns.executor")
-
-Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 class ExecutorError(AgentrunsError):
@@ -145,28 +144,8 @@ class ActionRecords:
     _COLUMNS = "idempotency_key, effect_type, status, starts, input_json, detail"
 
     def __init__(self, database_url: str, executor: str, *, retries: int = 30) -> None:
-        self._url = database_url
         self._executor = executor
-        self._retries = retries
-        self._conn: Conn | None = None
-
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._url, autocommit=True)
-        return self._conn
-
-    def _retry(self, what: str, fn: Callable[[Conn], Any]) -> Any:
-        delay = 0.1
-        for attempt in range(self._retries):
-            try:
-                return fn(self._connection())
-            except psycopg.OperationalError as exc:
-                self.close()
-                if attempt == self._retries - 1:
-                    raise ExecutorError(f"{what} failed: {exc}", retryable=True) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+        self._db = RetryingConnection(database_url, ExecutorError, retries=retries)
 
     def fetch(self, keys: Sequence[str]) -> dict[str, ActionRecord]:
         if not keys:
@@ -179,7 +158,7 @@ class ActionRecords:
             ).fetchall()
             return {r[0]: ActionRecord(*r) for r in rows}
 
-        result: dict[str, ActionRecord] = self._retry("reading executed actions", read)
+        result: dict[str, ActionRecord] = self._db.run("reading executed actions", read)
         return result
 
     def begin(self, effects: Sequence[Effect]) -> dict[str, ActionRecord]:
@@ -216,7 +195,7 @@ class ActionRecords:
             ).fetchall()
             return {r[0]: ActionRecord(*r) for r in rows}
 
-        result: dict[str, ActionRecord] = self._retry("starting actions", write)
+        result: dict[str, ActionRecord] = self._db.run("starting actions", write)
         return result
 
     def complete(
@@ -264,7 +243,7 @@ class ActionRecords:
             ).fetchall()
             return {str(r[0]) for r in rows}
 
-        updated: set[str] = self._retry("completing actions", write)
+        updated: set[str] = self._db.run("completing actions", write)
         chosen = {c.effect.idempotency_key: c.input for c in completions}
         raced = [k for k in chosen if k not in updated]
         if raced:
@@ -274,10 +253,7 @@ class ActionRecords:
         return chosen
 
     def close(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
+        self._db.close()
 
 
 # --------------------------------------------------------------------------- handlers
