@@ -393,9 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code = _run(demo, items, args.timeout)
                 lines = _table(demo, items, _tool_server_duplicates(tools.url))
                 print("\n" + "\n".join(lines), flush=True)
+                again = (
+                    f"KAFKA_BOOTSTRAP_SERVERS={ep.kafka_bootstrap} "
+                    if ep.kafka_source == "env"
+                    else "agentruns dev up && "
+                )
                 print(
-                    f"\nlogs: {log_dir}\nreplay a run: KAFKA_BOOTSTRAP_SERVERS={ep.kafka_bootstrap}"
-                    f" agentruns replay --prefix {prefix} {items[0].run_id}",
+                    f"\nlogs: {log_dir}\nreplay a run: {again}agentruns replay --prefix "
+                    f"{prefix} {items[0].run_id}",
                     flush=True,
                 )
             finally:
