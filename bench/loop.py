@@ -36,6 +36,7 @@ from processors.state import Budgets
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
 from streams.partitioning import partition_for
+from streams.records import input_record
 from streams.topics import INBOX, RESULTS, STATE, topic_name
 
 STEPS = 10
@@ -104,17 +105,7 @@ class Driver:
             model_route="scenario:bench_10",
             budgets=Budgets(max_steps=STEPS + 5),
         )
-        record = {
-            "input_id": event.event_id,
-            "run_id": run_id,
-            "kind": event.type,
-            "trace_id": event.trace_id,
-            "producer_id": None,
-            "producer_seq": None,
-            "at": event.at,
-            "body": event.model_dump_json(),
-            "reply_to": None,
-        }
+        record = input_record(event)
         with self._lock:
             self.submitted[run_id] = time.monotonic()
         self.producer.produce(

@@ -45,6 +45,7 @@ from processors.transition import transition
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
 from streams.partitioning import partition_for
+from streams.records import input_record
 from streams.topics import EVENTS, INBOX, STATE, topic_name
 
 TOOL = ToolSpec(
@@ -107,20 +108,7 @@ def run_inputs(run_id: str, at: int) -> list[Event]:
 
 
 def _record(event: Event) -> bytes:
-    return encode(
-        "Input",
-        {
-            "input_id": event.event_id,
-            "run_id": event.run_id,
-            "kind": event.type,
-            "trace_id": event.trace_id,
-            "producer_id": None,
-            "producer_seq": None,
-            "at": event.at,
-            "body": event.model_dump_json(),
-            "reply_to": None,
-        },
-    )
+    return encode("Input", input_record(event))
 
 
 def _count_events(bootstrap: str, topic: str, total: int, timeout: float) -> tuple[float, float]:

@@ -44,6 +44,7 @@ from processors.state import Budgets, Policy
 from streams.admin import ensure_topics
 from streams.codec import encode
 from streams.partitioning import partition_for
+from streams.records import input_record
 from streams.topics import DLQ, INBOX, RESULTS, topic_name
 
 PARTITIONS = 6
@@ -191,17 +192,7 @@ def run_chaos(
                         model_route=f"scenario:{mix.model_scenario}",
                         budgets=mix.budgets,
                     )
-                    record = {
-                        "input_id": event.event_id,
-                        "run_id": run_id,
-                        "kind": event.type,
-                        "trace_id": event.trace_id,
-                        "producer_id": None,
-                        "producer_seq": None,
-                        "at": event.at,
-                        "body": event.model_dump_json(),
-                        "reply_to": None,
-                    }
+                    record = input_record(event)
                     producer.produce(
                         inbox,
                         key=run_id.encode(),

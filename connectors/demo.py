@@ -34,7 +34,7 @@ from processors.state import Budgets, LoopLimits, Policy, RunState, ToolSpec
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
 from streams.partitioning import partition_for
-from streams.records import parse_effect_body, parse_state
+from streams.records import input_record, parse_effect_body, parse_state
 from streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
 
 PARTITIONS = 3
@@ -125,19 +125,8 @@ class Demo:
         self.producer.flush(30)
 
     def send_event(self, event: Any, *, producer_seq: int | None = None) -> None:
-        self.send(
-            {
-                "input_id": event.event_id,
-                "run_id": event.run_id,
-                "kind": event.type,
-                "trace_id": event.trace_id,
-                "producer_id": "demo" if producer_seq is not None else None,
-                "producer_seq": producer_seq,
-                "at": event.at,
-                "body": event.model_dump_json(),
-                "reply_to": None,
-            }
-        )
+        producer_id = "demo" if producer_seq is not None else None
+        self.send(input_record(event, producer_id=producer_id, producer_seq=producer_seq))
 
     def poll(self) -> None:
         for kind, consumer in self._readers.items():

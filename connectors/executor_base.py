@@ -51,7 +51,7 @@ from connectors.errors import AgentrunsError, AgentrunsKafkaError
 from connectors.pg import Conn, RetryingConnection
 from processors.effects import Effect
 from processors.events import Event
-from streams import dlq
+from streams import dlq, records
 from streams.codec import CodecError, decode, encode
 from streams.partitioning import partition_for, run_key
 from streams.records import parse_effect_body
@@ -86,17 +86,8 @@ def event_identity(effect: Effect, at: int | None = None) -> dict[str, Any]:
 
 def input_record(effect: Effect, event: Event) -> dict[str, Any]:
     """The inbox ``Input`` record (schema v2) carrying ``event`` as the answer to ``effect``."""
-    return {
-        "input_id": result_input_id(effect),
-        "run_id": effect.run_id,
-        "kind": event.type,
-        "trace_id": effect.trace_id,
-        "producer_id": None,
-        "producer_seq": None,
-        "at": event.at,
-        "body": event.model_dump_json(),
-        "reply_to": None,
-    }
+    # `event` was built with `event_identity(effect)`: the effect's run, trace and result id.
+    return records.input_record(event, input_id=result_input_id(effect))
 
 
 # --------------------------------------------------------------------------- records

@@ -37,7 +37,7 @@ from processors.events import TimerFired
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
 from streams.partitioning import partition_for
-from streams.records import parse_effect_body
+from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
 
 log = logging.getLogger("agentruns.timer")
@@ -54,17 +54,7 @@ def fired_input(row: tuple[Any, ...]) -> dict[str, Any]:
     event = TimerFired(
         run_id=run_id, event_id=f"{timer_id}:fired", at=due_at, trace_id=trace_id, timer_id=timer_id
     )
-    return {
-        "input_id": event.event_id,
-        "run_id": run_id,
-        "kind": event.type,
-        "trace_id": trace_id,
-        "producer_id": None,
-        "producer_seq": None,
-        "at": due_at,
-        "body": event.model_dump_json(),
-        "reply_to": None,
-    }
+    return input_record(event)
 
 
 class TimerService:

@@ -63,6 +63,27 @@ def identity(event: Event, state: RunState | None) -> tuple[int, int]:
     return int(step or 0), int(attempt or 0)
 
 
+def input_record(
+    event: Event,
+    *,
+    input_id: str | None = None,
+    producer_id: str | None = None,
+    producer_seq: int | None = None,
+) -> dict[str, Any]:
+    """The inbox `Input` record carrying `event` (its id, time and trace are the event's)."""
+    return {
+        "input_id": input_id or event.event_id,
+        "run_id": event.run_id,
+        "kind": event.type,
+        "trace_id": event.trace_id,
+        "producer_id": producer_id,
+        "producer_seq": producer_seq,
+        "at": event.at,
+        "body": event.model_dump_json(),
+        "reply_to": None,
+    }
+
+
 def event_record(
     run_id: str, seq: int, event: Event, result: Transition, *, input_id: str | None
 ) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from processors.events import (
 from processors.state import Budgets, ToolSpec
 from streams.codec import decode, encode
 from streams.partitioning import partition_for
-from streams.records import parse_effect_body
+from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
 
 SEARCH = ToolSpec(
@@ -57,26 +57,6 @@ def submitted(run_id: str, *, at: int | None = None, max_steps: int = 20) -> Run
         tools=(SEARCH,),
         budgets=Budgets(max_steps=max_steps),
     )
-
-
-def input_record(
-    event: Event,
-    *,
-    input_id: str | None = None,
-    producer_id: str | None = None,
-    producer_seq: int | None = None,
-) -> dict[str, Any]:
-    return {
-        "input_id": input_id or event.event_id,
-        "run_id": event.run_id,
-        "kind": event.type,
-        "trace_id": event.trace_id,
-        "producer_id": producer_id,
-        "producer_seq": producer_seq,
-        "at": event.at,
-        "body": event.model_dump_json(),
-        "reply_to": None,
-    }
 
 
 class Inbox:
