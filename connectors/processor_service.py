@@ -29,7 +29,7 @@ log = logging.getLogger("agentruns.processor")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentruns processor", description=__doc__)
     p.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
-    p.add_argument("--group", default="agentruns-processor", help="consumer group id")
+    p.add_argument("--group", default="", help="consumer group id (default <prefix>-processor)")
     p.add_argument(
         "--instance-id",
         default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"),

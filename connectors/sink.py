@@ -492,7 +492,7 @@ class SinkConfig:
     bootstrap: str
     database_url: str
     prefix: str = DEFAULT_PREFIX
-    group_id: str = "agentruns-sink"
+    group_id: str = ""  # default "<prefix>-sink": one offset owner per deployment prefix
     # "group": subscribe as a consumer group (several sinks share the partitions);
     # "all": assign every partition to this one process (no group rebalancing at all).
     assign: str = "group"
@@ -503,6 +503,9 @@ class SinkConfig:
     retry_max_delay_s: float = 5.0
     session_timeout_ms: int = 10_000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or f"{self.prefix}-sink"
 
 
 @dataclass
@@ -863,7 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentruns sink", description="project the run log into Postgres, exactly once"
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
-    parser.add_argument("--group", default="agentruns-sink", help="consumer group / offset owner")
+    parser.add_argument(
+        "--group", default="", help="consumer group / offset owner (default <prefix>-sink)"
+    )
     parser.add_argument(
         "--assign",
         choices=("group", "all"),

@@ -64,7 +64,7 @@ class TimerService:
         database_url: str,
         *,
         prefix: str = "agentruns",
-        group_id: str = "agentruns-timer",
+        group_id: str = "",
         instance_id: str = "0",
         tick_ms: int = 50,
     ) -> None:
@@ -73,6 +73,7 @@ class TimerService:
         self.prefix = prefix
         self.tick = tick_ms / 1000
         self.inbox = topic_name(INBOX, prefix)
+        group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
         self.fired = 0
         self.scheduled = 0
         self._consumer = Consumer(
@@ -209,7 +210,7 @@ class TimerService:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
     parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
-    parser.add_argument("--group", default="agentruns-timer")
+    parser.add_argument("--group", default="", help="consumer group (default <prefix>-timer)")
     parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
     parser.add_argument("--tick-ms", type=int, default=50)
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))

@@ -69,7 +69,10 @@ GAP_TIMER = ":gap:"
 class ProcessorConfig:
     bootstrap: str
     prefix: str = "agentruns"
-    group_id: str = "agentruns-processor"
+    # Default "<prefix>-processor": deployments with different prefixes never share a group
+    # (with static membership, a member rejoining with another subscription keeps its old
+    # assignment).
+    group_id: str = ""
     # Stable per process slot: a restarted processor with the same id aborts the transaction
     # its predecessor left open at once (instead of waiting for transaction.timeout.ms).
     instance_id: str = "0"
@@ -84,6 +87,9 @@ class ProcessorConfig:
     session_timeout_ms: int = 6000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or f"{self.prefix}-processor"
 
 
 @dataclass
