@@ -509,6 +509,30 @@ def read_postgres(database_url: str, run_ids: Sequence[str]) -> PostgresRows:
     return rows
 
 
+def _compare_table(
+    run_id: str,
+    table: str,
+    columns: Sequence[str],
+    expected: Iterable[tuple[Any, dict[str, Any]]],
+    found: dict[Any, dict[str, Any]],
+    *,
+    label: str | None = None,
+) -> list[Difference]:
+    """Expected rows (by key) against the rows found: missing, different and extra rows."""
+    label = label or table
+    found = dict(found)
+    out: list[Difference] = []
+    for key, row in expected:
+        got = found.pop(key, None)
+        if got is None:
+            out.append(Difference(run_id, "postgres", f"{label} {key}", "row", None))
+            continue
+        out.extend(_compare_row(run_id, f"{table}[{key}]", columns, row, got))
+    for key in sorted(found):
+        out.append(Difference(run_id, "postgres", f"{label} {key}", None, "extra row"))
+    return out
+
+
 def compare_postgres(
     run_id: str, exp: Expected, rows: PostgresRows, *, tolerate_lag: bool
 ) -> tuple[list[Difference], bool]:
@@ -527,33 +551,28 @@ def compare_postgres(
             Difference(run_id, "postgres", "runs.last_seq", exp.last_seq, found_run["last_seq"])
         ], False
     out = _compare_row(run_id, "runs", RUN_COLUMNS, run_row(exp.state, exp.last_seq), found_run)
-    events = rows.events.get(run_id, {})
-    for row in exp.events:
-        got = events.pop(row["seq"], None)
-        if got is None:
-            out.append(Difference(run_id, "postgres", f"events seq {row['seq']}", "row", None))
-            continue
-        out.extend(_compare_row(run_id, f"events[{row['seq']}]", EVENT_COLUMNS, row, got))
-    for seq in sorted(events):
-        out.append(Difference(run_id, "postgres", f"events seq {seq}", None, "extra row"))
-    ops = rows.ops.get(run_id, {})
-    for (_, key), row in sorted(exp.ops.items()):
-        got = ops.pop(key, None)
-        if got is None:
-            out.append(Difference(run_id, "postgres", f"operations {key}", "row", None))
-            continue
-        out.extend(_compare_row(run_id, f"operations[{key}]", OP_COLUMNS, row, got))
-    for key in sorted(ops):
-        out.append(Difference(run_id, "postgres", f"operations {key}", None, "extra row"))
-    questions = rows.questions.get(run_id, {})
-    for (_, qid), row in sorted(exp.questions.items()):
-        got = questions.pop(qid, None)
-        if got is None:
-            out.append(Difference(run_id, "postgres", f"questions {qid}", "row", None))
-            continue
-        out.extend(_compare_row(run_id, f"questions[{qid}]", QUESTION_COLUMNS, row, got))
-    for qid in sorted(questions):
-        out.append(Difference(run_id, "postgres", f"questions {qid}", None, "extra row"))
+    out += _compare_table(
+        run_id,
+        "events",
+        EVENT_COLUMNS,
+        ((row["seq"], row) for row in exp.events),
+        rows.events.get(run_id, {}),
+        label="events seq",
+    )
+    out += _compare_table(
+        run_id,
+        "operations",
+        OP_COLUMNS,
+        ((key, row) for (_, key), row in sorted(exp.ops.items())),
+        rows.ops.get(run_id, {}),
+    )
+    out += _compare_table(
+        run_id,
+        "questions",
+        QUESTION_COLUMNS,
+        ((qid, row) for (_, qid), row in sorted(exp.questions.items())),
+        rows.questions.get(run_id, {}),
+    )
     return out, False
 
 

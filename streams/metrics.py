@@ -61,7 +61,7 @@ class ProcessorStats:
             case _:
                 self.rejected += 1
 
-    def committed(self, inputs: int, runs: int, seconds: float) -> None:
+    def committed(self, inputs: int, seconds: float) -> None:
         self.commits += 1
         self.inputs_committed += inputs
         self.last_commit_s = seconds

@@ -601,7 +601,7 @@ class Processor:
         )
         self._producer.commit_transaction(30)
         self._batch = None
-        self.stats.committed(batch.inputs, len(batch.dirty), time.monotonic() - began)
+        self.stats.committed(batch.inputs, time.monotonic() - began)
 
     def _abort_quietly(self) -> None:
         if self._batch is None:
