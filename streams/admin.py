@@ -7,6 +7,9 @@ configs are brought to the spec with an incremental alter; a partition mismatch 
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
     AdminClient,
@@ -72,14 +75,19 @@ def ensure_topics(
                 future.result(timeout=TIMEOUT_S)
                 outcome[name] = "created"
             except KafkaException as exc:
-                # Another process created it between our list and create: that is success.
+                # It exists after all: another process created it between our list and create,
+                # or the metadata we listed was stale. Checked below like any existing topic.
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise AgentrunsKafkaError(f"creating topic {name} failed: {exc}") from exc
-                outcome[name] = "exists"
+        raced = [s.name(prefix) for s in missing if s.name(prefix) not in outcome]
+        if raced:
+            existing = _wait_listed(admin, raced)
     for spec in specs:
         name = spec.name(prefix)
         if name in outcome:
             continue
+        if name not in existing:
+            raise AgentrunsKafkaError(f"topic {name} exists but is not in the broker's metadata")
         have = len(existing[name].partitions)
         if have != spec.partitions:
             raise AgentrunsKafkaError(
@@ -89,6 +97,16 @@ def ensure_topics(
         _align_configs(admin, name, spec)
         outcome[name] = "exists"
     return outcome
+
+
+def _wait_listed(admin: AdminClient, names: list[str]) -> dict[str, Any]:
+    """Topic metadata once every name in ``names`` is listed (metadata can lag a create)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        topics = admin.list_topics(timeout=TIMEOUT_S).topics
+        if all(n in topics and topics[n].partitions for n in names) or time.monotonic() > deadline:
+            return dict(topics)
+        time.sleep(0.1)
 
 
 def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> None:
