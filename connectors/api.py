@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import msgspec
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -426,8 +426,10 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def _validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"loc": ".".join(str(x) for x in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:20]]
+def _validation_detail(exc: msgspec.ValidationError) -> list[dict[str, Any]]:
+    """msgspec names the first problem as "<message> - at `$.path`"."""
+    msg, _, where = str(exc).partition(" - at ")
+    return [{"loc": where.strip("`").removeprefix("$").lstrip("."), "msg": msg}]
 
 
 RUN_FIELDS = (
@@ -597,7 +599,7 @@ class ApiService:
                     "trace_id": trace_id,
                 }
             )
-        except ValidationError as exc:
+        except msgspec.ValidationError as exc:
             raise ApiError(
                 422, "invalid_task", "the task is invalid", errors=_validation_detail(exc)
             ) from None

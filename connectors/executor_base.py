@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
+import msgspec
 import psycopg
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
-from pydantic import ValidationError
 
 from connectors.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
 from connectors.errors import AgentrunsError, AgentrunsKafkaError
@@ -491,8 +491,8 @@ class Executor:
         except CodecError as exc:
             dead.append(self._dead_letter(message, str(exc), exc.error_class))
             return None
-        except ValidationError as exc:
-            reason = f"invalid effect body: {exc.error_count()} errors"
+        except msgspec.DecodeError as exc:
+            reason = f"invalid effect body: {exc}"
             dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
             return None
         if effect.type not in self.handler.effect_types:

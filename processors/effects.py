@@ -5,14 +5,14 @@ Every effect has a deterministic ``idempotency_key`` and run/step/attempt/trace 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter
+import msgspec
 
 from processors.state import Frozen, RunStatus, TimerPurpose
 
 
-class EffectBase(Frozen):
+class EffectBase(Frozen, tag_field="type", frozen=True, kw_only=True):
     idempotency_key: str
     run_id: str
     step: int
@@ -20,20 +20,20 @@ class EffectBase(Frozen):
     trace_id: str
 
 
-class RepairNote(Frozen):
+class RepairNote(Frozen, frozen=True, kw_only=True):
     candidate_ref: str
     error_code: str
     detail: str
 
 
-class CallModel(EffectBase):
-    type: Literal["CallModel"] = "CallModel"
+class CallModel(EffectBase, tag="CallModel", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CallModel"]] = "CallModel"
     context_ref: str
     model_route: str
     repair: RepairNote | None = None
 
 
-class OperationSpec(Frozen):
+class OperationSpec(Frozen, frozen=True, kw_only=True):
     key: str  # passed to the backend: the same on every resend (R12, R25)
     tool: str
     arguments_json: str
@@ -42,47 +42,47 @@ class OperationSpec(Frozen):
     dispatch: int
 
 
-class CallTool(EffectBase):
-    type: Literal["CallTool"] = "CallTool"
+class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CallTool"]] = "CallTool"
     operation: OperationSpec
 
 
-class Reconcile(EffectBase):
-    type: Literal["Reconcile"] = "Reconcile"
+class Reconcile(EffectBase, tag="Reconcile", frozen=True, kw_only=True):
+    type: ClassVar[Literal["Reconcile"]] = "Reconcile"
     operation_key: str
     tool: str
     dispatch: int
 
 
-class PollTool(EffectBase):
-    type: Literal["PollTool"] = "PollTool"
+class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True):
+    type: ClassVar[Literal["PollTool"]] = "PollTool"
     operation_key: str
     tool: str
     dispatch: int
     poll: int
 
 
-class CancelTool(EffectBase):
-    type: Literal["CancelTool"] = "CancelTool"
+class CancelTool(EffectBase, tag="CancelTool", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CancelTool"]] = "CancelTool"
     operation_key: str
     tool: str
     dispatch: int
 
 
-class ScheduleTimer(EffectBase):
-    type: Literal["ScheduleTimer"] = "ScheduleTimer"
+class ScheduleTimer(EffectBase, tag="ScheduleTimer", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ScheduleTimer"]] = "ScheduleTimer"
     timer_id: str
     due_at: int
     purpose: TimerPurpose
 
 
-class CancelTimer(EffectBase):
-    type: Literal["CancelTimer"] = "CancelTimer"
+class CancelTimer(EffectBase, tag="CancelTimer", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CancelTimer"]] = "CancelTimer"
     timer_id: str
 
 
-class AskUser(EffectBase):
-    type: Literal["AskUser"] = "AskUser"
+class AskUser(EffectBase, tag="AskUser", frozen=True, kw_only=True):
+    type: ClassVar[Literal["AskUser"]] = "AskUser"
     question_id: str
     question_ref: str
     response_schema: dict[str, Any]
@@ -91,15 +91,15 @@ class AskUser(EffectBase):
     state_version: int
 
 
-class PublishResult(EffectBase):
-    type: Literal["PublishResult"] = "PublishResult"
+class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True):
+    type: ClassVar[Literal["PublishResult"]] = "PublishResult"
     status: RunStatus
     resolution: int
     result_ref: str
     summary: str
 
 
-Effect = Annotated[
+Effect = (
     CallModel
     | CallTool
     | Reconcile
@@ -108,8 +108,7 @@ Effect = Annotated[
     | ScheduleTimer
     | CancelTimer
     | AskUser
-    | PublishResult,
-    Field(discriminator="type"),
-]
+    | PublishResult
+)
 
-EFFECT_ADAPTER: TypeAdapter[Effect] = TypeAdapter(Effect)
+EFFECT_DECODER: msgspec.json.Decoder[Effect] = msgspec.json.Decoder(Effect)

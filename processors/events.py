@@ -7,9 +7,9 @@ epoch, the only clock) and ``trace_id``. The per-run seq is assigned outside the
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter
+import msgspec
 
 from processors.state import (
     CURRENT_VALIDATOR_VERSION,
@@ -23,20 +23,20 @@ from processors.state import (
 )
 
 
-class EventBase(Frozen):
+class EventBase(Frozen, tag_field="type", frozen=True, kw_only=True):
     run_id: str
     event_id: str
     at: int
     trace_id: str
 
 
-class Message(Frozen):
+class Message(Frozen, frozen=True, kw_only=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
-class RunSubmitted(EventBase):
-    type: Literal["RunSubmitted"] = "RunSubmitted"
+class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True):
+    type: ClassVar[Literal["RunSubmitted"]] = "RunSubmitted"
     goal: str
     messages: tuple[Message, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
@@ -58,14 +58,14 @@ class ModelOutcome(StrEnum):
     RATE_LIMITED = "rate_limited"
 
 
-class ToolCallRequest(Frozen):
+class ToolCallRequest(Frozen, frozen=True, kw_only=True):
     id: str
     name: str
     arguments_json: str
     expected_version: str | None = None
 
 
-class Candidate(Frozen):
+class Candidate(Frozen, frozen=True, kw_only=True):
     """A parsed, complete model generation (the candidate artifact's content)."""
 
     content: str = ""
@@ -73,14 +73,14 @@ class Candidate(Frozen):
     cited_refs: tuple[str, ...] = ()
 
 
-class ModelUsage(Frozen):
+class ModelUsage(Frozen, frozen=True, kw_only=True):
     input_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
 
 
-class ModelCallCompleted(EventBase):
-    type: Literal["ModelCallCompleted"] = "ModelCallCompleted"
+class ModelCallCompleted(EventBase, tag="ModelCallCompleted", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ModelCallCompleted"]] = "ModelCallCompleted"
     step: int
     attempt: int
     outcome: ModelOutcome
@@ -90,26 +90,26 @@ class ModelCallCompleted(EventBase):
     retry_after_ms: int | None = None
 
 
-class OpEvent(EventBase):
+class OpEvent(EventBase, frozen=True, kw_only=True):
     step: int
     operation_key: str
     dispatch: int = 1
 
 
-class ToolCallAccepted(OpEvent):
-    type: Literal["ToolCallAccepted"] = "ToolCallAccepted"
+class ToolCallAccepted(OpEvent, tag="ToolCallAccepted", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ToolCallAccepted"]] = "ToolCallAccepted"
     poll_after_ms: int | None = None
 
 
-class ToolStatusReported(OpEvent):
+class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only=True):
     """A poll or callback said the long task is still running."""
 
-    type: Literal["ToolStatusReported"] = "ToolStatusReported"
+    type: ClassVar[Literal["ToolStatusReported"]] = "ToolStatusReported"
     status: Literal["accepted", "running"] = "running"
     poll: int  # echoes PollTool.poll: only the answer to the latest poll applies
 
 
-class OutputSummary(Frozen):
+class OutputSummary(Frozen, frozen=True, kw_only=True):
     head: str
     tail: str
     error_lines: tuple[str, ...]
@@ -118,8 +118,8 @@ class OutputSummary(Frozen):
     error_count: int
 
 
-class ToolCallSucceeded(OpEvent):
-    type: Literal["ToolCallSucceeded"] = "ToolCallSucceeded"
+class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ToolCallSucceeded"]] = "ToolCallSucceeded"
     result_ref: str
     result_bytes: int = 0
     summary: OutputSummary | None = None
@@ -127,16 +127,16 @@ class ToolCallSucceeded(OpEvent):
     candidate_count: int | None = None
 
 
-class ToolCallFailed(OpEvent):
-    type: Literal["ToolCallFailed"] = "ToolCallFailed"
+class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ToolCallFailed"]] = "ToolCallFailed"
     error_class: ErrorClass
     error_code: str
     message: str = ""
     retry_after_ms: int | None = None
 
 
-class ToolCallTimedOut(OpEvent):
-    type: Literal["ToolCallTimedOut"] = "ToolCallTimedOut"
+class ToolCallTimedOut(OpEvent, tag="ToolCallTimedOut", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ToolCallTimedOut"]] = "ToolCallTimedOut"
 
 
 class ReconcileOutcome(StrEnum):
@@ -145,72 +145,72 @@ class ReconcileOutcome(StrEnum):
     UNDETERMINABLE = "undeterminable"
 
 
-class ReconcileCompleted(OpEvent):
-    type: Literal["ReconcileCompleted"] = "ReconcileCompleted"
+class ReconcileCompleted(OpEvent, tag="ReconcileCompleted", frozen=True, kw_only=True):
+    type: ClassVar[Literal["ReconcileCompleted"]] = "ReconcileCompleted"
     outcome: ReconcileOutcome
     result_ref: str | None = None
 
 
-class UserReplied(EventBase):
-    type: Literal["UserReplied"] = "UserReplied"
+class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True):
+    type: ClassVar[Literal["UserReplied"]] = "UserReplied"
     question_id: str
     token_id: str
     state_version: int
     response: dict[str, Any]
 
 
-class CancelRequested(EventBase):
-    type: Literal["CancelRequested"] = "CancelRequested"
+class CancelRequested(EventBase, tag="CancelRequested", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CancelRequested"]] = "CancelRequested"
     reason: str = "requested"
 
 
-class CancelConfirmed(OpEvent):
-    type: Literal["CancelConfirmed"] = "CancelConfirmed"
+class CancelConfirmed(OpEvent, tag="CancelConfirmed", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CancelConfirmed"]] = "CancelConfirmed"
 
 
-class CancelUnconfirmed(OpEvent):
-    type: Literal["CancelUnconfirmed"] = "CancelUnconfirmed"
+class CancelUnconfirmed(OpEvent, tag="CancelUnconfirmed", frozen=True, kw_only=True):
+    type: ClassVar[Literal["CancelUnconfirmed"]] = "CancelUnconfirmed"
 
 
-class TimerFired(EventBase):
-    type: Literal["TimerFired"] = "TimerFired"
+class TimerFired(EventBase, tag="TimerFired", frozen=True, kw_only=True):
+    type: ClassVar[Literal["TimerFired"]] = "TimerFired"
     timer_id: str
 
 
-class GoalChanged(EventBase):
-    type: Literal["GoalChanged"] = "GoalChanged"
+class GoalChanged(EventBase, tag="GoalChanged", frozen=True, kw_only=True):
+    type: ClassVar[Literal["GoalChanged"]] = "GoalChanged"
     step: int
     goal: str
 
 
-class KnowledgeRefreshed(EventBase):
-    type: Literal["KnowledgeRefreshed"] = "KnowledgeRefreshed"
+class KnowledgeRefreshed(EventBase, tag="KnowledgeRefreshed", frozen=True, kw_only=True):
+    type: ClassVar[Literal["KnowledgeRefreshed"]] = "KnowledgeRefreshed"
     step: int
     memory_ref: str | None = None
     evidence_refs: tuple[str, ...] = ()
 
 
-class RunReopened(EventBase):
-    type: Literal["RunReopened"] = "RunReopened"
+class RunReopened(EventBase, tag="RunReopened", frozen=True, kw_only=True):
+    type: ClassVar[Literal["RunReopened"]] = "RunReopened"
     resolution: int  # compare-and-set: the resolution this correction applies to
     reason: str
     goal: str | None = None
 
 
-class RunResolved(EventBase):
-    type: Literal["RunResolved"] = "RunResolved"
+class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True):
+    type: ClassVar[Literal["RunResolved"]] = "RunResolved"
     resolution: int
     status: RunStatus
     reason: str
 
 
-class GapTimedOut(EventBase):
-    type: Literal["GapTimedOut"] = "GapTimedOut"
+class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True):
+    type: ClassVar[Literal["GapTimedOut"]] = "GapTimedOut"
     expected_seq: int
     diagnosis: str
 
 
-Event = Annotated[
+Event = (
     RunSubmitted
     | ModelCallCompleted
     | ToolCallAccepted
@@ -228,9 +228,8 @@ Event = Annotated[
     | KnowledgeRefreshed
     | RunReopened
     | RunResolved
-    | GapTimedOut,
-    Field(discriminator="type"),
-]
+    | GapTimedOut
+)
 
 EVENT_TYPES: tuple[str, ...] = (
     "RunSubmitted",
@@ -253,9 +252,9 @@ EVENT_TYPES: tuple[str, ...] = (
     "GapTimedOut",
 )
 
-EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_DECODER: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 
 
 def parse_event(data: str | bytes) -> Event:
-    """Decode one event from JSON (raises pydantic.ValidationError on bad input)."""
-    return EVENT_ADAPTER.validate_json(data)
+    """Decode one event from JSON (raises msgspec.ValidationError on bad input)."""
+    return EVENT_DECODER.decode(data)

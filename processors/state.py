@@ -9,37 +9,46 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict
-
-_setattr = object.__setattr__
+import msgspec
 
 CURRENT_VALIDATOR_VERSION = 2
 
+_replace = msgspec.structs.replace
+_ENCODER = msgspec.json.Encoder()
 
-class Frozen(BaseModel):
-    """Base of every core record: immutable, unknown fields rejected."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every core record: immutable, unknown fields rejected when decoded.
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """Shallow copy with updates, without validation (like pydantic's), but ~4x faster.
+    msgspec structs, not pydantic models: the core copies and builds several records per
+    transition and serializes a snapshot per run per batch, where msgspec is 10-20x faster.
+    Construction does not validate (mypy checks the core's own calls); decoding from JSON or
+    from builtins (:meth:`model_validate_json`, :meth:`model_validate`) validates strictly.
+    The ``model_*`` names keep the pydantic-style API the adapters use.
+    """
 
-        The hot path of every transition; callers pass already-typed values (mypy-checked
-        handlers), exactly as with ``BaseModel.model_copy``.
-        """
-        if deep:
-            return super().model_copy(update=update, deep=True)
-        cls = type(self)
-        new = cls.__new__(cls)
-        values = self.__dict__.copy()
-        if update:
-            values.update(update)
-        _setattr(new, "__dict__", values)
-        # fields_set is only consulted by exclude_unset dumps, which the core never uses
-        _setattr(new, "__pydantic_fields_set__", self.__pydantic_fields_set__)
-        _setattr(new, "__pydantic_extra__", None)
-        _setattr(new, "__pydantic_private__", None)
-        return new
+    def model_copy(self, *, update: Mapping[str, Any] | None = None) -> Self:
+        """A copy with ``update`` applied (no validation: callers pass typed values)."""
+        return _replace(self, **update) if update else self
+
+    def model_dump_json(self) -> str:
+        """Deterministic JSON: fields in declaration order (a union tag first)."""
+        return _ENCODER.encode(self).decode()
+
+    def model_dump(self, mode: Literal["python", "json"] = "python") -> dict[str, Any]:
+        """Plain dicts, lists/tuples and strings (enums by value), as JSON would carry them."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+    @classmethod
+    def model_validate_json(cls, data: str | bytes) -> Self:
+        """Decode and validate (raises :class:`msgspec.ValidationError`)."""
+        return msgspec.json.decode(data, type=cls)
+
+    @classmethod
+    def model_validate(cls, data: Any) -> Self:
+        """Validate builtins (a parsed JSON document) into this type."""
+        return msgspec.convert(data, type=cls)
 
 
 class RunStatus(StrEnum):
@@ -109,16 +118,16 @@ class TimerPurpose(StrEnum):
     GAP_TIMEOUT = "GAP_TIMEOUT"  # scheduled by the processor for a seq gap (R5), never by the core
 
 
-class ToolSpec(Frozen):
+class ToolSpec(Frozen, frozen=True, kw_only=True):
     name: str
-    parameters: dict[str, Any] = {"type": "object"}
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
     permission: str = "read"
     is_async: bool = False
     idempotent: bool = True
     cancellable: bool = False
 
 
-class Policy(Frozen):
+class Policy(Frozen, frozen=True, kw_only=True):
     allowed_permissions: tuple[str, ...] = ("read", "write")
     approval_required: tuple[str, ...] = ()
     max_model_attempts: int = 3
@@ -134,7 +143,7 @@ class Policy(Frozen):
     poll_interval_ms: int = 30_000
 
 
-class Budgets(Frozen):
+class Budgets(Frozen, frozen=True, kw_only=True):
     deadline_at: int | None = None
     max_steps: int = 20
     max_tokens: int | None = None
@@ -142,7 +151,7 @@ class Budgets(Frozen):
     max_tool_calls: int | None = None
 
 
-class LoopLimits(Frozen):
+class LoopLimits(Frozen, frozen=True, kw_only=True):
     max_repeat_action: int = 3
     max_repeat_error: int = 3
     max_steps_without_progress: int = 5
@@ -150,7 +159,7 @@ class LoopLimits(Frozen):
     detect_oscillation: bool = True
 
 
-class RunConfig(Frozen):
+class RunConfig(Frozen, frozen=True, kw_only=True):
     tools: tuple[ToolSpec, ...]
     config_ref: str  # the frozen run configuration artifact (tools, policy, budgets, route)
     policy: Policy
@@ -166,7 +175,7 @@ class RunConfig(Frozen):
         return None
 
 
-class Usage(Frozen):
+class Usage(Frozen, frozen=True, kw_only=True):
     input_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
@@ -183,7 +192,7 @@ class Usage(Frozen):
         )
 
 
-class TimeAccount(Frozen):
+class TimeAccount(Frozen, frozen=True, kw_only=True):
     """Milliseconds split by who the run was waiting for (R16)."""
 
     started_at: int
@@ -194,7 +203,7 @@ class TimeAccount(Frozen):
     ended_at: int | None = None
 
 
-class Operation(Frozen):
+class Operation(Frozen, frozen=True, kw_only=True):
     key: str
     step: int
     tool: str
@@ -214,7 +223,7 @@ class Operation(Frozen):
     polls: int = 0
 
 
-class Question(Frozen):
+class Question(Frozen, frozen=True, kw_only=True):
     question_id: str
     kind: Literal["approval", "clarification"]
     artifact_ref: str
@@ -225,14 +234,14 @@ class Question(Frozen):
     timer_id: str
 
 
-class Timer(Frozen):
+class Timer(Frozen, frozen=True, kw_only=True):
     timer_id: str
     purpose: TimerPurpose
     due_at: int
     op_key: str | None = None
 
 
-class LoopMemory(Frozen):
+class LoopMemory(Frozen, frozen=True, kw_only=True):
     recent_actions: tuple[str, ...] = ()
     recent_errors: tuple[str, ...] = ()
     plan_history: tuple[str, ...] = ()
@@ -241,7 +250,7 @@ class LoopMemory(Frozen):
     last_candidate_count: int | None = None
 
 
-class ValidationRecord(Frozen):
+class ValidationRecord(Frozen, frozen=True, kw_only=True):
     validator_version: int
     candidate_ref: str
     ok: bool
@@ -250,7 +259,7 @@ class ValidationRecord(Frozen):
     evidence_hash: str
 
 
-class RunState(Frozen):
+class RunState(Frozen, frozen=True, kw_only=True):
     run_id: str
     trace_id: str
     submitted_event_id: str

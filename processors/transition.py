@@ -115,7 +115,7 @@ class Disposition(StrEnum):
     REJECTED = "REJECTED"
 
 
-class Artifact(Frozen):
+class Artifact(Frozen, frozen=True, kw_only=True):
     """A content-addressed blob to persist before the new state commits (R2)."""
 
     ref: str

@@ -36,7 +36,7 @@ REPAIRABLE: frozenset[str] = frozenset(
 ASK_WHEN_EXHAUSTED: frozenset[str] = frozenset({"UNRESOLVED_REFERENCE", "MISSING_EVIDENCE"})
 
 
-class ValidationContext(Frozen):
+class ValidationContext(Frozen, frozen=True, kw_only=True):
     tools: tuple[ToolSpec, ...]
     registry_hash: str = ""
     policy: Policy
@@ -58,7 +58,7 @@ class ValidationContext(Frozen):
         )
 
 
-class ValidatedCall(Frozen):
+class ValidatedCall(Frozen, frozen=True, kw_only=True):
     call_id: str
     tool: str
     arguments_json: str  # canonical
@@ -66,7 +66,7 @@ class ValidatedCall(Frozen):
     needs_approval: bool
 
 
-class ValidationDecision(Frozen):
+class ValidationDecision(Frozen, frozen=True, kw_only=True):
     validator_version: int
     ok: bool
     action: Action

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -38,7 +39,6 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from pydantic import ValidationError
 
 from processors.effects import PublishResult, ScheduleTimer
 from processors.events import Event, GapTimedOut, TimerFired
@@ -375,12 +375,8 @@ class Processor:
     def _parse(self, record: dict[str, Any]) -> Event:
         try:
             event = parse_event_body(record["body"])
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise _Reject(
-                f"invalid {record['kind']}: {where}: {first['msg']}", dlq.INVALID_EVENT
-            ) from exc
+        except msgspec.DecodeError as exc:
+            raise _Reject(f"invalid {record['kind']}: {exc}", dlq.INVALID_EVENT) from exc
         if event.type != record["kind"] or event.run_id != record["run_id"]:
             raise _Reject(
                 f"envelope says {record['kind']} for {record['run_id']}, body is "

@@ -11,8 +11,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from processors.effects import EFFECT_ADAPTER, Effect, PublishResult
-from processors.events import EVENT_ADAPTER, Event
+from processors.effects import EFFECT_DECODER, Effect, PublishResult
+from processors.events import EVENT_DECODER, Event
 from processors.state import RunState
 from processors.transition import Transition
 
@@ -42,11 +42,11 @@ def event_body(event: Event) -> str:
 
 
 def parse_event_body(body: str) -> Event:
-    return EVENT_ADAPTER.validate_json(body)
+    return EVENT_DECODER.decode(body)
 
 
 def parse_effect_body(body: str) -> Effect:
-    return EFFECT_ADAPTER.validate_json(body)
+    return EFFECT_DECODER.decode(body)
 
 
 def parse_state(state_json: str | None) -> RunState | None:

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from bench.core import simulate
-from processors.effects import EFFECT_ADAPTER
 from processors.events import Event, parse_event
 from processors.state import RunState
 from processors.transition import transition
@@ -36,7 +35,7 @@ def replay(events: list[Event]) -> dict[str, object]:
         state = result.state
         dispositions.append(result.disposition.value)
         for effect in result.effects:
-            digest.update(EFFECT_ADAPTER.dump_json(effect))
+            digest.update(effect.model_dump_json().encode())
     assert state is not None
     return {
         "events": len(events),

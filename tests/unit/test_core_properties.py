@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bench.core import simulate, submitted
 from processors import fold
-from processors.effects import EFFECT_ADAPTER, CallModel, CallTool
+from processors.effects import EFFECT_DECODER, CallModel, CallTool
 from processors.events import (
     Candidate,
     Event,
@@ -73,7 +73,7 @@ def steps_of(events: list[Event]) -> Iterator[tuple[RunState | None, Event, Tran
 
 
 def effects_json(t: Transition) -> list[str]:
-    return [EFFECT_ADAPTER.dump_json(e).decode() for e in t.effects]
+    return [e.model_dump_json() for e in t.effects]
 
 
 # 1. replay determinism, byte-identical serialization, round trip
@@ -90,7 +90,7 @@ def test_replay_is_deterministic(seed: int, chaos: float) -> None:
             assert RunState.from_json(a.to_json()) == a  # every snapshot round-trips
     for _, _, r in steps_of(events):
         for effect in r.effects:
-            assert EFFECT_ADAPTER.validate_json(EFFECT_ADAPTER.dump_json(effect)) == effect
+            assert EFFECT_DECODER.decode(effect.model_dump_json()) == effect
     final = fold(events)
     assert final is not None
     assert RunState.from_json(final.to_json()) == final

@@ -33,7 +33,6 @@ from processors.events import (
     ReconcileOutcome,
     RunReopened,
     RunResolved,
-    RunSubmitted,
     TimerFired,
     ToolCallAccepted,
     ToolCallFailed,
@@ -114,7 +113,7 @@ def test_resubmission_is_duplicate_and_other_run_rejected() -> None:
     d = started()
     first = d.log[0]
     assert transition(d.s, first).disposition is Disposition.DUPLICATE
-    other = RunSubmitted(**{**first.model_dump(), "event_id": "other"})
+    other = first.model_copy(update={"event_id": "other"})
     assert transition(d.s, other).disposition is Disposition.REJECTED
     foreign = d.make(CancelRequested, run_id="someone-else")
     assert transition(d.s, foreign).disposition is Disposition.REJECTED
