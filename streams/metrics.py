@@ -7,12 +7,14 @@ process (monolith mode, tests) add into the same series.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
 TRANSITIONS = Counter(
-    "agentruns_transitions_total", "Inputs applied by the core, by disposition", ["disposition"]
+    "agentruns_transitions_total",
+    "Inputs given to the core, by disposition (duplicates: agentruns_duplicate_inputs_total)",
+    ["disposition"],
 )
 EFFECTS = Counter("agentruns_effects_total", "Effects produced")
 DUPLICATES = Counter("agentruns_duplicate_inputs_total", "Exact duplicate inputs dropped")
@@ -32,8 +34,24 @@ COMMIT_SECONDS = Histogram(
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
 
 
+# ProcessorStats field -> the Prometheus counter that mirrors it
+_MIRRORED: dict[str, Counter] = {
+    "effects": EFFECTS,
+    "duplicates": DUPLICATES,
+    "buffered": BUFFERED,
+    "dead_letters": DEAD_LETTERS,
+    "aborts": ABORTS,
+}
+_BY_DISPOSITION = {"applied": "APPLIED", "late": "LATE", "rejected": "REJECTED"}
+
+
 @dataclass
 class ProcessorStats:
+    """Plain counters, updated per input; Prometheus gets the deltas once per transaction.
+
+    (A labelled Prometheus ``inc`` per input costs a lock and a label lookup on the hot path.)
+    """
+
     applied: int = 0
     late: int = 0
     duplicates: int = 0
@@ -46,12 +64,11 @@ class ProcessorStats:
     commits: int = 0
     inputs_committed: int = 0
     last_commit_s: float = 0.0
+    _published: dict[str, int] = field(default_factory=dict, repr=False)
 
     def count(self, disposition: str, effects: int) -> None:
-        TRANSITIONS.labels(str(disposition)).inc()
-        EFFECTS.inc(effects)
         self.effects += effects
-        match str(disposition):
+        match disposition:
             case "APPLIED":
                 self.applied += 1
             case "LATE":
@@ -61,9 +78,24 @@ class ProcessorStats:
             case _:
                 self.rejected += 1
 
-    def committed(self, inputs: int, seconds: float) -> None:
+    def committed(self, inputs: int, seconds: float, active_runs: int | None = None) -> None:
         self.commits += 1
         self.inputs_committed += inputs
         self.last_commit_s = seconds
         BATCH_INPUTS.observe(inputs)
         COMMIT_SECONDS.observe(seconds)
+        self.publish(active_runs)
+
+    def publish(self, active_runs: int | None = None) -> None:
+        """Push what changed since the last call to the Prometheus collectors."""
+        for name in (*_MIRRORED, *_BY_DISPOSITION):
+            value = getattr(self, name)
+            delta = value - self._published.get(name, 0)
+            if delta > 0:
+                if name in _MIRRORED:
+                    _MIRRORED[name].inc(delta)
+                else:
+                    TRANSITIONS.labels(_BY_DISPOSITION[name]).inc(delta)
+                self._published[name] = value
+        if active_runs is not None:
+            ACTIVE_RUNS.set(active_runs)

@@ -597,7 +597,8 @@ class Processor:
         )
         self._producer.commit_transaction(30)
         self._batch = None
-        self.stats.committed(batch.inputs, time.monotonic() - began)
+        active = sum(len(slots) for slots in self._slots.values())
+        self.stats.committed(batch.inputs, time.monotonic() - began, active)
 
     def _abort_quietly(self) -> None:
         if self._batch is None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from connectors.artifacts import PostgresArtifactStore
 from processors.events import CancelRequested, GoalChanged, TimerFired
@@ -326,3 +327,8 @@ def test_bad_input_goes_to_the_dlq_and_processing_goes_on(
     by_offset = {d.value["original_value"]: d.value for d in dead}
     assert by_offset[b"\x00garbage bytes"]["source_topic"].endswith(".inbox")
     assert all(d.value["reason"] for d in dead)
+    # the process's Prometheus series see the same counts (published once per transaction)
+    assert processor.stats.dead_letters == 5
+    assert (REGISTRY.get_sample_value("agentruns_dead_letters_total") or 0) >= 5
+    applied = REGISTRY.get_sample_value("agentruns_transitions_total", {"disposition": "APPLIED"})
+    assert applied is not None and applied >= processor.stats.applied > 0
