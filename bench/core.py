@@ -14,6 +14,7 @@ import sys
 import time
 import timeit
 from collections.abc import Callable
+from typing import Any
 
 from processors.effects import (
     AskUser,
@@ -199,7 +200,7 @@ class World:
         self.submit = submit or submitted(run_id, at=self.now)
 
     # -- plumbing
-    def _id(self) -> dict[str, object]:
+    def _id(self) -> dict[str, Any]:
         self.n += 1
         self.now += self.rng.randint(5, 1_500)
         return {
@@ -332,7 +333,7 @@ class World:
             output_tokens=self.rng.randint(30, 300),
             cost_micros=self.rng.randint(500, 3_000),
         )
-        common = {"step": effect.step, "attempt": effect.attempt, "usage": usage}
+        common: dict[str, Any] = {"step": effect.step, "attempt": effect.attempt, "usage": usage}
         if self._fault() and effect.repair is None:
             outcome = self.rng.choice(
                 [
@@ -395,7 +396,11 @@ class World:
 
     def _tool(self, effect: CallTool) -> Event:
         op = effect.operation
-        ids = {"step": effect.step, "operation_key": op.key, "dispatch": op.dispatch}
+        ids: dict[str, Any] = {
+            "step": effect.step,
+            "operation_key": op.key,
+            "dispatch": op.dispatch,
+        }
         if op.tool == "build_report" and op.dispatch == 1:
             return ToolCallAccepted(**self._id(), **ids, poll_after_ms=5_000)
         if self._fault():

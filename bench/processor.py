@@ -54,18 +54,23 @@ TOOL = ToolSpec(
 )
 
 
-def run_inputs(run_id: str, at: int) -> list[Event]:
-    """The inputs of one 2-step run, produced by folding the core (submit, model, tool, model)."""
-    trace = uuid.uuid5(uuid.NAMESPACE_URL, run_id).hex
-    submit = RunSubmitted(
+def submit_input(run_id: str, at: int) -> RunSubmitted:
+    """The first input of a benchmark run."""
+    return RunSubmitted(
         run_id=run_id,
         event_id=f"{run_id}:submit",
         at=at,
-        trace_id=trace,
+        trace_id=uuid.uuid5(uuid.NAMESPACE_URL, run_id).hex,
         goal="benchmark",
         tools=(TOOL,),
         budgets=Budgets(max_steps=10),
     )
+
+
+def run_inputs(run_id: str, at: int) -> list[Event]:
+    """The inputs of one 2-step run, produced by folding the core (submit, model, tool, model)."""
+    submit = submit_input(run_id, at)
+    trace = submit.trace_id
     events: list[Event] = [submit]
     result = transition(None, submit)
     state = result.state
@@ -73,7 +78,11 @@ def run_inputs(run_id: str, at: int) -> list[Event]:
     while pending:
         effect = pending.pop(0)
         at += 1
-        ids = {"run_id": run_id, "event_id": f"{effect.idempotency_key}:r", "trace_id": trace}
+        ids: dict[str, Any] = {
+            "run_id": run_id,
+            "event_id": f"{effect.idempotency_key}:r",
+            "trace_id": trace,
+        }
         answer: Event
         if isinstance(effect, CallModel):
             final = effect.step >= 2
@@ -217,7 +226,7 @@ def _latency_phase(
         while (delay := due - time.monotonic()) > 0:
             time.sleep(delay)
         run_id = f"lat-{i}-{uuid.uuid4().hex[:6]}"
-        event = run_inputs(run_id, int(time.time() * 1000))[0]
+        event = submit_input(run_id, int(time.time() * 1000))  # no core work in the sender
         sent[run_id] = time.monotonic()
         producer.produce(
             inbox,
