@@ -176,6 +176,23 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+def _cpu_seconds(port: int, wait_s: float = 0.0) -> float | None:
+    """The processor's own CPU seconds (prometheus-client's process collector)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+            continue
+        for line in text.decode().splitlines():
+            if line.startswith("process_cpu_seconds_total"):
+                return float(line.split()[-1])
+        return None
+
+
 def _latency_phase(
     bootstrap: str, prefix: str, partitions: int, rate: float, seconds: float
 ) -> list[float]:
@@ -304,7 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         try:
             print(f"processing {total} inputs", file=sys.stderr, flush=True)
+            cpu_start = _cpu_seconds(metrics_port, wait_s=60)  # imports done, about to consume
             first, last = _count_events(ep.kafka_bootstrap, topic_name(EVENTS, prefix), total, 600)
+            cpu_end = _cpu_seconds(metrics_port)
             throughput = total / (last - first) if last > first else float("nan")
             rss_after_load = _rss_kib(proc.pid)
             print(
@@ -325,6 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": args.runs,
         "inputs": total,
         "transitions_per_s": round(throughput, 1),
+        # CPU the processor process spent per input (all its threads, librdkafka's included):
+        # what one dedicated core could do, independent of the broker and this bench sharing
+        # the machine's cores
+        "processor_cpu_us_per_input": (
+            None
+            if cpu_start is None or cpu_end is None
+            else round(1e6 * (cpu_end - cpu_start) / total, 1)
+        ),
         "latency_rate_inputs_per_s": args.rate,
         "latency_samples": len(latencies),
         "latency_p50_ms": round(_pct(latencies, 0.50) * 1000, 1),

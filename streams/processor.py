@@ -179,8 +179,15 @@ class Processor:
                 # With a batch open, only look for what has already arrived: a batch commits
                 # as soon as the inbox is drained (low latency when lightly loaded) and at the
                 # latest after `interval` or `max_batch` inputs (throughput under load).
-                timeout = interval if self._batch is None else 0.002
-                messages = self._consumer.consume(self.config.max_batch, timeout)
+                # (librdkafka's consume(n, timeout) returns only when it has n messages or the
+                # timeout passed: with no batch open, poll() wakes on the first message instead)
+                if self._batch is None:
+                    first = self._consumer.poll(interval)
+                    messages = [] if first is None else [first]
+                    if first is not None and self.config.max_batch > 1:
+                        messages.extend(self._consumer.consume(self.config.max_batch - 1, 0))
+                else:
+                    messages = self._consumer.consume(self.config.max_batch, 0.002)
                 try:
                     for message in messages:
                         self._handle(message)
