@@ -13,6 +13,11 @@ Two phases:
 - latency: ``--rate`` effects per second for ``--seconds``; the added latency of a call is
   "effect produced" -> "answer visible in the inbox" (the tool itself takes no time), p50/p99.
 
+Also reported: executor CPU per call in both phases (``/proc``, robust to a busy machine, unlike
+the wall-clock figures) and ``executor_stats``, the line the executor logs when it stops: batches,
+transactions, mean ms per stage, transaction-time percentiles, effect age when polled and when
+committed (from the records' timestamps).
+
 Prints one JSON object on its last line. Targets: >= 1,000 calls/s per executor process,
 p99 added latency <= 50 ms at 200 calls/s.
 """
@@ -226,6 +231,11 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
                 cpu1 = _cpu_seconds(executor.pid)
                 latency = _latency(args, producer, collector, effects_topic, prefix)
+                cpu2 = _cpu_seconds(executor.pid)
+                if cpu1 is not None and cpu2 is not None:
+                    latency["executor_cpu_ms_per_call"] = round(
+                        (cpu2 - cpu1) * 1000 / latency["calls"], 3
+                    )
                 if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
                     per_call = (cpu1 - cpu0) / throughput["calls"]
                     throughput["executor_cpu_ms_per_call"] = round(per_call * 1000, 3)
