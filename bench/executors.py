@@ -13,6 +13,11 @@ Two phases:
 - latency: ``--rate`` effects per second for ``--seconds``; the added latency of a call is
   "effect produced" -> "answer visible in the inbox" (the tool itself takes no time), p50/p99.
 
+Also reported: executor CPU per call in both phases (``/proc``, robust to a busy machine, unlike
+the wall-clock figures) and ``executor_stats``, the line the executor logs when it stops: batches,
+transactions, mean ms per stage, transaction-time percentiles, effect age when polled and when
+committed (from the records' timestamps).
+
 Prints one JSON object on its last line. Targets: >= 1,000 calls/s per executor process,
 p99 added latency <= 50 ms at 200 calls/s.
 """
@@ -64,10 +69,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def _process(
-    command: list[str], banner: bool = False
+    command: list[str], banner: bool = False, stderr: Any = None
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE if banner else subprocess.DEVNULL, text=True
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE if banner else subprocess.DEVNULL,
+        stderr=stderr,
+        text=True,
     )
     first = ""
     try:
@@ -113,7 +122,13 @@ class Collector:
         from streams.codec import decode
 
         while not self.stop.is_set():
-            for message in self.consumer.consume(1000, 0.01):
+            # poll() returns as soon as one record is there; consume(n, timeout) would hold
+            # what arrived until n records or the timeout (10 ms here) and add that wait to
+            # every latency measured. Then take what is already fetched, without waiting.
+            first = self.consumer.poll(0.1)
+            if first is None:
+                continue
+            for message in [first, *self.consumer.consume(999, 0)]:
                 now = time.monotonic()
                 value = message.value()
                 if message.error() is not None or value is None:
@@ -195,12 +210,16 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
             sys.executable, "-m", "connectors.tool_executor",
             "--bootstrap", bootstrap, "--database-url", database_url, "--prefix", prefix,
             "--registry", str(registry_path), "--workers", str(args.workers),
-            "--max-batch", str(args.max_batch),
+            "--max-batch", str(args.max_batch), "--log-level", "INFO",
         ]  # fmt: skip
+        executor_log = Path(tmp) / "executor.log"
         collector = Collector(bootstrap, topic_name(INBOX, prefix), args.partitions)
         producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
         try:
-            with _process(executor_cmd) as (executor, _):
+            with (
+                open(executor_log, "w") as log_file,
+                _process(executor_cmd, stderr=log_file) as (executor, _),
+            ):
                 # warm-up: the executor joins its group, connections open
                 warm = _effects(prefix, 50, 0)
                 for _, value, run_id in warm:
@@ -212,6 +231,11 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
                 cpu1 = _cpu_seconds(executor.pid)
                 latency = _latency(args, producer, collector, effects_topic, prefix)
+                cpu2 = _cpu_seconds(executor.pid)
+                if cpu1 is not None and cpu2 is not None:
+                    latency["executor_cpu_ms_per_call"] = round(
+                        (cpu2 - cpu1) * 1000 / latency["calls"], 3
+                    )
                 if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
                     per_call = (cpu1 - cpu0) / throughput["calls"]
                     throughput["executor_cpu_ms_per_call"] = round(per_call * 1000, 3)
@@ -219,6 +243,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         finally:
             producer.flush(10)
             collector.close()
+        executor_stats = _executor_stats(executor_log)
     ok = throughput["calls_per_s"] >= 1000 and latency["p99_ms"] <= 50
     return {
         "bench": "executors",
@@ -226,6 +251,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "added_latency_ms": {"p50": latency["p50_ms"], "p99": latency["p99_ms"]},
         "throughput": throughput,
         "latency": latency,
+        "executor_stats": executor_stats,
         "workers": args.workers,
         "max_batch": args.max_batch,
         "partitions": args.partitions,
@@ -234,6 +260,16 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "targets": {"calls_per_s": 1000, "p99_ms_at_200_per_s": 50},
         "meets_targets": ok,
     }
+
+
+def _executor_stats(path: Path) -> dict[str, Any] | None:
+    """The stats line the executor logs when it stops (batches, mean ms per stage)."""
+    marker = "executor stats "
+    for line in reversed(path.read_text().splitlines()):
+        if marker in line:
+            stats: dict[str, Any] = json.loads(line.split(marker, 1)[1])
+            return stats
+    return None
 
 
 def _throughput(

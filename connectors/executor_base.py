@@ -16,11 +16,12 @@ event per effect, sent to the inbox as an ``Input`` record. What one batch does,
    references them (R2);
 6. the records become ``completed`` with the exact input record (first writer wins: a row that
    is already completed is kept and its input is the one sent);
-7. one Kafka transaction: the inputs (key run_id, partition ``partition_for(run_id, n)``), the
-   dead letters, the consumed offsets (``send_offsets_to_transaction``), commit. It runs in a
-   committer thread while the next batch executes (one transaction in flight at most); before
-   the next batch is handed over, the previous commit is awaited, and if it failed both
-   batches are re-read from the failed batch's offsets (answered from their records).
+7. the batch is queued for the committer thread and the loop polls again (group commit): each
+   transaction carries every batch that became ready while the previous one committed: the
+   consumed offsets (``send_offsets_to_transaction``), the inputs (key run_id, partition
+   ``partition_for(run_id, n)``), the dead letters, commit. One transaction at a time; if one
+   fails, the batches queued behind it are dropped and the loop re-reads from the earliest of
+   their offsets (every effect then comes back and is answered from its record).
 
 A crash anywhere before 7 commits leaves the offsets where they were: the effects come back and
 steps 2-3 answer every completed key from its record. Input ids are ``<effect key>:result``, so
@@ -36,8 +37,9 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
@@ -285,6 +287,8 @@ class ExecutorConfig:
     instance_id: str = "0"
     workers: int = 32
     max_batch: int = 256
+    # effects executed but not yet in a transaction before the loop stops polling
+    max_backlog: int = 1024
     poll_timeout_s: float = 0.1
     transaction_timeout_ms: int = 10_000
     session_timeout_ms: int = 6000
@@ -299,16 +303,84 @@ class ExecutorConfig:
 
 @dataclass
 class ExecutorStats:
-    batches: int = 0
+    batches: int = 0  # batches executed by the loop
+    transactions: int = 0  # committed transactions (each carries every batch ready at its start)
     effects: int = 0
     executed: int = 0
     replayed: int = 0
     dead_letters: int = 0
     aborts: int = 0
     execute_s: float = 0.0  # records + outside calls
+    wait_s: float = 0.0  # the loop waiting for the committer (back-pressure, drains)
     produce_s: float = 0.0  # begin + produce
     offsets_s: float = 0.0  # send_offsets_to_transaction
     commit_s: float = 0.0  # commit_transaction
+    # the durations of the latest transactions (seconds), for percentiles in the summary
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    # per batch, from the oldest effect's record timestamp (the producer's wall clock):
+    # until the loop polled it, and until its transaction committed
+    polled_after: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    committed_after: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and mean milliseconds per batch / per transaction (logged at close)."""
+        batches, txns = max(1, self.batches), max(1, self.transactions)
+        return {
+            "batches": self.batches,
+            "transactions": self.transactions,
+            "effects": self.effects,
+            "executed": self.executed,
+            "replayed": self.replayed,
+            "dead_letters": self.dead_letters,
+            "aborts": self.aborts,
+            "ms_per_batch": {
+                "execute": round(self.execute_s * 1000 / batches, 2),
+                "wait": round(self.wait_s * 1000 / batches, 2),
+            },
+            "ms_per_transaction": {
+                "produce": round(self.produce_s * 1000 / txns, 2),
+                "offsets": round(self.offsets_s * 1000 / txns, 2),
+                "commit": round(self.commit_s * 1000 / txns, 2),
+            },
+            "transaction_ms": _percentiles(self.recent),
+            "effect_age_ms": {
+                "polled": _percentiles(self.polled_after),
+                "committed": _percentiles(self.committed_after),
+            },
+        }
+
+
+def _percentiles(values: Iterable[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    at = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    out = {
+        k: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
+        for k, q in at.items()
+    }
+    out["max"] = round(ordered[-1] * 1000, 2)
+    return out
+
+
+@dataclass
+class _Ready:
+    """An executed batch waiting for its transaction: its answers, dead letters and offsets."""
+
+    inputs: list[tuple[str, dict[str, Any]]]
+    dead: list[dict[str, Any]]
+    first: dict[int, int]  # partition -> first offset (where to rewind to)
+    last: dict[int, int]  # partition -> next offset to commit
+    metadata: Any  # the consumer's group metadata when the batch was read
+    created: float | None = None  # the oldest record timestamp in the batch (epoch seconds)
+
+
+def _earliest(*positions: dict[int, int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for position in positions:
+        for partition, offset in position.items():
+            out[partition] = min(offset, out.get(partition, offset))
+    return out
 
 
 class Executor:
@@ -325,8 +397,18 @@ class Executor:
         self._name = f"{c.group}-{c.instance_id}"
         self._records = ActionRecords(c.database_url, self._name)
         self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"commit-{c.kind}")
-        self._pending: tuple[Future[None], dict[int, int]] | None = None
+        # Group commit: the loop hands executed batches to one committer thread, which commits
+        # EVERY batch ready when its previous transaction ended in one transaction. So a batch
+        # never waits for a transaction that started before it was ready, and the loop never
+        # waits for a commit (unless the backlog is over `max_backlog`).
+        self._cond = threading.Condition()
+        self._ready: list[_Ready] = []
+        self._in_flight = 0  # batches in the transaction being committed
+        self._failure: tuple[KafkaException, list[_Ready]] | None = None
+        self._stopping = False
+        self._committer = threading.Thread(
+            target=self._commit_loop, name=f"commit-{c.kind}", daemon=True
+        )
         self._consumer = self._new_consumer()
         # Two transactional producers, used in turn: a transaction begun right after the
         # previous one committed (on the same transactional.id) waits for its markers
@@ -336,6 +418,7 @@ class Executor:
         self._turn = 0
         self._inbox_partitions = self._partitions(self.inbox)
         self._closed = False
+        self._committer.start()
 
     # ------------------------------------------------------------------ clients
 
@@ -392,15 +475,15 @@ class Executor:
         self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
         try:
             while not stop.is_set():
+                self._recover_if_failed()
                 first = self._consumer.poll(self.config.poll_timeout_s)
                 if first is None:
-                    self._settle()
                     continue
                 batch = [first]
                 if self.config.max_batch > 1:
                     batch.extend(self._consumer.consume(self.config.max_batch - 1, 0))
                 self._process(batch)
-            self._settle()
+            self._drain()
         finally:
             self.close()
 
@@ -409,10 +492,14 @@ class Executor:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self._settle()
+            self._drain()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._committer.join(60)
+        log.info("executor stats %s", json.dumps(self.stats.summary()))
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
-        self._committer.shutdown(wait=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.handler.close()
         self._records.close()
@@ -439,49 +526,108 @@ class Executor:
                 effects.append(effect)
         if not first:
             return
+        created = _oldest(messages)
+        if created is not None:
+            self.stats.polled_after.append(time.time() - created)
         began = time.monotonic()
         try:
             inputs = self._execute(effects)
             self.stats.execute_s += time.monotonic() - began
+            self.stats.batches += 1
         except Exception as exc:  # database down, or a handler bug: never lose the batch
             if isinstance(exc, ExecutorError | psycopg.Error):
                 log.error("batch failed, retrying it: %s", exc)
             else:
                 log.exception("batch failed unexpectedly, retrying it")
             self.stats.aborts += 1
-            if self._settle(also_rewind=first):  # else already rewound to the failed batch
+            if self._drain(also_rewind=first):  # else already rewound to the failed batch
                 self._rewind(first)
             time.sleep(0.5)
             return
-        # The previous batch's transaction committed while this one executed (pipelining).
-        # If it failed, rewind to it: this batch's records are completed, so both batches'
-        # effects come back and are answered from their records.
-        if not self._settle(also_rewind=first):
-            return
         metadata = self._consumer.consumer_group_metadata()
-        future = self._committer.submit(self._commit, inputs, dead, last, metadata)
-        self._pending = (future, first)
+        ready = _Ready(inputs, dead, first, last, metadata, _oldest(messages))
+        self._hand_over(ready)
 
-    def _settle(self, also_rewind: dict[int, int] | None = None) -> bool:
-        """Wait for the transaction in flight. False (after recovering and rewinding to its
-        batch, and to ``also_rewind``) when it failed."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return True
-        future, first = pending
-        try:
-            future.result()
-            return True
-        except KafkaException as exc:
-            rewind = dict(first)
-            for partition, offset in (also_rewind or {}).items():
-                rewind[partition] = min(offset, rewind.get(partition, offset))
-            self._recover(exc, rewind)
-            return False
+    # ------------------------------------------------------------------ group commit
+
+    def _hand_over(self, ready: _Ready) -> None:
+        """Queue an executed batch for the committer (waiting while the backlog is full).
+
+        If a transaction failed meanwhile, this batch is not queued: the loop rewinds to the
+        failed transaction's first offsets (and this batch's); everything comes back and is
+        answered from its records."""
+        began = time.monotonic()
+        with self._cond:
+            while self._failure is None and self._backlog() >= self.config.max_backlog:
+                self._cond.wait()
+            failed = self._failure is not None
+            if not failed:
+                self._ready.append(ready)
+                self._cond.notify_all()
+        self.stats.wait_s += time.monotonic() - began
+        if failed:
+            self._recover_if_failed(also_rewind=ready.first)
+
+    def _backlog(self) -> int:
+        """Effects queued for the committer (not counting the transaction in flight)."""
+        return sum(len(r.inputs) + len(r.dead) for r in self._ready)
+
+    def _commit_loop(self) -> None:
+        """The committer thread: one transaction at a time, each with every ready batch."""
+        while True:
+            with self._cond:
+                while not self._stopping and (not self._ready or self._failure is not None):
+                    self._cond.wait()
+                if not self._ready or self._failure is not None:
+                    return  # stopping, and nothing (more) to commit
+                batches, self._ready = self._ready, []
+                self._in_flight = len(batches)
+            failure: KafkaException | None = None
+            try:
+                self._commit(batches)
+            except KafkaException as exc:
+                failure = exc
+            except Exception as exc:  # a bug: treat like a failed transaction (re-read)
+                log.exception("commit failed unexpectedly")
+                failure = KafkaException(str(exc))
+            with self._cond:
+                self._in_flight = 0
+                if failure is not None:
+                    self._failure = (failure, batches)
+                self._cond.notify_all()
+
+    def _drain(self, also_rewind: dict[int, int] | None = None) -> bool:
+        """Wait until every queued batch is committed. False (after recovering and rewinding
+        to the failed batches, and to ``also_rewind``) when a transaction failed."""
+        began = time.monotonic()
+        with self._cond:
+            while self._failure is None and (self._ready or self._in_flight):
+                if not self._committer.is_alive():
+                    raise ExecutorError("the committer thread stopped with batches queued")
+                self._cond.wait(1.0)
+        self.stats.wait_s += time.monotonic() - began
+        return not self._recover_if_failed(also_rewind)
+
+    def _recover_if_failed(self, also_rewind: dict[int, int] | None = None) -> bool:
+        """After a failed transaction (the committer is then idle): abort it or replace its
+        producer, drop the batches queued behind it, and rewind to the earliest first offset
+        of all of them. True if there was a failure."""
+        with self._cond:
+            failure, self._failure = self._failure, None
+            if failure is None:
+                return False
+            exc, batches = failure
+            batches = batches + self._ready
+            self._ready = []
+        rewind = _earliest(*(b.first for b in batches), also_rewind or {})
+        self._recover(exc, rewind)
+        with self._cond:
+            self._cond.notify_all()
+        return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Before partitions move: finish the transaction in flight (its offsets are theirs)."""
-        self._settle()
+        """Before partitions move: commit what is queued (its offsets are theirs)."""
+        self._drain()
 
     def _decode(self, message: Message, dead: list[dict[str, Any]]) -> Effect | None:
         value = message.value() or b""
@@ -550,44 +696,53 @@ class Executor:
         self.stats.effects += len(unique)
         return [(unique[k].run_id, answers[k]) for k in unique]
 
-    def _commit(
-        self,
-        inputs: Iterable[tuple[str, dict[str, Any]]],
-        dead: list[dict[str, Any]],
-        offsets: dict[int, int],
-        metadata: Any,
-    ) -> None:
-        """One transaction (the committer thread; one at a time): inputs, dead letters,
-        the consumed offsets, commit."""
+    def _commit(self, batches: list[_Ready]) -> None:
+        """One transaction (the committer thread; one at a time) for ``batches``: the
+        consumed offsets, their inputs and dead letters, commit.
+
+        The offsets are sent first: measured on the dev box, AddOffsetsToTxn/TxnOffsetCommit
+        then no longer queue behind the partition registrations of the produced records."""
         producer = self._producers[self._turn]
+        offsets: dict[int, int] = {}
+        for batch in batches:
+            for partition, offset in batch.last.items():
+                offsets[partition] = max(offset, offsets.get(partition, offset))
         began = time.monotonic()
         producer.begin_transaction()
-        for run_id, record in inputs:
-            producer.produce(
-                self.inbox,
-                key=run_key(run_id),
-                value=encode("Input", record),
-                partition=partition_for(run_id, self._inbox_partitions),
-                headers=[("trace_id", record["trace_id"].encode()), ("run_id", run_id.encode())],
-            )
-        for record in dead:
-            producer.produce(
-                self.dlq, key=record["original_key"], value=encode("DeadLetter", record)
-            )
-        produced = time.monotonic()
         producer.send_offsets_to_transaction(
             [TopicPartition(self.effects_topic, p, o) for p, o in offsets.items()],
-            metadata,
+            batches[-1].metadata,
             30,
         )
         sent = time.monotonic()
+        for batch in batches:
+            for run_id, record in batch.inputs:
+                producer.produce(
+                    self.inbox,
+                    key=run_key(run_id),
+                    value=encode("Input", record),
+                    partition=partition_for(run_id, self._inbox_partitions),
+                    headers=[
+                        ("trace_id", record["trace_id"].encode()),
+                        ("run_id", run_id.encode()),
+                    ],
+                )
+            for record in batch.dead:
+                producer.produce(
+                    self.dlq, key=record["original_key"], value=encode("DeadLetter", record)
+                )
+        produced = time.monotonic()
         producer.commit_transaction(30)
         stats = self.stats
-        stats.produce_s += produced - began
-        stats.offsets_s += sent - produced
-        stats.commit_s += time.monotonic() - sent
+        stats.offsets_s += sent - began
+        stats.produce_s += produced - sent
+        ended = time.monotonic()
+        stats.commit_s += ended - produced
+        stats.recent.append(ended - began)
+        wall = time.time()
+        stats.committed_after.extend(wall - b.created for b in batches if b.created is not None)
+        stats.transactions += 1
         self._turn = 1 - self._turn
-        self.stats.batches += 1
 
     # ------------------------------------------------------------------ failures
 
@@ -616,6 +771,13 @@ class Executor:
                 self._consumer.seek(TopicPartition(self.effects_topic, partition, offset))
             except KafkaException as exc:  # no longer assigned: its new owner re-reads it
                 log.info("not rewinding partition %d: %s", partition, exc)
+
+
+def _oldest(messages: list[Message]) -> float | None:
+    """The oldest record timestamp of a batch (epoch seconds), if the records carry one."""
+    stamps = [m.timestamp()[1] for m in messages if m.error() is None]
+    valid = [t for t in stamps if t > 0]
+    return min(valid) / 1000 if valid else None
 
 
 def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:

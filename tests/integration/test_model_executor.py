@@ -6,11 +6,13 @@ effects and read the ModelCallCompleted inputs the executor commits to the inbox
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -361,6 +363,31 @@ class Pipeline:
         found: dict[str, Any] = result
         return found
 
+    def results(self, run_ids: list[str], timeout: float = 90) -> dict[str, dict[str, Any]]:
+        """The terminal results of every run in ``run_ids`` (one topic read per attempt)."""
+        from streams.topics import topic_name
+        from tests.integration.pipeline import read_all
+
+        topic = topic_name("results", self.prefix)
+        wanted = set(run_ids)
+
+        def read() -> dict[str, dict[str, Any]] | None:
+            found = {
+                r.value["run_id"]: r.value
+                for r in read_all(self.bootstrap, topic, "Result")
+                if r.value["run_id"] in wanted
+            }
+            return found if len(found) == len(wanted) else None
+
+        done: dict[str, dict[str, Any]] = wait_until(read, timeout, "every result")
+        return done
+
+    def effects(self, kind: str, run_id: str) -> list[dict[str, Any]]:
+        """The bodies of the run's effects on ``effects.<kind>`` (model, tool, timer)."""
+        from streams.topics import effect_suffix
+
+        return [json.loads(r["body"]) for r in self._read(effect_suffix(kind), "Effect", run_id)]
+
     def status(self, run_id: str) -> str | None:
         snapshots = self._read("state", "Snapshot", run_id)
         return snapshots[-1]["status"] if snapshots else None
@@ -382,14 +409,17 @@ class Pipeline:
         return [(stats["executions"].get(k, 0), stats["calls"].get(k, 0)) for k in keys]
 
 
-@pytest.fixture(scope="module")
-def pipeline(
-    kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def running_pipeline(
+    kafka_bootstrap: str, database_url: str, tmp: Path, *, timers: bool = False
 ) -> Iterator[Pipeline]:
+    """Processor, both executors (threads of this process), both servers in threads, and the
+    timer service when ``timers`` (back-off and user-expiry timers fire)."""
     import threading
 
     from connectors import tool_server
     from connectors.executor_base import ExecutorConfig
+    from connectors.timer_service import TimerService
     from connectors.tool_executor import ToolExecutor
     from processors.state import ToolSpec
     from streams.admin import ensure_topics
@@ -397,11 +427,11 @@ def pipeline(
     from tests.integration.pipeline import Inbox
     from tests.integration.test_tool_executor import fast_registry
 
-    prefix = f"t-e2e-exec-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    prefix = f"t-e2e-exec-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
     models = model_server.serve("127.0.0.1", 0)
     tools = tool_server.serve("127.0.0.1", 0)
-    registry = fast_registry(tmp_path_factory.mktemp("e2e"), tools.url)
+    registry = fast_registry(tmp, tools.url)
     spec = json.loads(registry.read_text())
     store = PostgresArtifactStore(database_url)
     stop = threading.Event()
@@ -416,6 +446,8 @@ def pipeline(
         ModelExecutor(config("model"), routes, registry),
         ToolExecutor(config("tool"), registry),
     ]
+    if timers:
+        workers.append(TimerService(kafka_bootstrap, database_url, prefix=prefix))
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
     for thread in threads:
         thread.start()
@@ -438,6 +470,14 @@ def pipeline(
         store.close()
         models.close()
         tools.close()
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    with running_pipeline(kafka_bootstrap, database_url, tmp_path_factory.mktemp("e2e")) as pipe:
+        yield pipe
 
 
 @pytest.fixture
@@ -511,11 +551,36 @@ def test_e2e_mid_stream_disconnect_retries_the_same_context(e2e: Pipeline) -> No
     assert counts == (1, 1)  # one tool call, not one per stream
 
 
+KILL_SCENARIO: dict[str, Any] = {
+    "name": "kill_short",
+    "description": "Two side effects (a ticket, an email), then a final answer.",
+    "turns": [
+        {"tool_calls": [{"name": "create_ticket", "arguments": {"title": "Printer offline"}}]},
+        {
+            "tool_calls": [
+                {
+                    "name": "send_email",
+                    "arguments": {"to": "it@example.com", "subject": "Printer", "body": "Open."},
+                }
+            ]
+        },
+        {"content": "Ticket opened and IT emailed."},
+    ],
+}
+KILL_RUNS = 50
+# (executor, progress counter value at which it is killed): tool calls reach ~100 and model
+# requests ~150 over the 50 runs, so every kill lands mid-work, two per executor.
+KILLS = (("tool", 12), ("model", 45), ("tool", 60), ("model", 110))
+
+
+@pytest.mark.timeout(600)
 def test_e2e_kill_9_of_each_executor_during_runs(
     kafka_bootstrap: str, database_url: str, tmp_path: Any
 ) -> None:
-    """Executors as processes, killed with SIGKILL mid-work and restarted: every run ends,
-    no tool operation key is executed (or even requested) twice."""
+    """Executors as processes, each killed with SIGKILL twice at random points while 50 runs
+    (two side-effecting tool calls each) are under way, and restarted: every run ends
+    SUCCEEDED, and at the tool server every executed operation key was executed once and
+    requested once (a started key is looked up, never called blindly again)."""
     import random
     import signal
     import subprocess
@@ -523,6 +588,7 @@ def test_e2e_kill_9_of_each_executor_during_runs(
     import threading
 
     from connectors import tool_server
+    from connectors.model_server import Scenario
     from processors.state import ToolSpec
     from streams.admin import ensure_topics
     from streams.processor import Processor, ProcessorConfig
@@ -532,6 +598,7 @@ def test_e2e_kill_9_of_each_executor_during_runs(
     prefix = f"t-e2e-kill-{os.getpid()}-{int(time.time() * 1000) % 100000}"
     ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
     models = model_server.serve("127.0.0.1", 0)
+    models.app.add_scenario(Scenario.model_validate(KILL_SCENARIO))  # type: ignore[attr-defined]
     tools = tool_server.serve("127.0.0.1", 0)
     tools.app.report_delay_ms = 50  # type: ignore[attr-defined]
     registry = fast_registry(tmp_path, tools.url)
@@ -568,32 +635,31 @@ def test_e2e_kill_9_of_each_executor_during_runs(
         ),
         Inbox(kafka_bootstrap, prefix, 2),
     )
-    runs = [f"kill-{i}-{time.monotonic_ns() % 10**9}" for i in range(8)]
+    runs = [f"kill-{i}-{time.monotonic_ns() % 10**9}" for i in range(KILL_RUNS)]
     rng = random.Random(7)
+    app: Any = tools.app
     try:
         for run_id in runs:
-            pipe.submit(run_id)
-        app: Any = tools.app
-        for kind, threshold in (("tool", 6), ("model", 16), ("tool", 24)):
+            pipe.submit(run_id, scenario=KILL_SCENARIO["name"])
+        for kind, threshold in KILLS:
             counter = "tool_calls" if kind == "tool" else "requests"
             source: Any = app if kind == "tool" else models.app
 
             def progressed(s: Any = source, c: str = counter, n: int = threshold) -> bool:
                 return bool(s.stats()[c] >= n)
 
-            wait_until(progressed, 90, f"{kind} progress")
+            wait_until(progressed, 120, f"{kind} progress to {threshold}")
             time.sleep(rng.uniform(0, 0.05))  # a random point in the batch
             procs[kind].send_signal(signal.SIGKILL)
             procs[kind].wait(10)
             procs[kind] = subprocess.Popen(commands[kind], cwd=REPO)
-        for run_id in runs:
-            assert pipe.result(run_id, timeout=120)["status"] == "SUCCEEDED", run_id
+        results = pipe.results(runs, timeout=240)
+        assert {r: results[r]["status"] for r in runs} == dict.fromkeys(runs, "SUCCEEDED")
         stats = app.stats()
-        assert stats["executions"] and set(stats["executions"].values()) == {1}
-        # never a blind second request for an operation that ran: a started key is looked up
-        # first. (A rejected call, e.g. update_record's 409 once R-1 moved on, stores nothing,
-        # so its look-up says "not executed" and it may be resent with the same key.)
         executed = stats["executions"]
+        assert len(executed) == 2 * KILL_RUNS, len(executed)  # a ticket and an email per run
+        assert set(executed.values()) == {1}, executed
+        # never a blind second request for an operation that ran: a started key is looked up
         assert all(stats["calls"][k] == 1 for k in executed), (stats["calls"], executed)
     finally:
         for proc in procs.values():
