@@ -8,6 +8,7 @@ Kafka transaction that references the refs commits (R2). Reads are by ref.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,13 +50,23 @@ class StoredArtifact:
 class PostgresArtifactStore:
     """One connection, reconnected on failure; safe to share within one thread only."""
 
+    # Refs this store has seen committed. Artifacts are content-addressed, write-once and never
+    # deleted, so a ref written once needs no second write: many runs share a configuration
+    # artifact, and each run's config would otherwise be sent again with every submission.
+    KNOWN_REFS = 65_536
+
     def __init__(self, database_url: str, *, retries: int = 30) -> None:
         self._db = RetryingConnection(database_url, ArtifactStoreError, retries=retries)
+        self._known: OrderedDict[str, None] = OrderedDict()
 
     def put_many(self, artifacts: Iterable[ArtifactLike]) -> int:
         rows = []
         seen: set[str] = set()
+        known = self._known
         for a in artifacts:
+            if a.ref in known:
+                known.move_to_end(a.ref)  # recently used refs stay known
+                continue
             if a.ref in seen:
                 continue
             seen.add(a.ref)
@@ -78,7 +89,12 @@ class PostgresArtifactStore:
             )
             return len(rows)
 
-        return self._db.run("writing artifacts", write)
+        written: int = self._db.run("writing artifacts", write)
+        for ref in refs:  # only after the write committed (autocommit connection)
+            known[ref] = None
+        while len(known) > self.KNOWN_REFS:
+            known.popitem(last=False)
+        return written
 
     def put(self, content: str, media_type: str = "application/json") -> str:
         artifact = StoredArtifact.of(content, media_type)

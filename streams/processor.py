@@ -206,6 +206,8 @@ class Processor:
             self.close()
 
     def close(self) -> None:
+        if self.stats.commits:
+            log.info("processor stages: %s", self.stats.stage_summary())
         with contextlib.suppress(RuntimeError):  # already closed
             self._consumer.close()
 
@@ -588,6 +590,7 @@ class Processor:
         began = time.monotonic()
         if batch.artifacts:
             self._write_artifacts(batch.artifacts)  # durable before anything references them
+        wrote = time.monotonic()
         for run_id, (partition, slot) in batch.dirty.items():
             if slot.state is None and not slot.buffer:
                 continue  # refused inputs of a run that does not exist leave no snapshot
@@ -598,12 +601,20 @@ class Processor:
                 value=encode("Snapshot", slot.to_record()),
                 partition=partition,
             )
+        snapped = time.monotonic()
         offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
         self._producer.send_offsets_to_transaction(
             offsets, self._consumer.consumer_group_metadata(), 30
         )
+        sent = time.monotonic()
         self._producer.commit_transaction(30)
         self._batch = None
+        ended = time.monotonic()
+        self.stats.stage("artifacts", wrote - began)
+        self.stats.stage("snapshots", snapped - wrote)
+        self.stats.stage("offsets", sent - snapped)
+        self.stats.stage("commit", ended - sent)
+        self.stats.stage("batch_open", began - batch.started)
         active = sum(len(slots) for slots in self._slots.values())
         self.stats.committed(batch.inputs, time.monotonic() - began, active)
 

@@ -8,6 +8,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from connectors.artifacts import PostgresArtifactStore, StoredArtifact
 from connectors.db import migrate
 
 
@@ -89,3 +90,19 @@ def test_postgres_round_trip_and_migrations_idempotent(database_url: str) -> Non
         versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
     assert row == ("text/plain", b"hello")
     assert "0001_artifacts" in versions
+
+
+def test_artifact_store_writes_each_ref_once(database_url: str) -> None:
+    store = PostgresArtifactStore(database_url)
+    try:
+        shared = StoredArtifact.of('{"tools":["search"],"n":' + str(time.time_ns()) + "}")
+        fresh = StoredArtifact.of('{"context":' + str(time.time_ns()) + "}")
+        assert store.put_many([shared, shared]) == 1
+        # a ref this store saw committed is not sent again (write-once, content-addressed)
+        assert store.put_many([shared, fresh]) == 1
+        assert store.get_many([shared.ref, fresh.ref]) == {
+            shared.ref: shared.content,
+            fresh.ref: fresh.content,
+        }
+    finally:
+        store.close()
