@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -81,7 +82,7 @@ SINK_DIVERGENCES = Counter(
 )
 SINK_BATCH_SECONDS = Histogram(
     "agentruns_sink_batch_seconds",
-    "Fold + write + commit of one sink batch",
+    "Write + commit of one sink batch (the writer thread)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
 SINK_CACHED_RUNS = Gauge("agentruns_sink_cached_runs", "Run states held in memory by the sink")
@@ -605,8 +606,8 @@ class SinkStats:
     retries: int = 0
     divergences: int = 0
     gaps: int = 0
-    fold_s: float = 0.0  # time folding (CPU)
-    write_s: float = 0.0  # time writing and committing (Postgres)
+    fold_s: float = 0.0  # decoding and folding (the consumer thread)
+    write_s: float = 0.0  # writing and committing (the writer thread, overlaps the next fold)
 
 
 @dataclass
@@ -618,9 +619,14 @@ class CommitReport:
 
 
 @dataclass
-class _Prepared:
+class _Batch:
+    """One consumed batch, decoded and folded: everything its transaction writes."""
+
+    positions: dict[tuple[str, int], int]
+    snapshots: dict[str, dict[str, Any]]
+    results: dict[tuple[str, int], dict[str, Any]]
     events: list[tuple[Any, ...]] = field(default_factory=list)  # event_values() rows
-    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)
+    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)  # last state per run
     ops: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
@@ -629,8 +635,40 @@ class _Retry(Exception):
     pass
 
 
+class _Pg:
+    """One lazily (re)opened Postgres connection, and whether its stage tables exist."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: Conn | None = None
+        self.staged = False
+
+    def connection(self) -> Conn:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.url, connect_timeout=5)
+            self.staged = False
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+            self.staged = False
+
+
 class Sink:
-    """One sink process (or thread in monolith mode): `run(stop)` until stop is set."""
+    """One sink process (or thread in monolith mode): `run(stop)` until stop is set.
+
+    Two threads, so that Postgres works on batch N while Python folds batch N+1: the consumer
+    thread (`run`) polls, decodes and folds; one writer thread writes and commits each folded
+    batch, in order, at most one in flight. `_cache` holds each run's state after every batch
+    handed to the writer, committed or not; the next fold continues from it. That is safe
+    because the writer commits batches in order and retries a failed one until it commits (or
+    the sink stops, dropping the cache): a later batch never commits without the ones before.
+    Everything that reads Postgres state or drops the cache (assignment changes, eviction)
+    first waits for the batch in flight (`_drain`).
+    """
 
     def __init__(
         self, config: SinkConfig, *, on_commit: Callable[[CommitReport], None] | None = None
@@ -644,9 +682,11 @@ class Sink:
         self.topics = [self.events_topic, self.state_topic, self.results_topic]
         self.stats = SinkStats()
         self._cache: dict[str, tuple[int, RunState]] = {}
-        self._conn: Conn | None = None
-        self._staged: Conn | None = None  # the connection whose stage tables exist
+        self._writer_pg = _Pg(config.database_url)  # the writer thread's transactions
+        self._reader_pg = _Pg(config.database_url)  # the consumer thread's reads
         self._stop = threading.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
         self._consumer = Consumer(self._consumer_config())
         self._closed = False
 
@@ -661,7 +701,8 @@ class Sink:
             "auto.offset.reset": "earliest",
             "session.timeout.ms": c.session_timeout_ms,
             "heartbeat.interval.ms": max(500, c.session_timeout_ms // 5),
-            "fetch.wait.max.ms": 20,
+            # An idle fetch returns after 10 ms, so a commit on the events topic is seen soon.
+            "fetch.wait.max.ms": 10,
             "log_level": 3,
         }
         if c.instance_id:
@@ -671,23 +712,18 @@ class Sink:
 
     # ------------------------------------------------------------------ Postgres
 
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.config.database_url, connect_timeout=5)
-        return self._conn
-
-    def _drop_connection(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
-
-    def _with_retry(self, what: str, fn: Callable[[Conn], Any]) -> Any:
-        """Run `fn` in a transaction; on a lost connection back off and retry until stopped."""
+    def _with_retry(
+        self, pg: _Pg, what: str, fn: Callable[[Conn], Any], *, transaction: bool = True
+    ) -> Any:
+        """Run `fn` (in a transaction); on a lost connection back off and retry until stopped."""
         delay = 0.05
         while True:
             try:
-                conn = self._connection()
+                conn = pg.connection()
+                if not transaction:
+                    result = fn(conn)
+                    conn.rollback()  # a read: end it, so no snapshot is held between batches
+                    return result
                 with conn.transaction():
                     return fn(conn)
             except (
@@ -695,7 +731,7 @@ class Sink:
                 psycopg.errors.SerializationFailure,
                 psycopg.errors.DeadlockDetected,
             ) as exc:
-                self._drop_connection()
+                pg.drop()
                 self.stats.retries += 1
                 SINK_RETRIES.inc()
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -704,16 +740,19 @@ class Sink:
                     raise _Retry(what) from exc
                 delay = min(delay * 2, self.config.retry_max_delay_s)
             except psycopg.Error as exc:
-                self._drop_connection()
+                pg.drop()
                 raise SinkError(f"{what} failed: {exc}") from exc
 
     # ------------------------------------------------------------------ assignment
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
         self._cache.clear()  # another sink may have projected these runs meanwhile
         offsets = self._with_retry(
+            self._reader_pg,
             "reading sink offsets",
             lambda conn: read_offsets(conn, self.config.group_id, self.topics),
+            transaction=False,
         )
         for tp in partitions:
             tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
@@ -723,6 +762,7 @@ class Sink:
         )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
         self._cache.clear()
         consumer.unassign()
 
@@ -742,8 +782,14 @@ class Sink:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop: threading.Event) -> None:
-        """Project until `stop` is set, then close."""
+        """Project until `stop` is set, then close.
+
+        A batch is what one `consume` returns: up to `batch_size` records, or fewer when
+        `poll_timeout_s` passes first, so at a low rate a record waits at most that long
+        before its batch is folded (and a backlog is projected in full-size batches).
+        """
         self._stop = stop
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sink-writer")
         try:
             if self.config.assign == "all":
                 self._assign_all()
@@ -756,7 +802,13 @@ class Sink:
                     self.config.batch_size, self.config.poll_timeout_s
                 )
                 if messages:
-                    self.apply(messages)
+                    batch = self._prepare(messages)
+                    self._drain()  # the previous batch commits before this one is handed over
+                    if batch is not None:
+                        self._inflight = self._executor.submit(self._commit, batch)
+                elif self._inflight is not None and self._inflight.done():
+                    self._drain()  # surface its error, if any
+            self._drain()
         except _Retry:
             log.info("stopped while Postgres was unavailable; the batch will be re-read")
         finally:
@@ -766,17 +818,43 @@ class Sink:
         if self._closed:
             return
         self._closed = True
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):
+                self._inflight.result(timeout=60)
+            self._inflight = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
-        self._drop_connection()
+        self._writer_pg.drop()
+        self._reader_pg.drop()
 
     def apply(self, messages: Sequence[Message]) -> None:
-        """Project one batch of consumed messages in one database transaction."""
+        """Project one batch of consumed messages in one database transaction, synchronously."""
+        self._drain()
+        batch = self._prepare(messages)
+        if batch is not None:
+            self._commit(batch)
+
+    def _drain(self) -> None:
+        """Wait until the batch in flight is committed; re-raise its failure (the cache holds
+        states of a batch that never committed then, so it goes)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        try:
+            inflight.result()
+        except BaseException:
+            self._cache.clear()
+            raise
+
+    def _prepare(self, messages: Sequence[Message]) -> _Batch | None:
+        """Decode and fold one batch (the consumer thread); the cache moves on to its states."""
         began = time.monotonic()
-        positions: dict[tuple[str, int], int] = {}
+        batch = _Batch({}, {}, {})
+        positions, snapshots, results = batch.positions, batch.snapshots, batch.results
         events: list[dict[str, Any]] = []
-        snapshots: dict[str, dict[str, Any]] = {}
-        results: dict[tuple[str, int], dict[str, Any]] = {}
+        events_topic, state_topic = self.events_topic, self.state_topic
         for message in messages:
             error = message.error()
             if error is not None:
@@ -790,9 +868,9 @@ class Sink:
             if value is None:
                 continue
             try:
-                if topic == self.events_topic:
+                if topic == events_topic:
                     events.append(decode(value, expected_name="Event").record)
-                elif topic == self.state_topic:
+                elif topic == state_topic:
                     snap = decode(value, expected_name="Snapshot").record
                     held = snapshots.get(snap["run_id"])
                     if held is None or held["version"] < snap["version"]:
@@ -807,45 +885,40 @@ class Sink:
                 SINK_SKIPPED.labels("undecodable").inc()
                 log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
         if not positions:
-            return
-
-        def write(conn: Conn) -> _Prepared:
-            began = time.monotonic()
-            prepared = self._fold(conn, events)
-            folded = time.monotonic()
-            self._write(conn, prepared, snapshots, results, positions)
-            self.stats.fold_s += folded - began
-            self.stats.write_s += time.monotonic() - folded
-            return prepared
-
-        prepared = self._with_retry("writing a sink batch", write)
-        # Durable: now the cache may advance.
-        self._cache.update(prepared.runs)
+            return None
         if len(self._cache) > self.config.max_cached_runs:
+            self._drain()  # what the cache forgets must be in Postgres first
             self._cache.clear()
+        self._fold(events, batch)
+        self._cache.update(batch.runs)
         SINK_CACHED_RUNS.set(len(self._cache))
-        self.stats.batches += 1
-        self.stats.events += len(prepared.events)
-        self.stats.snapshots += len(snapshots)
-        self.stats.results += len(results)
-        SINK_EVENTS.inc(len(prepared.events))
-        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
-        if self.on_commit is not None:
-            self.on_commit(CommitReport(time.time(), [(e[0], e[1]) for e in prepared.events]))
+        self.stats.fold_s += time.monotonic() - began
+        return batch
 
-    def _fold(self, conn: Conn, events: list[dict[str, Any]]) -> _Prepared:
-        prepared = _Prepared()
-        missing = list({e["run_id"] for e in events if e["run_id"] not in self._cache})
-        loaded: dict[str, tuple[int, RunState]] = {}
-        if missing:
-            for run_id, last_seq, state in conn.execute(
+    def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
+        """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache
+        does not hold. Called with no batch of theirs in flight: a run with one is cached."""
+
+        def read(conn: Conn) -> dict[str, tuple[int, RunState]]:
+            rows = conn.execute(
                 "SELECT run_id, last_seq, state::text FROM runs WHERE run_id = ANY(%s)",
-                (missing,),
-            ):
-                loaded[run_id] = (int(last_seq), RunState.model_validate_json(state))
+                (run_ids,),
+            )
+            return {r: (int(s), RunState.model_validate_json(j)) for r, s, j in rows}
+
+        loaded: dict[str, tuple[int, RunState]] = self._with_retry(
+            self._reader_pg, "reading run states", read, transaction=False
+        )
+        return loaded
+
+    def _fold(self, events: list[dict[str, Any]], batch: _Batch) -> None:
+        cache = self._cache
+        missing = list({e["run_id"] for e in events if e["run_id"] not in cache})
+        loaded = self._load(missing) if missing else {}
+        runs = batch.runs
         for record in events:
             run_id, seq = record["run_id"], record["seq"]
-            current = prepared.runs.get(run_id) or self._cache.get(run_id) or loaded.get(run_id)
+            current = runs.get(run_id) or cache.get(run_id) or loaded.get(run_id)
             last_seq, state = current if current is not None else (0, None)
             if seq <= last_seq:
                 self.stats.skipped += 1
@@ -867,44 +940,51 @@ class Sink:
             if str(projected.disposition) != record["disposition"]:
                 self.stats.divergences += 1
                 SINK_DIVERGENCES.inc()
-            prepared.runs[run_id] = (seq, projected.state)
-            prepared.events.append(event_values(record, projected.status))
+            runs[run_id] = (seq, projected.state)
+            batch.events.append(event_values(record, projected.status))
             for row in projected.ops:
-                merge_op(prepared.ops, row)
+                merge_op(batch.ops, row)
             for row in projected.questions:
-                merge_question(prepared.questions, row)
-        return prepared
+                merge_question(batch.questions, row)
 
-    def _write(
-        self,
-        conn: Conn,
-        prepared: _Prepared,
-        snapshots: dict[str, dict[str, Any]],
-        results: dict[tuple[str, int], dict[str, Any]],
-        positions: dict[tuple[str, int], int],
-    ) -> None:
+    def _commit(self, batch: _Batch) -> None:
+        """Write and commit one folded batch (the writer thread), retrying a lost connection
+        with the same rows: the guards make a re-applied batch a no-op."""
+        began = time.monotonic()
+        self._with_retry(self._writer_pg, "writing a sink batch", lambda c: self._write(c, batch))
+        self.stats.write_s += time.monotonic() - began
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.snapshots += len(batch.snapshots)
+        self.stats.results += len(batch.results)
+        SINK_EVENTS.inc(len(batch.events))
+        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
+        if self.on_commit is not None:
+            self.on_commit(CommitReport(time.time(), [(e[0], e[1]) for e in batch.events]))
+
+    def _write(self, conn: Conn, batch: _Batch) -> None:
         with conn.cursor() as cur:
-            if self._staged is not conn:
+            if not self._writer_pg.staged:
                 for table in TABLES:
                     cur.execute(table.create_stage())
-                self._staged = conn
-            if prepared.events:
-                write_rows(cur, EVENTS_TABLE, prepared.events)
-            if prepared.runs:
+                self._writer_pg.staged = True
+            if batch.events:
+                write_rows(cur, EVENTS_TABLE, batch.events)
+            if batch.runs:
                 # Only the last state of each run in the batch is serialized and written.
-                rows = (run_values(state, seq) for seq, state in prepared.runs.values())
+                rows = (run_values(state, seq) for seq, state in batch.runs.values())
                 write_rows(cur, RUNS_TABLE, rows)
-            if prepared.ops:
+            if batch.ops:
                 write_rows(
-                    cur, OPS_TABLE, (tuple(r[c] for c in OP_COLUMNS) for r in prepared.ops.values())
+                    cur, OPS_TABLE, (tuple(r[c] for c in OP_COLUMNS) for r in batch.ops.values())
                 )
-            if prepared.questions:
+            if batch.questions:
                 write_rows(
                     cur,
                     QUESTIONS_TABLE,
-                    (tuple(r[c] for c in QUESTION_COLUMNS) for r in prepared.questions.values()),
+                    (tuple(r[c] for c in QUESTION_COLUMNS) for r in batch.questions.values()),
                 )
-            if results:
+            if batch.results:
                 write_rows(
                     cur,
                     RESULTS_TABLE,
@@ -919,26 +999,26 @@ class Sink:
                             r["trace_id"],
                             r["at"],
                         )
-                        for r in results.values()
+                        for r in batch.results.values()
                     ),
                 )
-            if snapshots:
+            if batch.snapshots:
                 write_rows(
                     cur,
                     SNAPSHOTS_TABLE,
                     (
                         (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
-                        for s in snapshots.values()
+                        for s in batch.snapshots.values()
                     ),
                 )
-            keys = sorted(positions)
+            keys = sorted(batch.positions)
             cur.execute(
                 SQL_OFFSETS,
                 (
                     self.config.group_id,
                     [t for t, _ in keys],
                     [p for _, p in keys],
-                    [positions[k] for k in keys],
+                    [batch.positions[k] for k in keys],
                 ),
             )
 
