@@ -854,6 +854,10 @@ class Sink:
         batch = _Batch({}, {}, {})
         positions, snapshots, results = batch.positions, batch.snapshots, batch.results
         events: list[dict[str, Any]] = []
+        # Snapshots are keyed by run and written in version order within the run's partition,
+        # so only the last one per key in the batch is decoded (the processor writes ~one per
+        # event, each carrying the whole state); the version guard still applies in Postgres.
+        latest: dict[bytes | str | None, tuple[bytes, tuple[str, int, int]]] = {}
         events_topic, state_topic = self.events_topic, self.state_topic
         for message in messages:
             error = message.error()
@@ -867,23 +871,26 @@ class Sink:
             value = message.value()
             if value is None:
                 continue
+            if topic == state_topic:
+                latest[message.key()] = (value, (topic, partition, offset))
+                continue
             try:
                 if topic == events_topic:
                     events.append(decode(value, expected_name="Event").record)
-                elif topic == state_topic:
-                    snap = decode(value, expected_name="Snapshot").record
-                    held = snapshots.get(snap["run_id"])
-                    if held is None or held["version"] < snap["version"]:
-                        snapshots[snap["run_id"]] = snap
                 else:
                     res = decode(value, expected_name="Result").record
                     results[(res["run_id"], res["version"])] = res
             except CodecError as exc:
-                # The processor never writes these; a foreign writer did. Skipped and counted
-                # (the projection cannot represent it); the offset still moves on.
-                self.stats.undecodable += 1
-                SINK_SKIPPED.labels("undecodable").inc()
-                log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
+                self._undecodable(topic, partition, offset, exc)
+        for value, (topic, partition, offset) in latest.values():
+            try:
+                snap = decode(value, expected_name="Snapshot").record
+            except CodecError as exc:
+                self._undecodable(topic, partition, offset, exc)
+                continue
+            held = snapshots.get(snap["run_id"])
+            if held is None or held["version"] < snap["version"]:
+                snapshots[snap["run_id"]] = snap
         if not positions:
             return None
         if len(self._cache) > self.config.max_cached_runs:
@@ -894,6 +901,13 @@ class Sink:
         SINK_CACHED_RUNS.set(len(self._cache))
         self.stats.fold_s += time.monotonic() - began
         return batch
+
+    def _undecodable(self, topic: str, partition: int, offset: int, exc: CodecError) -> None:
+        # The processor never writes these; a foreign writer did. Skipped and counted (the
+        # projection cannot represent it); the offset still moves on.
+        self.stats.undecodable += 1
+        SINK_SKIPPED.labels("undecodable").inc()
+        log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
 
     def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
         """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache
