@@ -10,7 +10,13 @@ Two phases, one sink (``connectors.sink.Sink``, in a thread):
   scratch; events/s = events / time to the last commit;
 * lag: the writer paces ``--rate`` events/s for ``--seconds`` in 50 ms transactions (as the
   processor commits); lag = time the sink's Postgres commit made the row visible minus the time
-  the Kafka transaction holding the event committed.
+  the Kafka transaction holding the event committed (both ``time.time()`` on this machine, taken
+  when each commit call returned). An event the sink never made visible counts with the lag it
+  had when the bench gave up waiting, so a stalled sink cannot improve the percentiles.
+
+The CPU split: the sink's process CPU per event in the backlog phase, and the core fold alone
+(``parse_event_body`` + ``transition`` over the same events, timed in this process afterwards);
+the difference is what the sink adds (consume, decode, rows, COPY; not Postgres' own CPU).
 
 The last stdout line is one JSON object.
 """
@@ -35,10 +41,11 @@ from confluent_kafka import Producer
 from bench.core import simulate
 from processors.effects import PublishResult
 from processors.events import Event
+from processors.state import RunState
 from processors.transition import Artifact, transition
 from streams.codec import encode
 from streams.partitioning import event_key, partition_for, run_key
-from streams.records import RunSlot, event_record, result_record
+from streams.records import RunSlot, event_body, event_record, parse_event_body, result_record
 from streams.topics import EVENTS, RESULTS, STATE, topic_name
 
 Record = tuple[str, bytes, bytes, int]  # topic, key, value, partition
@@ -202,6 +209,22 @@ def paced_writer(
     return committed, wall
 
 
+def core_fold_seconds(events: Sequence[Event]) -> float:
+    """CPU seconds the core alone needs to fold `events` as the sink does (parse each body,
+    then transition), best of three."""
+    bodies = [(e.run_id, event_body(e)) for e in events]
+    best = float("inf")
+    for _ in range(3):
+        states: dict[str, RunState | None] = {}
+        began = time.process_time()
+        for run_id, body in bodies:
+            result = transition(states.get(run_id), parse_event_body(body))
+            if result.state is not None:
+                states[run_id] = result.state
+        best = min(best, time.process_time() - began)
+    return best
+
+
 def run_bench(
     bootstrap: str,
     database_url: str,
@@ -217,6 +240,7 @@ def run_bench(
     from streams.admin import ensure_topics
 
     migrate(database_url)
+    load_before = os.getloadavg()[0]
     tag = f"bs{uuid.uuid4().hex[:6]}"
     prefix = f"bench-sink-{tag}"
     ensure_topics(bootstrap, prefix=prefix, partitions=partitions)
@@ -279,11 +303,13 @@ def run_bench(
         if done or time.monotonic() > deadline or not thread.is_alive():
             break
         time.sleep(0.02)
+    gave_up = time.time()
     stop.set()
     thread.join(30)
     with lock:
-        lags = [visible[k] - t for k, t in committed.items() if k in visible]
-    missing = len(committed) - len(lags)
+        lags = [visible.get(k, gave_up) - t for k, t in committed.items()]
+    missing = sum(1 for k in committed if k not in visible)
+    core_s = core_fold_seconds(backlog)
     return {
         "bench": "sink",
         "events_projected": len(backlog),
@@ -294,6 +320,10 @@ def run_bench(
         "events_per_cpu_second": round(len(backlog) / cpu),
         "backlog_fold_seconds": round(fold_s, 2),
         "backlog_write_seconds": round(write_s, 2),
+        "cpu_us_per_event": round(cpu / len(backlog) * 1e6, 1),
+        "core_fold_us_per_event": round(core_s / len(backlog) * 1e6, 1),
+        "rest_us_per_event": round((cpu - core_s) / len(backlog) * 1e6, 1),
+        "load_average_1m_before": round(load_before, 2),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "paced_rate": rate,

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -81,7 +82,7 @@ SINK_DIVERGENCES = Counter(
 )
 SINK_BATCH_SECONDS = Histogram(
     "agentruns_sink_batch_seconds",
-    "Fold + write + commit of one sink batch",
+    "Write + commit of one sink batch (the writer thread)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
 SINK_CACHED_RUNS = Gauge("agentruns_sink_cached_runs", "Run states held in memory by the sink")
@@ -209,32 +210,74 @@ def question_row(
     }
 
 
-def run_row(state: RunState, last_seq: int) -> dict[str, Any]:
+RUN_TIME_COLUMNS = frozenset({"started_at", "last_event_at", "ended_at"})
+
+
+def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
+    """The runs row in RUN_COLUMNS order as the sink stages it: times as epoch milliseconds,
+    the state as its canonical JSON text."""
     t = state.time
-    return {
-        "run_id": state.run_id,
-        "last_seq": last_seq,
-        "status": str(state.status),
-        "step": state.step,
-        "attempt": state.attempt,
-        "version": state.version,
-        "resolution": state.resolution,
-        "trace_id": state.trace_id,
-        "goal": state.goal,
-        "input_tokens": state.usage.input_tokens,
-        "output_tokens": state.usage.output_tokens,
-        "cost_micros": state.usage.cost_micros,
-        "tool_calls": state.tool_calls,
-        "started_at": ms_time(t.started_at),
-        "last_event_at": ms_time(t.last_at),
-        "ended_at": None if t.ended_at is None else ms_time(t.ended_at),
-        "system_ms": t.system_ms,
-        "tool_wait_ms": t.tool_wait_ms,
-        "user_wait_ms": t.user_wait_ms,
-        "outcome": state.outcome,
-        "result_ref": state.result_ref,
-        "state": state.model_dump_json(),
-    }
+    usage = state.usage
+    return (
+        state.run_id,
+        last_seq,
+        str(state.status),
+        state.step,
+        state.attempt,
+        state.version,
+        state.resolution,
+        state.trace_id,
+        state.goal,
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cost_micros,
+        state.tool_calls,
+        t.started_at,
+        t.last_at,
+        t.ended_at,
+        t.system_ms,
+        t.tool_wait_ms,
+        t.user_wait_ms,
+        state.outcome,
+        state.result_ref,
+        state.model_dump_json(),
+    )
+
+
+def run_row(state: RunState, last_seq: int) -> dict[str, Any]:
+    """The runs row as Postgres returns it (times as datetimes); audit compares with it."""
+    row = dict(zip(RUN_COLUMNS, run_values(state, last_seq), strict=True))
+    for c in RUN_TIME_COLUMNS:
+        if row[c] is not None:
+            row[c] = ms_time(row[c])
+    return row
+
+
+def event_values(record: dict[str, Any], status: str) -> tuple[Any, ...]:
+    """The events row in EVENT_COLUMNS order as the sink stages it: `at` in epoch milliseconds,
+    the payload the record's body as-is (the core's canonical JSON; Postgres parses it once)."""
+    return (
+        record["run_id"],
+        record["seq"],
+        record["event_id"],
+        record["type"],
+        record["step"],
+        record["attempt"],
+        record["trace_id"],
+        record["at"],
+        record["disposition"],
+        record["reason"],
+        record["input_id"],
+        status,
+        record["body"],
+    )
+
+
+def event_row(record: dict[str, Any], status: str) -> dict[str, Any]:
+    """The events row as Postgres returns it (`at` as a datetime); audit compares with it."""
+    row = dict(zip(EVENT_COLUMNS, event_values(record, status), strict=True))
+    row["at"] = ms_time(row["at"])
+    return row
 
 
 def _settled_by(event: Event, old: Operation) -> Operation | None:
@@ -280,28 +323,45 @@ class Projected:
     """What one event adds to the projection."""
 
     state: RunState
-    event: dict[str, Any]
+    record: dict[str, Any]  # the Event record folded
     ops: list[dict[str, Any]]
     questions: list[dict[str, Any]]
     disposition: Disposition
     effects: tuple[Effect, ...] = ()
     reason: str | None = None
 
+    @property
+    def status(self) -> str:
+        """The run status after the event (the events row's `status`)."""
+        return str(self.state.status)
+
+    @property
+    def event(self) -> dict[str, Any]:
+        """The events row (as Postgres returns it)."""
+        return event_row(self.record, self.status)
+
 
 def project_event(state: RunState | None, record: dict[str, Any]) -> Projected | None:
-    """Fold one Event record into `state` and say which rows change. Pure (used by audit too)."""
+    """Fold one Event record into `state` and say which rows change. Pure (used by audit too).
+
+    The sink's hot path: operations and questions are compared by identity (the core keeps an
+    unchanged tuple/record as the same object), so an event that touches neither costs one parse
+    and one transition.
+    """
     event = parse_event_body(record["body"])
     result = transition(state, event)
     new = result.state
     if new is None:
         return None
-    run_id, seq = record["run_id"], record["seq"]
     ops: list[dict[str, Any]] = []
+    questions: list[dict[str, Any]] = []
     old_ops: tuple[Operation, ...] = () if state is None else state.ops
+    old_q = None if state is None else state.question
     applied = result.disposition is Disposition.APPLIED
-    recon = event.outcome.value if applied and isinstance(event, ReconcileCompleted) else None
-    recon_key = getattr(event, "operation_key", None)
     if new.ops is not old_ops:
+        run_id, seq = record["run_id"], record["seq"]
+        recon = event.outcome.value if applied and isinstance(event, ReconcileCompleted) else None
+        recon_key = getattr(event, "operation_key", None)
         before = {o.key: o for o in old_ops}
         for op in new.ops:
             if before.pop(op.key, None) is not op:
@@ -313,9 +373,8 @@ def project_event(state: RunState | None, record: dict[str, Any]) -> Projected |
             if final is None:
                 final = gone.model_copy(update={"status": OpStatus.CANCELLED})
             ops.append(op_row(run_id, final, seq, recon if gone.key == recon_key else None))
-    questions: list[dict[str, Any]] = []
-    old_q = None if state is None else state.question
     if new.question is not old_q:
+        run_id, seq = record["run_id"], record["seq"]
         if old_q is not None and (
             new.question is None or new.question.question_id != old_q.question_id
         ):
@@ -325,22 +384,7 @@ def project_event(state: RunState | None, record: dict[str, Any]) -> Projected |
             old_q is None or old_q.question_id != new.question.question_id
         ):
             questions.append(question_row(run_id, new.question, "open", seq, opened=True))
-    row = {
-        "run_id": run_id,
-        "seq": seq,
-        "event_id": record["event_id"],
-        "type": record["type"],
-        "step": record["step"],
-        "attempt": record["attempt"],
-        "trace_id": record["trace_id"],
-        "at": ms_time(record["at"]),
-        "disposition": record["disposition"],
-        "reason": record["reason"],
-        "input_id": record["input_id"],
-        "status": str(new.status),
-        "payload": record["body"],
-    }
-    return Projected(new, row, ops, questions, result.disposition, result.effects, result.reason)
+    return Projected(new, record, ops, questions, result.disposition, result.effects, result.reason)
 
 
 def merge_op(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, Any]) -> None:
@@ -362,34 +406,56 @@ def merge_question(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, A
 
 # --------------------------------------------------------------------------- SQL
 
+# Staged as epoch milliseconds (what event data carries), turned into timestamptz by Postgres:
+# exact (the product stays below 2**53 microseconds) and no datetime per value in Python.
+_MS = "timestamptz 'epoch' + {c} * interval '1 millisecond'"
+
 
 @dataclass(frozen=True)
 class Table:
-    """A projection table written in bulk: COPY into a session temp table, then one
-    INSERT ... SELECT ... ON CONFLICT into the real table (COPY is psycopg's fast path)."""
+    """A projection table written in bulk: binary COPY into a session temp table, then one
+    INSERT ... SELECT ... ON CONFLICT into the real table (COPY is psycopg's fast path, binary
+    saves formatting and parsing every number; the guards live in the ON CONFLICT clause).
+
+    `types` are the staged Postgres types in `columns` order, space-separated; a `bigint`
+    staged for a timestamptz column holds epoch milliseconds, a `text` staged for jsonb holds
+    the JSON text."""
 
     name: str
     columns: tuple[str, ...]
+    types: str
     conflict: str
     update: str
+    ms_columns: frozenset[str] = frozenset()
+    json_columns: frozenset[str] = frozenset()
 
     @property
     def stage(self) -> str:
         return f"_stage_{self.name}"
 
+    @property
+    def stage_types(self) -> list[str]:
+        return self.types.split()
+
     def create_stage(self) -> str:
-        return (
-            f"CREATE TEMP TABLE IF NOT EXISTS {self.stage} (LIKE {self.name} INCLUDING DEFAULTS)"
-            " ON COMMIT DELETE ROWS"
-        )
+        cols = ", ".join(f"{c} {t}" for c, t in zip(self.columns, self.stage_types, strict=True))
+        return f"CREATE TEMP TABLE IF NOT EXISTS {self.stage} ({cols}) ON COMMIT DELETE ROWS"
 
     def copy(self) -> str:
-        return f"COPY {self.stage} ({', '.join(self.columns)}) FROM STDIN"
+        return f"COPY {self.stage} ({', '.join(self.columns)}) FROM STDIN (FORMAT BINARY)"
+
+    def _select(self, column: str) -> str:
+        if column in self.ms_columns:
+            return _MS.format(c=column)
+        if column in self.json_columns:
+            return f"{column}::jsonb"
+        return column
 
     def upsert(self) -> str:
         names = ", ".join(self.columns)
+        values = ", ".join(self._select(c) for c in self.columns)
         return (
-            f"INSERT INTO {self.name} ({names}) SELECT {names} FROM {self.stage}"
+            f"INSERT INTO {self.name} ({names}) SELECT {values} FROM {self.stage}"
             f" ON CONFLICT {self.conflict} {self.update}"
         )
 
@@ -411,18 +477,32 @@ RESULT_COLUMNS = (
 )
 SNAPSHOT_COLUMNS = ("run_id", "last_seq", "version", "status", "updated_at")
 
-EVENTS_TABLE = Table("events", EVENT_COLUMNS, "(run_id, seq)", "DO NOTHING")
+EVENTS_TABLE = Table(
+    "events",
+    EVENT_COLUMNS,
+    "text bigint text text integer integer text bigint text text text text text",
+    "(run_id, seq)",
+    "DO NOTHING",
+    ms_columns=frozenset({"at"}),
+    json_columns=frozenset({"payload"}),
+)
 RUNS_TABLE = Table(
     "runs",
     RUN_COLUMNS,
+    "text bigint text integer integer bigint integer text text bigint bigint bigint integer"
+    " bigint bigint bigint bigint bigint bigint text text text",
     "(run_id)",
     "DO UPDATE SET "
     + _set(RUN_COLUMNS, skip=("run_id",))
     + ", projected_at = now() WHERE runs.last_seq < EXCLUDED.last_seq",
+    ms_columns=RUN_TIME_COLUMNS,
+    json_columns=frozenset({"state"}),
 )
 OPS_TABLE = Table(
     "operations",
     OP_COLUMNS,
+    "text text integer text text text integer integer integer text text text text text boolean"
+    " bigint",
     "(run_id, op_key)",
     "DO UPDATE SET "
     + _set(OP_COLUMNS, skip=("run_id", "op_key", "reconciliation"))
@@ -432,6 +512,7 @@ OPS_TABLE = Table(
 QUESTIONS_TABLE = Table(
     "questions",
     QUESTION_COLUMNS,
+    "text text text text timestamptz text bigint text bigint bigint bigint",
     "(run_id, question_id)",
     "DO UPDATE SET "
     + _set(QUESTION_COLUMNS, skip=("run_id", "question_id", "opened_seq"))
@@ -441,18 +522,22 @@ QUESTIONS_TABLE = Table(
 RESULTS_TABLE = Table(
     "results",
     RESULT_COLUMNS,
+    "text bigint text bigint text text text bigint",
     "(run_id, resolution)",
     "DO UPDATE SET "
     + _set(RESULT_COLUMNS, skip=("run_id", "resolution"))
     + " WHERE results.seq < EXCLUDED.seq",
+    ms_columns=frozenset({"at"}),
 )
 SNAPSHOTS_TABLE = Table(
     "run_snapshots",
     SNAPSHOT_COLUMNS,
+    "text bigint bigint text bigint",
     "(run_id)",
     "DO UPDATE SET "
     + _set(SNAPSHOT_COLUMNS, skip=("run_id",))
     + " WHERE run_snapshots.version < EXCLUDED.version",
+    ms_columns=frozenset({"updated_at"}),
 )
 TABLES = (EVENTS_TABLE, RUNS_TABLE, OPS_TABLE, QUESTIONS_TABLE, RESULTS_TABLE, SNAPSHOTS_TABLE)
 
@@ -466,12 +551,14 @@ SQL_OFFSETS = (
 )
 
 
-def write_rows(cur: psycopg.Cursor[Any], table: Table, rows: Iterable[dict[str, Any]]) -> None:
-    """Stage `rows` with COPY, then upsert them (the stage empties itself at commit)."""
-    columns = table.columns
+def write_rows(cur: psycopg.Cursor[Any], table: Table, rows: Iterable[Sequence[Any]]) -> None:
+    """Stage `rows` (value tuples in `table.columns` order) with a binary COPY, then upsert them
+    (the stage empties itself at commit)."""
     with cur.copy(table.copy()) as copy:
+        copy.set_types(table.stage_types)
+        write = copy.write_row
         for row in rows:
-            copy.write_row(tuple(row[c] for c in columns))
+            write(row)
     cur.execute(table.upsert())
 
 
@@ -519,8 +606,8 @@ class SinkStats:
     retries: int = 0
     divergences: int = 0
     gaps: int = 0
-    fold_s: float = 0.0  # time folding (CPU)
-    write_s: float = 0.0  # time writing and committing (Postgres)
+    fold_s: float = 0.0  # decoding and folding (the consumer thread)
+    write_s: float = 0.0  # writing and committing (the writer thread, overlaps the next fold)
 
 
 @dataclass
@@ -532,9 +619,14 @@ class CommitReport:
 
 
 @dataclass
-class _Prepared:
-    events: list[dict[str, Any]] = field(default_factory=list)
-    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)
+class _Batch:
+    """One consumed batch, decoded and folded: everything its transaction writes."""
+
+    positions: dict[tuple[str, int], int]
+    snapshots: dict[str, dict[str, Any]]
+    results: dict[tuple[str, int], dict[str, Any]]
+    events: list[tuple[Any, ...]] = field(default_factory=list)  # event_values() rows
+    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)  # last state per run
     ops: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
@@ -543,8 +635,40 @@ class _Retry(Exception):
     pass
 
 
+class _Pg:
+    """One lazily (re)opened Postgres connection, and whether its stage tables exist."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: Conn | None = None
+        self.staged = False
+
+    def connection(self) -> Conn:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.url, connect_timeout=5)
+            self.staged = False
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+            self.staged = False
+
+
 class Sink:
-    """One sink process (or thread in monolith mode): `run(stop)` until stop is set."""
+    """One sink process (or thread in monolith mode): `run(stop)` until stop is set.
+
+    Two threads, so that Postgres works on batch N while Python folds batch N+1: the consumer
+    thread (`run`) polls, decodes and folds; one writer thread writes and commits each folded
+    batch, in order, at most one in flight. `_cache` holds each run's state after every batch
+    handed to the writer, committed or not; the next fold continues from it. That is safe
+    because the writer commits batches in order and retries a failed one until it commits (or
+    the sink stops, dropping the cache): a later batch never commits without the ones before.
+    Everything that reads Postgres state or drops the cache (assignment changes, eviction)
+    first waits for the batch in flight (`_drain`).
+    """
 
     def __init__(
         self, config: SinkConfig, *, on_commit: Callable[[CommitReport], None] | None = None
@@ -558,9 +682,11 @@ class Sink:
         self.topics = [self.events_topic, self.state_topic, self.results_topic]
         self.stats = SinkStats()
         self._cache: dict[str, tuple[int, RunState]] = {}
-        self._conn: Conn | None = None
-        self._staged: Conn | None = None  # the connection whose stage tables exist
+        self._writer_pg = _Pg(config.database_url)  # the writer thread's transactions
+        self._reader_pg = _Pg(config.database_url)  # the consumer thread's reads
         self._stop = threading.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
         self._consumer = Consumer(self._consumer_config())
         self._closed = False
 
@@ -575,7 +701,8 @@ class Sink:
             "auto.offset.reset": "earliest",
             "session.timeout.ms": c.session_timeout_ms,
             "heartbeat.interval.ms": max(500, c.session_timeout_ms // 5),
-            "fetch.wait.max.ms": 20,
+            # An idle fetch returns after 10 ms, so a commit on the events topic is seen soon.
+            "fetch.wait.max.ms": 10,
             "log_level": 3,
         }
         if c.instance_id:
@@ -585,23 +712,18 @@ class Sink:
 
     # ------------------------------------------------------------------ Postgres
 
-    def _connection(self) -> Conn:
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.config.database_url, connect_timeout=5)
-        return self._conn
-
-    def _drop_connection(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
-
-    def _with_retry(self, what: str, fn: Callable[[Conn], Any]) -> Any:
-        """Run `fn` in a transaction; on a lost connection back off and retry until stopped."""
+    def _with_retry(
+        self, pg: _Pg, what: str, fn: Callable[[Conn], Any], *, transaction: bool = True
+    ) -> Any:
+        """Run `fn` (in a transaction); on a lost connection back off and retry until stopped."""
         delay = 0.05
         while True:
             try:
-                conn = self._connection()
+                conn = pg.connection()
+                if not transaction:
+                    result = fn(conn)
+                    conn.rollback()  # a read: end it, so no snapshot is held between batches
+                    return result
                 with conn.transaction():
                     return fn(conn)
             except (
@@ -609,7 +731,7 @@ class Sink:
                 psycopg.errors.SerializationFailure,
                 psycopg.errors.DeadlockDetected,
             ) as exc:
-                self._drop_connection()
+                pg.drop()
                 self.stats.retries += 1
                 SINK_RETRIES.inc()
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -618,16 +740,19 @@ class Sink:
                     raise _Retry(what) from exc
                 delay = min(delay * 2, self.config.retry_max_delay_s)
             except psycopg.Error as exc:
-                self._drop_connection()
+                pg.drop()
                 raise SinkError(f"{what} failed: {exc}") from exc
 
     # ------------------------------------------------------------------ assignment
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
         self._cache.clear()  # another sink may have projected these runs meanwhile
         offsets = self._with_retry(
+            self._reader_pg,
             "reading sink offsets",
             lambda conn: read_offsets(conn, self.config.group_id, self.topics),
+            transaction=False,
         )
         for tp in partitions:
             tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
@@ -637,6 +762,7 @@ class Sink:
         )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
         self._cache.clear()
         consumer.unassign()
 
@@ -656,8 +782,14 @@ class Sink:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop: threading.Event) -> None:
-        """Project until `stop` is set, then close."""
+        """Project until `stop` is set, then close.
+
+        A batch is what one `consume` returns: up to `batch_size` records, or fewer when
+        `poll_timeout_s` passes first, so at a low rate a record waits at most that long
+        before its batch is folded (and a backlog is projected in full-size batches).
+        """
         self._stop = stop
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sink-writer")
         try:
             if self.config.assign == "all":
                 self._assign_all()
@@ -670,7 +802,13 @@ class Sink:
                     self.config.batch_size, self.config.poll_timeout_s
                 )
                 if messages:
-                    self.apply(messages)
+                    batch = self._prepare(messages)
+                    self._drain()  # the previous batch commits before this one is handed over
+                    if batch is not None:
+                        self._inflight = self._executor.submit(self._commit, batch)
+                elif self._inflight is not None and self._inflight.done():
+                    self._drain()  # surface its error, if any
+            self._drain()
         except _Retry:
             log.info("stopped while Postgres was unavailable; the batch will be re-read")
         finally:
@@ -680,17 +818,47 @@ class Sink:
         if self._closed:
             return
         self._closed = True
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):
+                self._inflight.result(timeout=60)
+            self._inflight = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
-        self._drop_connection()
+        self._writer_pg.drop()
+        self._reader_pg.drop()
 
     def apply(self, messages: Sequence[Message]) -> None:
-        """Project one batch of consumed messages in one database transaction."""
+        """Project one batch of consumed messages in one database transaction, synchronously."""
+        self._drain()
+        batch = self._prepare(messages)
+        if batch is not None:
+            self._commit(batch)
+
+    def _drain(self) -> None:
+        """Wait until the batch in flight is committed; re-raise its failure (the cache holds
+        states of a batch that never committed then, so it goes)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        try:
+            inflight.result()
+        except BaseException:
+            self._cache.clear()
+            raise
+
+    def _prepare(self, messages: Sequence[Message]) -> _Batch | None:
+        """Decode and fold one batch (the consumer thread); the cache moves on to its states."""
         began = time.monotonic()
-        positions: dict[tuple[str, int], int] = {}
+        batch = _Batch({}, {}, {})
+        positions, snapshots, results = batch.positions, batch.snapshots, batch.results
         events: list[dict[str, Any]] = []
-        snapshots: dict[str, dict[str, Any]] = {}
-        results: dict[tuple[str, int], dict[str, Any]] = {}
+        # Snapshots are keyed by run and written in version order within the run's partition,
+        # so only the last one per key in the batch is decoded (the processor writes ~one per
+        # event, each carrying the whole state); the version guard still applies in Postgres.
+        latest: dict[bytes | str | None, tuple[bytes, tuple[str, int, int]]] = {}
+        events_topic, state_topic = self.events_topic, self.state_topic
         for message in messages:
             error = message.error()
             if error is not None:
@@ -703,65 +871,68 @@ class Sink:
             value = message.value()
             if value is None:
                 continue
+            if topic == state_topic:
+                latest[message.key()] = (value, (topic, partition, offset))
+                continue
             try:
-                if topic == self.events_topic:
+                if topic == events_topic:
                     events.append(decode(value, expected_name="Event").record)
-                elif topic == self.state_topic:
-                    snap = decode(value, expected_name="Snapshot").record
-                    held = snapshots.get(snap["run_id"])
-                    if held is None or held["version"] < snap["version"]:
-                        snapshots[snap["run_id"]] = snap
                 else:
                     res = decode(value, expected_name="Result").record
                     results[(res["run_id"], res["version"])] = res
             except CodecError as exc:
-                # The processor never writes these; a foreign writer did. Skipped and counted
-                # (the projection cannot represent it); the offset still moves on.
-                self.stats.undecodable += 1
-                SINK_SKIPPED.labels("undecodable").inc()
-                log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
+                self._undecodable(topic, partition, offset, exc)
+        for value, (topic, partition, offset) in latest.values():
+            try:
+                snap = decode(value, expected_name="Snapshot").record
+            except CodecError as exc:
+                self._undecodable(topic, partition, offset, exc)
+                continue
+            held = snapshots.get(snap["run_id"])
+            if held is None or held["version"] < snap["version"]:
+                snapshots[snap["run_id"]] = snap
         if not positions:
-            return
-
-        def write(conn: Conn) -> _Prepared:
-            began = time.monotonic()
-            prepared = self._fold(conn, events)
-            folded = time.monotonic()
-            self._write(conn, prepared, snapshots, results, positions)
-            self.stats.fold_s += folded - began
-            self.stats.write_s += time.monotonic() - folded
-            return prepared
-
-        prepared = self._with_retry("writing a sink batch", write)
-        # Durable: now the cache may advance.
-        self._cache.update(prepared.runs)
+            return None
         if len(self._cache) > self.config.max_cached_runs:
+            self._drain()  # what the cache forgets must be in Postgres first
             self._cache.clear()
+        self._fold(events, batch)
+        self._cache.update(batch.runs)
         SINK_CACHED_RUNS.set(len(self._cache))
-        self.stats.batches += 1
-        self.stats.events += len(prepared.events)
-        self.stats.snapshots += len(snapshots)
-        self.stats.results += len(results)
-        SINK_EVENTS.inc(len(prepared.events))
-        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
-        if self.on_commit is not None:
-            self.on_commit(
-                CommitReport(time.time(), [(e["run_id"], e["seq"]) for e in prepared.events])
-            )
+        self.stats.fold_s += time.monotonic() - began
+        return batch
 
-    def _fold(self, conn: Conn, events: list[dict[str, Any]]) -> _Prepared:
-        prepared = _Prepared()
-        missing = list({e["run_id"] for e in events if e["run_id"] not in self._cache})
-        loaded: dict[str, tuple[int, RunState]] = {}
-        if missing:
-            for run_id, last_seq, state in conn.execute(
+    def _undecodable(self, topic: str, partition: int, offset: int, exc: CodecError) -> None:
+        # The processor never writes these; a foreign writer did. Skipped and counted (the
+        # projection cannot represent it); the offset still moves on.
+        self.stats.undecodable += 1
+        SINK_SKIPPED.labels("undecodable").inc()
+        log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
+
+    def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
+        """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache
+        does not hold. Called with no batch of theirs in flight: a run with one is cached."""
+
+        def read(conn: Conn) -> dict[str, tuple[int, RunState]]:
+            rows = conn.execute(
                 "SELECT run_id, last_seq, state::text FROM runs WHERE run_id = ANY(%s)",
-                (missing,),
-            ):
-                loaded[run_id] = (int(last_seq), RunState.model_validate_json(state))
+                (run_ids,),
+            )
+            return {r: (int(s), RunState.model_validate_json(j)) for r, s, j in rows}
+
+        loaded: dict[str, tuple[int, RunState]] = self._with_retry(
+            self._reader_pg, "reading run states", read, transaction=False
+        )
+        return loaded
+
+    def _fold(self, events: list[dict[str, Any]], batch: _Batch) -> None:
+        cache = self._cache
+        missing = list({e["run_id"] for e in events if e["run_id"] not in cache})
+        loaded = self._load(missing) if missing else {}
+        runs = batch.runs
         for record in events:
             run_id, seq = record["run_id"], record["seq"]
-            current = prepared.runs.get(run_id) or self._cache.get(run_id) or loaded.get(run_id)
+            current = runs.get(run_id) or cache.get(run_id) or loaded.get(run_id)
             last_seq, state = current if current is not None else (0, None)
             if seq <= last_seq:
                 self.stats.skipped += 1
@@ -783,77 +954,85 @@ class Sink:
             if str(projected.disposition) != record["disposition"]:
                 self.stats.divergences += 1
                 SINK_DIVERGENCES.inc()
-            prepared.runs[run_id] = (seq, projected.state)
-            prepared.events.append(projected.event)
+            runs[run_id] = (seq, projected.state)
+            batch.events.append(event_values(record, projected.status))
             for row in projected.ops:
-                merge_op(prepared.ops, row)
+                merge_op(batch.ops, row)
             for row in projected.questions:
-                merge_question(prepared.questions, row)
-        return prepared
+                merge_question(batch.questions, row)
 
-    def _write(
-        self,
-        conn: Conn,
-        prepared: _Prepared,
-        snapshots: dict[str, dict[str, Any]],
-        results: dict[tuple[str, int], dict[str, Any]],
-        positions: dict[tuple[str, int], int],
-    ) -> None:
+    def _commit(self, batch: _Batch) -> None:
+        """Write and commit one folded batch (the writer thread), retrying a lost connection
+        with the same rows: the guards make a re-applied batch a no-op."""
+        began = time.monotonic()
+        self._with_retry(self._writer_pg, "writing a sink batch", lambda c: self._write(c, batch))
+        self.stats.write_s += time.monotonic() - began
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.snapshots += len(batch.snapshots)
+        self.stats.results += len(batch.results)
+        SINK_EVENTS.inc(len(batch.events))
+        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
+        if self.on_commit is not None:
+            self.on_commit(CommitReport(time.time(), [(e[0], e[1]) for e in batch.events]))
+
+    def _write(self, conn: Conn, batch: _Batch) -> None:
         with conn.cursor() as cur:
-            if self._staged is not conn:
+            if not self._writer_pg.staged:
                 for table in TABLES:
                     cur.execute(table.create_stage())
-                self._staged = conn
-            if prepared.events:
-                write_rows(cur, EVENTS_TABLE, prepared.events)
-            if prepared.runs:
-                rows = (run_row(state, seq) for seq, state in prepared.runs.values())
+                self._writer_pg.staged = True
+            if batch.events:
+                write_rows(cur, EVENTS_TABLE, batch.events)
+            if batch.runs:
+                # Only the last state of each run in the batch is serialized and written.
+                rows = (run_values(state, seq) for seq, state in batch.runs.values())
                 write_rows(cur, RUNS_TABLE, rows)
-            if prepared.ops:
-                write_rows(cur, OPS_TABLE, prepared.ops.values())
-            if prepared.questions:
-                write_rows(cur, QUESTIONS_TABLE, prepared.questions.values())
-            if results:
+            if batch.ops:
+                write_rows(
+                    cur, OPS_TABLE, (tuple(r[c] for c in OP_COLUMNS) for r in batch.ops.values())
+                )
+            if batch.questions:
+                write_rows(
+                    cur,
+                    QUESTIONS_TABLE,
+                    (tuple(r[c] for c in QUESTION_COLUMNS) for r in batch.questions.values()),
+                )
+            if batch.results:
                 write_rows(
                     cur,
                     RESULTS_TABLE,
                     (
-                        {
-                            "run_id": r["run_id"],
-                            "resolution": r["version"],
-                            "status": r["status"],
-                            "seq": r["seq"],
-                            "result_ref": r["result_ref"],
-                            "summary": r["summary"],
-                            "trace_id": r["trace_id"],
-                            "at": ms_time(r["at"]),
-                        }
-                        for r in results.values()
+                        (
+                            r["run_id"],
+                            r["version"],
+                            r["status"],
+                            r["seq"],
+                            r["result_ref"],
+                            r["summary"],
+                            r["trace_id"],
+                            r["at"],
+                        )
+                        for r in batch.results.values()
                     ),
                 )
-            if snapshots:
+            if batch.snapshots:
                 write_rows(
                     cur,
                     SNAPSHOTS_TABLE,
                     (
-                        {
-                            "run_id": snap["run_id"],
-                            "last_seq": snap["last_seq"],
-                            "version": snap["version"],
-                            "status": snap["status"],
-                            "updated_at": ms_time(snap["updated_at"]),
-                        }
-                        for snap in snapshots.values()
+                        (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
+                        for s in batch.snapshots.values()
                     ),
                 )
-            keys = sorted(positions)
+            keys = sorted(batch.positions)
             cur.execute(
                 SQL_OFFSETS,
                 (
                     self.config.group_id,
                     [t for t, _ in keys],
                     [p for _, p in keys],
-                    [positions[k] for k in keys],
+                    [batch.positions[k] for k in keys],
                 ),
             )
 
