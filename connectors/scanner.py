@@ -99,7 +99,8 @@ def scan(
     lags: dict[str, int | None] = {}
     found: list[Diagnosis] = []
     producer: Producer | None = None
-    for run_id, status, last_ms, state in rows:
+    for run_id, status, last_ms, state_text in rows:
+        state = json.loads(state_text)  # runs.state is text (migration 0006)
         idle = (now - float(last_ms)) / 1000
         # The run's own pending timers (from its projected state): a due one that has not
         # fired means the timer service is down or behind; the timers table may not even

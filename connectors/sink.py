@@ -496,7 +496,6 @@ RUNS_TABLE = Table(
     + _set(RUN_COLUMNS, skip=("run_id",))
     + ", projected_at = now() WHERE runs.last_seq < EXCLUDED.last_seq",
     ms_columns=RUN_TIME_COLUMNS,
-    json_columns=frozenset({"state"}),
 )
 OPS_TABLE = Table(
     "operations",
@@ -915,7 +914,7 @@ class Sink:
 
         def read(conn: Conn) -> dict[str, tuple[int, RunState]]:
             rows = conn.execute(
-                "SELECT run_id, last_seq, state::text FROM runs WHERE run_id = ANY(%s)",
+                "SELECT run_id, last_seq, state FROM runs WHERE run_id = ANY(%s)",
                 (run_ids,),
             )
             return {r: (int(s), RunState.model_validate_json(j)) for r, s, j in rows}
