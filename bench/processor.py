@@ -170,6 +170,12 @@ def _scrape(port: int) -> dict[str, float]:
         elif line.startswith("agentruns_commit_seconds_bucket"):
             le = line.split('le="')[1].split('"')[0]
             buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+        elif line.startswith("agentruns_commit_stage_seconds_sum"):
+            stage = line.split('stage="')[1].split('"')[0]
+            out[f"stage_sum:{stage}"] = float(line.split()[-1])
+        elif line.startswith("agentruns_commit_stage_seconds_count"):
+            stage = line.split('stage="')[1].split('"')[0]
+            out[f"stage_count:{stage}"] = float(line.split()[-1])
     if out.get("count"):
         target = 0.99 * out["count"]
         out["p99_bucket_s"] = next(le for le, n in buckets if n >= target)
@@ -219,7 +225,11 @@ def _latency_phase(
 
     def watch() -> None:
         while not done.is_set() or len(latencies) < len(sent):
-            for msg in consumer.consume(500, 0.05):
+            # poll() returns on the first record; consume(n, t) would wait for n records or t
+            first = consumer.poll(0.05)
+            if first is None:
+                continue
+            for msg in [first, *consumer.consume(500, 0)]:
                 value = msg.value()
                 if msg.error() is not None or value is None:
                     continue
@@ -359,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commits": int(commit.get("count", 0)),
         "commit_mean_ms": round(1000 * commit.get("sum", 0) / max(commit.get("count", 1), 1), 2),
         "commit_p99_bucket_ms": round(1000 * commit.get("p99_bucket_s", float("nan")), 1),
+        "commit_stage_mean_ms": {
+            key.split(":", 1)[1]: round(1000 * value / max(commit[f"stage_count:{key[10:]}"], 1), 2)
+            for key, value in commit.items()
+            if key.startswith("stage_sum:")
+        },
         "processor_rss_mib_after_load": round(rss_after_load.get("VmRSS", 0) / 1024, 1),
         "processor_peak_rss_mib": round(rss.get("VmHWM", 0) / 1024, 1),
         "active_runs_in_memory": args.runs + len(latencies),

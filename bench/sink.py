@@ -44,6 +44,7 @@ from processors.events import Event
 from processors.state import RunState
 from processors.transition import Artifact, transition
 from streams.codec import encode
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key, partition_for, run_key
 from streams.records import RunSlot, event_body, event_record, parse_event_body, result_record
 from streams.topics import EVENTS, RESULTS, STATE, topic_name
@@ -105,7 +106,7 @@ class LogWriter:
             {
                 "bootstrap.servers": self.bootstrap,
                 "transactional.id": self.transactional_id,
-                "enable.idempotence": True,
+                **TRANSACTIONAL_PRODUCER,
                 "linger.ms": 2,
                 "compression.type": "lz4",
                 "log_level": 3,

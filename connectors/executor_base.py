@@ -55,6 +55,7 @@ from processors.effects import Effect
 from processors.events import Event
 from streams import dlq, records
 from streams.codec import CodecError, decode, encode
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import partition_for, run_key
 from streams.records import parse_effect_body
 from streams.topics import DLQ, INBOX, effect_suffix, topic_name
@@ -447,7 +448,7 @@ class Executor:
                 "bootstrap.servers": c.bootstrap,
                 "transactional.id": f"{self._name}-{slot}",
                 "transaction.timeout.ms": c.transaction_timeout_ms,
-                "enable.idempotence": True,
+                **TRANSACTIONAL_PRODUCER,
                 "linger.ms": 0,
                 "log_level": 3,
                 **c.extra_producer,

@@ -31,6 +31,13 @@ COMMIT_SECONDS = Histogram(
     "Time to commit one transaction (artifacts, snapshots, offsets, commit)",
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+COMMIT_STAGE_SECONDS = Histogram(
+    "agentruns_commit_stage_seconds",
+    "Time per commit stage: artifacts, snapshots, offsets, commit, batch_open (first input to"
+    " commit start)",
+    ["stage"],
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
 
 
@@ -69,6 +76,7 @@ class ProcessorStats:
 
     def stage(self, name: str, seconds: float) -> None:
         """Time of one commit stage (kept for the last 10,000 commits)."""
+        COMMIT_STAGE_SECONDS.labels(name).observe(seconds)
         times = self.stage_seconds.setdefault(name, [])
         times.append(seconds)
         if len(times) > 10_000:

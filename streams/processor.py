@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key
 from streams.records import (
     EFFECT_TOPIC_KIND,
@@ -107,6 +109,7 @@ class Processor:
     def __init__(self, config: ProcessorConfig, write_artifacts: ArtifactWriter) -> None:
         self.config = config
         self._write_artifacts = write_artifacts
+        self._artifact_writer = ThreadPoolExecutor(1, thread_name_prefix="artifacts")
         p = config.prefix
         self.inbox = topic_name(INBOX, p)
         self.events = topic_name(EVENTS, p)
@@ -153,7 +156,7 @@ class Processor:
                 "bootstrap.servers": c.bootstrap,
                 "transactional.id": f"{c.group_id}-{c.instance_id}",
                 "transaction.timeout.ms": c.transaction_timeout_ms,
-                "enable.idempotence": True,
+                **TRANSACTIONAL_PRODUCER,
                 "linger.ms": 2,
                 "compression.type": "lz4",
                 "log_level": 3,
@@ -208,6 +211,7 @@ class Processor:
     def close(self) -> None:
         if self.stats.commits:
             log.info("processor stages: %s", self.stats.stage_summary())
+        self._artifact_writer.shutdown(wait=True)
         with contextlib.suppress(RuntimeError):  # already closed
             self._consumer.close()
 
@@ -588,9 +592,19 @@ class Processor:
         if batch is None:
             return
         began = time.monotonic()
-        if batch.artifacts:
-            self._write_artifacts(batch.artifacts)  # durable before anything references them
-        wrote = time.monotonic()
+        # Artifacts must be durable before the transaction commits (no read_committed reader
+        # sees an event earlier), not before its records are produced: the write runs on the
+        # artifact thread while the offsets and snapshots go to the broker.
+        written = (
+            self._artifact_writer.submit(self._write_artifacts, batch.artifacts)
+            if batch.artifacts
+            else None
+        )
+        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
+        self._producer.send_offsets_to_transaction(
+            offsets, self._consumer.consumer_group_metadata(), 30
+        )
+        sent = time.monotonic()
         for run_id, (partition, slot) in batch.dirty.items():
             if slot.state is None and not slot.buffer:
                 continue  # refused inputs of a run that does not exist leave no snapshot
@@ -602,18 +616,16 @@ class Processor:
                 partition=partition,
             )
         snapped = time.monotonic()
-        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
-        self._producer.send_offsets_to_transaction(
-            offsets, self._consumer.consumer_group_metadata(), 30
-        )
-        sent = time.monotonic()
+        if written is not None:
+            written.result()  # re-raises the store's error: nothing is committed then
+        wrote = time.monotonic()
         self._producer.commit_transaction(30)
         self._batch = None
         ended = time.monotonic()
-        self.stats.stage("artifacts", wrote - began)
-        self.stats.stage("snapshots", snapped - wrote)
-        self.stats.stage("offsets", sent - snapped)
-        self.stats.stage("commit", ended - sent)
+        self.stats.stage("offsets", sent - began)
+        self.stats.stage("snapshots", snapped - sent)
+        self.stats.stage("artifacts_wait", wrote - snapped)
+        self.stats.stage("commit", ended - wrote)
         self.stats.stage("batch_open", began - batch.started)
         active = sum(len(slots) for slots in self._slots.values())
         self.stats.committed(batch.inputs, time.monotonic() - began, active)
