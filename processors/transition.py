@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from msgspec.structs import replace
+
 from processors.effects import (
     AskUser,
     CallModel,
@@ -180,31 +182,34 @@ class _Out:
 
     def done(self, s: RunState, reason: str | None = None) -> Transition:
         base = self.base
-        delta = max(0, self.at - base.time.last_at)
+        at = self.at
         t = base.time
-        update: dict[str, Any] = {"last_at": max(t.last_at, self.at)}
-        if base.status in (RunStatus.WAITING_USER, RunStatus.PAUSED):
-            update["user_wait_ms"] = t.user_wait_ms + delta
-        elif base.status in (RunStatus.TOOL_RUNNING, RunStatus.WAITING_TOOL):
-            update["tool_wait_ms"] = t.tool_wait_ms + delta
-        elif base.status not in TERMINAL:
-            update["system_ms"] = t.system_ms + delta
+        delta = at - t.last_at if at > t.last_at else 0
+        was = base.status
         status = self.path[-1] if self.path else s.status
-        if status in TERMINAL:
-            update["ended_at"] = self.at if base.status not in TERMINAL else t.ended_at
+        ended_at = (t.ended_at if was in TERMINAL else at) if status in TERMINAL else None
+        last_at = at if at > t.last_at else t.last_at
+        # the time since the last event goes to whoever the run was waiting for (R16)
+        if was is RunStatus.WAITING_USER or was is RunStatus.PAUSED:
+            t = replace(t, last_at=last_at, ended_at=ended_at, user_wait_ms=t.user_wait_ms + delta)
+        elif was is RunStatus.TOOL_RUNNING or was is RunStatus.WAITING_TOOL:
+            t = replace(t, last_at=last_at, ended_at=ended_at, tool_wait_ms=t.tool_wait_ms + delta)
+        elif was not in TERMINAL:
+            t = replace(t, last_at=last_at, ended_at=ended_at, system_ms=t.system_ms + delta)
         else:
-            update["ended_at"] = None
-        t = t.model_copy(update=update)
-        new = s.model_copy(
-            update={
-                "status": status,
-                "version": self.version,
-                "path": tuple(self.path),
-                "time": t,
-                "recent_event_ids": (*base.recent_event_ids, self.event.event_id)[
-                    -RECENT_EVENT_IDS:
-                ],
-            }
+            t = replace(t, last_at=last_at, ended_at=ended_at)
+        recent = base.recent_event_ids
+        new = replace(
+            s,
+            status=status,
+            version=base.version + 1,
+            path=tuple(self.path),
+            time=t,
+            recent_event_ids=(
+                (*recent, self.event.event_id)
+                if len(recent) < RECENT_EVENT_IDS
+                else (*recent[1 - RECENT_EVENT_IDS :], self.event.event_id)
+            ),
         )
         return Transition(
             state=new,
@@ -238,7 +243,7 @@ def _schedule(
         )
     )
     timer = Timer(timer_id=tid, purpose=purpose, due_at=due_at, op_key=op_key)
-    return s.model_copy(update={"timers": (*s.timers, timer)})
+    return replace(s, timers=(*s.timers, timer))
 
 
 def _cancel_timers(s: RunState, out: _Out, keep: Callable[[Timer], bool]) -> RunState:
@@ -256,11 +261,11 @@ def _cancel_timers(s: RunState, out: _Out, keep: Callable[[Timer], bool]) -> Run
                 **out.ids(s),
             )
         )
-    return s.model_copy(update={"timers": tuple(kept)})
+    return replace(s, timers=tuple(kept))
 
 
 def _drop_timer(s: RunState, tid: str) -> RunState:
-    return s.model_copy(update={"timers": tuple(t for t in s.timers if t.timer_id != tid)})
+    return replace(s, timers=tuple(t for t in s.timers if t.timer_id != tid))
 
 
 # --------------------------------------------------------------------------- terminal
@@ -313,9 +318,7 @@ def _terminate(
             **out.ids(s),
         )
     )
-    s = s.model_copy(
-        update={"outcome": reason, "result_ref": ref, "question": None, "pending_final_ref": None}
-    )
+    s = replace(s, outcome=reason, result_ref=ref, question=None, pending_final_ref=None)
     return _goto(s, out, status)
 
 
@@ -357,7 +360,7 @@ def _all_same(items: tuple[str, ...], n: int) -> bool:
 def record_error(s: RunState, code: str) -> tuple[RunState, str | None]:
     """Remember an error code; name the loop if the same code repeats (R21)."""
     errors = (*s.loop.recent_errors, code)[-LOOP_WINDOW:]
-    s = s.model_copy(update={"loop": s.loop.model_copy(update={"recent_errors": errors})})
+    s = replace(s, loop=replace(s.loop, recent_errors=errors))
     if _all_same(errors, s.config.loop.max_repeat_error):
         return s, f"loop:repeated_error:{code}"
     return s, None
@@ -366,7 +369,7 @@ def record_error(s: RunState, code: str) -> tuple[RunState, str | None]:
 def record_actions(s: RunState, action_hashes: list[str]) -> tuple[RunState, str | None]:
     """Remember tool+args hashes and the step's plan hash; name a loop pattern (R21)."""
     loop, pattern = _remember_actions(s, action_hashes)
-    return s.model_copy(update={"loop": loop}), pattern
+    return replace(s, loop=loop), pattern
 
 
 def _remember_actions(s: RunState, action_hashes: list[str]) -> tuple[LoopMemory, str | None]:
@@ -375,7 +378,7 @@ def _remember_actions(s: RunState, action_hashes: list[str]) -> tuple[LoopMemory
     actions = (*s.loop.recent_actions, *action_hashes)[-LOOP_WINDOW:]
     plan = action_hashes[0] if len(action_hashes) == 1 else short_hash(*sorted(action_hashes))
     plans = (*s.loop.plan_history, plan)[-4:]
-    loop = s.loop.model_copy(update={"recent_actions": actions, "plan_history": plans})
+    loop = replace(s.loop, recent_actions=actions, plan_history=plans)
     if _all_same(actions, limits.max_repeat_action):
         return loop, "loop:repeated_action"
     if (
@@ -390,7 +393,7 @@ def _remember_actions(s: RunState, action_hashes: list[str]) -> tuple[LoopMemory
 
 
 def _mark_progress(s: RunState) -> RunState:
-    return s.model_copy(update={"loop": s.loop.model_copy(update={"progress_in_step": True})})
+    return replace(s, loop=replace(s.loop, progress_in_step=True))
 
 
 # --------------------------------------------------------------------------- READY and model
@@ -402,22 +405,20 @@ def _enter_ready(
     """READY: check budgets and loops, freeze the step's context artifact, call the model."""
     if new_step:
         made_progress = s.loop.progress_in_step
-        loop = s.loop.model_copy(
-            update={
-                "progress_in_step": False,
-                "steps_without_progress": 0 if made_progress else s.loop.steps_without_progress + 1,
-            }
+        loop = replace(
+            s.loop,
+            progress_in_step=False,
+            steps_without_progress=0 if made_progress else s.loop.steps_without_progress + 1,
         )
-        s = s.model_copy(
-            update={
-                "step": s.step + 1,
-                "attempt": 1,
-                "repairs": 0,
-                "model_failures": 0,
-                "loop": loop,
-                "ops": tuple(o for o in s.ops if o.status in IN_FLIGHT),
-                "pending_final_ref": None,
-            }
+        s = replace(
+            s,
+            step=s.step + 1,
+            attempt=1,
+            repairs=0,
+            model_failures=0,
+            loop=loop,
+            ops=tuple(o for o in s.ops if o.status in IN_FLIGHT),
+            pending_final_ref=None,
         )
     s = _goto(s, out, RunStatus.READY)
     problem = budget_problem(s, out.at)
@@ -427,7 +428,7 @@ def _enter_ready(
         reason = f"loop:no_progress:{s.loop.steps_without_progress}_steps"
         if s.config.policy.on_no_progress == "fail":
             return _terminate(s, out, RunStatus.FAILED, reason)
-        return _goto(s.model_copy(update={"outcome": reason}), out, RunStatus.PAUSED)
+        return _goto(replace(s, outcome=reason), out, RunStatus.PAUSED)
     b = s.config.budgets
     context = {
         "run_id": s.run_id,
@@ -452,7 +453,7 @@ def _enter_ready(
         },
     }
     ref = out.store(canonical_json(context))
-    s = s.model_copy(update={"context_ref": ref, "step_inputs": (), "candidate_ref": None})
+    s = replace(s, context_ref=ref, step_inputs=(), candidate_ref=None)
     return _call_model(s, out)  # one copy per new step above, one here
 
 
@@ -472,7 +473,7 @@ def _call_model(s: RunState, out: _Out, repair: RepairNote | None = None) -> Run
 
 def _new_attempt(s: RunState, out: _Out, repair: RepairNote | None = None) -> RunState:
     """A retry on the SAME context artifact (R7, R9); budgets are checked first (R8)."""
-    s = s.model_copy(update={"attempt": s.attempt + 1})
+    s = replace(s, attempt=s.attempt + 1)
     problem = budget_problem(s, out.at)
     if problem is not None:
         return _terminate(s, out, problem[0], problem[1])
@@ -494,7 +495,7 @@ def _on_model_completed(s: RunState, e: ModelCallCompleted) -> Transition:
         # applied together with the validation decision: one state copy instead of two
         applied = {"usage": usage_total, "candidate_ref": e.candidate_ref or ref}
         return out.done(_validate(s, out, e.candidate, candidate_json, applied))
-    s = s.model_copy(update={"usage": usage_total})
+    s = replace(s, usage=usage_total)
     match e.outcome:
         case ModelOutcome.BLOCKED:
             return out.done(_terminate(s, out, RunStatus.FAILED, "model:blocked"))
@@ -513,7 +514,7 @@ def _on_model_completed(s: RunState, e: ModelCallCompleted) -> Transition:
                 return out.done(
                     _terminate(s, out, RunStatus.FAILED, f"model:retries_exhausted:{reason}")
                 )
-            s = s.model_copy(update={"model_failures": s.model_failures + 1})
+            s = replace(s, model_failures=s.model_failures + 1)
             return out.done(_new_attempt(s, out))
 
 
@@ -550,7 +551,7 @@ def _validate(
             if loop is not None:
                 return _terminate(s, out, RunStatus.FAILED, loop)
             if decision.action == "repair" and s.repairs < s.config.policy.max_repairs:
-                s = s.model_copy(update={"repairs": s.repairs + 1})
+                s = replace(s, repairs=s.repairs + 1)
                 note = RepairNote(candidate_ref=cref, error_code=code, detail=decision.detail)
                 return _new_attempt(s, out, note)
             if decision.action == "repair" and code in ASK_WHEN_EXHAUSTED:
@@ -603,7 +604,7 @@ def _dispatch(s: RunState, out: _Out, calls: Iterable[ValidatedCall], approve: b
         return _terminate(s, out, RunStatus.BUDGET_EXHAUSTED, "budget:max_tool_calls")
     loop, pattern = _remember_actions(s, [o.action_hash for o in ops.values()])
     if pattern is not None:
-        return _terminate(s.model_copy(update={"loop": loop}), out, RunStatus.FAILED, pattern)
+        return _terminate(replace(s, loop=loop), out, RunStatus.FAILED, pattern)
     update: dict[str, Any] = {"loop": loop, "ops": (*s.ops, *ops.values())}
     if approve:
         payload = {"approve": [{"tool": o.tool, "arguments": o.args_json} for o in ops.values()]}
@@ -618,13 +619,11 @@ def _start_approved(s: RunState, out: _Out) -> RunState:
     ops = []
     for op in s.ops:
         if op.status is OpStatus.PROPOSED:
-            op = op.model_copy(
-                update={"status": OpStatus.DISPATCHED, "policy_decision": "approved"}
-            )
+            op = replace(op, status=OpStatus.DISPATCHED, policy_decision="approved")
             _send(s, out, op)
         ops.append(op)
     started = sum(1 for o in s.ops if o.status is OpStatus.PROPOSED)
-    s = s.model_copy(update={"ops": tuple(ops), "tool_calls": s.tool_calls + started})
+    s = replace(s, ops=tuple(ops), tool_calls=s.tool_calls + started)
     return _goto(s, out, RunStatus.TOOL_RUNNING)
 
 
@@ -635,7 +634,7 @@ def _finalize(s: RunState, out: _Out, answer_ref: str, content: str) -> RunState
     s = _goto(s, out, RunStatus.FINALIZING)
     open_ops = [o for o in s.ops if o.status in IN_FLIGHT or o.status is OpStatus.UNKNOWN]
     if open_ops:
-        s = s.model_copy(update={"pending_final_ref": answer_ref})
+        s = replace(s, pending_final_ref=answer_ref)
         return _goto(s, out, _tool_phase(s))
     missing = [t for t in s.config.policy.required_tools if t not in s.succeeded_tools]
     if missing:
@@ -676,7 +675,7 @@ def _ask(s: RunState, out: _Out, kind: str, payload: dict[str, Any]) -> RunState
             **out.ids(s),
         )
     )
-    return _goto(s.model_copy(update={"question": question}), out, RunStatus.WAITING_USER)
+    return _goto(replace(s, question=question), out, RunStatus.WAITING_USER)
 
 
 def _on_user_replied(s: RunState, e: UserReplied) -> Transition:
@@ -697,13 +696,13 @@ def _on_user_replied(s: RunState, e: UserReplied) -> Transition:
     out = _Out(s, e)
     reply_ref = out.store(canonical_json({"question_id": q.question_id, "response": e.response}))
     s = _cancel_timers(s, out, keep=lambda t: t.timer_id != q.timer_id)
-    s = _mark_progress(s.model_copy(update={"question": None}))
+    s = _mark_progress(replace(s, question=None))
     if q.kind == "approval" and e.response.get("approved") is True:
         return out.done(_start_approved(s, out))
     if q.kind == "approval":
         ops = tuple(o for o in s.ops if o.status is not OpStatus.PROPOSED)
-        s = s.model_copy(update={"ops": ops, "step_inputs": (*s.step_inputs, "approval_denied")})
-    s = s.model_copy(update={"step_inputs": (*s.step_inputs, reply_ref)})
+        s = replace(s, ops=ops, step_inputs=(*s.step_inputs, "approval_denied"))
+    s = replace(s, step_inputs=(*s.step_inputs, reply_ref))
     return out.done(_enter_ready(s, out, new_step=True))
 
 
@@ -724,19 +723,18 @@ def _replaced(ops: tuple[Operation, ...], op: Operation) -> tuple[Operation, ...
 
 
 def _replace_op(s: RunState, op: Operation) -> RunState:
-    return s.model_copy(update={"ops": _replaced(s.ops, op)})
+    return replace(s, ops=_replaced(s.ops, op))
 
 
 def _resend(s: RunState, out: _Out, op: Operation, retries: int | None = None) -> RunState:
     """Dispatch an operation again with the SAME key (R12); never two dispatches in flight."""
-    op = op.model_copy(
-        update={
-            "status": OpStatus.DISPATCHED,
-            "dispatch": op.dispatch + 1,
-            "retries": op.retries if retries is None else retries,
-            "error_class": None,
-            "error_code": None,
-        }
+    op = replace(
+        op,
+        status=OpStatus.DISPATCHED,
+        dispatch=op.dispatch + 1,
+        retries=op.retries if retries is None else retries,
+        error_class=None,
+        error_code=None,
     )
     _send(s, out, op)
     return _replace_op(s, op)
@@ -782,7 +780,7 @@ def _on_tool_accepted(s: RunState, e: ToolCallAccepted) -> Transition:
     if isinstance(op, Transition):
         return op
     out = _Out(s, e)
-    s = _replace_op(s, op.model_copy(update={"status": OpStatus.ACCEPTED}))
+    s = _replace_op(s, replace(op, status=OpStatus.ACCEPTED))
     due = out.at + (e.poll_after_ms or s.config.policy.poll_interval_ms)
     s = _schedule(s, out, TimerPurpose.TOOL_POLL, due, op.key)
     return out.done(_advance(s, out))
@@ -798,7 +796,7 @@ def _on_tool_status(s: RunState, e: ToolStatusReported) -> Transition:
         return _unchanged(s, Disposition.LATE, "a poll is already scheduled")
     out = _Out(s, e)
     status = OpStatus.RUNNING if e.status == "running" else OpStatus.ACCEPTED
-    s = _replace_op(s, op.model_copy(update={"status": status}))
+    s = _replace_op(s, replace(op, status=status))
     s = _schedule(s, out, TimerPurpose.TOOL_POLL, out.at + s.config.policy.poll_interval_ms, op.key)
     return out.done(_advance(s, out))
 
@@ -811,9 +809,7 @@ def _succeed(
     summary_ref: str | None = None,
     candidate_count: int | None = None,
 ) -> RunState:
-    op = op.model_copy(
-        update={"status": OpStatus.SUCCEEDED, "result_ref": result_ref, "summary_ref": summary_ref}
-    )
+    op = replace(op, status=OpStatus.SUCCEEDED, result_ref=result_ref, summary_ref=summary_ref)
     s = _cancel_timers(s, out, keep=lambda t: t.op_key != op.key)
     tools = s.succeeded_tools if op.tool in s.succeeded_tools else (*s.succeeded_tools, op.tool)
     update: dict[str, Any] = {
@@ -855,9 +851,7 @@ def _on_tool_failed(s: RunState, e: ToolCallFailed) -> Transition:
         return op
     out = _Out(s, e)
     s = _cancel_timers(s, out, keep=lambda t: t.op_key != op.key)
-    failed = op.model_copy(
-        update={"status": OpStatus.FAILED, "error_class": e.error_class, "error_code": e.error_code}
-    )
+    failed = replace(op, status=OpStatus.FAILED, error_class=e.error_class, error_code=e.error_code)
     s = _replace_op(s, failed)
     s, loop = record_error(s, f"{e.error_class.value}:{e.error_code}")
     if loop is not None:
@@ -876,10 +870,10 @@ def _on_tool_failed(s: RunState, e: ToolCallFailed) -> Transition:
             s = _resend(s, out, failed, retries=op.retries + 1)
         case ErrorClass.STATE_CONFLICT:
             note = f"refresh:{op.tool}:{e.error_code}"
-            s = s.model_copy(update={"step_inputs": (*s.step_inputs, note)})
+            s = replace(s, step_inputs=(*s.step_inputs, note))
         case _:
             note = f"failed:{op.tool}:{e.error_class.value}:{e.error_code}"
-            s = s.model_copy(update={"step_inputs": (*s.step_inputs, note)})
+            s = replace(s, step_inputs=(*s.step_inputs, note))
     return out.done(_advance(s, out))
 
 
@@ -889,7 +883,7 @@ def _on_tool_timed_out(s: RunState, e: ToolCallTimedOut) -> Transition:
         return op
     out = _Out(s, e)
     s = _cancel_timers(s, out, keep=lambda t: t.op_key != op.key)
-    s = _replace_op(s, op.model_copy(update={"status": OpStatus.UNKNOWN}))
+    s = _replace_op(s, replace(op, status=OpStatus.UNKNOWN))
     out.effects.append(
         Reconcile(
             idempotency_key=effect_key(
@@ -915,13 +909,13 @@ def _on_reconciled(s: RunState, e: ReconcileCompleted) -> Transition:
         case ReconcileOutcome.FOUND_SUCCEEDED:
             s = _succeed(s, out, op, e.result_ref)
         case ReconcileOutcome.NOT_EXECUTED if s.cancel_requested:
-            s = _replace_op(s, op.model_copy(update={"status": OpStatus.CANCELLED}))
+            s = _replace_op(s, replace(op, status=OpStatus.CANCELLED))
         case ReconcileOutcome.NOT_EXECUTED:
             return out.done(_goto(_resend(s, out, op), out, RunStatus.TOOL_RUNNING))
         case _:
             reason = f"reconcile:undeterminable:{op.key[:16]}"
-            return out.done(_goto(s.model_copy(update={"outcome": reason}), out, RunStatus.PAUSED))
-    s = s.model_copy(update={"outcome": None})
+            return out.done(_goto(replace(s, outcome=reason), out, RunStatus.PAUSED))
+    s = replace(s, outcome=None)
     return out.done(_advance(s, out))
 
 
@@ -934,11 +928,8 @@ def _on_cancel_requested(s: RunState, e: CancelRequested) -> Transition:
     out = _Out(s, e)
     s = _remember_control(s, e.event_id)
     reason = f"cancel:{e.reason}"
-    s = s.model_copy(
-        update={
-            "cancel_requested": True,
-            "ops": tuple(o for o in s.ops if o.status is not OpStatus.PROPOSED),
-        }
+    s = replace(
+        s, cancel_requested=True, ops=tuple(o for o in s.ops if o.status is not OpStatus.PROPOSED)
     )
     in_flight = [o for o in s.ops if o.status in IN_FLIGHT]
     uncancellable = [o for o in in_flight if not _cancellable(s, o)]
@@ -964,7 +955,7 @@ def _on_cancel_confirmed(s: RunState, e: CancelConfirmed) -> Transition:
     if isinstance(op, Transition):
         return op
     out = _Out(s, e)
-    s = _replace_op(s, op.model_copy(update={"status": OpStatus.CANCELLED}))
+    s = _replace_op(s, replace(op, status=OpStatus.CANCELLED))
     return out.done(_advance(s, out))
 
 
@@ -1007,7 +998,7 @@ def _on_timer(s: RunState, e: TimerFired) -> Transition:
             op = s.op(timer.op_key or "")
             if op is None or op.status not in _POLLABLE:
                 return _unchanged(s0, Disposition.LATE, "operation no longer pollable")
-            op = op.model_copy(update={"polls": op.polls + 1})
+            op = replace(op, polls=op.polls + 1)
             s = _replace_op(s, op)
             out.effects.append(
                 PollTool(
@@ -1038,14 +1029,13 @@ def _on_goal_changed(s: RunState, e: GoalChanged) -> Transition:
         reason = f"superseded:new_goal:{goal_hash}"
         return out.done(_terminate(s, out, RunStatus.CANCELLED, reason))
     s = _cancel_timers(s, out, keep=lambda t: t.purpose is TimerPurpose.DEADLINE)
-    s = s.model_copy(
-        update={
-            "goal": e.goal,
-            "question": None,
-            "ops": tuple(o for o in s.ops if o.status is not OpStatus.PROPOSED),
-            "step_inputs": (*s.step_inputs, f"goal_changed:{goal_hash}"),
-            "warnings": (*s.warnings, f"goal changed at step {s.step}")[-8:],
-        }
+    s = replace(
+        s,
+        goal=e.goal,
+        question=None,
+        ops=tuple(o for o in s.ops if o.status is not OpStatus.PROPOSED),
+        step_inputs=(*s.step_inputs, f"goal_changed:{goal_hash}"),
+        warnings=(*s.warnings, f"goal changed at step {s.step}")[-8:],
     )
     return out.done(_enter_ready(_mark_progress(s), out, new_step=True))
 
@@ -1057,12 +1047,11 @@ def _on_knowledge(s: RunState, e: KnowledgeRefreshed) -> Transition:
     s = _cancel_timers(s, out, keep=lambda t: t.purpose is TimerPurpose.DEADLINE)
     if set(e.evidence_refs) - set(s.evidence_refs) or e.memory_ref != s.memory_ref:
         s = _mark_progress(s)
-    s = s.model_copy(
-        update={
-            "memory_ref": e.memory_ref,
-            "evidence_refs": e.evidence_refs,
-            "step_inputs": (*s.step_inputs, "knowledge_refreshed"),
-        }
+    s = replace(
+        s,
+        memory_ref=e.memory_ref,
+        evidence_refs=e.evidence_refs,
+        step_inputs=(*s.step_inputs, "knowledge_refreshed"),
     )
     return out.done(_enter_ready(s, out, new_step=True))
 
@@ -1083,18 +1072,17 @@ def _on_reopened(s: RunState, e: RunReopened) -> Transition:
             *warnings,
             f"reopened with {len(abandoned)} unknown operation(s): {abandoned[0].key[:16]}",
         )[-8:]
-    s = s.model_copy(
-        update={
-            "resolution": s.resolution + 1,
-            "goal": e.goal or s.goal,
-            "outcome": None,
-            "result_ref": None,
-            "cancel_requested": False,
-            "ops": (),
-            "warnings": warnings,
-            "step_inputs": (*s.step_inputs, f"reopened:{sha256_hex(e.reason)[:16]}"),
-            "loop": LoopMemory(),
-        }
+    s = replace(
+        s,
+        resolution=s.resolution + 1,
+        goal=e.goal or s.goal,
+        outcome=None,
+        result_ref=None,
+        cancel_requested=False,
+        ops=(),
+        warnings=warnings,
+        step_inputs=(*s.step_inputs, f"reopened:{sha256_hex(e.reason)[:16]}"),
+        loop=LoopMemory(),
     )
     deadline = s.config.budgets.deadline_at
     if deadline is not None and all(t.purpose is not TimerPurpose.DEADLINE for t in s.timers):
@@ -1108,13 +1096,13 @@ def _on_resolved(s: RunState, e: RunResolved) -> Transition:
     if e.status not in TERMINAL:
         return _unchanged(s, Disposition.REJECTED, "a resolution must name a terminal status")
     out = _Out(s, e)
-    s = s.model_copy(update={"resolution": s.resolution + 1})
+    s = replace(s, resolution=s.resolution + 1)
     return out.done(_terminate(s, out, e.status, f"resolved:{e.reason}"))
 
 
 def _remember_control(s: RunState, event_id: str) -> RunState:
     """Run-level events are not bound to a step/op/timer: remember their ids (bounded)."""
-    return s.model_copy(update={"control_event_ids": (*s.control_event_ids, event_id)[-8:]})
+    return replace(s, control_event_ids=(*s.control_event_ids, event_id)[-8:])
 
 
 def _on_gap(s: RunState, e: GapTimedOut) -> Transition:
