@@ -157,7 +157,10 @@ class Processor:
                 "transactional.id": f"{c.group_id}-{c.instance_id}",
                 "transaction.timeout.ms": c.transaction_timeout_ms,
                 **TRANSACTIONAL_PRODUCER,
-                "linger.ms": 2,
+                # Each message enqueued to an empty partition queue wakes librdkafka's broker
+                # thread with a write() syscall; at 2 ms nearly every produce paid one (~17% of
+                # the processor's samples). commit_transaction flushes at once anyway.
+                "linger.ms": 5,
                 "compression.type": "lz4",
                 "log_level": 3,
                 **c.extra_producer,
