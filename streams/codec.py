@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fastavro import schemaless_reader, schemaless_writer
+from fastavro import schemaless_reader
 
 from schemas import Registry, SchemaVersion, registry
+from streams.avro_writer import Write, compile_writer
 
 __all__ = [
     "HEADER_LEN",
@@ -219,6 +220,7 @@ class _Writer:
     schema: dict[str, Any]
     check: _Check | None
     fields: frozenset[str]
+    write: Write  # compiled (streams/avro_writer.py): fastavro's bytes, without its per-call setup
 
 
 class Codec:
@@ -254,7 +256,9 @@ class Codec:
             v = "" if version is None else f" v{version}"
             raise UnknownRecordNameError(f"no schema for record {name}{v}") from None
         fields = frozenset(f["name"] for f in sv.raw["fields"])
-        entry = _Writer(MAGIC + sv.fingerprint, sv.parsed, _compile(sv.raw), fields)
+        entry = _Writer(
+            MAGIC + sv.fingerprint, sv.parsed, _compile(sv.raw), fields, compile_writer(sv.raw)
+        )
         self._writers[(name, version)] = entry
         return entry
 
@@ -274,13 +278,12 @@ class Codec:
                 problem = wr.check(record, name)
                 if problem is not None:
                     raise InvalidRecordError(problem)
-        buf = io.BytesIO()
-        buf.write(wr.header)
+        out = bytearray(wr.header)
         try:
-            schemaless_writer(buf, wr.schema, record)
-        except Exception as exc:  # ValueError/TypeError from fastavro for bad data
+            wr.write(record, out)
+        except (TypeError, ValueError, AttributeError) as exc:  # a value that does not fit
             raise InvalidRecordError(f"{name}: {exc}") from exc
-        return buf.getvalue()
+        return bytes(out)
 
     def decode(self, data: bytes, expected_name: str | None = None) -> Decoded:
         """Decode single-object encoded ``data``; raise a :class:`CodecError` on any failure."""
