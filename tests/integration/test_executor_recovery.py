@@ -98,6 +98,20 @@ def requests(e2e: Pipeline, operation_key: str) -> int:
     return int(app.stats()["calls"].get(operation_key, 0))
 
 
+def recovered_run(
+    e2e: Pipeline, name: str, tool: str, fault: str, retry_after: float | None = None
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """Inject ``fault`` into ``tool`` once, run a scenario to SUCCEEDED; its events and failure."""
+    e2e.tool_fault(
+        target=tool, kind=fault, **({} if retry_after is None else {"retry_after": retry_after})
+    )
+    run_id = new_run(name)
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "SUCCEEDED"
+    events = e2e.events(run_id)
+    return run_id, events, failed(events)
+
+
 def test_permission_denied_is_never_retried_and_fails_the_run(e2e: Pipeline) -> None:
     e2e.tool_fault(target="create_ticket", kind="403", times=None)
     run_id = new_run("denied")
@@ -126,12 +140,7 @@ def test_ambiguous_object_asks_the_user(e2e: Pipeline) -> None:
 
 
 def test_rate_limit_backs_off_through_a_timer_then_resends_the_same_key(e2e: Pipeline) -> None:
-    e2e.tool_fault(target="send_email", kind="429", retry_after=0.3)
-    run_id = new_run("ratelimit")
-    e2e.submit(run_id)
-    assert e2e.result(run_id)["status"] == "SUCCEEDED"
-    events = e2e.events(run_id)
-    event = failed(events)
+    run_id, events, event = recovered_run(e2e, "ratelimit", "send_email", "429", retry_after=0.3)
     assert (event["error_class"], event["retry_after_ms"]) == ("RATE_LIMIT", 300)
     types = [e["type"] for e in events]
     after = types[types.index("ToolCallFailed") :]
@@ -148,12 +157,7 @@ def test_rate_limit_backs_off_through_a_timer_then_resends_the_same_key(e2e: Pip
 def test_state_conflict_refreshes_and_replans_in_a_new_step(
     e2e: Pipeline, store: PostgresArtifactStore
 ) -> None:
-    e2e.tool_fault(target="update_record", kind="409")
-    run_id = new_run("conflict")
-    e2e.submit(run_id)
-    assert e2e.result(run_id)["status"] == "SUCCEEDED"
-    events = e2e.events(run_id)
-    event = failed(events)
+    run_id, _, event = recovered_run(e2e, "conflict", "update_record", "409")
     assert (event["error_class"], event["error_code"]) == ("STATE_CONFLICT", "stale_version")
     assert requests(e2e, event["operation_key"]) == 1  # not resent
     inputs = context_inputs(e2e, store, run_id, event["step"] + 1)
@@ -161,12 +165,7 @@ def test_state_conflict_refreshes_and_replans_in_a_new_step(
 
 
 def test_transient_error_is_resent_with_the_same_key(e2e: Pipeline) -> None:
-    e2e.tool_fault(target="search_docs", kind="503")
-    run_id = new_run("transient")
-    e2e.submit(run_id)
-    assert e2e.result(run_id)["status"] == "SUCCEEDED"
-    events = e2e.events(run_id)
-    event = failed(events)
+    _, events, event = recovered_run(e2e, "transient", "search_docs", "503")
     assert (event["error_class"], event["error_code"]) == ("TRANSIENT", "unavailable")
     types = [e["type"] for e in events]
     after = types[types.index("ToolCallFailed") :]
