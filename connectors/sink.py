@@ -783,9 +783,9 @@ class Sink:
     def run(self, stop: threading.Event) -> None:
         """Project until `stop` is set, then close.
 
-        A batch is what one `consume` returns: up to `batch_size` records, or fewer when
-        `poll_timeout_s` passes first, so at a low rate a record waits at most that long
-        before its batch is folded (and a backlog is projected in full-size batches).
+        A batch is the first record `poll` returns plus what has already arrived, up to
+        `batch_size` records: a record is folded as soon as the previous batch is handed to the
+        writer, and a backlog is projected in full-size batches.
         """
         self._stop = stop
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sink-writer")
@@ -797,9 +797,13 @@ class Sink:
                     self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke
                 )
             while not stop.is_set():
-                messages = self._consumer.consume(
-                    self.config.batch_size, self.config.poll_timeout_s
-                )
+                # poll() wakes on the first record (librdkafka's consume(n, t) would wait for n
+                # records or t); then take what has already arrived. While batch N commits,
+                # batch N+1 gathers in the consumer's queue: the batch grows with the load.
+                first = self._consumer.poll(self.config.poll_timeout_s)
+                messages = [] if first is None else [first]
+                if first is not None and self.config.batch_size > 1:
+                    messages.extend(self._consumer.consume(self.config.batch_size - 1, 0))
                 if messages:
                     batch = self._prepare(messages)
                     self._drain()  # the previous batch commits before this one is handed over
