@@ -12,7 +12,7 @@ import msgspec
 from processors.state import Frozen, RunStatus, TimerPurpose
 
 
-class EffectBase(Frozen, tag_field="type", frozen=True, kw_only=True):
+class EffectBase(Frozen, tag_field="type", frozen=True, kw_only=True, gc=False):
     idempotency_key: str
     run_id: str
     step: int
@@ -20,20 +20,20 @@ class EffectBase(Frozen, tag_field="type", frozen=True, kw_only=True):
     trace_id: str
 
 
-class RepairNote(Frozen, frozen=True, kw_only=True):
+class RepairNote(Frozen, frozen=True, kw_only=True, gc=False):
     candidate_ref: str
     error_code: str
     detail: str
 
 
-class CallModel(EffectBase, tag="CallModel", frozen=True, kw_only=True):
+class CallModel(EffectBase, tag="CallModel", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CallModel"]] = "CallModel"
     context_ref: str
     model_route: str
     repair: RepairNote | None = None
 
 
-class OperationSpec(Frozen, frozen=True, kw_only=True):
+class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
     key: str  # passed to the backend: the same on every resend (R12, R25)
     tool: str
     arguments_json: str
@@ -42,19 +42,19 @@ class OperationSpec(Frozen, frozen=True, kw_only=True):
     dispatch: int
 
 
-class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True):
+class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CallTool"]] = "CallTool"
     operation: OperationSpec
 
 
-class Reconcile(EffectBase, tag="Reconcile", frozen=True, kw_only=True):
+class Reconcile(EffectBase, tag="Reconcile", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["Reconcile"]] = "Reconcile"
     operation_key: str
     tool: str
     dispatch: int
 
 
-class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True):
+class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["PollTool"]] = "PollTool"
     operation_key: str
     tool: str
@@ -62,26 +62,26 @@ class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True):
     poll: int
 
 
-class CancelTool(EffectBase, tag="CancelTool", frozen=True, kw_only=True):
+class CancelTool(EffectBase, tag="CancelTool", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelTool"]] = "CancelTool"
     operation_key: str
     tool: str
     dispatch: int
 
 
-class ScheduleTimer(EffectBase, tag="ScheduleTimer", frozen=True, kw_only=True):
+class ScheduleTimer(EffectBase, tag="ScheduleTimer", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ScheduleTimer"]] = "ScheduleTimer"
     timer_id: str
     due_at: int
     purpose: TimerPurpose
 
 
-class CancelTimer(EffectBase, tag="CancelTimer", frozen=True, kw_only=True):
+class CancelTimer(EffectBase, tag="CancelTimer", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelTimer"]] = "CancelTimer"
     timer_id: str
 
 
-class AskUser(EffectBase, tag="AskUser", frozen=True, kw_only=True):
+class AskUser(EffectBase, tag="AskUser", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["AskUser"]] = "AskUser"
     question_id: str
     question_ref: str
@@ -91,7 +91,7 @@ class AskUser(EffectBase, tag="AskUser", frozen=True, kw_only=True):
     state_version: int
 
 
-class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True):
+class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["PublishResult"]] = "PublishResult"
     status: RunStatus
     resolution: int

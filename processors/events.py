@@ -23,19 +23,19 @@ from processors.state import (
 )
 
 
-class EventBase(Frozen, tag_field="type", frozen=True, kw_only=True):
+class EventBase(Frozen, tag_field="type", frozen=True, kw_only=True, gc=False):
     run_id: str
     event_id: str
     at: int
     trace_id: str
 
 
-class Message(Frozen, frozen=True, kw_only=True):
+class Message(Frozen, frozen=True, kw_only=True, gc=False):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
-class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True):
+class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunSubmitted"]] = "RunSubmitted"
     goal: str
     messages: tuple[Message, ...] = ()
@@ -58,14 +58,14 @@ class ModelOutcome(StrEnum):
     RATE_LIMITED = "rate_limited"
 
 
-class ToolCallRequest(Frozen, frozen=True, kw_only=True):
+class ToolCallRequest(Frozen, frozen=True, kw_only=True, gc=False):
     id: str
     name: str
     arguments_json: str
     expected_version: str | None = None
 
 
-class Candidate(Frozen, frozen=True, kw_only=True):
+class Candidate(Frozen, frozen=True, kw_only=True, gc=False):
     """A parsed, complete model generation (the candidate artifact's content)."""
 
     content: str = ""
@@ -73,13 +73,13 @@ class Candidate(Frozen, frozen=True, kw_only=True):
     cited_refs: tuple[str, ...] = ()
 
 
-class ModelUsage(Frozen, frozen=True, kw_only=True):
+class ModelUsage(Frozen, frozen=True, kw_only=True, gc=False):
     input_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
 
 
-class ModelCallCompleted(EventBase, tag="ModelCallCompleted", frozen=True, kw_only=True):
+class ModelCallCompleted(EventBase, tag="ModelCallCompleted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ModelCallCompleted"]] = "ModelCallCompleted"
     step: int
     attempt: int
@@ -90,18 +90,18 @@ class ModelCallCompleted(EventBase, tag="ModelCallCompleted", frozen=True, kw_on
     retry_after_ms: int | None = None
 
 
-class OpEvent(EventBase, frozen=True, kw_only=True):
+class OpEvent(EventBase, frozen=True, kw_only=True, gc=False):
     step: int
     operation_key: str
     dispatch: int = 1
 
 
-class ToolCallAccepted(OpEvent, tag="ToolCallAccepted", frozen=True, kw_only=True):
+class ToolCallAccepted(OpEvent, tag="ToolCallAccepted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallAccepted"]] = "ToolCallAccepted"
     poll_after_ms: int | None = None
 
 
-class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only=True):
+class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only=True, gc=False):
     """A poll or callback said the long task is still running."""
 
     type: ClassVar[Literal["ToolStatusReported"]] = "ToolStatusReported"
@@ -109,7 +109,7 @@ class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only
     poll: int  # echoes PollTool.poll: only the answer to the latest poll applies
 
 
-class OutputSummary(Frozen, frozen=True, kw_only=True):
+class OutputSummary(Frozen, frozen=True, kw_only=True, gc=False):
     head: str
     tail: str
     error_lines: tuple[str, ...]
@@ -118,7 +118,7 @@ class OutputSummary(Frozen, frozen=True, kw_only=True):
     error_count: int
 
 
-class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=True):
+class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallSucceeded"]] = "ToolCallSucceeded"
     result_ref: str
     result_bytes: int = 0
@@ -127,7 +127,7 @@ class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=T
     candidate_count: int | None = None
 
 
-class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True):
+class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallFailed"]] = "ToolCallFailed"
     error_class: ErrorClass
     error_code: str
@@ -135,7 +135,7 @@ class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True):
     retry_after_ms: int | None = None
 
 
-class ToolCallTimedOut(OpEvent, tag="ToolCallTimedOut", frozen=True, kw_only=True):
+class ToolCallTimedOut(OpEvent, tag="ToolCallTimedOut", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallTimedOut"]] = "ToolCallTimedOut"
 
 
@@ -145,13 +145,13 @@ class ReconcileOutcome(StrEnum):
     UNDETERMINABLE = "undeterminable"
 
 
-class ReconcileCompleted(OpEvent, tag="ReconcileCompleted", frozen=True, kw_only=True):
+class ReconcileCompleted(OpEvent, tag="ReconcileCompleted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ReconcileCompleted"]] = "ReconcileCompleted"
     outcome: ReconcileOutcome
     result_ref: str | None = None
 
 
-class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True):
+class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["UserReplied"]] = "UserReplied"
     question_id: str
     token_id: str
@@ -159,52 +159,52 @@ class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True):
     response: dict[str, Any]
 
 
-class CancelRequested(EventBase, tag="CancelRequested", frozen=True, kw_only=True):
+class CancelRequested(EventBase, tag="CancelRequested", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelRequested"]] = "CancelRequested"
     reason: str = "requested"
 
 
-class CancelConfirmed(OpEvent, tag="CancelConfirmed", frozen=True, kw_only=True):
+class CancelConfirmed(OpEvent, tag="CancelConfirmed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelConfirmed"]] = "CancelConfirmed"
 
 
-class CancelUnconfirmed(OpEvent, tag="CancelUnconfirmed", frozen=True, kw_only=True):
+class CancelUnconfirmed(OpEvent, tag="CancelUnconfirmed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelUnconfirmed"]] = "CancelUnconfirmed"
 
 
-class TimerFired(EventBase, tag="TimerFired", frozen=True, kw_only=True):
+class TimerFired(EventBase, tag="TimerFired", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["TimerFired"]] = "TimerFired"
     timer_id: str
 
 
-class GoalChanged(EventBase, tag="GoalChanged", frozen=True, kw_only=True):
+class GoalChanged(EventBase, tag="GoalChanged", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["GoalChanged"]] = "GoalChanged"
     step: int
     goal: str
 
 
-class KnowledgeRefreshed(EventBase, tag="KnowledgeRefreshed", frozen=True, kw_only=True):
+class KnowledgeRefreshed(EventBase, tag="KnowledgeRefreshed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["KnowledgeRefreshed"]] = "KnowledgeRefreshed"
     step: int
     memory_ref: str | None = None
     evidence_refs: tuple[str, ...] = ()
 
 
-class RunReopened(EventBase, tag="RunReopened", frozen=True, kw_only=True):
+class RunReopened(EventBase, tag="RunReopened", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunReopened"]] = "RunReopened"
     resolution: int  # compare-and-set: the resolution this correction applies to
     reason: str
     goal: str | None = None
 
 
-class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True):
+class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunResolved"]] = "RunResolved"
     resolution: int
     status: RunStatus
     reason: str
 
 
-class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True):
+class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["GapTimedOut"]] = "GapTimedOut"
     expected_seq: int
     diagnosis: str

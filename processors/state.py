@@ -17,7 +17,7 @@ _replace = msgspec.structs.replace
 _ENCODER = msgspec.json.Encoder()
 
 
-class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """Base of every core record: immutable, unknown fields rejected when decoded.
 
     msgspec structs, not pydantic models: the core copies and builds several records per
@@ -118,7 +118,7 @@ class TimerPurpose(StrEnum):
     GAP_TIMEOUT = "GAP_TIMEOUT"  # scheduled by the processor for a seq gap (R5), never by the core
 
 
-class ToolSpec(Frozen, frozen=True, kw_only=True):
+class ToolSpec(Frozen, frozen=True, kw_only=True, gc=False):
     name: str
     parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
     permission: str = "read"
@@ -127,7 +127,7 @@ class ToolSpec(Frozen, frozen=True, kw_only=True):
     cancellable: bool = False
 
 
-class Policy(Frozen, frozen=True, kw_only=True):
+class Policy(Frozen, frozen=True, kw_only=True, gc=False):
     allowed_permissions: tuple[str, ...] = ("read", "write")
     approval_required: tuple[str, ...] = ()
     max_model_attempts: int = 3
@@ -143,7 +143,7 @@ class Policy(Frozen, frozen=True, kw_only=True):
     poll_interval_ms: int = 30_000
 
 
-class Budgets(Frozen, frozen=True, kw_only=True):
+class Budgets(Frozen, frozen=True, kw_only=True, gc=False):
     deadline_at: int | None = None
     max_steps: int = 20
     max_tokens: int | None = None
@@ -151,7 +151,7 @@ class Budgets(Frozen, frozen=True, kw_only=True):
     max_tool_calls: int | None = None
 
 
-class LoopLimits(Frozen, frozen=True, kw_only=True):
+class LoopLimits(Frozen, frozen=True, kw_only=True, gc=False):
     max_repeat_action: int = 3
     max_repeat_error: int = 3
     max_steps_without_progress: int = 5
@@ -159,7 +159,7 @@ class LoopLimits(Frozen, frozen=True, kw_only=True):
     detect_oscillation: bool = True
 
 
-class RunConfig(Frozen, frozen=True, kw_only=True):
+class RunConfig(Frozen, frozen=True, kw_only=True, gc=False):
     tools: tuple[ToolSpec, ...]
     config_ref: str  # the frozen run configuration artifact (tools, policy, budgets, route)
     policy: Policy
@@ -175,7 +175,7 @@ class RunConfig(Frozen, frozen=True, kw_only=True):
         return None
 
 
-class Usage(Frozen, frozen=True, kw_only=True):
+class Usage(Frozen, frozen=True, kw_only=True, gc=False):
     input_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
@@ -192,7 +192,7 @@ class Usage(Frozen, frozen=True, kw_only=True):
         )
 
 
-class TimeAccount(Frozen, frozen=True, kw_only=True):
+class TimeAccount(Frozen, frozen=True, kw_only=True, gc=False):
     """Milliseconds split by who the run was waiting for (R16)."""
 
     started_at: int
@@ -203,7 +203,7 @@ class TimeAccount(Frozen, frozen=True, kw_only=True):
     ended_at: int | None = None
 
 
-class Operation(Frozen, frozen=True, kw_only=True):
+class Operation(Frozen, frozen=True, kw_only=True, gc=False):
     key: str
     step: int
     tool: str
@@ -223,7 +223,7 @@ class Operation(Frozen, frozen=True, kw_only=True):
     polls: int = 0
 
 
-class Question(Frozen, frozen=True, kw_only=True):
+class Question(Frozen, frozen=True, kw_only=True, gc=False):
     question_id: str
     kind: Literal["approval", "clarification"]
     artifact_ref: str
@@ -234,14 +234,14 @@ class Question(Frozen, frozen=True, kw_only=True):
     timer_id: str
 
 
-class Timer(Frozen, frozen=True, kw_only=True):
+class Timer(Frozen, frozen=True, kw_only=True, gc=False):
     timer_id: str
     purpose: TimerPurpose
     due_at: int
     op_key: str | None = None
 
 
-class LoopMemory(Frozen, frozen=True, kw_only=True):
+class LoopMemory(Frozen, frozen=True, kw_only=True, gc=False):
     recent_actions: tuple[str, ...] = ()
     recent_errors: tuple[str, ...] = ()
     plan_history: tuple[str, ...] = ()
@@ -250,7 +250,7 @@ class LoopMemory(Frozen, frozen=True, kw_only=True):
     last_candidate_count: int | None = None
 
 
-class ValidationRecord(Frozen, frozen=True, kw_only=True):
+class ValidationRecord(Frozen, frozen=True, kw_only=True, gc=False):
     validator_version: int
     candidate_ref: str
     ok: bool
@@ -259,7 +259,7 @@ class ValidationRecord(Frozen, frozen=True, kw_only=True):
     evidence_hash: str
 
 
-class RunState(Frozen, frozen=True, kw_only=True):
+class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     run_id: str
     trace_id: str
     submitted_event_id: str

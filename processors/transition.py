@@ -117,7 +117,7 @@ class Disposition(StrEnum):
     REJECTED = "REJECTED"
 
 
-class Artifact(Frozen, frozen=True, kw_only=True):
+class Artifact(Frozen, frozen=True, kw_only=True, gc=False):
     """A content-addressed blob to persist before the new state commits (R2)."""
 
     ref: str

@@ -36,7 +36,7 @@ REPAIRABLE: frozenset[str] = frozenset(
 ASK_WHEN_EXHAUSTED: frozenset[str] = frozenset({"UNRESOLVED_REFERENCE", "MISSING_EVIDENCE"})
 
 
-class ValidationContext(Frozen, frozen=True, kw_only=True):
+class ValidationContext(Frozen, frozen=True, kw_only=True, gc=False):
     tools: tuple[ToolSpec, ...]
     registry_hash: str = ""
     policy: Policy
@@ -58,7 +58,7 @@ class ValidationContext(Frozen, frozen=True, kw_only=True):
         )
 
 
-class ValidatedCall(Frozen, frozen=True, kw_only=True):
+class ValidatedCall(Frozen, frozen=True, kw_only=True, gc=False):
     call_id: str
     tool: str
     arguments_json: str  # canonical
@@ -66,7 +66,7 @@ class ValidatedCall(Frozen, frozen=True, kw_only=True):
     needs_approval: bool
 
 
-class ValidationDecision(Frozen, frozen=True, kw_only=True):
+class ValidationDecision(Frozen, frozen=True, kw_only=True, gc=False):
     validator_version: int
     ok: bool
     action: Action
