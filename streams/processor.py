@@ -214,9 +214,9 @@ class Processor:
     def close(self) -> None:
         if self.stats.commits:
             log.info("processor stages: %s", self.stats.stage_summary())
-        self._artifact_writer.shutdown(wait=True)
         with contextlib.suppress(RuntimeError):  # already closed
-            self._consumer.close()
+            self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
+        self._artifact_writer.shutdown(wait=True)
 
     # ------------------------------------------------------------------ rebalance
 
