@@ -77,20 +77,34 @@ class PostgresArtifactStore:
         if not rows:
             return 0
 
-        refs, types, sizes, contents = (list(column) for column in zip(*rows, strict=True))
-
         def write(conn: Conn) -> int:
-            # One statement, one round trip for the whole batch (executemany costs one each).
-            conn.execute(
-                "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
-                " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::bytea[])"
-                " ON CONFLICT (ref) DO NOTHING",
-                (refs, types, sizes, contents),
-            )
+            # Binary COPY into a session temp table (rows formatted by psycopg's C code; the
+            # unnest of Python lists it replaces spent ~10% of the processor's samples in
+            # psycopg's list dumper), then one INSERT ... ON CONFLICT DO NOTHING.
+            with conn.transaction():
+                conn.execute(
+                    "CREATE TEMP TABLE IF NOT EXISTS _artifacts_in"
+                    " (ref text, media_type text, size_bytes integer, content bytea)"
+                    " ON COMMIT DELETE ROWS"
+                )
+                with (
+                    conn.cursor() as cur,
+                    cur.copy(
+                        "COPY _artifacts_in (ref, media_type, size_bytes, content)"
+                        " FROM STDIN (FORMAT BINARY)"
+                    ) as copy,
+                ):
+                    copy.set_types(["text", "text", "int4", "bytea"])
+                    for row in rows:
+                        copy.write_row(row)
+                conn.execute(
+                    "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
+                    " SELECT * FROM _artifacts_in ON CONFLICT (ref) DO NOTHING"
+                )
             return len(rows)
 
         written: int = self._db.run("writing artifacts", write)
-        for ref in refs:  # only after the write committed (autocommit connection)
+        for ref in seen:  # only after the write committed
             known[ref] = None
         while len(known) > self.KNOWN_REFS:
             known.popitem(last=False)
