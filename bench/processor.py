@@ -182,7 +182,7 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _cpu_seconds(port: int, wait_s: float = 0.0) -> float | None:
+def _scraped_cpu_seconds(port: int, wait_s: float = 0.0) -> float | None:
     """The processor's own CPU seconds (prometheus-client's process collector)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -331,9 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         try:
             print(f"processing {total} inputs", file=sys.stderr, flush=True)
-            cpu_start = _cpu_seconds(metrics_port, wait_s=60)  # imports done, about to consume
+            # imports done, about to consume
+            cpu_start = _scraped_cpu_seconds(metrics_port, wait_s=60)
             first, last = _count_events(ep.kafka_bootstrap, topic_name(EVENTS, prefix), total, 600)
-            cpu_end = _cpu_seconds(metrics_port)
+            cpu_end = _scraped_cpu_seconds(metrics_port)
             throughput = total / (last - first) if last > first else float("nan")
             rss_after_load = _rss_kib(proc.pid)
             print(
