@@ -217,7 +217,6 @@ class _Reader:
 @dataclass(frozen=True, slots=True)
 class _Writer:
     header: bytes  # MAGIC + fingerprint
-    schema: dict[str, Any]
     check: _Check | None
     fields: frozenset[str]
     write: Write  # compiled (streams/avro_writer.py): fastavro's bytes, without its per-call setup
@@ -256,9 +255,7 @@ class Codec:
             v = "" if version is None else f" v{version}"
             raise UnknownRecordNameError(f"no schema for record {name}{v}") from None
         fields = frozenset(f["name"] for f in sv.raw["fields"])
-        entry = _Writer(
-            MAGIC + sv.fingerprint, sv.parsed, _compile(sv.raw), fields, compile_writer(sv.raw)
-        )
+        entry = _Writer(MAGIC + sv.fingerprint, _compile(sv.raw), fields, compile_writer(sv.raw))
         self._writers[(name, version)] = entry
         return entry
 

@@ -72,27 +72,10 @@ class ProcessorStats:
     inputs_committed: int = 0
     last_commit_s: float = 0.0
     _published: dict[str, int] = field(default_factory=dict, repr=False)
-    stage_seconds: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def stage(self, name: str, seconds: float) -> None:
-        """Time of one commit stage (kept for the last 10,000 commits)."""
+        """Time of one commit stage (the `agentruns_commit_stage_seconds` histogram)."""
         COMMIT_STAGE_SECONDS.labels(name).observe(seconds)
-        times = self.stage_seconds.setdefault(name, [])
-        times.append(seconds)
-        if len(times) > 10_000:
-            del times[:1_000]
-
-    def stage_summary(self) -> dict[str, dict[str, float]]:
-        """ms per commit stage: mean, p50, p99 (for the log line a stopping processor writes)."""
-        out: dict[str, dict[str, float]] = {}
-        for name, times in self.stage_seconds.items():
-            ordered = sorted(times)
-            out[name] = {
-                "mean_ms": round(1000 * sum(ordered) / len(ordered), 2),
-                "p50_ms": round(1000 * ordered[len(ordered) // 2], 2),
-                "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
-            }
-        return out
 
     def count(self, disposition: str, effects: int) -> None:
         self.effects += effects

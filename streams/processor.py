@@ -212,8 +212,6 @@ class Processor:
             self.close()
 
     def close(self) -> None:
-        if self.stats.commits:
-            log.info("processor stages: %s", self.stats.stage_summary())
         with contextlib.suppress(RuntimeError):  # already closed
             self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
         self._artifact_writer.shutdown(wait=True)
