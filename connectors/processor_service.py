@@ -21,7 +21,7 @@ from connectors.db import migrate
 from connectors.logs import setup_logging
 from connectors.services import ServiceStack
 from streams.admin import ensure_topics
-from streams.processor import Processor, ProcessorConfig
+from streams.processor import Processor, ProcessorConfig, tune_gc
 
 log = logging.getLogger("agentruns.processor")
 
@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gap_timeout_ms=args.gap_timeout_ms,
             buffer_limit=args.buffer_limit,
         )
+        tune_gc()
         processor = Processor(config, store.put_many)
         log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
         try:

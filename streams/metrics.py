@@ -89,13 +89,13 @@ class ProcessorStats:
             case _:
                 self.rejected += 1
 
-    def committed(self, inputs: int, seconds: float, active_runs: int | None = None) -> None:
+    def committed(self, inputs: int, seconds: float) -> None:
+        """One transaction committed (the committer thread; `publish` is the loop's)."""
         self.commits += 1
         self.inputs_committed += inputs
         self.last_commit_s = seconds
         BATCH_INPUTS.observe(inputs)
         COMMIT_SECONDS.observe(seconds)
-        self.publish(active_runs)
 
     def publish(self, active_runs: int | None = None) -> None:
         """Push what changed since the last call to the Prometheus collectors."""

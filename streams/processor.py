@@ -1,32 +1,40 @@
 """The run processor: inbox inputs -> pure transitions -> one Kafka transaction per batch.
 
-Consume-transform-produce with one transactional producer per process and KIP-447 fencing
-(`send_offsets_to_transaction` with the consumer's group metadata). What one transaction holds,
-in the order `_commit` writes it down:
+Consume-transform-produce with one transaction at a time per process and KIP-447 fencing
+(`send_offsets_to_transaction` with the consumer's group metadata). The loop thread applies
+inputs and collects the encoded records of a batch; sealing the batch adds one snapshot per run
+it touched and hands it to the committer thread. What one transaction holds, in the order
+`_transact` writes it down:
 
-1. artifacts of the batch's transitions are written to the artifact store (Postgres) first:
-   they must be durable before anything that references them is visible (R2);
-2. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
-   (`results`) and dead letters (`dlq`) were produced into the open transaction while the batch
-   was applied;
-3. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
+1. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
+   (`results`) and dead letters (`dlq`) of the batch;
+2. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
    producer marks, recent input digests;
-4. the consumed inbox offsets (`send_offsets_to_transaction`);
+3. the consumed inbox offsets (`send_offsets_to_transaction`);
+4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
+   thread since the batch was sealed): nothing may reference an artifact before (R2);
 5. `commit_transaction`.
 
 Either all of it becomes visible to read_committed readers or none of it: a crash anywhere
 before 5 leaves the inbox offsets where they were and the restarted processor re-applies the same
 inputs to the same restored snapshots, producing the same events (the transition is pure).
+
+Group commit: while one transaction commits, the loop applies the next inputs (in memory only:
+nothing of them is produced before the previous transaction ended), and seals them as soon as
+the committer is free. One transaction is in flight at a time. If it fails, the batch applied
+behind it is dropped with the in-memory state, and the loop rewinds to the committed offsets and
+snapshots, as for any abortable error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +73,18 @@ log = logging.getLogger("agentruns.processor")
 
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
 GAP_TIMER = ":gap:"
+SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
+# CPython's default (700, 10, 10) ran a full collection every ~1.5 s under the bench, each
+# 50-300 ms with the GIL held (100-140k tracked objects, a busy 2-core box) and each freeing
+# nothing: run state is acyclic and freed by reference counting. A young collection every
+# 50,000 net allocations keeps cycles (exceptions, closures) collected without those stalls.
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def tune_gc() -> None:
+    """Collect cycles rarely and never re-scan restored state (the processor process's
+    choice: it holds tens of thousands of long-lived run slots)."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 @dataclass
@@ -94,6 +114,11 @@ class ProcessorConfig:
         self.group_id = self.group_id or f"{self.prefix}-processor"
 
 
+Headers = list[tuple[str, str | bytes | None]]
+# topic, key, value, partition (None: the producer's partitioner), headers
+_Record = tuple[str, bytes | None, bytes, int | None, Headers | None]
+
+
 @dataclass
 class _Batch:
     started: float = 0.0
@@ -101,6 +126,20 @@ class _Batch:
     artifacts: list[Artifact] = field(default_factory=list)
     dirty: dict[str, tuple[int, RunSlot]] = field(default_factory=dict)
     positions: dict[int, int] = field(default_factory=dict)
+    records: list[_Record] = field(default_factory=list)
+
+
+@dataclass
+class _Sealed:
+    """A batch handed to the committer: everything its transaction writes, already encoded."""
+
+    records: list[_Record]
+    offsets: list[TopicPartition]
+    metadata: Any  # the consumer's group metadata when sealed (KIP-447 fencing)
+    artifacts: Future[object] | None
+    inputs: int
+    started: float
+    sealed: float
 
 
 class Processor:
@@ -121,8 +160,19 @@ class Processor:
         }
         self._slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
         self._batch: _Batch | None = None
+        # The committer thread runs one transaction at a time (`_transact`); `_in_flight` is
+        # the sealed batch it is committing, `_txn_open` whether a transaction is begun.
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        self._in_flight: Future[None] | None = None
+        self._txn_open = False
         self._consumer = self._new_consumer()
-        self._producer = self._new_producer()
+        # Two transactional producers, used in turn by the committer (never at once): a
+        # transaction begun on the id that just committed finds the coordinator still writing
+        # that commit's markers, and every AddPartitionsToTxn/AddOffsetsToTxn of it is refused
+        # (CONCURRENT_TRANSACTIONS) and retried: the records then sit unsent, ~20 ms of a ~45 ms
+        # transaction under the bench. The other id's last transaction ended a turn ago.
+        self._producers = [self._new_producer("a"), self._new_producer("b")]
+        self._turn = 0
         self._assigned: set[int] = set()
         self.stats = metrics.ProcessorStats()
 
@@ -149,12 +199,12 @@ class Processor:
             }
         )
 
-    def _new_producer(self) -> Producer:
+    def _new_producer(self, slot: str) -> Producer:
         c = self.config
         producer = Producer(
             {
                 "bootstrap.servers": c.bootstrap,
-                "transactional.id": f"{c.group_id}-{c.instance_id}",
+                "transactional.id": f"{c.group_id}-{c.instance_id}-{slot}",
                 "transaction.timeout.ms": c.transaction_timeout_ms,
                 **TRANSACTIONAL_PRODUCER,
                 # Each message enqueued to an empty partition queue wakes librdkafka's broker
@@ -180,40 +230,49 @@ class Processor:
             on_lost=self._on_lost,
         )
         interval = self.config.commit_interval_ms / 1000
+        limit = self.config.max_batch
         try:
             while not stop.is_set():
-                # With a batch open, only look for what has already arrived: a batch commits
-                # as soon as the inbox is drained (low latency when lightly loaded) and at the
-                # latest after `interval` or `max_batch` inputs (throughput under load).
-                # (librdkafka's consume(n, timeout) returns only when it has n messages or the
-                # timeout passed: with no batch open, poll() wakes on the first message instead)
+                # With a batch open, only look for what has already arrived. A batch is sealed
+                # when the committer is free and the inbox is drained (low latency when lightly
+                # loaded) or the batch is `interval` old; while a transaction commits, inputs
+                # keep being applied into the next batch, up to `max_batch` (throughput under
+                # load). (librdkafka's consume(n, timeout) returns only when it has n messages
+                # or the timeout passed: with no batch open, poll() wakes on the first message.)
                 if self._batch is None:
                     first = self._consumer.poll(interval)
                     messages = [] if first is None else [first]
-                    if first is not None and self.config.max_batch > 1:
-                        messages.extend(self._consumer.consume(self.config.max_batch - 1, 0))
+                    if first is not None and limit > 1:
+                        messages.extend(self._consumer.consume(limit - 1, 0))
+                    drained = len(messages) < limit
                 else:
-                    messages = self._consumer.consume(self.config.max_batch, 0.002)
+                    messages = self._consumer.consume(limit, 0.002)
+                    drained = len(messages) < limit
                 try:
+                    self._check_in_flight()  # a failed transaction: recover before applying more
                     for message in messages:
                         self._handle(message)
                     batch = self._batch
                     if batch is not None and (
-                        not messages
-                        or time.monotonic() - batch.started >= interval
-                        or batch.inputs >= self.config.max_batch
+                        batch.inputs >= limit
+                        or (
+                            self._committer_free()
+                            and (drained or time.monotonic() - batch.started >= interval)
+                        )
                     ):
                         self._commit()
                 except KafkaException as exc:
                     self._recover(exc)
-            if self._batch is not None:
-                self._commit()
+            self._commit(wait=True)
         finally:
             self.close()
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):  # already closed
             self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
+        with contextlib.suppress(KafkaException):
+            self._wait_in_flight()
+        self._committer.shutdown(wait=True)
         self._artifact_writer.shutdown(wait=True)
 
     # ------------------------------------------------------------------ rebalance
@@ -223,6 +282,7 @@ class Processor:
         began = time.monotonic()
         restored = self._restore(mine)
         self._assigned |= mine
+        gc.freeze()  # the restored slots live long: out of the collector's way
         log.info(
             "assigned partitions %s: restored %d runs in %.2fs",
             sorted(mine),
@@ -232,18 +292,21 @@ class Processor:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Commit what was applied so far: the next owner starts from these offsets and state.
-        if self._batch is not None:
-            try:
-                self._commit()
-            except KafkaException as exc:
-                log.warning("commit on revoke failed, aborting: %s", exc)
-                self._abort_quietly()
-        for tp in partitions:
-            self._slots.pop(tp.partition, None)
-            self._assigned.discard(tp.partition)
+        revoked = {tp.partition for tp in partitions}
+        try:
+            self._commit(wait=True)
+        except KafkaException as exc:
+            log.warning("commit on revoke failed, aborting: %s", exc)
+            self._recover(exc, rewind=self._assigned - revoked)
+        for p in revoked:
+            self._slots.pop(p, None)
+            self._assigned.discard(p)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # The group moved on without us: our open transaction is fenced; drop everything.
+        with contextlib.suppress(KafkaException):
+            self._wait_in_flight()
+        self._batch = None
         self._abort_quietly()
         for tp in partitions:
             self._slots.pop(tp.partition, None)
@@ -300,9 +363,19 @@ class Processor:
 
     def _open_batch(self) -> _Batch:
         if self._batch is None:
-            self._producer.begin_transaction()
             self._batch = _Batch(started=time.monotonic())
         return self._batch
+
+    def _emit(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes,
+        partition: int | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        """A record of the open batch (produced by the committer, in this order)."""
+        self._open_batch().records.append((topic, key, value, partition, headers))
 
     def _handle(self, message: Message) -> None:
         error = message.error()
@@ -506,12 +579,12 @@ class Processor:
         for effect in result.effects:
             if isinstance(effect, PublishResult):
                 value = encode("Result", result_record(effect, seq=seq, at=event.at))
-                self._producer.produce(
+                self._emit(
                     self.results,
-                    key=slot.run_id.encode(),
-                    value=value,
-                    partition=partition,
-                    headers=_headers(effect.trace_id, slot.run_id, effect.step, effect.attempt),
+                    slot.run_id.encode(),
+                    value,
+                    partition,
+                    _headers(effect.trace_id, slot.run_id, effect.step, effect.attempt),
                 )
             else:
                 self._produce_effect(partition, effect, seq=seq, at=event.at)
@@ -531,12 +604,12 @@ class Processor:
         input_id: str | None,
     ) -> None:
         record = event_record(run_id, seq, event, result, input_id=input_id)
-        self._producer.produce(
+        self._emit(
             self.events,
-            key=event_key(run_id, seq),
-            value=encode("Event", record),
-            partition=partition,
-            headers=_headers(event.trace_id, run_id, record["step"], record["attempt"]),
+            event_key(run_id, seq),
+            encode("Event", record),
+            partition,
+            _headers(event.trace_id, run_id, record["step"], record["attempt"]),
         )
         if result.disposition is not Disposition.APPLIED:
             log.info(
@@ -551,12 +624,12 @@ class Processor:
 
     def _produce_effect(self, partition: int, effect: Any, *, seq: int, at: int) -> None:
         topic = self._effect_topics[EFFECT_TOPIC_KIND[effect.type]]
-        self._producer.produce(
+        self._emit(
             topic,
-            key=effect.run_id.encode(),
-            value=encode("Effect", effect_record(effect, seq=seq, at=at)),
-            partition=partition,
-            headers=[
+            effect.run_id.encode(),
+            encode("Effect", effect_record(effect, seq=seq, at=at)),
+            partition,
+            [
                 *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
                 ("idempotency_key", effect.idempotency_key.encode()),
             ],
@@ -568,7 +641,6 @@ class Processor:
     def _dead_letter(
         self, original: _Original, reason: str, error_class: str, *, run_id: str | None = None
     ) -> None:
-        self._open_batch()
         record = dlq.dead_letter(
             reason=reason,
             error_class=error_class,
@@ -582,80 +654,145 @@ class Processor:
             original_timestamp=original.timestamp,
             run_id=run_id,
         )
-        self._producer.produce(self.dlq, key=original.key, value=encode("DeadLetter", record))
+        self._emit(self.dlq, original.key, encode("DeadLetter", record))
         self.stats.dead_letters += 1
         log.warning("dead letter (%s): %s", error_class, reason, extra={"run_id": run_id})
 
     # ------------------------------------------------------------------ committing
 
-    def _commit(self) -> None:
+    def _committer_free(self) -> bool:
+        return self._in_flight is None or self._in_flight.done()
+
+    def _wait_in_flight(self) -> None:
+        """Wait for the transaction in flight; re-raise its error (then no longer in flight)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def _check_in_flight(self) -> None:
+        """Raise the error of the in-flight transaction if it ended in one (for `_recover`)."""
+        if self._in_flight is not None and self._in_flight.done():
+            self._wait_in_flight()
+
+    def _commit(self, *, wait: bool = False) -> None:
+        """Seal the open batch and hand it to the committer, once the transaction before it
+        committed; with `wait`, also wait until this one committed."""
+        began = time.monotonic()
+        self._wait_in_flight()
         batch = self._batch
-        if batch is None:
-            return
+        if batch is not None:
+            self._batch = None
+            self._in_flight = self._committer.submit(self._transact, self._seal(batch))
+        self.stats.stage("wait", time.monotonic() - began)
+        if wait:
+            self._wait_in_flight()
+
+    def _seal(self, batch: _Batch) -> _Sealed:
+        """Everything the batch's transaction writes, encoded now: the slots move on."""
         began = time.monotonic()
         # Artifacts must be durable before the transaction commits (no read_committed reader
-        # sees an event earlier), not before its records are produced: the write runs on the
-        # artifact thread while the offsets and snapshots go to the broker.
+        # sees an event earlier), not before its records are produced: the write starts now,
+        # on the artifact thread, and the committer waits for it before committing.
         written = (
             self._artifact_writer.submit(self._write_artifacts, batch.artifacts)
             if batch.artifacts
             else None
         )
-        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
-        self._producer.send_offsets_to_transaction(
-            offsets, self._consumer.consumer_group_metadata(), 30
-        )
-        sent = time.monotonic()
         for run_id, (partition, slot) in batch.dirty.items():
             if slot.state is None and not slot.buffer:
                 continue  # refused inputs of a run that does not exist leave no snapshot
             slot.version += 1
-            self._producer.produce(
-                self.state_topic,
-                key=run_id.encode(),
-                value=encode("Snapshot", slot.to_record()),
-                partition=partition,
-            )
-        snapped = time.monotonic()
-        if written is not None:
-            written.result()  # re-raises the store's error: nothing is committed then
-        wrote = time.monotonic()
-        self._producer.commit_transaction(30)
-        self._batch = None
-        ended = time.monotonic()
-        self.stats.stage("offsets", sent - began)
-        self.stats.stage("snapshots", snapped - sent)
-        self.stats.stage("artifacts_wait", wrote - snapped)
-        self.stats.stage("commit", ended - wrote)
+            value = encode("Snapshot", slot.to_record())
+            batch.records.append((self.state_topic, run_id.encode(), value, partition, None))
+        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
+        self.stats.publish(sum(len(slots) for slots in self._slots.values()))
+        sealed = time.monotonic()
+        self.stats.stage("seal", sealed - began)
         self.stats.stage("batch_open", began - batch.started)
-        active = sum(len(slots) for slots in self._slots.values())
-        self.stats.committed(batch.inputs, time.monotonic() - began, active)
+        return _Sealed(
+            records=batch.records,
+            offsets=offsets,
+            metadata=self._consumer.consumer_group_metadata(),
+            artifacts=written,
+            inputs=batch.inputs,
+            started=batch.started,
+            sealed=sealed,
+        )
+
+    def _transact(self, batch: _Sealed) -> None:
+        """The committer thread: one transaction for one sealed batch."""
+        began = time.monotonic()
+        producer = self._producers[self._turn]
+        produce = producer.produce
+        producer.begin_transaction()
+        self._txn_open = True
+        for topic, key, value, partition, headers in batch.records:
+            if partition is None:
+                produce(topic, key=key, value=value, headers=headers)
+            else:
+                produce(topic, key=key, value=value, partition=partition, headers=headers)
+        produced = time.monotonic()
+        producer.send_offsets_to_transaction(batch.offsets, batch.metadata, 30)
+        sent = time.monotonic()
+        if batch.artifacts is not None:
+            batch.artifacts.result()  # re-raises the store's error: nothing is committed then
+        wrote = time.monotonic()
+        producer.commit_transaction(30)
+        self._txn_open = False
+        self._turn = 1 - self._turn
+        ended = time.monotonic()
+        if ended - batch.sealed > SLOW_COMMIT_S:
+            log.warning(
+                "slow transaction: %.0f ms for %d inputs (queued %.0f, produce %.0f, offsets %.0f,"
+                " artifacts %.0f, commit %.0f ms)",
+                1000 * (ended - batch.sealed),
+                batch.inputs,
+                1000 * (began - batch.sealed),
+                1000 * (produced - began),
+                1000 * (sent - produced),
+                1000 * (wrote - sent),
+                1000 * (ended - wrote),
+            )
+        self.stats.stage("queued", began - batch.sealed)
+        self.stats.stage("produce", produced - began)
+        self.stats.stage("offsets", sent - produced)
+        self.stats.stage("artifacts_wait", wrote - sent)
+        self.stats.stage("commit", ended - wrote)
+        self.stats.committed(batch.inputs, ended - batch.sealed)
 
     def _abort_quietly(self) -> None:
-        if self._batch is None:
+        """Abort the transaction the committer began, if any (the committer is idle)."""
+        if not self._txn_open:
             return
-        self._batch = None
+        self._txn_open = False
         try:
-            self._producer.abort_transaction(30)
+            self._producers[self._turn].abort_transaction(30)
         except KafkaException as exc:
             log.warning("abort failed: %s", exc)
 
-    def _recover(self, exc: KafkaException) -> None:
-        """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state."""
+    def _recover(self, exc: KafkaException, rewind: set[int] | None = None) -> None:
+        """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state.
+
+        The batch applied behind the failed transaction is dropped with it: the rewind to the
+        committed offsets and snapshots brings its inputs back."""
+        with contextlib.suppress(KafkaException):
+            self._wait_in_flight()  # the committer is idle from here on
+        self._batch = None
         error = exc.args[0] if exc.args else None
         fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
         log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
         self.stats.aborts += 1
         if fatal:
-            self._batch = None
-            self._producer = self._new_producer()
+            self._txn_open = False
+            self._producers[self._turn] = self._new_producer("ab"[self._turn])
         else:
             self._abort_quietly()
-        self._rewind()
+        self._rewind(set(self._assigned) if rewind is None else rewind)
 
-    def _rewind(self) -> None:
-        """Drop in-memory state and seek back to the committed offsets of our partitions."""
-        partitions = set(self._assigned)
+    def _rewind(self, partitions: set[int]) -> None:
+        """Drop in-memory state and seek back to the committed offsets of `partitions`."""
+        if not partitions:
+            return
         committed = self._consumer.committed(
             [TopicPartition(self.inbox, p) for p in partitions], timeout=30
         )
@@ -722,9 +859,6 @@ class _Reject(Exception):
         super().__init__(reason)
         self.reason = reason
         self.error_class = error_class
-
-
-Headers = list[tuple[str, str | bytes | None]]
 
 
 def _headers(trace_id: str, run_id: str, step: int, attempt: int) -> Headers:

@@ -9,15 +9,17 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
 from connectors.artifacts import PostgresArtifactStore
 from processors.events import CancelRequested, GoalChanged, TimerFired
-from processors.transition import transition
+from processors.transition import Artifact, transition
 from streams.admin import ensure_topics
 from streams.codec import encode
 from streams.processor import Processor, ProcessorConfig
@@ -151,6 +153,59 @@ def _spawn(env: dict[str, str], prefix: str, instance: str) -> subprocess.Popen[
 
 def _service_env(kafka_bootstrap: str, database_url: str) -> dict[str, str]:
     return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap, "DATABASE_URL": database_url}
+
+
+class _FailingArtifacts:
+    """The artifact store, except that writes number 2 and 5 fail with an abortable Kafka error
+    after a while: the loop applies the next inputs meanwhile, and must drop them too."""
+
+    def __init__(self, store: PostgresArtifactStore) -> None:
+        self.store = store
+        self.calls = 0
+
+    def __call__(self, artifacts: Sequence[Artifact]) -> object:
+        self.calls += 1
+        if self.calls in (2, 5):
+            time.sleep(0.5)
+            raise KafkaException(
+                KafkaError(KafkaError._FAIL, "injected failure", txn_requires_abort=True)
+            )
+        return self.store.put_many(artifacts)
+
+
+def test_a_failed_transaction_drops_the_batch_applied_behind_it(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    store = PostgresArtifactStore(database_url)
+    writer = _FailingArtifacts(store)
+    config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
+    proc = Processor(config, writer)
+    stop = threading.Event()
+    thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
+    thread.start()
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=3)
+    double.start()
+    try:
+        inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+        runs = [f"abort-{i}" for i in range(30)]
+        for run_id in runs:
+            inbox.send(input_record(submitted(run_id)))
+            inbox.flush()
+            time.sleep(0.05)  # inputs keep coming while a transaction fails
+        wait_for(
+            lambda: len(_results(kafka_bootstrap, prefix)) == len(runs),
+            timeout=120,
+            what="every run terminal after two failed transactions",
+            every=1.0,
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        double.close()
+        store.close()
+    assert writer.calls > 5 and proc.stats.aborts == 2
+    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert_log_consistent(kafka_bootstrap, prefix)
 
 
 def test_kill_9_at_random_points_loses_and_repeats_nothing(
