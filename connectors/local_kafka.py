@@ -239,6 +239,10 @@ class LocalKafka:
             *self.heap.split(),
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
+            # C1 only: C2's compilations went on for minutes after start and took a core from
+            # the processes the broker serves (2-core box). processor bench, latency phase,
+            # two A/B pairs: p99 147-184 ms vs 299-746 ms, throughput the same.
+            "-XX:TieredStopAtLevel=1",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={log4j}",
             "-cp",
