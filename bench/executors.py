@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.broker import broker_settings
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -257,6 +259,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "partitions": args.partitions,
         "cpus": os.cpu_count(),
         "load_average_1m": _load_average(),
+        "broker": broker_settings(bootstrap),
         "targets": {"calls_per_s": 1000, "p99_ms_at_200_per_s": 50},
         "meets_targets": ok,
     }

@@ -38,6 +38,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from bench.broker import broker_settings
 from bench.core import simulate
 from processors.effects import PublishResult
 from processors.events import Event
@@ -327,6 +328,7 @@ def run_bench(
         "load_average_1m_before": round(load_before, 2),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
+        "broker": broker_settings(bootstrap),
         "paced_rate": rate,
         "paced_events": len(committed),
         "paced_achieved_rate": round(len(committed) / wall),
