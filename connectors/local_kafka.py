@@ -241,10 +241,9 @@ class LocalKafka:
             "-XX:MaxGCPauseMillis=20",
             # C1 only by default: C2's compilations went on for minutes after start and took a
             # core from the processes the broker serves (2-core box). processor bench, latency
-            # phase, two A/B pairs: p99 147-184 ms vs 299-746 ms; loop bench at 1 concurrent
-            # run: step p50 52 vs 100 ms. But C2's code is faster once compiled: the loop bench
-            # at 64 concurrent runs (minutes of full load) 121 vs 147 steps/s. Long-running or
-            # heavily loaded local brokers: AGENTRUNS_KAFKA_JIT=c2.
+            # phase, two A/B pairs: p99 147-184 ms vs 299-746 ms. But C2's code is faster once
+            # compiled: the loop bench at 64 concurrent runs (minutes of full load) 115-136 vs
+            # 147 steps/s. Long-running or heavily loaded local brokers: AGENTRUNS_KAFKA_JIT=c2.
             *([] if os.environ.get("AGENTRUNS_KAFKA_JIT") == "c2" else ["-XX:TieredStopAtLevel=1"]),
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={log4j}",
