@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,20 @@ def read_all(bootstrap: str, topic: str, name: str, *, timeout: float = 30) -> l
         return out
     finally:
         consumer.close()
+
+
+@contextmanager
+def running_on_thread(run: Callable[[threading.Event], None], name: str) -> Iterator[None]:
+    """`run(stop)` on a daemon thread until the block ends; then stop it and join it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=run, args=(stop,), daemon=True, name=name)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive(), f"{name} did not stop"
 
 
 def wait_for(

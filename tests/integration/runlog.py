@@ -4,7 +4,6 @@ written as Event/Snapshot/Result records in Kafka transactions, as the processor
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from connectors.artifacts import PostgresArtifactStore
 from connectors.sink import Sink, SinkConfig
 from processors.events import Event
 from streams.admin import ensure_topics
+from tests.integration.pipeline import running_on_thread
 
 PARTITIONS = 3
 
@@ -91,12 +91,5 @@ def running_sink(bootstrap: str, database_url: str, prefix: str, **options: Any)
             **{"group_id": f"{prefix}-sink", "assign": "all", **options},
         )
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=sink.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with running_on_thread(sink.run, "sink"):
         yield sink
-    finally:
-        stop.set()
-        thread.join(30)
-        assert not thread.is_alive()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ from processors.events import CancelRequested, GoalChanged, TimerFired
 from processors.transition import Artifact, transition
 from streams.admin import ensure_topics
 from streams.codec import encode
-from streams.processor import Processor, ProcessorConfig
+from streams.processor import ArtifactWriter, Processor, ProcessorConfig
 from streams.records import parse_effect_body, parse_event_body, parse_state
 from streams.topics import DLQ, EVENTS, RESULTS, STATE, effect_suffix, topic_name
 from tests.integration.pipeline import (
@@ -31,6 +32,7 @@ from tests.integration.pipeline import (
     input_record,
     now_ms,
     read_all,
+    running_on_thread,
     submitted,
     wait_for,
 )
@@ -44,19 +46,22 @@ def prefix(kafka_bootstrap: str, unique_name: str) -> str:
     return unique_name
 
 
+@contextlib.contextmanager
+def _running(config: ProcessorConfig, write_artifacts: ArtifactWriter) -> Iterator[Processor]:
+    """A processor on a thread of this process until the block ends."""
+    proc = Processor(config, write_artifacts)
+    with running_on_thread(proc.run, "processor"):
+        yield proc
+
+
 @pytest.fixture
 def processor(kafka_bootstrap: str, database_url: str, prefix: str) -> Iterator[Processor]:
     store = PostgresArtifactStore(database_url)
     config = ProcessorConfig(
         bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc", gap_timeout_ms=1000
     )
-    proc = Processor(config, store.put_many)
-    stop = threading.Event()
-    thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
-    thread.start()
-    yield proc
-    stop.set()
-    thread.join(timeout=30)
+    with _running(config, store.put_many) as proc:
+        yield proc
     store.close()
 
 
@@ -65,6 +70,17 @@ def _results(bootstrap: str, prefix: str) -> dict[str, str]:
         r.value["run_id"]: r.value["status"]
         for r in read_all(bootstrap, topic_name(RESULTS, prefix), "Result")
     }
+
+
+def _wait_all_terminal(
+    bootstrap: str, prefix: str, runs: list[str], what: str, timeout: float = 120
+) -> None:
+    wait_for(
+        lambda: len(_results(bootstrap, prefix)) == len(runs),
+        timeout=timeout,
+        what=what,
+        every=1.0,
+    )
 
 
 def assert_log_consistent(bootstrap: str, prefix: str) -> dict[str, list[dict[str, object]]]:
@@ -112,11 +128,7 @@ def test_runs_reach_their_terminal_state(
         for run_id in runs:
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
-        wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) == len(runs),
-            timeout=60,
-            what="every run's terminal result",
-        )
+        _wait_all_terminal(kafka_bootstrap, prefix, runs, "every run's terminal result", timeout=60)
     finally:
         double.close()
     assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
@@ -179,28 +191,20 @@ def test_a_failed_transaction_drops_the_batch_applied_behind_it(
     store = PostgresArtifactStore(database_url)
     writer = _FailingArtifacts(store)
     config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
-    proc = Processor(config, writer)
-    stop = threading.Event()
-    thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
-    thread.start()
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=3)
     double.start()
     try:
-        inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
-        runs = [f"abort-{i}" for i in range(30)]
-        for run_id in runs:
-            inbox.send(input_record(submitted(run_id)))
-            inbox.flush()
-            time.sleep(0.05)  # inputs keep coming while a transaction fails
-        wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) == len(runs),
-            timeout=120,
-            what="every run terminal after two failed transactions",
-            every=1.0,
-        )
+        with _running(config, writer) as proc:
+            inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+            runs = [f"abort-{i}" for i in range(30)]
+            for run_id in runs:
+                inbox.send(input_record(submitted(run_id)))
+                inbox.flush()
+                time.sleep(0.05)  # inputs keep coming while a transaction fails
+            _wait_all_terminal(
+                kafka_bootstrap, prefix, runs, "every run terminal after two failed transactions"
+            )
     finally:
-        stop.set()
-        thread.join(timeout=30)
         double.close()
         store.close()
     assert writer.calls > 5 and proc.stats.aborts == 2
@@ -229,12 +233,7 @@ def test_kill_9_at_random_points_loses_and_repeats_nothing(
             proc.wait()
             kills += 1
             proc = _spawn(env, prefix, "0")
-        wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) == len(runs),
-            timeout=120,
-            what="all 20 runs terminal after 5 kills",
-            every=1.0,
-        )
+        _wait_all_terminal(kafka_bootstrap, prefix, runs, "all 20 runs terminal after 5 kills")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -267,12 +266,7 @@ def test_a_killed_member_is_replaced_by_the_other(
         for run_id in runs[6:]:
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
-        wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) == len(runs),
-            timeout=120,
-            what="the survivor finishing every run",
-            every=1.0,
-        )
+        _wait_all_terminal(kafka_bootstrap, prefix, runs, "the survivor finishing every run")
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=60)
