@@ -36,8 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="stable id of this process slot (its transactional.id); distinct per process",
     )
     p.add_argument("--partitions", type=int, default=None, help="when creating missing topics")
-    p.add_argument("--commit-interval-ms", type=int, default=50)
-    p.add_argument("--max-batch", type=int, default=2000)
+    p.add_argument(
+        "--commit-interval-ms",
+        type=int,
+        default=50,
+        help="seal a batch this old once the committer is free, even if inputs keep coming",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=2000,
+        help="inputs per transaction at most (the loop waits for the committer then)",
+    )
     p.add_argument("--gap-timeout-ms", type=int, default=30_000)
     p.add_argument("--buffer-limit", type=int, default=64)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
