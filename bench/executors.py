@@ -122,15 +122,12 @@ class Collector:
 
     def _run(self) -> None:
         from streams.codec import decode
+        from streams.polling import poll_batch
 
         while not self.stop.is_set():
-            # poll() returns as soon as one record is there; consume(n, timeout) would hold
-            # what arrived until n records or the timeout (10 ms here) and add that wait to
-            # every latency measured. Then take what is already fetched, without waiting.
-            first = self.consumer.poll(0.1)
-            if first is None:
-                continue
-            for message in [first, *self.consumer.consume(999, 0)]:
+            # consume(n, timeout) would hold what arrived until n records or the timeout and
+            # add that wait to every latency measured
+            for message in poll_batch(self.consumer, 1000, 0.1):
                 now = time.monotonic()
                 value = message.value()
                 if message.error() is not None or value is None:

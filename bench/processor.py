@@ -48,6 +48,7 @@ from processors.transition import transition
 from streams.admin import ensure_topics
 from streams.codec import encode
 from streams.partitioning import partition_for
+from streams.polling import poll_batch
 from streams.records import input_record
 from streams.topics import EVENTS, INBOX, STATE, topic_name
 
@@ -230,11 +231,7 @@ def _latency_phase(
 
     def watch() -> None:
         while not done.is_set() or len(latencies) < len(sent):
-            # poll() returns on the first record; consume(n, t) would wait for n records or t
-            first = consumer.poll(0.05)
-            if first is None:
-                continue
-            for msg in [first, *consumer.consume(500, 0)]:
+            for msg in poll_batch(consumer, 501, 0.05):
                 key = msg.key()
                 if msg.error() is not None or key is None:
                     continue

@@ -14,9 +14,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from connectors.errors import AgentrunsError
-from connectors.pg import Conn, RetryingConnection
+from connectors.pg import Conn, RetryingConnection, Table, write_rows
 
 MAX_ARTIFACT_BYTES = 16 * 1024 * 1024
+# Binary COPY (rows formatted by psycopg's C code; the unnest of Python lists it replaced spent
+# ~10% of the processor's samples in psycopg's list dumper), then one INSERT ... DO NOTHING.
+ARTIFACTS_TABLE = Table(
+    "artifacts",
+    ("ref", "media_type", "size_bytes", "content"),
+    "text text integer bytea",
+    "(ref)",
+    "DO NOTHING",
+)
 
 
 class ArtifactLike(Protocol):
@@ -58,6 +67,7 @@ class PostgresArtifactStore:
     def __init__(self, database_url: str, *, retries: int = 30) -> None:
         self._db = RetryingConnection(database_url, ArtifactStoreError, retries=retries)
         self._known: OrderedDict[str, None] = OrderedDict()
+        self._staged_on: Conn | None = None  # the connection whose session has the stage table
 
     def put_many(self, artifacts: Iterable[ArtifactLike]) -> int:
         rows = []
@@ -78,29 +88,11 @@ class PostgresArtifactStore:
             return 0
 
         def write(conn: Conn) -> int:
-            # Binary COPY into a session temp table (rows formatted by psycopg's C code; the
-            # unnest of Python lists it replaces spent ~10% of the processor's samples in
-            # psycopg's list dumper), then one INSERT ... ON CONFLICT DO NOTHING.
-            with conn.transaction():
-                conn.execute(
-                    "CREATE TEMP TABLE IF NOT EXISTS _artifacts_in"
-                    " (ref text, media_type text, size_bytes integer, content bytea)"
-                    " ON COMMIT DELETE ROWS"
-                )
-                with (
-                    conn.cursor() as cur,
-                    cur.copy(
-                        "COPY _artifacts_in (ref, media_type, size_bytes, content)"
-                        " FROM STDIN (FORMAT BINARY)"
-                    ) as copy,
-                ):
-                    copy.set_types(["text", "text", "int4", "bytea"])
-                    for row in rows:
-                        copy.write_row(row)
-                conn.execute(
-                    "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
-                    " SELECT * FROM _artifacts_in ON CONFLICT (ref) DO NOTHING"
-                )
+            with conn.transaction(), conn.cursor() as cur:
+                if conn is not self._staged_on:  # a new session (first use, or reconnected)
+                    cur.execute(ARTIFACTS_TABLE.create_stage())
+                write_rows(cur, ARTIFACTS_TABLE, rows)
+            self._staged_on = conn  # committed: the stage table exists in this session
             return len(rows)
 
         written: int = self._db.run("writing artifacts", write)

@@ -55,8 +55,9 @@ from processors.effects import Effect
 from processors.events import Event
 from streams import dlq, records
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair
 from streams.partitioning import partition_for, run_key
+from streams.polling import poll_batch
 from streams.records import parse_effect_body
 from streams.topics import DLQ, INBOX, effect_suffix, topic_name
 
@@ -411,12 +412,7 @@ class Executor:
             target=self._commit_loop, name=f"commit-{c.kind}", daemon=True
         )
         self._consumer = self._new_consumer()
-        # Two transactional producers, used in turn: a transaction begun right after the
-        # previous one committed (on the same transactional.id) waits for its markers
-        # (CONCURRENT_TRANSACTIONS, retried by librdkafka after ~20 ms); alternating ids
-        # removes that wait. Transactions still never overlap (one committer thread).
-        self._producers = [self._new_producer("a"), self._new_producer("b")]
-        self._turn = 0
+        self._producers = ProducerPair(self._new_producer)
         self._inbox_partitions = self._partitions(self.inbox)
         self._closed = False
         self._committer.start()
@@ -461,7 +457,7 @@ class Executor:
         return producer
 
     def _partitions(self, topic: str) -> int:
-        metadata = self._producers[0].list_topics(topic, timeout=30)
+        metadata = self._producers.current.list_topics(topic, timeout=30)
         info = metadata.topics.get(topic)
         if info is None or info.error is not None or not info.partitions:
             raise ExecutorError(
@@ -477,13 +473,11 @@ class Executor:
         try:
             while not stop.is_set():
                 self._recover_if_failed()
-                first = self._consumer.poll(self.config.poll_timeout_s)
-                if first is None:
-                    continue
-                batch = [first]
-                if self.config.max_batch > 1:
-                    batch.extend(self._consumer.consume(self.config.max_batch - 1, 0))
-                self._process(batch)
+                batch = poll_batch(
+                    self._consumer, self.config.max_batch, self.config.poll_timeout_s
+                )
+                if batch:
+                    self._process(batch)
             self._drain()
         finally:
             self.close()
@@ -504,7 +498,7 @@ class Executor:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.handler.close()
         self._records.close()
-        for producer in self._producers:
+        for producer in self._producers.all:
             with contextlib.suppress(Exception):
                 producer.flush(5)
 
@@ -703,7 +697,7 @@ class Executor:
 
         The offsets are sent first: measured on the dev box, AddOffsetsToTxn/TxnOffsetCommit
         then no longer queue behind the partition registrations of the produced records."""
-        producer = self._producers[self._turn]
+        producer = self._producers.current
         offsets: dict[int, int] = {}
         for batch in batches:
             for partition, offset in batch.last.items():
@@ -743,13 +737,13 @@ class Executor:
         wall = time.time()
         stats.committed_after.extend(wall - b.created for b in batches if b.created is not None)
         stats.transactions += 1
-        self._turn = 1 - self._turn
+        self._producers.committed()
 
     # ------------------------------------------------------------------ failures
 
     def _abort_quietly(self) -> None:
         try:
-            self._producers[self._turn].abort_transaction(30)
+            self._producers.current.abort_transaction(30)
         except KafkaException as exc:
             log.debug("abort: %s", exc)
 
@@ -760,7 +754,7 @@ class Executor:
         log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
         self.stats.aborts += 1
         if fatal:
-            self._producers[self._turn] = self._new_producer("ab"[self._turn])
+            self._producers.replace_current()
         else:
             self._abort_quietly()
         self._rewind(first)

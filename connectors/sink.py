@@ -48,6 +48,7 @@ from confluent_kafka import (
 from prometheus_client import Counter, Gauge, Histogram
 
 from connectors.errors import AgentrunsError
+from connectors.pg import Table, write_rows
 from processors.effects import Effect
 from processors.events import (
     CancelConfirmed,
@@ -63,6 +64,7 @@ from processors.events import (
 from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
 from streams.codec import CodecError, decode
+from streams.polling import poll_batch
 from streams.records import parse_event_body
 from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
 
@@ -406,59 +408,6 @@ def merge_question(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, A
 
 # --------------------------------------------------------------------------- SQL
 
-# Staged as epoch milliseconds (what event data carries), turned into timestamptz by Postgres:
-# exact (the product stays below 2**53 microseconds) and no datetime per value in Python.
-_MS = "timestamptz 'epoch' + {c} * interval '1 millisecond'"
-
-
-@dataclass(frozen=True)
-class Table:
-    """A projection table written in bulk: binary COPY into a session temp table, then one
-    INSERT ... SELECT ... ON CONFLICT into the real table (COPY is psycopg's fast path, binary
-    saves formatting and parsing every number; the guards live in the ON CONFLICT clause).
-
-    `types` are the staged Postgres types in `columns` order, space-separated; a `bigint`
-    staged for a timestamptz column holds epoch milliseconds, a `text` staged for jsonb holds
-    the JSON text."""
-
-    name: str
-    columns: tuple[str, ...]
-    types: str
-    conflict: str
-    update: str
-    ms_columns: frozenset[str] = frozenset()
-    json_columns: frozenset[str] = frozenset()
-
-    @property
-    def stage(self) -> str:
-        return f"_stage_{self.name}"
-
-    @property
-    def stage_types(self) -> list[str]:
-        return self.types.split()
-
-    def create_stage(self) -> str:
-        cols = ", ".join(f"{c} {t}" for c, t in zip(self.columns, self.stage_types, strict=True))
-        return f"CREATE TEMP TABLE IF NOT EXISTS {self.stage} ({cols}) ON COMMIT DELETE ROWS"
-
-    def copy(self) -> str:
-        return f"COPY {self.stage} ({', '.join(self.columns)}) FROM STDIN (FORMAT BINARY)"
-
-    def _select(self, column: str) -> str:
-        if column in self.ms_columns:
-            return _MS.format(c=column)
-        if column in self.json_columns:
-            return f"{column}::jsonb"
-        return column
-
-    def upsert(self) -> str:
-        names = ", ".join(self.columns)
-        values = ", ".join(self._select(c) for c in self.columns)
-        return (
-            f"INSERT INTO {self.name} ({names}) SELECT {values} FROM {self.stage}"
-            f" ON CONFLICT {self.conflict} {self.update}"
-        )
-
 
 def _set(columns: Iterable[str], skip: Iterable[str] = ()) -> str:
     skipped = set(skip)
@@ -548,17 +497,6 @@ SQL_OFFSETS = (
     " SET next_offset = EXCLUDED.next_offset, updated_at = now()"
     " WHERE sink_offsets.next_offset < EXCLUDED.next_offset"
 )
-
-
-def write_rows(cur: psycopg.Cursor[Any], table: Table, rows: Iterable[Sequence[Any]]) -> None:
-    """Stage `rows` (value tuples in `table.columns` order) with a binary COPY, then upsert them
-    (the stage empties itself at commit)."""
-    with cur.copy(table.copy()) as copy:
-        copy.set_types(table.stage_types)
-        write = copy.write_row
-        for row in rows:
-            write(row)
-    cur.execute(table.upsert())
 
 
 def read_offsets(conn: Conn, consumer: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
@@ -797,13 +735,11 @@ class Sink:
                     self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke
                 )
             while not stop.is_set():
-                # poll() wakes on the first record (librdkafka's consume(n, t) would wait for n
-                # records or t); then take what has already arrived. While batch N commits,
-                # batch N+1 gathers in the consumer's queue: the batch grows with the load.
-                first = self._consumer.poll(self.config.poll_timeout_s)
-                messages = [] if first is None else [first]
-                if first is not None and self.config.batch_size > 1:
-                    messages.extend(self._consumer.consume(self.config.batch_size - 1, 0))
+                # While batch N commits, batch N+1 gathers in the consumer's queue: the batch
+                # grows with the load.
+                messages = poll_batch(
+                    self._consumer, self.config.batch_size, self.config.poll_timeout_s
+                )
                 if messages:
                     batch = self._prepare(messages)
                     self._drain()  # the previous batch commits before this one is handed over

@@ -56,8 +56,9 @@ from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair
 from streams.partitioning import event_key
+from streams.polling import poll_batch
 from streams.records import (
     EFFECT_TOPIC_KIND,
     RunSlot,
@@ -166,13 +167,7 @@ class Processor:
         self._in_flight: Future[None] | None = None
         self._txn_open = False
         self._consumer = self._new_consumer()
-        # Two transactional producers, used in turn by the committer (never at once): a
-        # transaction begun on the id that just committed finds the coordinator still writing
-        # that commit's markers, and every AddPartitionsToTxn/AddOffsetsToTxn of it is refused
-        # (CONCURRENT_TRANSACTIONS) and retried: the records then sit unsent, ~20 ms of a ~45 ms
-        # transaction under the bench. The other id's last transaction ended a turn ago.
-        self._producers = [self._new_producer("a"), self._new_producer("b")]
-        self._turn = 0
+        self._producers = ProducerPair(self._new_producer)
         self._assigned: set[int] = set()
         self.stats = metrics.ProcessorStats()
 
@@ -237,17 +232,12 @@ class Processor:
                 # when the committer is free and the inbox is drained (low latency when lightly
                 # loaded) or the batch is `interval` old; while a transaction commits, inputs
                 # keep being applied into the next batch, up to `max_batch` (throughput under
-                # load). (librdkafka's consume(n, timeout) returns only when it has n messages
-                # or the timeout passed: with no batch open, poll() wakes on the first message.)
+                # load).
                 if self._batch is None:
-                    first = self._consumer.poll(interval)
-                    messages = [] if first is None else [first]
-                    if first is not None and limit > 1:
-                        messages.extend(self._consumer.consume(limit - 1, 0))
-                    drained = len(messages) < limit
+                    messages = poll_batch(self._consumer, limit, interval)
                 else:
                     messages = self._consumer.consume(limit, 0.002)
-                    drained = len(messages) < limit
+                drained = len(messages) < limit
                 try:
                     self._check_in_flight()  # a failed transaction: recover before applying more
                     for message in messages:
@@ -722,7 +712,7 @@ class Processor:
     def _transact(self, batch: _Sealed) -> None:
         """The committer thread: one transaction for one sealed batch."""
         began = time.monotonic()
-        producer = self._producers[self._turn]
+        producer = self._producers.current
         produce = producer.produce
         producer.begin_transaction()
         self._txn_open = True
@@ -739,7 +729,7 @@ class Processor:
         wrote = time.monotonic()
         producer.commit_transaction(30)
         self._txn_open = False
-        self._turn = 1 - self._turn
+        self._producers.committed()
         ended = time.monotonic()
         if ended - batch.sealed > SLOW_COMMIT_S:
             log.warning(
@@ -766,7 +756,7 @@ class Processor:
             return
         self._txn_open = False
         try:
-            self._producers[self._turn].abort_transaction(30)
+            self._producers.current.abort_transaction(30)
         except KafkaException as exc:
             log.warning("abort failed: %s", exc)
 
@@ -784,7 +774,7 @@ class Processor:
         self.stats.aborts += 1
         if fatal:
             self._txn_open = False
-            self._producers[self._turn] = self._new_producer("ab"[self._turn])
+            self._producers.replace_current()
         else:
             self._abort_quietly()
         self._rewind(set(self._assigned) if rewind is None else rewind)
