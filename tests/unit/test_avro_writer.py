@@ -71,10 +71,21 @@ def test_missing_fields_take_their_defaults_like_fastavro() -> None:
     assert bytes(out) == expected.getvalue()
 
 
-@pytest.mark.parametrize("bad", [{"seq": "1"}, {"run_id": 5}, {"seq": True}, {"at": None}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"seq": "1"}, {"run_id": 5}, {"seq": True}, {"at": None}, {"reason": 5}, {"body": b"{}"}],
+)
 def test_values_that_do_not_fit_are_refused(bad: dict[str, Any]) -> None:
     sv = next(v for v in VERSIONS if v.name.endswith("Event"))
     record = {"run_id": "r", "seq": 1, "event_id": "e", "type": "T", "step": 1, "attempt": 1}
     record |= {"trace_id": "t", "at": 5, "disposition": "APPLIED", "body": "{}", **bad}
+    with pytest.raises(TypeError):
+        compile_writer(sv.raw)(record, bytearray())
+
+
+def test_nested_records_that_do_not_fit_are_refused() -> None:
+    sv = next(v for v in VERSIONS if v.name.endswith("Snapshot") and v.version == 3)
+    record = _value(sv.raw, random.Random(3), {})
+    record["recent_inputs"] = [{"key": "k", "digest": 7}]
     with pytest.raises(TypeError):
         compile_writer(sv.raw)(record, bytearray())
