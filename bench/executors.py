@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker import broker_settings
+from bench.machine import MachineCpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,7 +230,9 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 cpu0 = _cpu_seconds(executor.pid)
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
                 cpu1 = _cpu_seconds(executor.pid)
+                machine = MachineCpu.start()
                 latency = _latency(args, producer, collector, effects_topic, prefix)
+                latency["machine"] = machine.stop()  # was the host busy or stolen from?
                 cpu2 = _cpu_seconds(executor.pid)
                 if cpu1 is not None and cpu2 is not None:
                     latency["executor_cpu_ms_per_call"] = round(

@@ -31,6 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
+from bench.machine import MachineCpu
 from connectors.procs import free_port_block
 from connectors.services import ServiceStack
 from processors.effects import CallModel, CallTool
@@ -272,6 +273,12 @@ def _latency_phase(
     return sorted((began - measured, latency) for began, latency in latencies if began >= measured)
 
 
+def _per_item(machine: dict[str, float | None], items: int) -> dict[str, float | None]:
+    busy = machine["busy_s"]
+    cpu_us = None if busy is None or not items else round(1e6 * busy / items, 1)
+    return {**machine, "cpu_us_per_item": cpu_us}
+
+
 def _by_second(samples: list[tuple[float, float]]) -> list[list[float]]:
     seconds: list[list[float]] = []
     for at, latency in samples:
@@ -348,7 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"processing {total} inputs", file=sys.stderr, flush=True)
             # imports done, about to consume
             cpu_start = _scraped_cpu_seconds(metrics_port, wait_s=60)
+            machine = MachineCpu.start()
             first, last = _count_events(ep.kafka_bootstrap, topic_name(EVENTS, prefix), total, 600)
+            machine_throughput = machine.stop()
             cpu_end = _scraped_cpu_seconds(metrics_port)
             throughput = total / (last - first) if last > first else float("nan")
             rss_after_load = _rss_kib(proc.pid)
@@ -357,9 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            machine = MachineCpu.start()
             samples = _latency_phase(
                 ep.kafka_bootstrap, prefix, args.partitions, args.rate, args.seconds, args.warmup
             )
+            machine_latency = machine.stop()
             commit = _scrape(metrics_port)
             rss = _rss_kib(proc.pid)
             broker = broker_settings(ep.kafka_bootstrap)
@@ -380,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if cpu_start is None or cpu_end is None
             else round(1e6 * (cpu_end - cpu_start) / total, 1)
         ),
+        # the whole machine (processor, broker, this bench): was the host the limit?
+        "throughput_machine": _per_item(machine_throughput, total),
         "latency_rate_inputs_per_s": args.rate,
         "latency_warmup_s": args.warmup,
         "latency_samples": len(samples),
@@ -389,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latency_p99_ms_by_second": [
             round(_pct(sorted(second), 0.99) * 1000, 1) for second in _by_second(samples)
         ],
+        "latency_machine": _per_item(machine_latency, len(samples)),
         "commits": int(commit.get("count", 0)),
         "commit_mean_ms": round(1000 * commit.get("sum", 0) / max(commit.get("count", 1), 1), 2),
         "commit_p99_bucket_ms": round(1000 * commit.get("p99_bucket_s", float("nan")), 1),

@@ -40,6 +40,7 @@ from confluent_kafka import Producer
 
 from bench.broker import broker_settings
 from bench.core import simulate
+from bench.machine import MachineCpu
 from processors.effects import PublishResult
 from processors.events import Event
 from processors.state import RunState
@@ -275,6 +276,7 @@ def run_bench(
     thread = threading.Thread(target=sink.run, args=(stop,), name="sink", daemon=True)
     began = time.time()
     cpu_began = time.process_time()
+    machine = MachineCpu.start()
     thread.start()
     deadline = time.monotonic() + 600
     while sink.stats.events < len(backlog):
@@ -285,6 +287,7 @@ def run_bench(
         last = max(visible.values())
     throughput = len(backlog) / (last - began)
     cpu = time.process_time() - cpu_began  # this process only: the sink (writer is idle)
+    backlog_machine = machine.stop()
     fold_s, write_s = sink.stats.fold_s, sink.stats.write_s
     backlog_batches = sink.stats.batches
 
@@ -325,6 +328,14 @@ def run_bench(
         "cpu_us_per_event": round(cpu / len(backlog) * 1e6, 1),
         "core_fold_us_per_event": round(core_s / len(backlog) * 1e6, 1),
         "rest_us_per_event": round((cpu - core_s) / len(backlog) * 1e6, 1),
+        # the whole machine in the backlog phase (sink, Postgres, broker): cores busy, the
+        # hypervisor's steal, and CPU per event of everything but the sink process
+        "backlog_machine": {
+            **backlog_machine,
+            "others_cpu_us_per_event": None
+            if backlog_machine["busy_s"] is None
+            else round((backlog_machine["busy_s"] - cpu) / len(backlog) * 1e6, 1),
+        },
         "load_average_1m_before": round(load_before, 2),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),

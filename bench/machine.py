@@ -1,0 +1,55 @@
+"""How busy the whole machine was while a bench measured: the figures of a shared 2-core VM
+swing by 25% or more, and these say whether a slow run was the code or the host.
+
+``busy`` is every CPU second the kernel accounted to work on this machine (user, nice, system,
+irq, softirq: the bench, the broker, Postgres and anything else); ``steal`` is time the
+hypervisor gave our virtual CPUs to somebody else. Linux only (``/proc/stat``); elsewhere the
+figures are None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _read() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds since boot, all CPUs together."""
+    try:
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal guest guest_nice
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first[1:9])
+    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+
+
+@dataclass
+class MachineCpu:
+    """CPU use of the whole machine between ``MachineCpu.start()`` and ``stop()``."""
+
+    began: float
+    first: tuple[float, float] | None
+
+    @classmethod
+    def start(cls) -> MachineCpu:
+        return cls(time.monotonic(), _read())
+
+    def stop(self) -> dict[str, float | None]:
+        """``busy_cores``: mean cores busy; ``steal_pct``: share of the machine's CPU time
+        taken by the hypervisor; ``busy_s``: CPU seconds of work (to divide by items)."""
+        elapsed = time.monotonic() - self.began
+        last = _read()
+        if self.first is None or last is None or elapsed <= 0:
+            return {"busy_s": None, "busy_cores": None, "steal_pct": None}
+        busy, steal = last[0] - self.first[0], last[1] - self.first[1]
+        cpus = os.cpu_count() or 1
+        return {
+            "busy_s": round(busy, 3),
+            "busy_cores": round(busy / elapsed, 2),
+            "steal_pct": round(100 * steal / (elapsed * cpus), 1),
+        }
