@@ -40,19 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker import broker_settings
-from bench.machine import MachineCpu
+from bench.machine import MachineCpu, process_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process (Linux /proc), or None elsewhere."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _load_average() -> float | None:
@@ -227,13 +217,13 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 producer.flush(30)
                 if not collector.wait([i for i, _, _ in warm], 120):
                     raise RuntimeError("the executor did not answer the warm-up calls")
-                cpu0 = _cpu_seconds(executor.pid)
+                cpu0 = process_cpu_seconds(executor.pid)
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
-                cpu1 = _cpu_seconds(executor.pid)
+                cpu1 = process_cpu_seconds(executor.pid)
                 machine = MachineCpu.start()
                 latency = _latency(args, producer, collector, effects_topic, prefix)
                 latency["machine"] = machine.stop()  # was the host busy or stolen from?
-                cpu2 = _cpu_seconds(executor.pid)
+                cpu2 = process_cpu_seconds(executor.pid)
                 if cpu1 is not None and cpu2 is not None:
                     latency["executor_cpu_ms_per_call"] = round(
                         (cpu2 - cpu1) * 1000 / latency["calls"], 3

@@ -53,3 +53,13 @@ class MachineCpu:
             "busy_cores": round(busy / elapsed, 2),
             "steal_pct": round(100 * steal / (elapsed * cpus), 1),
         }
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of one process (Linux /proc), or None elsewhere."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
