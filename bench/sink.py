@@ -48,7 +48,14 @@ from processors.transition import Artifact, transition
 from streams.codec import encode
 from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key, partition_for, run_key
-from streams.records import RunSlot, event_body, event_record, parse_event_body, result_record
+from streams.records import (
+    RunSlot,
+    event_body,
+    event_record,
+    input_digest,
+    parse_event_body,
+    result_record,
+)
 from streams.topics import EVENTS, RESULTS, STATE, topic_name
 
 Record = tuple[str, bytes, bytes, int]  # topic, key, value, partition
@@ -142,6 +149,9 @@ class LogWriter:
             slot.state = result.state
             slot.last_seq = seq
             slot.updated_at = max(slot.updated_at, event.at)
+            # the processor remembers each applied input for dedupe: its snapshots carry the
+            # last RECENT_INPUTS of them, and so do these
+            slot.remember(f"i:{event.event_id}", input_digest(event.type, record["body"]))
             self.slots[event.run_id] = slot
             dirty[event.run_id] = slot
         for run_id, slot in dirty.items():

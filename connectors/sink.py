@@ -63,7 +63,7 @@ from processors.events import (
 )
 from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
-from streams.codec import CodecError, decode
+from streams.codec import CodecError, decode, default_codec
 from streams.polling import poll_batch
 from streams.records import parse_event_body
 from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
@@ -795,7 +795,8 @@ class Sink:
         events: list[dict[str, Any]] = []
         # Snapshots are keyed by run and written in version order within the run's partition,
         # so only the last one per key in the batch is decoded (the processor writes ~one per
-        # event, each carrying the whole state); the version guard still applies in Postgres.
+        # event, each carrying the whole state), and of it only the leading fields the
+        # run_snapshots row needs, not the state; the version guard still applies in Postgres.
         latest: dict[bytes | str | None, tuple[bytes, tuple[str, int, int]]] = {}
         events_topic, state_topic = self.events_topic, self.state_topic
         for message in messages:
@@ -823,7 +824,7 @@ class Sink:
                 self._undecodable(topic, partition, offset, exc)
         for value, (topic, partition, offset) in latest.values():
             try:
-                snap = decode(value, expected_name="Snapshot").record
+                snap = default_codec().decode_fields(value, "Snapshot", SNAPSHOT_COLUMNS)
             except CodecError as exc:
                 self._undecodable(topic, partition, offset, exc)
                 continue

@@ -30,7 +30,7 @@ from __future__ import annotations
 import linecache
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["Read", "compile_reader", "reader_source"]
@@ -40,6 +40,8 @@ Read = Callable[[bytes, int], tuple[Any, int]]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # fullmatch only
 _FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The target of a value read only to step over it: strings and bytes are not even sliced.
+_SKIP = "_skipped"
 _PRIMITIVES = frozenset({"null", "boolean", "int", "long", "string", "bytes"})
 _UNSUPPORTED = frozenset({"float", "double", "enum", "fixed", "error"})  # none of ours use them
 
@@ -293,7 +295,7 @@ class _Compiler:
 
     def primitive(self, kind: str, fn: _Function, ind: int, target: str) -> None:
         if kind == "null":
-            fn.emit(ind, f"{target} = None")
+            fn.emit(ind, "pass" if target == _SKIP else f"{target} = None")
         elif kind == "boolean":
             fn.emit(ind, f"{target} = data[i]")
             fn.emit(ind, f"if {target} > 1:")
@@ -313,7 +315,8 @@ class _Compiler:
             fn.emit(ind + 1, "j = i + (j >> 1)")
             fn.emit(ind, "if j > end:  # a slice past the end would just be short")
             fn.emit(ind + 1, "raise _overrun(j - i, i, end)")
-            fn.emit(ind, f"{target} = data[i:j]" + (".decode()" if kind == "string" else ""))
+            if target != _SKIP:
+                fn.emit(ind, f"{target} = data[i:j]" + (".decode()" if kind == "string" else ""))
             fn.emit(ind, "i = j")
 
     def union(
@@ -369,8 +372,18 @@ class _Compiler:
 
     # records
 
-    def record(self, full: str, fn: _Function, ind: int, target: str) -> None:
-        """Inline the record's fields: no call and no tuple per record (per array item, too)."""
+    def record(
+        self,
+        full: str,
+        fn: _Function,
+        ind: int,
+        target: str,
+        only: frozenset[str] | None = None,
+    ) -> None:
+        """Inline the record's fields: no call and no tuple per record (per array item, too).
+
+        ``only``: read just these fields; a string or bytes field before the last of them is
+        stepped over without slicing it, and nothing after the last is read at all."""
         if full in self.inlining:  # recursive: call its function
             fname = self.wanted.setdefault(full, f"_read_{len(self.wanted)}_{full.rsplit('.')[-1]}")
             fn.emit(ind, f"{target}, i = {fname}(data, i, end)")
@@ -379,23 +392,37 @@ class _Compiler:
         self.inlining.append(full)
         names: list[str] = []
         values: list[str] = []
-        for f in schema["fields"]:
+        fields = schema["fields"]
+        if only is not None:
+            known = [f.get("name") for f in fields]
+            if not only.issubset(known):
+                raise ValueError(f"{full} has no field {sorted(only.difference(known))}")
+            fields = fields[: max(known.index(name) for name in only) + 1]
+        for f in fields:
             name = f.get("name")
             if not isinstance(name, str) or not _FIELD.fullmatch(name) or name in names:
                 raise ValueError(f"{full}: invalid or repeated field name {name!r}")
+            fn.emit(ind, f"# {full}.{name}")
+            if only is not None and name not in only:
+                self.value(f["type"], space, fn, ind, _SKIP)
+                continue
             names.append(name)
             values.append(fn.fresh("f"))
-            fn.emit(ind, f"# {full}.{name}")
             self.value(f["type"], space, fn, ind, values[-1])
         self.inlining.pop()
         # keys in schema order, as fastavro builds them
         items = ", ".join(f"{name!r}: {v}" for name, v in zip(names, values, strict=True))
         fn.emit(ind, f"{target} = {{{items}}}")
 
-    def compile(self, schema: Any) -> str:
+    def compile(self, schema: Any, only: frozenset[str] | None = None) -> str:
         top = _Function("def read(data, i):")
         top.emit(1, "end = len(data)")
-        self.value(schema, "", top, 1, "v")
+        if only is None:
+            self.value(schema, "", top, 1, "v")
+        elif isinstance(schema, dict) and schema.get("type") == "record":
+            self.record(self.define(schema, ""), top, 1, "v", only)
+        else:
+            raise ValueError("only a record's fields can be picked")
         top.emit(1, "return v, i")
         done: set[str] = set()
         while len(done) < len(self.wanted):  # a recursive record's function may want another
@@ -410,18 +437,21 @@ class _Compiler:
         return "\n\n\n".join([*self.functions, "\n".join(top.lines)]) + "\n"
 
 
-def reader_source(schema: Any) -> str:
+def reader_source(schema: Any, only: frozenset[str] | None = None) -> str:
     """The Python source :func:`compile_reader` builds for ``schema`` (for reading and tests)."""
-    return _Compiler().compile(schema)
+    return _Compiler().compile(schema, only)
 
 
-def compile_reader(schema: Any) -> Read:
+def compile_reader(schema: Any, only: Iterable[str] | None = None) -> Read:
     """A reader for ``schema`` (the raw JSON schema): ``read(data, start) -> (value, end)``.
 
     ``data`` must be ``bytes``. Raises ``ValueError`` at compile time for a schema using
-    anything beyond what our schema files use.
+    anything beyond what our schema files use. With ``only`` (a record's field names) it reads
+    just those fields and ``end`` is where the last of them ends: a reader that needs a few
+    leading fields of a large record (the sink: a snapshot's run, seq and version, not its
+    state) skips the rest, and the rest goes unchecked.
     """
-    source = reader_source(schema)
+    source = reader_source(schema, None if only is None else frozenset(only))
     name = schema.get("name", "schema") if isinstance(schema, dict) else "schema"
     filename = f"<avro reader {name} {zlib.crc32(source.encode()):08x}>"
     # tracebacks show the generated line

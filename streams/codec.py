@@ -235,13 +235,14 @@ class _Writer:
 class Codec:
     """Encoder/decoder bound to one schema registry; caches everything it derives."""
 
-    __slots__ = ("_readers", "_registry", "_validate", "_writers")
+    __slots__ = ("_partial", "_readers", "_registry", "_validate", "_writers")
 
     def __init__(self, reg: Registry | None = None, *, validate_on_encode: bool = True) -> None:
         self._registry = reg if reg is not None else registry()
         self._validate = validate_on_encode
         self._writers: dict[tuple[str, int | None], _Writer] = {}
         self._readers: dict[bytes, _Reader] = {}
+        self._partial: dict[tuple[str, int, tuple[str, ...]], Read] = {}
         for fp, sv in self._registry.by_fingerprint.items():
             current = self._registry.current(sv.name)
             if current.fingerprint == fp:
@@ -298,10 +299,7 @@ class Codec:
             raise InvalidRecordError(f"{name}: {exc}") from exc
         return bytes(out)
 
-    def decode(self, data: bytes, expected_name: str | None = None) -> Decoded:
-        """Decode single-object encoded ``data``; raise a :class:`CodecError` on any failure."""
-        if type(data) is not bytes:  # the compiled readers slice values out of it: bytes only
-            data = bytes(data)
+    def _reader_of(self, data: bytes, expected_name: str | None) -> _Reader:
         if len(data) < HEADER_LEN or data[:2] != MAGIC:
             raise NotSingleObjectError(
                 f"not an Avro single-object record ({len(data)} bytes, starts {data[:2]!r})"
@@ -316,6 +314,13 @@ class Codec:
                 expected_name,
                 rd.name,
             )
+        return rd
+
+    def decode(self, data: bytes, expected_name: str | None = None) -> Decoded:
+        """Decode single-object encoded ``data``; raise a :class:`CodecError` on any failure."""
+        if type(data) is not bytes:  # the compiled readers slice values out of it: bytes only
+            data = bytes(data)
+        rd = self._reader_of(data, expected_name)
         try:
             if rd.read is not None:
                 record, end = rd.read(data, HEADER_LEN)
@@ -335,6 +340,31 @@ class Codec:
         if not isinstance(record, dict):  # pragma: no cover - every shipped schema is a record
             raise CorruptRecordError(f"{rd.name} v{rd.version} did not decode to a record")
         return Decoded(rd.name, rd.version, record)
+
+    def decode_fields(
+        self, data: bytes, expected_name: str, fields: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """Only ``fields`` of an ``expected_name`` record (in today's shape), for a reader
+        that needs a few leading fields of a large record. Of a current-version record only
+        the bytes up to the last of them are read, so damage after it goes unnoticed; errors
+        are :class:`CodecError` as in :meth:`decode`."""
+        if type(data) is not bytes:
+            data = bytes(data)
+        rd = self._reader_of(data, expected_name)
+        read = self._partial.get((rd.name, rd.version, fields)) if rd.read is not None else None
+        if read is None and rd.read is not None:
+            sv = self._registry.get(rd.name, rd.version)
+            read = self._partial[(rd.name, rd.version, fields)] = compile_reader(sv.raw, fields)
+        if read is None:  # an old version: resolved by fastavro, then picked
+            record = self.decode(data, expected_name).record
+            return {name: record[name] for name in fields}
+        try:
+            picked: dict[str, Any] = read(data, HEADER_LEN)[0]
+        except Exception as exc:
+            raise CorruptRecordError(
+                f"{rd.name} v{rd.version} body does not decode: {type(exc).__name__}: {exc}"
+            ) from exc
+        return picked
 
 
 def fingerprint_of(data: bytes) -> bytes | None:

@@ -108,6 +108,25 @@ def test_same_values_as_fastavro_for_the_writer_samples(sv: Any) -> None:
         assert end == len(encoded)
 
 
+@pytest.mark.parametrize("sv", VERSIONS, ids=IDS)
+def test_a_reader_of_some_fields_gives_those_of_the_whole_record(sv: Any) -> None:
+    rng = random.Random(sv.version * 17 + len(sv.name))
+    names = [f["name"] for f in sv.raw["fields"]]
+    for _ in range(40):
+        only = rng.sample(names, rng.randint(1, len(names)))
+        read = compile_reader(sv.raw, only)
+        for _ in range(5):
+            encoded = _fastavro_bytes(sv.parsed, _value(sv.raw, rng, {}))
+            whole = _fastavro(sv.parsed, encoded)[0]
+            picked, _end = read(encoded, 0)
+            assert picked == {name: whole[name] for name in names if name in only}
+
+
+def test_a_reader_of_fields_the_record_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match="no field"):
+        compile_reader(registry().current("Snapshot").raw, ["run_id", "nope"])
+
+
 def test_types_of_the_values() -> None:
     sv = registry().current("DeadLetter")
     record = {

@@ -404,3 +404,48 @@ def test_custom_registry_codec() -> None:
     codec = Codec(registry(), validate_on_encode=False)
     assert codec.registry is registry()
     assert codec.decode(codec.encode("Event", SAMPLES["Event"])).record == SAMPLES["Event"]
+
+
+SNAPSHOT_HEAD = ("run_id", "last_seq", "version", "status", "updated_at")
+
+
+def test_decode_fields_picks_fields_of_the_current_version() -> None:
+    data = encode("Snapshot", SAMPLES["Snapshot"])
+    picked = Codec().decode_fields(data, "Snapshot", SNAPSHOT_HEAD)
+    assert picked == {name: SAMPLES["Snapshot"][name] for name in SNAPSHOT_HEAD}
+    assert list(picked) == list(SNAPSHOT_HEAD)
+
+
+def test_decode_fields_of_an_old_version_resolves_first() -> None:
+    v1 = {k: v for k, v in SAMPLES["Input"].items() if k != "reply_to"}
+    data = encode("Input", v1, version=1)
+    picked = Codec().decode_fields(data, "Input", ("run_id", "reply_to"))
+    assert picked == {"run_id": v1["run_id"], "reply_to": None}
+
+
+def test_decode_fields_reads_nothing_after_the_last_field_it_picks() -> None:
+    data = encode("Snapshot", SAMPLES["Snapshot"])
+    # cut inside `recent_inputs`, after `updated_at`: the picked fields are intact
+    cut = data[:-3]
+    assert Codec().decode_fields(cut, "Snapshot", ("run_id", "version")) == {
+        "run_id": "run-1",
+        "version": 43,
+    }
+    with pytest.raises(CorruptRecordError):
+        decode(cut, "Snapshot")
+
+
+@pytest.mark.parametrize("cut", [HEADER_LEN + 1, HEADER_LEN + 4, HEADER_LEN + 12])
+def test_decode_fields_refuses_a_record_cut_before_its_fields_end(cut: int) -> None:
+    data = encode("Snapshot", SAMPLES["Snapshot"])
+    with pytest.raises(CorruptRecordError):
+        Codec().decode_fields(data[:cut], "Snapshot", SNAPSHOT_HEAD)
+
+
+def test_decode_fields_checks_header_and_record_name() -> None:
+    with pytest.raises(NotSingleObjectError):
+        Codec().decode_fields(b"nope", "Snapshot", SNAPSHOT_HEAD)
+    with pytest.raises(WrongRecordTypeError):
+        Codec().decode_fields(encode("Event", SAMPLES["Event"]), "Snapshot", SNAPSHOT_HEAD)
+    with pytest.raises(UnknownFingerprintError):
+        Codec().decode_fields(MAGIC + b"\x00" * 8 + b"\x02", "Snapshot", SNAPSHOT_HEAD)
