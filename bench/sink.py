@@ -4,7 +4,7 @@ Run logs are produced the way the processor produces them: realistic runs (``ben
 simulated world) are folded with the real core and written with ``streams.records`` as Event,
 Snapshot and Result records in Kafka transactions (:class:`LogWriter`, also used by the tests).
 
-Two phases, one sink (``connectors.sink.Sink``, in a thread):
+Three phases; the first two with one sink (``connectors.sink.Sink``, in a thread):
 
 * throughput: a backlog of ``--events`` events is written first; the sink projects it from
   scratch; events/s = events / time to the last commit;
@@ -12,7 +12,10 @@ Two phases, one sink (``connectors.sink.Sink``, in a thread):
   processor commits); lag = time the sink's Postgres commit made the row visible minus the time
   the Kafka transaction holding the event committed (both ``time.time()`` on this machine, taken
   when each commit call returned). An event the sink never made visible counts with the lag it
-  had when the bench gave up waiting, so a stalled sink cannot improve the percentiles.
+  had when the bench gave up waiting, so a stalled sink cannot improve the percentiles;
+* scale-out (``--sinks N``, default 2; 1 skips it): N ``agentruns sink`` processes in one
+  group project another backlog of the same size (see :func:`scale_out`): the way to use more
+  than the one core a sink's interpreter can.
 
 The CPU split: the sink's process CPU per event in the backlog phase, and the core fold alone
 (``parse_event_body`` + ``transition`` over the same events, timed in this process afterwards);
@@ -28,23 +31,29 @@ import json
 import multiprocessing
 import os
 import random
+import signal
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Producer
+from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka.admin import AdminClient
 
 from bench.broker import broker_settings
 from bench.core import simulate
-from bench.machine import MachineCpu
+from bench.machine import MachineCpu, process_cpu_seconds
+from connectors.procs import free_port_block
 from processors.effects import PublishResult
 from processors.events import Event
 from processors.state import RunState
 from processors.transition import Artifact, transition
+from streams.admin import ensure_topics
 from streams.codec import encode
 from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key, partition_for, run_key
@@ -238,6 +247,108 @@ def core_fold_seconds(events: Sequence[Event]) -> float:
     return best
 
 
+def _metric(port: int, name: str) -> float | None:
+    """One unlabelled sample of a sink process's Prometheus endpoint (None: not up yet)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+    except OSError:
+        return None
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def _assigned(bootstrap: str, group: str) -> int:
+    """How many partitions the members of `group` hold now (0 while it rebalances)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    if str(described.state) != str(ConsumerGroupState.STABLE):
+        return 0
+    return sum(len(m.assignment.topic_partitions) for m in described.members)
+
+
+def scale_out(
+    bootstrap: str, database_url: str, *, sinks: int, events: int, partitions: int
+) -> dict[str, Any]:
+    """`sinks` `agentruns sink` processes in one group project a backlog of `events`.
+
+    The sinks start on empty topics and join the group first; the backlog is then written in
+    ONE Kafka transaction (planned as `LogWriter.write` would, 500 events per snapshot round),
+    so read_committed consumers see all of it at the instant it commits: the clock starts
+    there, with no process start-up or group join inside it, and stops when the sinks'
+    `agentruns_sink_events_total` (counted after each Postgres commit) sum to the backlog,
+    polled every 50 ms (more often, rendering the metrics took a measurable share of the
+    sinks' interpreter)."""
+    tag = f"bx{uuid.uuid4().hex[:6]}"
+    prefix = f"bench-sink-{tag}"
+    group = f"{prefix}-sink"
+    ensure_topics(bootstrap, prefix=prefix, partitions=partitions)
+    base = free_port_block(sinks)
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "connectors.sink",
+                *("--prefix", prefix, "--group", group, "--instance-id", f"bench-{i}"),
+                *("--metrics-port", str(base + i), "--log-level", "WARNING"),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(sinks)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while _assigned(bootstrap, group) < 3 * partitions or any(
+            _metric(base + i, "agentruns_sink_events_total") is None for i in range(sinks)
+        ):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{sinks} sink processes did not join group {group}")
+            time.sleep(0.1)
+        backlog = interleave(make_runs(events, f"{tag}-a"), random.Random(23))
+        writer = LogWriter(bootstrap, prefix, partitions)
+        records = [
+            r for i in range(0, len(backlog), 500) for r in writer.plan(backlog[i : i + 500])
+        ]
+        began = writer.send(records)
+        # from the commit on: the sinks only polled an empty read_committed view before it
+        cpu_before = [process_cpu_seconds(p.pid) for p in procs]
+        machine = MachineCpu.start()
+        projected = 0.0
+        while projected < len(backlog):
+            if time.monotonic() > deadline + 600 or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the sinks projected {projected:.0f} of {len(backlog)}")
+            time.sleep(0.05)
+            projected = sum(
+                _metric(base + i, "agentruns_sink_events_total") or 0.0 for i in range(sinks)
+            )
+        seconds = time.time() - began
+        load = machine.stop()
+        cpu_after = [process_cpu_seconds(p.pid) for p in procs]
+        writer.close()
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=60)
+    spent = [
+        None if a is None or b is None else a - b
+        for a, b in zip(cpu_after, cpu_before, strict=True)
+    ]
+    cpu = None if None in spent else sum(x for x in spent if x is not None)
+    return {
+        "sinks": sinks,
+        "run_ids": f"{tag}-a-*",
+        "events": len(backlog),
+        "events_per_second": round(len(backlog) / seconds),
+        "sinks_cpu_us_per_event": None if cpu is None else round(cpu / len(backlog) * 1e6, 1),
+        "machine": load,
+    }
+
+
 def run_bench(
     bootstrap: str,
     database_url: str,
@@ -247,10 +358,10 @@ def run_bench(
     seconds: float,
     partitions: int,
     batch_size: int,
+    sinks: int,
 ) -> dict[str, Any]:
     from connectors.db import migrate
     from connectors.sink import CommitReport, Sink, SinkConfig
-    from streams.admin import ensure_topics
 
     migrate(database_url)
     load_before = os.getloadavg()[0]
@@ -325,6 +436,18 @@ def run_bench(
         lags = [visible.get(k, gave_up) - t for k, t in committed.items()]
     missing = sum(1 for k in committed if k not in visible)
     core_s = core_fold_seconds(backlog)
+    # phase 3: the same kind of backlog, projected by `sinks` processes sharing the partitions
+    scaled = (
+        scale_out(
+            database_url=database_url,
+            bootstrap=bootstrap,
+            sinks=sinks,
+            events=events,
+            partitions=partitions,
+        )
+        if sinks > 1
+        else None
+    )
     return {
         "bench": "sink",
         "events_projected": len(backlog),
@@ -360,6 +483,7 @@ def run_bench(
         "partitions": partitions,
         "batch_size": batch_size,
         "sink_retries": sink.stats.retries,
+        "scale_out": scaled,
         "targets": {"events_per_second": 10_000, "lag_p99_ms": 1_000},
     }
 
@@ -371,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="paced duration")
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=5_000)
+    parser.add_argument(
+        "--sinks", type=int, default=2, help="sink processes of the scale-out phase (1: none)"
+    )
     args = parser.parse_args(argv)
     from connectors.services import ServiceStack
 
@@ -384,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds=args.seconds,
             partitions=args.partitions,
             batch_size=args.batch_size,
+            sinks=args.sinks,
         )
     print(json.dumps(report, sort_keys=True))
     return 0
