@@ -6,9 +6,9 @@ record becomes one generated function (``exec`` of source built from the schema)
 string, long and nullable fields inline, and calls compiled closures for arrays, maps, unions and
 nested records (Event 12.8 -> 8.3 us per encode against the closures-only version). It covers
 what ``schemas/*.avsc`` use (records, arrays, maps, unions, null, int, long, string, bytes,
-boolean) and raises ``TypeError``/``ValueError`` for values that do
-not fit, as fastavro does; int/long ranges are checked by the codec before encoding. A test
-compares its bytes with fastavro's for every shipped schema version.
+boolean) and raises ``TypeError``/``ValueError`` for values that do not fit, as fastavro does;
+int/long ranges are checked by the codec before encoding. A test compares its bytes with
+fastavro's for every shipped schema version.
 """
 
 from __future__ import annotations
