@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ep = stack.endpoints
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
-        model_port = free_port_block(1, start=46000)
+        model_port = free_port_block(1, start=30000)
         tool_port = free_port_block(1, start=model_port + 1)
         env = {
             **os.environ,

@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             producer.poll(0)
         producer.flush(60)
 
-        metrics_port = free_port_block(1, start=45000)
+        metrics_port = free_port_block(1, start=31000)
         env = {
             **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,

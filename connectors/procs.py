@@ -84,8 +84,22 @@ def ensure_ports_free(ports: Iterable[int], *, what: str, hint: str) -> None:
         )
 
 
-def free_port_block(count: int, start: int = 20000, end: int = 60000) -> int:
-    """The first port p >= start such that p .. p+count-1 are all free (for a local cluster)."""
+def _ephemeral_start(default: int = 32768) -> int:
+    """Where the kernel's range of ports for outgoing connections begins (Linux; else 32768)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_port_block(count: int, start: int = 20000, end: int | None = None) -> int:
+    """The first port p >= start such that p .. p+count-1 are all free (for a local cluster).
+
+    Below the kernel's ephemeral range by default: a port picked there can be taken, between
+    the check and the bind, by any process's outgoing connection (seen: `make test` beside a
+    bench, "Address already in use")."""
+    end = end if end is not None else _ephemeral_start()
     # Start from a pid-dependent offset so parallel test sessions rarely race for one block.
     span = end - start
     base = start + (os.getpid() * 7 * count) % span

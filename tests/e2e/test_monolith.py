@@ -20,7 +20,7 @@ from connectors.procs import free_port_block
 def test_monolith_runs_a_task_submitted_over_http(
     kafka_bootstrap: str, database_url: str, unique_name: str
 ) -> None:
-    port = free_port_block(1, start=47000)
+    port = free_port_block(1, start=29000)
     token = uuid.uuid4().hex
     env = {
         **os.environ,
