@@ -259,9 +259,8 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
-def _assigned(bootstrap: str, group: str) -> int:
+def _assigned(admin: AdminClient, group: str) -> int:
     """How many partitions the members of `group` hold now (0 while it rebalances)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
     described = admin.describe_consumer_groups([group])[group].result(timeout=10)
     if str(described.state) != str(ConsumerGroupState.STABLE):
         return 0
@@ -302,7 +301,8 @@ def scale_out(
     ]
     try:
         deadline = time.monotonic() + 120
-        while _assigned(bootstrap, group) < 3 * partitions or any(
+        admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+        while _assigned(admin, group) < 3 * partitions or any(
             _metric(base + i, "agentruns_sink_events_total") is None for i in range(sinks)
         ):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
