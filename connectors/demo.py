@@ -156,6 +156,9 @@ class Demo:
         for consumer in self._readers.values():
             consumer.close()
         self.producer.flush(10)
+        # let librdkafka go now: alive, it keeps reconnecting (and logging each failure) to the
+        # broker the stack stops next, until this process exits
+        del self.producer
 
 
 def submit(demo: Demo, sc: Scenario, tools: tuple[ToolSpec, ...]) -> None:
