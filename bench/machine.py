@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,3 +64,16 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def scrape(port: int, name: str) -> float | None:
+    """One unlabelled sample from a process's Prometheus endpoint on this machine (None: the
+    endpoint is not up, or has no such sample)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    except OSError:
+        return None
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None

@@ -31,7 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
-from bench.machine import MachineCpu
+from bench.machine import MachineCpu, scrape
 from connectors.procs import free_port_block
 from connectors.services import ServiceStack
 from processors.effects import CallModel, CallTool
@@ -188,20 +188,14 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _scraped_cpu_seconds(port: int, wait_s: float = 0.0) -> float | None:
-    """The processor's own CPU seconds (prometheus-client's process collector)."""
+    """The processor's own CPU seconds (prometheus-client's process collector), waiting up to
+    `wait_s` for its endpoint."""
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        except OSError:
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-            continue
-        for line in text.decode().splitlines():
-            if line.startswith("process_cpu_seconds_total"):
-                return float(line.split()[-1])
-        return None
+    while (seconds := scrape(port, "process_cpu_seconds_total")) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return seconds
 
 
 def _latency_phase(
@@ -402,7 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latency_p99_ms_by_second": [
             round(_pct(sorted(second), 0.99) * 1000, 1) for second in _by_second(samples)
         ],
-        "latency_machine": _per_item(machine_latency, len(samples)),
+        # per input sent, the warm-up included: the machine was measured over all of them
+        "latency_machine": _per_item(
+            machine_latency, int(args.rate * (args.warmup + args.seconds))
+        ),
         "commits": int(commit.get("count", 0)),
         "commit_mean_ms": round(1000 * commit.get("sum", 0) / max(commit.get("count", 1), 1), 2),
         "commit_p99_bucket_ms": round(1000 * commit.get("p99_bucket_s", float("nan")), 1),

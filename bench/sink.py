@@ -36,7 +36,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from confluent_kafka.admin import AdminClient
 
 from bench.broker import broker_settings
 from bench.core import simulate
-from bench.machine import MachineCpu, process_cpu_seconds
+from bench.machine import MachineCpu, process_cpu_seconds, scrape
 from connectors.procs import free_port_block
 from processors.effects import PublishResult
 from processors.events import Event
@@ -247,18 +246,6 @@ def core_fold_seconds(events: Sequence[Event]) -> float:
     return best
 
 
-def _metric(port: int, name: str) -> float | None:
-    """One unlabelled sample of a sink process's Prometheus endpoint (None: not up yet)."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
-    except OSError:
-        return None
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return None
-
-
 def _assigned(admin: AdminClient, group: str) -> int:
     """How many partitions the members of `group` hold now (0 while it rebalances)."""
     described = admin.describe_consumer_groups([group])[group].result(timeout=10)
@@ -303,7 +290,7 @@ def scale_out(
         deadline = time.monotonic() + 120
         admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
         while _assigned(admin, group) < 3 * partitions or any(
-            _metric(base + i, "agentruns_sink_events_total") is None for i in range(sinks)
+            scrape(base + i, "agentruns_sink_events_total") is None for i in range(sinks)
         ):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"{sinks} sink processes did not join group {group}")
@@ -323,7 +310,7 @@ def scale_out(
                 raise RuntimeError(f"the sinks projected {projected:.0f} of {len(backlog)}")
             time.sleep(0.05)
             projected = sum(
-                _metric(base + i, "agentruns_sink_events_total") or 0.0 for i in range(sinks)
+                scrape(base + i, "agentruns_sink_events_total") or 0.0 for i in range(sinks)
             )
         seconds = time.time() - began
         load = machine.stop()

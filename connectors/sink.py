@@ -63,7 +63,7 @@ from processors.events import (
 )
 from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
-from streams.codec import CodecError, decode, default_codec
+from streams.codec import CodecError, decode, decode_fields
 from streams.polling import poll_batch
 from streams.records import parse_event_body
 from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
@@ -824,7 +824,7 @@ class Sink:
                 self._undecodable(topic, partition, offset, exc)
         for value, (topic, partition, offset) in latest.values():
             try:
-                snap = default_codec().decode_fields(value, "Snapshot", SNAPSHOT_COLUMNS)
+                snap = decode_fields(value, "Snapshot", SNAPSHOT_COLUMNS)
             except CodecError as exc:
                 self._undecodable(topic, partition, offset, exc)
                 continue

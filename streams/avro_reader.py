@@ -390,18 +390,20 @@ class _Compiler:
             return
         schema, space = self.records[full]
         self.inlining.append(full)
-        names: list[str] = []
+        seen: set[str] = set()
+        names: list[str] = []  # the fields read into the dict
         values: list[str] = []
         fields = schema["fields"]
         if only is not None:
             known = [f.get("name") for f in fields]
-            if not only.issubset(known):
+            if not only or not only.issubset(known):
                 raise ValueError(f"{full} has no field {sorted(only.difference(known))}")
             fields = fields[: max(known.index(name) for name in only) + 1]
         for f in fields:
             name = f.get("name")
-            if not isinstance(name, str) or not _FIELD.fullmatch(name) or name in names:
+            if not isinstance(name, str) or not _FIELD.fullmatch(name) or name in seen:
                 raise ValueError(f"{full}: invalid or repeated field name {name!r}")
+            seen.add(name)
             fn.emit(ind, f"# {full}.{name}")
             if only is not None and name not in only:
                 self.value(f["type"], space, fn, ind, _SKIP)

@@ -48,6 +48,7 @@ __all__ = [
     "UnknownRecordNameError",
     "WrongRecordTypeError",
     "decode",
+    "decode_fields",
     "default_codec",
     "encode",
     "fingerprint_of",
@@ -242,7 +243,7 @@ class Codec:
         self._validate = validate_on_encode
         self._writers: dict[tuple[str, int | None], _Writer] = {}
         self._readers: dict[bytes, _Reader] = {}
-        self._partial: dict[tuple[str, int, tuple[str, ...]], Read] = {}
+        self._partial: dict[tuple[str, tuple[str, ...]], Read] = {}
         for fp, sv in self._registry.by_fingerprint.items():
             current = self._registry.current(sv.name)
             if current.fingerprint == fp:
@@ -321,6 +322,9 @@ class Codec:
         if type(data) is not bytes:  # the compiled readers slice values out of it: bytes only
             data = bytes(data)
         rd = self._reader_of(data, expected_name)
+        return Decoded(rd.name, rd.version, self._read(rd, data))
+
+    def _read(self, rd: _Reader, data: bytes) -> dict[str, Any]:
         try:
             if rd.read is not None:
                 record, end = rd.read(data, HEADER_LEN)
@@ -339,7 +343,7 @@ class Codec:
             )
         if not isinstance(record, dict):  # pragma: no cover - every shipped schema is a record
             raise CorruptRecordError(f"{rd.name} v{rd.version} did not decode to a record")
-        return Decoded(rd.name, rd.version, record)
+        return record
 
     def decode_fields(
         self, data: bytes, expected_name: str, fields: tuple[str, ...]
@@ -351,13 +355,14 @@ class Codec:
         if type(data) is not bytes:
             data = bytes(data)
         rd = self._reader_of(data, expected_name)
-        read = self._partial.get((rd.name, rd.version, fields)) if rd.read is not None else None
-        if read is None and rd.read is not None:
-            sv = self._registry.get(rd.name, rd.version)
-            read = self._partial[(rd.name, rd.version, fields)] = compile_reader(sv.raw, fields)
-        if read is None:  # an old version: resolved by fastavro, then picked
-            record = self.decode(data, expected_name).record
+        if rd.read is None:  # an old version (resolved by fastavro), read whole, then picked
+            record = self._read(rd, data)
             return {name: record[name] for name in fields}
+        # rd.read is set only for the current version, so the name alone keys the reader
+        read = self._partial.get((rd.name, fields))
+        if read is None:
+            schema = self._registry.current(rd.name).raw
+            read = self._partial[(rd.name, fields)] = compile_reader(schema, fields)
         try:
             picked: dict[str, Any] = read(data, HEADER_LEN)[0]
         except Exception as exc:
@@ -393,3 +398,8 @@ def encode(name: str, record: dict[str, Any], *, version: int | None = None) -> 
 def decode(data: bytes, expected_name: str | None = None) -> Decoded:
     """Decode with the shipped schemas; see :meth:`Codec.decode`."""
     return default_codec().decode(data, expected_name)
+
+
+def decode_fields(data: bytes, expected_name: str, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Some fields of a record, with the shipped schemas; see :meth:`Codec.decode_fields`."""
+    return default_codec().decode_fields(data, expected_name, fields)

@@ -125,6 +125,8 @@ def test_a_reader_of_some_fields_gives_those_of_the_whole_record(sv: Any) -> Non
 def test_a_reader_of_fields_the_record_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="no field"):
         compile_reader(registry().current("Snapshot").raw, ["run_id", "nope"])
+    with pytest.raises(ValueError, match="no field"):
+        compile_reader(registry().current("Snapshot").raw, [])
 
 
 def test_types_of_the_values() -> None:
