@@ -48,7 +48,7 @@ from confluent_kafka import (
 from prometheus_client import Counter, Gauge, Histogram
 
 from connectors.errors import AgentrunsError
-from connectors.pg import Table, write_rows
+from connectors.pg import Table, prefer_lz4, write_rows
 from processors.effects import Effect
 from processors.events import (
     CancelConfirmed,
@@ -583,6 +583,7 @@ class _Pg:
     def connection(self) -> Conn:
         if self.conn is None or self.conn.closed:
             self.conn = psycopg.connect(self.url, connect_timeout=5)
+            prefer_lz4(self.conn)
             self.staged = False
         return self.conn
 
