@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from bench.broker import broker_settings
@@ -246,9 +246,23 @@ def core_fold_seconds(events: Sequence[Event]) -> float:
     return best
 
 
+_COORDINATOR = (
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+)
+
+
 def _assigned(admin: AdminClient, group: str) -> int:
-    """How many partitions the members of `group` hold now (0 while it rebalances)."""
-    described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    """How many partitions the members of `group` hold now (0 while it rebalances, or while
+    the group's coordinator is still being found or loaded: a retriable error)."""
+    try:
+        described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else None
+        if isinstance(error, KafkaError) and (error.retriable() or error.code() in _COORDINATOR):
+            return 0
+        raise
     if str(described.state) != str(ConsumerGroupState.STABLE):
         return 0
     return sum(len(m.assignment.topic_partitions) for m in described.members)
