@@ -72,7 +72,9 @@ def prefer_lz4(conn: Conn) -> bool:
     INSERT ... SELECT moves it from a stage table, so the session setting decides it."""
     try:
         conn.execute("SET default_toast_compression = 'lz4'")
-    except psycopg.Error:
+    except (psycopg.errors.InvalidParameterValue, psycopg.errors.UndefinedObject):
+        # not built with lz4 / no such setting (< 14); a lost connection is the caller's
+        # to retry, so only these two are swallowed
         if not conn.autocommit:
             conn.rollback()
         return False
