@@ -55,6 +55,7 @@ from processors.state import RunState
 from processors.transition import Artifact, transition
 from streams.admin import ensure_topics
 from streams.codec import encode
+from streams.gc_policy import tune_gc
 from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key, partition_for, run_key
 from streams.records import (
@@ -373,6 +374,7 @@ def run_bench(
     from connectors.sink import CommitReport, Sink, SinkConfig
 
     migrate(database_url)
+    tune_gc()  # the GC setting `agentruns sink` runs with: the in-process sink is measured
     load_before = os.getloadavg()[0]
     tag = f"bs{uuid.uuid4().hex[:6]}"
     prefix = f"bench-sink-{tag}"

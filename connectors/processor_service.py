@@ -21,7 +21,8 @@ from connectors.db import migrate
 from connectors.logs import setup_logging
 from connectors.services import ServiceStack
 from streams.admin import ensure_topics
-from streams.processor import Processor, ProcessorConfig, tune_gc
+from streams.gc_policy import tune_gc
+from streams.processor import Processor, ProcessorConfig
 
 log = logging.getLogger("agentruns.processor")
 

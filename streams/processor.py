@@ -75,17 +75,6 @@ log = logging.getLogger("agentruns.processor")
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
 GAP_TIMER = ":gap:"
 SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
-# CPython's default (700, 10, 10) ran a full collection every ~1.5 s under the bench, each
-# 50-300 ms with the GIL held (100-140k tracked objects, a busy 2-core box) and each freeing
-# nothing: run state is acyclic and freed by reference counting. A young collection every
-# 50,000 net allocations keeps cycles (exceptions, closures) collected without those stalls.
-GC_THRESHOLDS = (50_000, 20, 20)
-
-
-def tune_gc() -> None:
-    """Collect cycles rarely and never re-scan restored state (the processor process's
-    choice: it holds tens of thousands of long-lived run slots)."""
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 @dataclass
