@@ -27,6 +27,7 @@ The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing
 import os
@@ -256,10 +257,12 @@ _COORDINATOR = (
 
 
 def _assigned(admin: AdminClient, group: str) -> int:
-    """How many partitions the members of `group` hold now (0 while it rebalances, or while
-    the group's coordinator is still being found or loaded: a retriable error)."""
+    """How many partitions the members of `group` hold now (0 while it rebalances, while the
+    group's coordinator is still being found or loaded, or while the broker does not answer)."""
     try:
         described = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    except concurrent.futures.TimeoutError:
+        return 0  # a broker that has just started may not answer within 10 s
     except KafkaException as exc:
         error = exc.args[0] if exc.args else None
         if isinstance(error, KafkaError) and (error.retriable() or error.code() in _COORDINATOR):
