@@ -67,8 +67,8 @@ def prefer_lz4(conn: Conn) -> bool:
     without lz4, or older than Postgres 14), which keeps the default, pglz.
 
     Why: values over ~2 KB are compressed when stored, and pglz is slow: staging the sink's
-    runs rows (a ~4 KB RunState each) cost Postgres ~25 us of CPU per projected event with
-    pglz and ~6 with lz4. A value keeps the compression it was stored with, also when an
+    runs rows (a ~4 KB RunState each) cost Postgres 33-39 us of CPU per projected event with
+    pglz and 16-20 with lz4. A value keeps the compression it was stored with, also when an
     INSERT ... SELECT moves it from a stage table, so the session setting decides it."""
     try:
         conn.execute("SET default_toast_compression = 'lz4'")
