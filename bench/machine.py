@@ -66,14 +66,20 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def metrics_text(port: int) -> str | None:
+    """A process's Prometheus exposition on this machine (None: the endpoint is not up)."""
+    try:
+        body: bytes = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    except OSError:
+        return None
+    return body.decode()
+
+
 def scrape(port: int, name: str) -> float | None:
     """One unlabelled sample from a process's Prometheus endpoint on this machine (None: the
     endpoint is not up, or has no such sample)."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-    except OSError:
-        return None
-    for line in text.decode().splitlines():
+    text = metrics_text(port)
+    for line in (text or "").splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return None

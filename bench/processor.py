@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
-from bench.machine import MachineCpu, scrape
+from bench.machine import MachineCpu, metrics_text, scrape
 from connectors.procs import free_port_block
 from connectors.services import ServiceStack
 from processors.effects import CallModel, CallTool
@@ -164,7 +163,9 @@ def _rss_kib(pid: int) -> dict[str, int]:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = metrics_text(port)
+    if text is None:
+        raise RuntimeError(f"the processor's metrics endpoint on port {port} does not answer")
     out: dict[str, float] = {}
     buckets: list[tuple[float, float]] = []
     for line in text.splitlines():

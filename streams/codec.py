@@ -225,6 +225,12 @@ class _Reader:
     read: Read | None
 
 
+def _undecodable(rd: _Reader, exc: Exception) -> CorruptRecordError:
+    return CorruptRecordError(
+        f"{rd.name} v{rd.version} body does not decode: {type(exc).__name__}: {exc}"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Writer:
     header: bytes  # MAGIC + fingerprint
@@ -334,9 +340,7 @@ class Codec:
                 record = schemaless_reader(buf, rd.writer, rd.reader)
                 end = buf.tell()
         except Exception as exc:  # EOFError, UnicodeDecodeError, ValueError, IndexError, ...
-            raise CorruptRecordError(
-                f"{rd.name} v{rd.version} body does not decode: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise _undecodable(rd, exc) from exc
         if end != len(data):
             raise CorruptRecordError(
                 f"{rd.name} v{rd.version} body has {len(data) - end} trailing bytes"
@@ -366,9 +370,7 @@ class Codec:
         try:
             picked: dict[str, Any] = read(data, HEADER_LEN)[0]
         except Exception as exc:
-            raise CorruptRecordError(
-                f"{rd.name} v{rd.version} body does not decode: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise _undecodable(rd, exc) from exc
         return picked
 
 
