@@ -1,0 +1,104 @@
+"""``agentruns bench repeat [--trials N] BENCH [ARGS...]``: run one bench N times, report medians.
+
+On a shared 2-core VM one bench run says little: identical runs of the same code differ by 25%
+and more from one minute to the next (every bench prints the hypervisor's steal and how busy the
+machine was). A target is judged on the median of several trials, with the spread beside it.
+
+Each trial is exactly ``agentruns bench BENCH ARGS`` in a subprocess (its last stdout line is
+its JSON figures), so it starts and stops its own Kafka and Postgres unless
+``KAFKA_BOOTSTRAP_SERVERS`` and ``DATABASE_URL`` name them. Sharing one stack across trials was
+tried and is not what this does: in the sink bench the later trials' scale-out phase spent ~50%
+more sink CPU per event than the first (two runs of three trials: 10,458 then 7,131 and 7,566
+events/s; 11,398 then 5,955 and 7,773), so trials on a shared stack are not independent runs.
+
+Prints, as one JSON object on its last line: ``median``, ``min`` and ``max`` of every number the
+trials reported (nested objects too; lists and strings are left out), and ``trials``: each
+trial's whole JSON, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCHES = ("core", "processor", "executors", "sink", "loop")
+
+Json = dict[str, Any]
+
+
+def combine(trials: Sequence[Json], pick: Callable[[list[float]], float]) -> Json:
+    """``pick`` over the trials of every numeric leaf (booleans, strings and lists are not
+    figures to combine); a key some trial lacks or holds something else in is left out."""
+    out: Json = {}
+    for key, first in trials[0].items():
+        values = [t.get(key) for t in trials]
+        if isinstance(first, dict) and all(isinstance(v, dict) for v in values):
+            nested = combine(values, pick)  # type: ignore[arg-type]
+            if nested:
+                out[key] = nested
+        elif all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            picked = pick([float(v) for v in values])  # type: ignore[arg-type]
+            out[key] = round(picked, 3)
+    return out
+
+
+def last_json_line(stdout: str) -> Json:
+    """The JSON object a bench prints on its last (non-empty) line."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("the bench printed nothing")
+    figures = json.loads(lines[-1])
+    if not isinstance(figures, dict):
+        raise ValueError(f"the bench's last line is not a JSON object: {lines[-1][:200]}")
+    return figures
+
+
+def run_trial(bench: str, args: Sequence[str]) -> Json:
+    """One run of ``agentruns bench BENCH ARGS`` in a subprocess (its stderr passes through)."""
+    cmd = [sys.executable, "-m", "connectors.cli", "bench", bench, *args]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"trial failed (exit {done.returncode}): {' '.join(cmd)}")
+    return last_json_line(done.stdout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns bench repeat", description=__doc__)
+    parser.add_argument("--trials", type=int, default=3, help="runs of the bench (at least 2)")
+    parser.add_argument(
+        "--out", help="also write the JSON here (default bench/results/BENCH-trials.json)"
+    )
+    parser.add_argument("bench", choices=BENCHES)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the bench")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.trials < 2:
+        parser.error("--trials must be at least 2: one run is what `agentruns bench` does")
+    trials: list[Json] = []
+    for i in range(args.trials):
+        print(f"trial {i + 1}/{args.trials}: bench {args.bench}", file=sys.stderr, flush=True)
+        trials.append(run_trial(args.bench, args.args))
+    figures = {
+        "bench": "repeat",
+        "of": args.bench,
+        "args": args.args,
+        "trials_run": len(trials),
+        "median": combine(trials, statistics.median),
+        "min": combine(trials, min),
+        "max": combine(trials, max),
+        "trials": trials,
+    }
+    out = Path(args.out or f"bench/results/{args.bench}-trials.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
