@@ -268,6 +268,26 @@ def _latency_phase(
     return sorted((began - measured, latency) for began, latency in latencies if began >= measured)
 
 
+def _preload(bootstrap: str, prefix: str, runs: int, partitions: int) -> int:
+    """Write every input of `runs` runs to the inbox; how many. The producer is released on
+    return: one left alive past the stack's stop logs a screenful of connection errors."""
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True}
+    )
+    inbox = topic_name(INBOX, prefix)
+    total = 0
+    at = int(time.time() * 1000)
+    for i in range(runs):
+        run_id = f"run-{i:06d}"
+        part = partition_for(run_id, partitions)
+        for event in run_inputs(run_id, at):
+            producer.produce(inbox, key=run_id.encode(), value=_record(event), partition=part)
+            total += 1
+        producer.poll(0)
+    producer.flush(60)
+    return total
+
+
 def _per_item(machine: dict[str, float | None], items: int) -> dict[str, float | None]:
     busy = machine["busy_s"]
     cpu_us = None if busy is None or not items else round(1e6 * busy / items, 1)
@@ -307,20 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
         print(f"generating inputs for {args.runs} runs", file=sys.stderr, flush=True)
-        producer = Producer(
-            {"bootstrap.servers": ep.kafka_bootstrap, "linger.ms": 20, "enable.idempotence": True}
-        )
-        inbox = topic_name(INBOX, prefix)
-        total = 0
-        at = int(time.time() * 1000)
-        for i in range(args.runs):
-            run_id = f"run-{i:06d}"
-            part = partition_for(run_id, args.partitions)
-            for event in run_inputs(run_id, at):
-                producer.produce(inbox, key=run_id.encode(), value=_record(event), partition=part)
-                total += 1
-            producer.poll(0)
-        producer.flush(60)
+        total = _preload(ep.kafka_bootstrap, prefix, args.runs, args.partitions)
 
         metrics_port = free_port_block(1, start=31000)
         env = {
