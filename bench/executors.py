@@ -41,8 +41,13 @@ from typing import Any
 
 from bench.broker import broker_settings
 from bench.machine import MachineCpu, process_cpu_seconds
+from bench.targets import Target, evaluate
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+#: issue 5: per executor process; p99 added latency at 200 calls/s
+TARGETS = (Target("calls_per_s", 1_000), Target("added_latency_ms.p99", 50, at_most=True))
 
 
 def _load_average() -> float | None:
@@ -236,8 +241,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
             producer.flush(10)
             collector.close()
         executor_stats = _executor_stats(executor_log)
-    ok = throughput["calls_per_s"] >= 1000 and latency["p99_ms"] <= 50
-    return {
+    figures: dict[str, Any] = {
         "bench": "executors",
         "calls_per_s": throughput["calls_per_s"],
         "added_latency_ms": {"p50": latency["p50_ms"], "p99": latency["p99_ms"]},
@@ -251,8 +255,8 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "load_average_1m": _load_average(),
         "broker": broker_settings(bootstrap),
         "targets": {"calls_per_s": 1000, "p99_ms_at_200_per_s": 50},
-        "meets_targets": ok,
     }
+    return {**figures, **evaluate(figures, TARGETS)}
 
 
 def _executor_stats(path: Path) -> dict[str, Any] | None:

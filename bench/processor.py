@@ -31,6 +31,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
 from bench.machine import MachineCpu, metrics_text, scrape
+from bench.targets import Target, evaluate
 from connectors.procs import free_port_block
 from connectors.services import ServiceStack
 from processors.effects import CallModel, CallTool
@@ -268,6 +269,14 @@ def _latency_phase(
     return sorted((began - measured, latency) for began, latency in latencies if began >= measured)
 
 
+#: issue 4: one processor process, 10,000 runs; p99 latency at 1,000 inputs/s
+TARGETS = (
+    Target("transitions_per_s", 5_000),
+    Target("latency_p99_ms", 100, at_most=True),
+    Target("processor_peak_rss_mib", 300, at_most=True),
+)
+
+
 def _preload(bootstrap: str, prefix: str, runs: int, partitions: int) -> int:
     """Write every input of `runs` runs to the inbox; how many. The producer is released on
     return: one left alive past the stack's stop logs a screenful of connection errors."""
@@ -422,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "broker": broker,
         "targets": {"transitions_per_s": 5000, "latency_p99_ms": 100, "rss_mib": 300},
     }
+    figures.update(evaluate(figures, TARGETS))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")

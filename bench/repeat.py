@@ -12,8 +12,9 @@ more sink CPU per event than the first (two runs of three trials: 10,458 then 7,
 events/s; 11,398 then 5,955 and 7,773), so trials on a shared stack are not independent runs.
 
 Prints, as one JSON object on its last line: ``median``, ``min`` and ``max`` of every number the
-trials reported (nested objects too; lists and strings are left out), and ``trials``: each
-trial's whole JSON, in order.
+trials reported (nested objects too; lists and strings are left out), the bench's targets
+judged on the median (``median_checks``, ``median_meets_targets``; see ``bench/targets.py``), how
+many trials met all of them on their own, and ``trials``: each trial's whole JSON, in order.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.targets import evaluate, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "loop")
 
@@ -83,12 +86,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i in range(args.trials):
         print(f"trial {i + 1}/{args.trials}: bench {args.bench}", file=sys.stderr, flush=True)
         trials.append(run_trial(args.bench, args.args))
+    median = combine(trials, statistics.median)
+    checks = trials[0].get("checks")
+    judged = evaluate(median, targets_of(checks)) if isinstance(checks, list) else {}
     figures = {
         "bench": "repeat",
         "of": args.bench,
         "args": args.args,
         "trials_run": len(trials),
-        "median": combine(trials, statistics.median),
+        # the targets judged on the median of the trials, not on any one of them
+        "median_checks": judged.get("checks", []),
+        "median_meets_targets": judged.get("meets_targets"),
+        "trials_meeting_targets": sum(1 for t in trials if t.get("meets_targets") is True),
+        "median": median,
         "min": combine(trials, min),
         "max": combine(trials, max),
         "trials": trials,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import repeat
+from bench import repeat, targets
 
 
 def test_combine_takes_numbers_at_every_depth_and_leaves_the_rest() -> None:
@@ -52,3 +52,44 @@ def test_repeat_runs_the_bench_as_often_as_asked(
 def test_repeat_refuses_a_single_trial() -> None:
     with pytest.raises(SystemExit):
         repeat.main(["--trials", "1", "core"])
+
+
+def test_targets_check_a_figure_by_its_path() -> None:
+    figures = {"rate": 12.0, "lat": {"p99": 80}, "flag": True, "name": "x"}
+    assert targets.figure(figures, "lat.p99") == 80.0
+    assert targets.figure(figures, "lat.p50") is None
+    assert targets.figure(figures, "flag") is None  # a boolean is not a figure
+    assert targets.figure(figures, "name.deeper") is None
+    judged = targets.evaluate(
+        figures,
+        (
+            targets.Target("rate", 10),
+            targets.Target("lat.p99", 50, at_most=True),
+            targets.Target("missing", 1),
+        ),
+    )
+    assert [c["met"] for c in judged["checks"]] == [True, False, None]
+    assert judged["meets_targets"] is False
+    ok = targets.evaluate(figures, (targets.Target("lat.p99", 80, at_most=True),))
+    assert ok["meets_targets"] is True
+    # what a bench printed can be judged again on other figures of the same shape
+    again = targets.targets_of(judged["checks"])
+    assert again[1] == targets.Target("lat.p99", 50.0, at_most=True)
+    assert targets.evaluate({"lat": {"p99": 40}}, again[1:2])["meets_targets"] is True
+
+
+def test_repeat_judges_the_targets_on_the_median(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "core.json"
+    assert repeat.main(["--trials", "2", "--out", str(out), "core", "--events", "600"]) == 0
+    printed = json.loads(out.read_text())
+    snapshot = next(c for c in printed["median_checks"] if c["figure"] == "snapshot_bytes_step_50")
+    assert snapshot["at_most"] is True and snapshot["bound"] == 8192
+    assert snapshot["value"] == printed["median"]["snapshot_bytes_step_50"]
+    assert snapshot["met"] is (snapshot["value"] <= 8192)
+    rate = next(c for c in printed["median_checks"] if c["figure"] == "transitions_per_second")
+    assert rate["value"] == printed["median"]["transitions_per_second"]
+    assert printed["median_meets_targets"] is all(c["met"] for c in printed["median_checks"])
+    met = sum(1 for t in printed["trials"] if t["meets_targets"])
+    assert printed["trials_meeting_targets"] == met
