@@ -101,7 +101,7 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "executors"): ("bench.executors", "tool calls through the tool executor"),
     ("bench", "sink"): ("bench.sink", "projection rate and lag"),
     ("bench", "loop"): ("bench.loop", "N concurrent 10-step agent loops end to end"),
-    ("bench", "repeat"): ("bench.repeat", "run a bench N times against one stack; medians"),
+    ("bench", "repeat"): ("bench.repeat", "run a bench N times: median, min, max, targets"),
 }
 
 
