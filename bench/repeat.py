@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.targets import evaluate, targets_of
+from bench.targets import evaluate, figure, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "loop")
 
@@ -71,6 +71,21 @@ def run_trial(bench: str, args: Sequence[str]) -> Json:
     return last_json_line(done.stdout)
 
 
+def summary(figures: Json) -> list[str]:
+    """One line per target for people: median, range over the trials, met on the median."""
+    lines = [f"{figures['of']}: {figures['trials_run']} trials"]
+    low, high = figures["min"], figures["max"]
+    for check in figures["median_checks"]:
+        path, sign = check["figure"], "<=" if check["at_most"] else ">="
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[check["met"]]
+        lines.append(
+            f"  {path} {sign} {check['bound']:g}: median {check['value']}"
+            f" ({figure(low, path)} .. {figure(high, path)}) {verdict}"
+        )
+    lines.append(f"  trials meeting every target: {figures['trials_meeting_targets']}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns bench repeat", description=__doc__)
     parser.add_argument("--trials", type=int, default=3, help="runs of the bench (at least 2)")
@@ -103,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max": combine(trials, max),
         "trials": trials,
     }
+    for line in summary(figures):
+        print(line, file=sys.stderr)
     out = Path(args.out or f"bench/results/{args.bench}-trials.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")

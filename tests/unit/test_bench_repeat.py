@@ -93,3 +93,7 @@ def test_repeat_judges_the_targets_on_the_median(
     assert printed["median_meets_targets"] is all(c["met"] for c in printed["median_checks"])
     met = sum(1 for t in printed["trials"] if t["meets_targets"])
     assert printed["trials_meeting_targets"] == met
+    told = capsys.readouterr().err
+    assert "core: 2 trials" in told
+    assert f"snapshot_bytes_step_50 <= 8192: median {snapshot['value']}" in told
+    assert f"trials meeting every target: {met}" in told
