@@ -254,7 +254,6 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "cpus": os.cpu_count(),
         "load_average_1m": _load_average(),
         "broker": broker_settings(bootstrap),
-        "targets": {"calls_per_s": 1000, "p99_ms_at_200_per_s": 50},
     }
     return {**figures, **evaluate(figures, TARGETS)}
 

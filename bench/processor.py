@@ -429,7 +429,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "processor_peak_rss_mib": round(rss.get("VmHWM", 0) / 1024, 1),
         "active_runs_in_memory": args.runs + int(args.rate * (args.warmup + args.seconds)),
         "broker": broker,
-        "targets": {"transitions_per_s": 5000, "latency_p99_ms": 100, "rss_mib": 300},
     }
     figures.update(evaluate(figures, TARGETS))
     out = Path(args.out)

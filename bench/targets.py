@@ -45,10 +45,15 @@ def figure(figures: Mapping[str, Any], path: str) -> float | None:
 
 
 def evaluate(figures: Mapping[str, Any], targets: Iterable[Target]) -> dict[str, Any]:
-    """``checks`` (one per target, ``met`` None when the figure was not measured) and
-    ``meets_targets`` (every target measured and met)."""
+    """``targets`` (figure path -> bound), ``checks`` (one per target, ``met`` None when the
+    figure was not measured) and ``meets_targets`` (every target measured and met)."""
+    targets = tuple(targets)
     checks = [t.as_check(figures) for t in targets]
-    return {"checks": checks, "meets_targets": all(c["met"] is True for c in checks)}
+    return {
+        "targets": {t.figure: t.bound for t in targets},
+        "checks": checks,
+        "meets_targets": all(c["met"] is True for c in checks),
+    }
 
 
 def targets_of(checks: Iterable[Mapping[str, Any]]) -> list[Target]:

@@ -69,6 +69,7 @@ def test_targets_check_a_figure_by_its_path() -> None:
         ),
     )
     assert [c["met"] for c in judged["checks"]] == [True, False, None]
+    assert judged["targets"] == {"rate": 10, "lat.p99": 50, "missing": 1}
     assert judged["meets_targets"] is False
     ok = targets.evaluate(figures, (targets.Target("lat.p99", 80, at_most=True),))
     assert ok["meets_targets"] is True
