@@ -57,7 +57,7 @@ from processors.state import RunState
 from processors.transition import Artifact, transition
 from streams.admin import ensure_topics
 from streams.codec import encode
-from streams.gc_policy import tune_gc
+from streams.interpreter import tune_gc
 from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
 from streams.partitioning import event_key, partition_for, run_key
 from streams.records import (

@@ -21,7 +21,7 @@ from connectors.db import migrate
 from connectors.logs import setup_logging
 from connectors.services import ServiceStack
 from streams.admin import ensure_topics
-from streams.gc_policy import tune_gc
+from streams.interpreter import tune_gc, tune_switch_interval
 from streams.processor import Processor, ProcessorConfig
 
 log = logging.getLogger("agentruns.processor")
@@ -87,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             buffer_limit=args.buffer_limit,
         )
         tune_gc()
+        tune_switch_interval()
         processor = Processor(config, store.put_many)
         log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
         try:

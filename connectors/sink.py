@@ -64,7 +64,7 @@ from processors.events import (
 from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
 from streams.codec import CodecError, decode, decode_fields
-from streams.gc_policy import tune_gc
+from streams.interpreter import tune_gc
 from streams.polling import poll_batch
 from streams.records import parse_event_body
 from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
