@@ -9,9 +9,13 @@ figures are None.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,3 +87,32 @@ def scrape(port: int, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return None
+
+
+@contextlib.contextmanager
+def neighbours(count: int) -> Iterator[list[int]]:
+    """``count`` busy-loop processes at normal priority while the block runs (their pids): a
+    noisy neighbour on demand. Each takes a core's worth of CPU if it gets it; they are killed
+    when the block ends, however it ends.
+
+    Each runs in a session of its own: with the kernel's autogroup scheduling (on by default)
+    CPU is shared fairly between sessions, and a busy loop in the bench's own session would
+    take its share from the bench and the process under test alone, not from the machine as
+    another tenant does (the local broker and Postgres run in sessions of their own too)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for _ in range(count)
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()

@@ -15,6 +15,10 @@ Prints, as one JSON object on its last line: ``median``, ``min`` and ``max`` of 
 trials reported (nested objects too; lists and strings are left out), the bench's targets
 judged on the median (``median_checks``, ``median_meets_targets``; see ``bench/targets.py``), how
 many trials met all of them on their own, and ``trials``: each trial's whole JSON, in order.
+
+``--contend N`` runs N busy-loop processes beside each trial (``bench.machine.neighbours``), each
+taking a core's worth of CPU at normal priority: a noisy neighbour made reproducible, so a change
+meant for a busy host can be judged against the same load twice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.machine import neighbours
 from bench.targets import evaluate, figure, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "loop")
@@ -73,7 +78,8 @@ def run_trial(bench: str, args: Sequence[str]) -> Json:
 
 def summary(figures: Json) -> list[str]:
     """One line per target for people: median, range over the trials, met on the median."""
-    lines = [f"{figures['of']}: {figures['trials_run']} trials"]
+    contend = f", {figures['contend']} busy neighbour(s)" if figures.get("contend") else ""
+    lines = [f"{figures['of']}: {figures['trials_run']} trials{contend}"]
     low, high = figures["min"], figures["max"]
     for check in figures["median_checks"]:
         path, sign = check["figure"], "<=" if check["at_most"] else ">="
@@ -92,15 +98,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out", help="also write the JSON here (default bench/results/BENCH-trials.json)"
     )
+    parser.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        help="busy-loop processes running beside each trial (a noisy neighbour)",
+    )
     parser.add_argument("bench", choices=BENCHES)
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the bench")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.trials < 2:
         parser.error("--trials must be at least 2: one run is what `agentruns bench` does")
+    if args.contend < 0:
+        parser.error("--contend must not be negative")
     trials: list[Json] = []
     for i in range(args.trials):
         print(f"trial {i + 1}/{args.trials}: bench {args.bench}", file=sys.stderr, flush=True)
-        trials.append(run_trial(args.bench, args.args))
+        with neighbours(args.contend):
+            trials.append(run_trial(args.bench, args.args))
     median = combine(trials, statistics.median)
     checks = trials[0].get("checks")
     judged = evaluate(median, targets_of(checks)) if isinstance(checks, list) else {}
@@ -108,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": "repeat",
         "of": args.bench,
         "args": args.args,
+        "contend": args.contend,
         "trials_run": len(trials),
         # the targets judged on the median of the trials, not on any one of them
         "median_checks": judged.get("checks", []),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import pytest
 
-from bench import repeat, targets
+from bench import machine, repeat, targets
 
 
 def test_combine_takes_numbers_at_every_depth_and_leaves_the_rest() -> None:
@@ -47,6 +48,39 @@ def test_repeat_runs_the_bench_as_often_as_asked(
     assert printed["median"]["transitions_per_second"] == round(statistics.median(rates), 3)
     assert printed["min"]["transitions_per_second"] == min(rates)
     assert printed["median"]["events"] == 600
+
+
+def test_neighbours_burn_cpu_while_the_block_runs_and_are_gone_after_it() -> None:
+    with machine.neighbours(2) as pids:
+        assert len(pids) == 2
+        began = [machine.process_cpu_seconds(p) for p in pids]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # each is busy as soon as it gets a core
+            now = [machine.process_cpu_seconds(p) for p in pids]
+            used = [n - b for b, n in zip(began, now, strict=True) if b is not None and n]
+            if len(used) == 2 and min(used) >= 0.1:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the neighbours did not use CPU: {began} -> {now}")
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists()
+    with pytest.raises(RuntimeError), machine.neighbours(1) as pids:
+        raise RuntimeError("a trial failed")
+    assert not Path(f"/proc/{pids[0]}").exists()
+
+
+def test_repeat_records_the_neighbours_it_ran_beside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "core-trials.json"
+    args = ["--events", "300", "--repeat", "1"]
+    assert repeat.main(["--trials", "2", "--contend", "1", "--out", str(out), "core", *args]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["contend"] == 1 and printed["trials_run"] == 2
+    assert "1 busy neighbour(s)" in repeat.summary(printed)[0]
+    with pytest.raises(SystemExit):
+        repeat.main(["--contend", "-1", "core"])
 
 
 def test_repeat_refuses_a_single_trial() -> None:
