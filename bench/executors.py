@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.broker import broker_settings
+from bench.core import host_speed
 from bench.machine import MachineCpu, process_cpu_seconds
 from bench.targets import Target, evaluate
 
@@ -338,9 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from connectors.services import ServiceStack
 
+    speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
         result = run(args, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url)
+    result["host_speed"] = speed
     print(json.dumps(result), flush=True)
     return 0
 

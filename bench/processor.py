@@ -30,6 +30,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
+from bench.core import host_speed
 from bench.machine import MachineCpu, metrics_text, scrape
 from bench.targets import Target, evaluate
 from connectors.procs import free_port_block
@@ -328,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/processor.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
@@ -429,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "processor_peak_rss_mib": round(rss.get("VmHWM", 0) / 1024, 1),
         "active_runs_in_memory": args.runs + int(args.rate * (args.warmup + args.seconds)),
         "broker": broker,
+        "host_speed": speed,
     }
     figures.update(evaluate(figures, TARGETS))
     out = Path(args.out)

@@ -47,7 +47,7 @@ from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException, Prod
 from confluent_kafka.admin import AdminClient
 
 from bench.broker import broker_settings
-from bench.core import simulate
+from bench.core import host_speed, simulate
 from bench.machine import MachineCpu, process_cpu_seconds, scrape
 from bench.targets import Target, evaluate
 from connectors.procs import free_port_block
@@ -520,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from connectors.services import ServiceStack
 
+    speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
         report = run_bench(
@@ -532,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             sinks=args.sinks,
         )
+    report["host_speed"] = speed
     print(json.dumps(report, sort_keys=True))
     return 0
 
