@@ -395,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": "processor",
         "runs": args.runs,
         "inputs": total,
+        "partitions": args.partitions,
         "transitions_per_s": round(throughput, 1),
         # CPU the processor process spent per input (all its threads, librdkafka's included):
         # what one dedicated core could do, independent of the broker and this bench sharing
