@@ -33,8 +33,8 @@ COMMIT_SECONDS = Histogram(
 )
 COMMIT_STAGE_SECONDS = Histogram(
     "agentruns_commit_stage_seconds",
-    "Time per commit stage: artifacts, snapshots, offsets, commit, batch_open (first input to"
-    " commit start)",
+    "Time per commit stage: batch_open (first input to sealing), wait, seal, queued, produce,"
+    " offsets, artifacts_wait, flush (records acknowledged), commit (EndTxn)",
     ["stage"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )

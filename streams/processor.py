@@ -13,7 +13,7 @@ it touched and hands it to the committer thread. What one transaction holds, in 
 3. the consumed inbox offsets (`send_offsets_to_transaction`);
 4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
    thread since the batch was sealed): nothing may reference an artifact before (R2);
-5. `commit_transaction`.
+5. `flush` (every record acknowledged), then `commit_transaction`.
 
 Either all of it becomes visible to read_committed readers or none of it: a crash anywhere
 before 5 leaves the inbox offsets where they were and the restarted processor re-applies the same
@@ -716,6 +716,11 @@ class Processor:
         if batch.artifacts is not None:
             batch.artifacts.result()  # re-raises the store's error: nothing is committed then
         wrote = time.monotonic()
+        # commit_transaction would flush too; flushing first tells the two waits apart: the
+        # records' acknowledgements (one ProduceRequest per partition, served one at a time:
+        # most of a transaction on one broker) and EndTxn itself.
+        producer.flush(30)
+        flushed = time.monotonic()
         producer.commit_transaction(30)
         self._txn_open = False
         self._producers.committed()
@@ -723,20 +728,22 @@ class Processor:
         if ended - batch.sealed > SLOW_COMMIT_S:
             log.warning(
                 "slow transaction: %.0f ms for %d inputs (queued %.0f, produce %.0f, offsets %.0f,"
-                " artifacts %.0f, commit %.0f ms)",
+                " artifacts %.0f, flush %.0f, commit %.0f ms)",
                 1000 * (ended - batch.sealed),
                 batch.inputs,
                 1000 * (began - batch.sealed),
                 1000 * (produced - began),
                 1000 * (sent - produced),
                 1000 * (wrote - sent),
-                1000 * (ended - wrote),
+                1000 * (flushed - wrote),
+                1000 * (ended - flushed),
             )
         self.stats.stage("queued", began - batch.sealed)
         self.stats.stage("produce", produced - began)
         self.stats.stage("offsets", sent - produced)
         self.stats.stage("artifacts_wait", wrote - sent)
-        self.stats.stage("commit", ended - wrote)
+        self.stats.stage("flush", flushed - wrote)
+        self.stats.stage("commit", ended - flushed)
         self.stats.committed(batch.inputs, ended - batch.sealed)
 
     def _abort_quietly(self) -> None:
