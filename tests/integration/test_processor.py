@@ -120,6 +120,8 @@ def assert_log_consistent(bootstrap: str, prefix: str) -> dict[str, list[dict[st
 def test_runs_reach_their_terminal_state(
     kafka_bootstrap: str, prefix: str, processor: Processor
 ) -> None:
+    stages = ("flush", "commit")
+    before = {stage: _stage_count(stage) for stage in stages}
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=3)
     double.start()
     try:
@@ -136,6 +138,14 @@ def test_runs_reach_their_terminal_state(
     for run_id in runs:
         types = [e["type"] for e in logs[run_id]]
         assert types[0] == "RunSubmitted" and types.count("ToolCallSucceeded") == 2
+    # every transaction timed its records' acknowledgements apart from EndTxn
+    flushed, ended = (_stage_count(stage) - before[stage] for stage in stages)
+    assert flushed == ended >= 1
+
+
+def _stage_count(stage: str) -> float:
+    value = REGISTRY.get_sample_value("agentruns_commit_stage_seconds_count", {"stage": stage})
+    return value or 0.0
 
 
 def _spawn(env: dict[str, str], prefix: str, instance: str) -> subprocess.Popen[bytes]:
