@@ -55,7 +55,7 @@ from processors.effects import Effect
 from processors.events import Event
 from streams import dlq, records
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair, commit_timed
 from streams.partitioning import partition_for, run_key
 from streams.polling import poll_batch
 from streams.records import parse_effect_body
@@ -729,9 +729,7 @@ class Executor:
                     self.dlq, key=record["original_key"], value=encode("DeadLetter", record)
                 )
         produced = time.monotonic()
-        producer.flush(30)  # commit_transaction would too: timed apart from EndTxn
-        flushed = time.monotonic()
-        producer.commit_transaction(30)
+        flushed = commit_timed(producer, 30)
         stats = self.stats
         stats.offsets_s += sent - began
         stats.produce_s += produced - sent

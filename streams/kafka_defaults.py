@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,19 @@ TRANSACTIONAL_PRODUCER: dict[str, Any] = {
     # after 20 ms for the same reason (KAFKA-5477).
     "retry.backoff.ms": 10,
 }
+
+
+def commit_timed(producer: Producer, timeout_s: float = 30.0) -> float:
+    """Commit the producer's open transaction within ``timeout_s``; return when its records
+    were all acknowledged (``time.monotonic()``), so callers time the two waits apart: the
+    produce requests (one per partition, served one at a time on a broker connection) and
+    EndTxn. commit_transaction would flush anyway; the flush first takes nothing longer."""
+    deadline = time.monotonic() + timeout_s
+    producer.flush(timeout_s)
+    flushed = time.monotonic()
+    # what is left of the one bound (commit_transaction raises if it cannot finish in time)
+    producer.commit_transaction(max(deadline - flushed, 0.001))
+    return flushed
 
 
 class ProducerPair:

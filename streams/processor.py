@@ -56,7 +56,7 @@ from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair
+from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair, commit_timed
 from streams.partitioning import event_key
 from streams.polling import poll_batch
 from streams.records import (
@@ -716,12 +716,7 @@ class Processor:
         if batch.artifacts is not None:
             batch.artifacts.result()  # re-raises the store's error: nothing is committed then
         wrote = time.monotonic()
-        # commit_transaction would flush too; flushing first tells the two waits apart: the
-        # records' acknowledgements (one ProduceRequest per partition, served one at a time:
-        # most of a transaction on one broker) and EndTxn itself.
-        producer.flush(30)
-        flushed = time.monotonic()
-        producer.commit_transaction(30)
+        flushed = commit_timed(producer, 30)
         self._txn_open = False
         self._producers.committed()
         ended = time.monotonic()
