@@ -66,6 +66,7 @@ from processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from processors.summary import summarize
 from processors.validation import schema_problem
 from streams.codec import decode, encode
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import parse_state
 from streams.topics import DEFAULT_PREFIX, INBOX, topic_name
@@ -404,7 +405,7 @@ class _Inbox:
             raise ApiError(503, "kafka_unavailable", f"producing to {self.topic}: {failure[0]}")
 
     def close(self) -> None:
-        self._producer.flush(5)
+        release(self._producer, 5)
 
 
 # --------------------------------------------------------------------------- the service

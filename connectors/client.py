@@ -50,6 +50,7 @@ from processors.events import CancelRequested, RunSubmitted
 from processors.state import TERMINAL, RunStatus
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
 
@@ -188,7 +189,12 @@ class RunsProducer:
             raise AgentrunsKafkaError(f"an input was not delivered: {first}", retryable=True)
 
     def close(self) -> None:
-        self.flush()
+        """Wait for every queued input (raising as :meth:`flush` does), then release the
+        client; inputs still unacknowledged when it raised are dropped, never sent later."""
+        try:
+            self.flush()
+        finally:
+            release(self._producer, 0)
 
     def __enter__(self) -> RunsProducer:
         return self

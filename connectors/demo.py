@@ -33,6 +33,7 @@ from processors.ids import canonicalize_arguments, operation_key
 from processors.state import Budgets, LoopLimits, Policy, RunState, ToolSpec
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body, parse_state
 from streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -155,10 +156,7 @@ class Demo:
     def close(self) -> None:
         for consumer in self._readers.values():
             consumer.close()
-        self.producer.flush(10)
-        # let librdkafka go now: alive, it keeps reconnecting (and logging each failure) to the
-        # broker the stack stops next, until this process exits
-        del self.producer
+        release(self.producer, 10)
 
 
 def submit(demo: Demo, sc: Scenario, tools: tuple[ToolSpec, ...]) -> None:

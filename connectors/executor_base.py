@@ -500,9 +500,8 @@ class Executor:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.handler.close()
         self._records.close()
-        for producer in self._producers.all:
-            with contextlib.suppress(Exception):
-                producer.flush(5)
+        with contextlib.suppress(Exception):
+            self._producers.close()
 
     # ------------------------------------------------------------------ one batch
 

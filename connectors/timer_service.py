@@ -36,6 +36,7 @@ from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
@@ -202,7 +203,7 @@ class TimerService:
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):  # already closed
             self._consumer.close()
-        self._producer.flush(10)
+        release(self._producer, 10)
         if self._conn is not None:
             self._conn.close()
 

@@ -33,6 +33,22 @@ def commit_timed(producer: Producer, timeout_s: float = 30.0) -> float:
     return flushed
 
 
+def release(producer: Producer, timeout_s: float = 5.0) -> int:
+    """Stop ``producer`` now: its threads and broker connections end here, not whenever the last
+    reference goes (one left alive keeps reconnecting to a stopped broker, a logged error each
+    time, until its process exits). Records still unacknowledged after ``timeout_s`` are purged
+    and their number returned: ``Producer.close()`` alone would wait for them without bound.
+    Callers that must not lose records flush and check first."""
+    left = producer.flush(timeout_s)
+    if left:
+        producer.purge()
+        producer.poll(0)  # serve the purged records' delivery reports
+    close = getattr(producer, "close", None)  # recent confluent-kafka only; not in its stubs
+    if close is not None:
+        close()
+    return left
+
+
 class ProducerPair:
     """Two transactional producers (ids `<base>-a`, `<base>-b`), used in turn by one committer:
     never two transactions at once.
@@ -63,6 +79,11 @@ class ProducerPair:
     def committed(self) -> None:
         """The current producer's transaction committed: the next one uses the other."""
         self._turn = 1 - self._turn
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Release both producers (see :func:`release`); the pair is unusable afterwards."""
+        for producer in self._producers:
+            release(producer, timeout_s)
 
     def replace_current(self) -> None:
         """After a fatal error (fenced): a new producer for the current slot."""

@@ -253,6 +253,7 @@ class Processor:
             self._wait_in_flight()
         self._committer.shutdown(wait=True)
         self._artifact_writer.shutdown(wait=True)
+        self._producers.close()  # the committer is idle: no transaction is open
 
     # ------------------------------------------------------------------ rebalance
 

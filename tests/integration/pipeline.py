@@ -29,6 +29,7 @@ from processors.events import (
 )
 from processors.state import Budgets, ToolSpec
 from streams.codec import decode, encode
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
@@ -83,6 +84,9 @@ class Inbox:
 
     def flush(self) -> None:
         assert self._producer.flush(30) == 0
+
+    def close(self) -> None:
+        release(self._producer, 5)
 
 
 @dataclass
@@ -192,6 +196,7 @@ class ExecutorDouble(threading.Thread):
                 self.inbox.flush()
         finally:
             self._consumer.close()
+            self.inbox.close()
 
     def answer(self, effect: Any) -> Iterable[Event]:
         key = effect.idempotency_key

@@ -1,13 +1,15 @@
-"""`commit_timed`: one timeout bounds the flush and the commit together."""
+"""`commit_timed`: one timeout bounds the flush and the commit together. `release`: a producer
+stops at once, and never waits without bound for records no broker acknowledges."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, cast
 
+import pytest
 from confluent_kafka import Producer
 
-from streams.kafka_defaults import commit_timed
+from streams.kafka_defaults import commit_timed, release
 
 
 class _Recorder:
@@ -40,3 +42,20 @@ def test_a_flush_that_used_up_the_timeout_leaves_the_commit_a_token_one() -> Non
     producer: Any = _Recorder(flush_s=0.05)
     commit_timed(producer, 0.01)
     assert producer.calls[1] == ("commit", 0.001)
+
+
+def test_release_purges_what_no_broker_acknowledged_and_closes_the_producer() -> None:
+    # nothing listens on port 1: the record can never be acknowledged
+    producer = Producer({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
+    producer.produce("t", b"never delivered")
+    began = time.monotonic()
+    assert release(producer, 0.2) == 1
+    assert time.monotonic() - began < 10  # Producer.close() alone would wait for ever
+    if hasattr(producer, "close"):  # closed: its threads and connection attempts are gone
+        with pytest.raises(RuntimeError):
+            producer.produce("t", b"after release")
+
+
+def test_release_of_an_idle_producer_drops_nothing() -> None:
+    producer = Producer({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
+    assert release(producer, 0.1) == 0
