@@ -38,8 +38,11 @@ def release(producer: Producer, timeout_s: float = 5.0) -> int:
     reference goes (one left alive keeps reconnecting to a stopped broker, a logged error each
     time, until its process exits). Records still unacknowledged after ``timeout_s`` are purged
     and their number returned: ``Producer.close()`` alone would wait for them without bound.
-    Callers that must not lose records flush and check first."""
-    left = producer.flush(timeout_s)
+    Callers that must not lose records flush and check first. Releasing twice is harmless."""
+    try:
+        left = producer.flush(timeout_s)
+    except RuntimeError:  # "Producer has been closed": released before
+        return 0
     if left:
         producer.purge()
         producer.poll(0)  # serve the purged records' delivery reports

@@ -56,6 +56,7 @@ def test_release_purges_what_no_broker_acknowledged_and_closes_the_producer() ->
             producer.produce("t", b"after release")
 
 
-def test_release_of_an_idle_producer_drops_nothing() -> None:
+def test_release_of_an_idle_producer_drops_nothing_and_may_be_repeated() -> None:
     producer = Producer({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
     assert release(producer, 0.1) == 0
+    assert release(producer, 0.1) == 0  # a second close() of its owner
