@@ -195,7 +195,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
     server_cmd = [sys.executable, "-m", "connectors.tool_server", "--port", "0"]
     with (
         tempfile.TemporaryDirectory() as tmp,
-        _process(server_cmd, banner=True) as (_, banner),
+        _process(server_cmd, banner=True) as (server, banner),
     ):
         url = banner.split("listening on ", 1)[1].split()[0]
         registry = json.loads((REPO / "connectors" / "tools.example.json").read_text())
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 cpu0 = process_cpu_seconds(executor.pid)
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
                 cpu1 = process_cpu_seconds(executor.pid)
-                machine = MachineCpu.start()
+                machine = MachineCpu.start({executor.pid: "executor", server.pid: "tool server"})
                 latency = _latency(args, producer, collector, effects_topic, prefix)
                 latency["machine"] = machine.stop()  # was the host busy or stolen from?
                 cpu2 = process_cpu_seconds(executor.pid)

@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -33,30 +34,81 @@ def _read() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
+#: the groups of ``cores_by_process``, in the order printed
+GROUPS = ("broker", "postgres", "bench", "other")
+
+
+def group_of(pid: int, comm: str, cmdline: str, labels: Mapping[int, str]) -> str:
+    """Which group a process's CPU counts for: an explicit label (the process under test), the
+    bench itself, the local broker (a JVM running ``kafka.Kafka``), Postgres (its postmaster and
+    every backend), or ``other`` (anything else on the machine, kernel threads included)."""
+    if pid in labels:
+        return labels[pid]
+    if pid == os.getpid():
+        return "bench"
+    if "kafka.Kafka" in cmdline:
+        return "broker"
+    if comm == "postgres" or comm.startswith("postgres:"):
+        return "postgres"
+    return "other"
+
+
+def _processes() -> dict[int, tuple[str, str, int, float]]:
+    """pid -> (comm, cmdline, start time in ticks, CPU seconds so far) of every process visible
+    in /proc (the start time tells a reused pid from the process it had before)."""
+    out: dict[int, tuple[str, str, int, float]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, UnicodeDecodeError):
+            continue  # gone meanwhile, or not ours to read
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / _TICK
+        out[int(entry.name)] = (comm, cmdline, int(fields[19]), cpu)
+    return out
+
+
 @dataclass
 class MachineCpu:
-    """CPU use of the whole machine between ``MachineCpu.start()`` and ``stop()``."""
+    """CPU use of the whole machine between ``MachineCpu.start()`` and ``stop()``, in all and
+    by process group (who of the broker, Postgres, the process under test and the bench used
+    the cores: on two cores each one's share is another's wait)."""
 
     began: float
     first: tuple[float, float] | None
+    first_processes: dict[int, tuple[str, str, int, float]]
+    labels: dict[int, str]
 
     @classmethod
-    def start(cls) -> MachineCpu:
-        return cls(time.monotonic(), _read())
+    def start(cls, labels: Mapping[int, str] | None = None) -> MachineCpu:
+        """``labels``: pid -> group name for the processes under test (e.g. "processor")."""
+        return cls(time.monotonic(), _read(), _processes(), dict(labels or {}))
 
-    def stop(self) -> dict[str, float | None]:
+    def stop(self) -> dict[str, Any]:
         """``busy_cores``: mean cores busy; ``steal_pct``: share of the machine's CPU time
-        taken by the hypervisor; ``busy_s``: CPU seconds of work (to divide by items)."""
+        taken by the hypervisor; ``busy_s``: CPU seconds of work (to divide by items);
+        ``cores_by_process``: mean cores per group (a process that ended during the phase is
+        missing from it; one that began counts from its start)."""
         elapsed = time.monotonic() - self.began
         last = _read()
         if self.first is None or last is None or elapsed <= 0:
             return {"busy_s": None, "busy_cores": None, "steal_pct": None}
         busy, steal = last[0] - self.first[0], last[1] - self.first[1]
         cpus = os.cpu_count() or 1
+        groups = dict.fromkeys((*sorted(set(self.labels.values())), *GROUPS), 0.0)
+        for pid, (comm, cmdline, started, cpu) in _processes().items():
+            before = self.first_processes.get(pid)
+            used = cpu - before[3] if before is not None and before[2] == started else cpu
+            groups[group_of(pid, comm, cmdline, self.labels)] += used
         return {
             "busy_s": round(busy, 3),
             "busy_cores": round(busy / elapsed, 2),
             "steal_pct": round(100 * steal / (elapsed * cpus), 1),
+            "cores_by_process": {name: round(used / elapsed, 2) for name, used in groups.items()},
         }
 
 

@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"processing {total} inputs", file=sys.stderr, flush=True)
             # imports done, about to consume
             cpu_start = _scraped_cpu_seconds(metrics_port, wait_s=60)
-            machine = MachineCpu.start()
+            machine = MachineCpu.start({proc.pid: "processor"})
             first, last = _count_events(ep.kafka_bootstrap, topic_name(EVENTS, prefix), total, 600)
             machine_throughput = machine.stop()
             cpu_end = _scraped_cpu_seconds(metrics_port)
@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            machine = MachineCpu.start()
+            machine = MachineCpu.start({proc.pid: "processor"})
             samples = _latency_phase(
                 ep.kafka_bootstrap, prefix, args.partitions, args.rate, args.seconds, args.warmup
             )

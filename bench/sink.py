@@ -327,7 +327,7 @@ def scale_out(
             began = writer.send(records)
             # from the commit on: the sinks only polled an empty read_committed view before it
             cpu_before = [process_cpu_seconds(p.pid) for p in procs]
-            machine = MachineCpu.start()
+            machine = MachineCpu.start({p.pid: "sink" for p in procs})
             projected = 0
             while projected < expected:
                 if time.monotonic() > deadline + 600 or any(p.poll() is not None for p in procs):

@@ -1,0 +1,40 @@
+"""`bench.machine`: whose CPU a bench phase used, by process group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.machine import GROUPS, MachineCpu, group_of
+
+
+def test_processes_are_grouped_by_label_then_by_what_they_run() -> None:
+    labels = {4242: "processor"}
+    assert group_of(4242, "python", "python -m connectors.processor_service", labels) == "processor"
+    assert group_of(os.getpid(), "python", "pytest", labels) == "bench"
+    assert group_of(7, "java", "java -Xmx768m -cp x kafka.Kafka server.properties", {}) == "broker"
+    assert group_of(8, "postgres", "/usr/lib/postgresql/15/bin/postgres -D d", {}) == "postgres"
+    assert group_of(9, "postgres: 15/main: checkpointer", "", {}) == "postgres"
+    assert group_of(10, "kworker/0:1", "", {}) == "other"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux /proc only")
+def test_a_busy_labelled_process_shows_in_its_own_group() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        machine = MachineCpu.start({busy.pid: "busy"})
+        time.sleep(1.0)
+        figures = machine.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    cores = figures["cores_by_process"]
+    assert list(cores) == ["busy", *GROUPS]
+    # a busy loop gets a good part of a core even on a shared two-core machine
+    assert cores["busy"] > 0.1
+    assert all(v >= 0 for v in cores.values())
+    assert sum(cores.values()) <= (os.cpu_count() or 1) + 0.5
