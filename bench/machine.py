@@ -53,6 +53,13 @@ def group_of(pid: int, comm: str, cmdline: str, labels: Mapping[int, str]) -> st
     return "other"
 
 
+def _stat(text: str) -> tuple[str, int, float]:
+    """(comm, start time in ticks, user + system CPU seconds) from a /proc/<pid>/stat text."""
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    return comm, int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def _processes() -> dict[int, tuple[str, str, int, float]]:
     """pid -> (comm, cmdline, start time in ticks, CPU seconds so far) of every process visible
     in /proc (the start time tells a reused pid from the process it had before)."""
@@ -65,10 +72,8 @@ def _processes() -> dict[int, tuple[str, str, int, float]]:
             cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, UnicodeDecodeError):
             continue  # gone meanwhile, or not ours to read
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / _TICK
-        out[int(entry.name)] = (comm, cmdline, int(fields[19]), cpu)
+        comm, started, cpu = _stat(stat)
+        out[int(entry.name)] = (comm, cmdline, started, cpu)
     return out
 
 
@@ -115,11 +120,9 @@ class MachineCpu:
 def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of one process (Linux /proc), or None elsewhere."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        return _stat(Path(f"/proc/{pid}/stat").read_text())[2]
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def metrics_text(port: int) -> str | None:

@@ -75,10 +75,6 @@ class ProducerPair:
         """The producer of the next (or the open) transaction."""
         return self._producers[self._turn]
 
-    @property
-    def all(self) -> tuple[Producer, ...]:
-        return tuple(self._producers)
-
     def committed(self) -> None:
         """The current producer's transaction committed: the next one uses the other."""
         self._turn = 1 - self._turn
