@@ -43,6 +43,7 @@ from bench.broker import broker_settings
 from bench.core import host_speed
 from bench.machine import MachineCpu, process_cpu_seconds
 from bench.targets import Target, evaluate
+from streams.kafka_defaults import LONG_POLL_MS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +106,7 @@ class Collector:
                 "group.id": f"bench-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 10,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
             }
         )

@@ -35,6 +35,7 @@ from processors.events import Message, RunSubmitted
 from processors.state import Budgets
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
+from streams.kafka_defaults import LONG_POLL_MS
 from streams.partitioning import partition_for
 from streams.records import input_record
 from streams.topics import INBOX, RESULTS, STATE, topic_name
@@ -77,7 +78,7 @@ class Driver:
                 "group.id": f"bench-loop-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 5,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
             }
         )

@@ -49,8 +49,10 @@ from processors.state import Budgets, ToolSpec
 from processors.transition import transition
 from streams.admin import ensure_topics
 from streams.codec import encode
+from streams.kafka_defaults import LONG_POLL_MS
 from streams.partitioning import partition_for
 from streams.polling import poll_batch
+from streams.processor import ProcessorConfig
 from streams.records import input_record
 from streams.topics import EVENTS, INBOX, STATE, topic_name
 
@@ -135,7 +137,7 @@ def _count_events(bootstrap: str, topic: str, total: int, timeout: float) -> tup
             "isolation.level": "read_committed",
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
-            "fetch.wait.max.ms": 10,
+            "fetch.wait.max.ms": LONG_POLL_MS,
         }
     )
     consumer.subscribe([topic])
@@ -216,7 +218,7 @@ def _latency_phase(
             "group.id": f"bench-lat-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
-            "fetch.wait.max.ms": 5,
+            "fetch.wait.max.ms": LONG_POLL_MS,
         }
     )
     ends = consumer.get_watermark_offsets
@@ -326,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of paced load before measuring"
     )
+    parser.add_argument(
+        "--fetch-window-ms",
+        type=int,
+        default=ProcessorConfig.fetch_window_ms,
+        help="the processor's --fetch-window-ms",
+    )
     parser.add_argument("--out", default="bench/results/processor.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
@@ -357,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     prefix,
                     "--metrics-port",
                     str(metrics_port),
+                    "--fetch-window-ms",
+                    str(args.fetch_window_ms),
                     "--log-level",
                     "WARNING",
                 ],
@@ -396,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": args.runs,
         "inputs": total,
         "partitions": args.partitions,
+        "fetch_window_ms": args.fetch_window_ms,
         "transitions_per_s": round(throughput, 1),
         # CPU the processor process spent per input (all its threads, librdkafka's included):
         # what one dedicated core could do, independent of the broker and this bench sharing

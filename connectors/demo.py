@@ -33,7 +33,7 @@ from processors.ids import canonicalize_arguments, operation_key
 from processors.state import Budgets, LoopLimits, Policy, RunState, ToolSpec
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
-from streams.kafka_defaults import release
+from streams.kafka_defaults import LONG_POLL_MS, release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body, parse_state
 from streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -105,7 +105,7 @@ class Demo:
                 "group.id": f"demo-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 20,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
             }
         )

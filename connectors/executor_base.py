@@ -55,7 +55,12 @@ from processors.effects import Effect
 from processors.events import Event
 from streams import dlq, records
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair, commit_timed
+from streams.kafka_defaults import (
+    LONG_POLL_MS,
+    TRANSACTIONAL_PRODUCER,
+    ProducerPair,
+    commit_timed,
+)
 from streams.partitioning import partition_for, run_key
 from streams.polling import poll_batch
 from streams.records import parse_effect_body
@@ -433,7 +438,7 @@ class Executor:
                 "session.timeout.ms": c.session_timeout_ms,
                 "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
                 "max.poll.interval.ms": c.max_poll_interval_ms,
-                "fetch.wait.max.ms": 10,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
                 **c.extra_consumer,
             }

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seal a batch this old once the committer is free, even if inputs keep coming",
     )
     p.add_argument(
+        "--fetch-window-ms",
+        type=int,
+        default=ProcessorConfig.fetch_window_ms,
+        help="fetch the inbox in windows of this many ms: inputs arriving together share a "
+        "transaction (0: fetch each input as it lands)",
+    )
+    p.add_argument(
         "--max-batch",
         type=int,
         default=2000,
@@ -82,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             group_id=args.group,
             instance_id=args.instance_id,
             commit_interval_ms=args.commit_interval_ms,
+            fetch_window_ms=args.fetch_window_ms,
             max_batch=args.max_batch,
             gap_timeout_ms=args.gap_timeout_ms,
             buffer_limit=args.buffer_limit,

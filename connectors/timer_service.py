@@ -36,7 +36,7 @@ from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import release
+from streams.kafka_defaults import LONG_POLL_MS, release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
@@ -84,7 +84,7 @@ class TimerService:
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
-                "fetch.wait.max.ms": 20,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "session.timeout.ms": 6000,
                 "heartbeat.interval.ms": 1000,
                 # Static membership: a restarted timer service resumes its partitions at once.

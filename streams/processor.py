@@ -56,7 +56,12 @@ from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER, ProducerPair, commit_timed
+from streams.kafka_defaults import (
+    TRANSACTIONAL_PRODUCER,
+    ProducerPair,
+    commit_timed,
+    fetch_settings,
+)
 from streams.partitioning import event_key
 from streams.polling import poll_batch
 from streams.records import (
@@ -89,6 +94,10 @@ class ProcessorConfig:
     # its predecessor left open at once (instead of waiting for transaction.timeout.ms).
     instance_id: str = "0"
     commit_interval_ms: int = 50
+    # The inbox is fetched in windows of this many ms (the broker holds each fetch until the
+    # window ends or FETCH_WINDOW_BYTES wait): inputs trickling in from many producers reach the
+    # loop together, so one transaction carries them (0: fetch each input as it lands).
+    fetch_window_ms: int = 20
     max_batch: int = 2000
     buffer_limit: int = 64  # out-of-order inputs held per run
     gap_timeout_ms: int = 30_000
@@ -177,7 +186,7 @@ class Processor:
                 # of waiting for the group to notice that its predecessor died.
                 "group.instance.id": f"{c.group_id}-{c.instance_id}",
                 "partition.assignment.strategy": "range",
-                "fetch.wait.max.ms": 10,
+                **fetch_settings(c.fetch_window_ms),
                 "log_level": 3,
                 **c.extra_consumer,
             }

@@ -29,7 +29,7 @@ from processors.events import (
 )
 from processors.state import Budgets, ToolSpec
 from streams.codec import decode, encode
-from streams.kafka_defaults import release
+from streams.kafka_defaults import LONG_POLL_MS, release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
@@ -175,7 +175,7 @@ class ExecutorDouble(threading.Thread):
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest",
                 "enable.auto.commit": True,
-                "fetch.wait.max.ms": 10,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
             }
         )

@@ -48,6 +48,7 @@ from processors.ids import canonical_json
 from processors.state import ErrorClass
 from streams.admin import ensure_topics
 from streams.codec import decode, encode
+from streams.kafka_defaults import LONG_POLL_MS
 from streams.partitioning import partition_for
 from streams.records import effect_record, parse_event_body
 from streams.topics import INBOX, effect_suffix, topic_name
@@ -82,7 +83,7 @@ class Inbox:
                 "group.id": f"{prefix}-reader",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 5,
+                "fetch.wait.max.ms": LONG_POLL_MS,
                 "log_level": 3,
             }
         )

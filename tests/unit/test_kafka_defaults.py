@@ -9,7 +9,13 @@ from typing import Any, cast
 import pytest
 from confluent_kafka import Producer
 
-from streams.kafka_defaults import commit_timed, release
+from streams.kafka_defaults import (
+    FETCH_WINDOW_BYTES,
+    LONG_POLL_MS,
+    commit_timed,
+    fetch_settings,
+    release,
+)
 
 
 class _Recorder:
@@ -60,3 +66,10 @@ def test_release_of_an_idle_producer_drops_nothing_and_may_be_repeated() -> None
     producer = Producer({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
     assert release(producer, 0.1) == 0
     assert release(producer, 0.1) == 0  # a second close() of its owner
+
+
+def test_fetch_settings_window_or_long_poll() -> None:
+    # a window: the broker answers when it ends (min bytes out of reach) or a backlog waits
+    assert fetch_settings(20) == {"fetch.wait.max.ms": 20, "fetch.min.bytes": FETCH_WINDOW_BYTES}
+    # no window: each record answers the held fetch as it lands
+    assert fetch_settings(0) == {"fetch.wait.max.ms": LONG_POLL_MS}

@@ -1,0 +1,138 @@
+"""How often our long-lived consumers fetch: rarely when idle (`LONG_POLL_MS`), and the
+processor in windows (`fetch_window_ms`) while inputs trickle in.
+
+Every fetch answer costs the broker a request: on our 2-core machines one idle consumer at the
+former 10 ms wait took 0.11 of a broker core. Counted from librdkafka's own statistics (request
+counters per broker), so a slow machine can only lower the rates, never fail the test.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from connectors.artifacts import PostgresArtifactStore
+from connectors.executor_base import ExecutorConfig
+from connectors.tool_executor import ToolExecutor
+from streams.admin import ensure_topics
+from streams.processor import Processor, ProcessorConfig
+from streams.records import input_record
+from tests.integration.pipeline import Inbox, running_on_thread, submitted, wait_for
+from tests.integration.runlog import running_sink
+
+REPO = Path(__file__).resolve().parents[2]
+STATS_MS = 500
+#: an idle consumer asks ~1000 / LONG_POLL_MS = 10 times a second (~100 at the former 10 ms);
+#: room left for a rebalance's extra fetches
+MAX_IDLE_FETCHES_PER_S = 30.0
+
+
+class FetchCounter:
+    """librdkafka statistics callback: (timestamp µs, Fetch requests sent so far) per report."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def config(self) -> dict[str, Any]:
+        return {"statistics.interval.ms": STATS_MS, "stats_cb": self._on_stats}
+
+    def _on_stats(self, raw: str) -> None:
+        stats = json.loads(raw)
+        fetches = sum(
+            broker["req"].get("Fetch", 0)
+            for broker in stats["brokers"].values()
+            if broker.get("nodeid", -1) >= 0  # not the bootstrap placeholder
+        )
+        with self._lock:
+            self.samples.append((int(stats["ts"]), fetches))
+
+    def rate_over_last(self, reports: int) -> float:
+        """Fetch requests per second between the last `reports` + 1 reports."""
+        with self._lock:
+            (t0, f0), (t1, f1) = self.samples[-reports - 1], self.samples[-1]
+        return (f1 - f0) / ((t1 - t0) / 1e6)
+
+    def reports(self) -> int:
+        with self._lock:
+            return len(self.samples)
+
+    def wait_settled(self) -> None:
+        """Past the assignment and its first fetches (the first reports)."""
+        wait_for(lambda: self.reports() >= 6, timeout=60, what="statistics reports")
+
+
+def _idle_rate(start: Callable[[FetchCounter], Any]) -> float:
+    """Fetches/s of a component's consumer once assigned and idle for 3 s."""
+    counter = FetchCounter()
+    with start(counter):
+        counter.wait_settled()
+        reports = counter.reports()
+        wait_for(lambda: counter.reports() >= reports + 6, timeout=60, what="idle reports")
+        return counter.rate_over_last(6)
+
+
+def test_processor_fetches_trickling_inputs_in_windows(
+    kafka_bootstrap: str, database_url: str, unique_name: str
+) -> None:
+    """200 inputs/s, each sent on its own: without the window each one answers a fetch."""
+    prefix = unique_name
+    ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
+    store = PostgresArtifactStore(database_url)
+    counter = FetchCounter()
+    config = ProcessorConfig(
+        bootstrap=kafka_bootstrap,
+        prefix=prefix,
+        group_id=f"{prefix}-proc",
+        extra_consumer=counter.config(),
+    )
+    assert config.fetch_window_ms > 0
+    inbox = Inbox(kafka_bootstrap, prefix, 2)
+    try:
+        with running_on_thread(Processor(config, store.put_many).run, "processor"):
+            counter.wait_settled()
+            reports = counter.reports()
+            began = time.monotonic()
+            for i in range(600):  # 3 s
+                while time.monotonic() < began + i / 200:
+                    time.sleep(0.001)
+                inbox.send(input_record(submitted(f"{prefix}-{i}")))
+                inbox.flush()  # on the wire now, as from a producer of its own
+            elapsed_reports = counter.reports() - reports
+            rate = counter.rate_over_last(max(1, elapsed_reports - 1))
+    finally:
+        inbox.close()
+        store.close()
+    # one fetch per window at most, with room for the windows a rebalance or a slow host cuts
+    assert rate <= 1.5 * 1000 / config.fetch_window_ms, rate
+
+
+def test_idle_executor_and_sink_poll_rarely(
+    kafka_bootstrap: str, database_url: str, unique_name: str
+) -> None:
+    prefix = unique_name
+    ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
+
+    @contextmanager
+    def executor(counter: FetchCounter) -> Iterator[None]:
+        config = ExecutorConfig(
+            kafka_bootstrap, database_url, "tool", prefix=prefix, extra_consumer=counter.config()
+        )
+        tools = ToolExecutor(config, REPO / "connectors" / "tools.example.json")
+        with running_on_thread(tools.run, "tool executor"):
+            yield
+
+    @contextmanager
+    def sink(counter: FetchCounter) -> Iterator[None]:
+        with running_sink(kafka_bootstrap, database_url, prefix, extra_consumer=counter.config()):
+            yield
+
+    rates = {"executor": _idle_rate(executor), "sink": _idle_rate(sink)}
+    assert all(rate <= MAX_IDLE_FETCHES_PER_S for rate in rates.values()), rates
+    # and they do fetch: the consumers are assigned and long-polling, not stalled
+    assert all(rate > 0 for rate in rates.values()), rates
