@@ -43,6 +43,7 @@ from bench.broker import broker_settings
 from bench.core import host_speed
 from bench.machine import MachineCpu, process_cpu_seconds
 from bench.targets import Target, evaluate
+from connectors.executor_base import ExecutorConfig
 from streams.kafka_defaults import LONG_POLL_MS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
             "--bootstrap", bootstrap, "--database-url", database_url, "--prefix", prefix,
             "--registry", str(registry_path), "--workers", str(args.workers),
             "--max-batch", str(args.max_batch), "--log-level", "INFO",
+            "--gather-ms", str(args.gather_ms),
         ]  # fmt: skip
         executor_log = Path(tmp) / "executor.log"
         collector = Collector(bootstrap, topic_name(INBOX, prefix), args.partitions)
@@ -252,6 +254,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "executor_stats": executor_stats,
         "workers": args.workers,
         "max_batch": args.max_batch,
+        "gather_ms": args.gather_ms,
         "partitions": args.partitions,
         "cpus": os.cpu_count(),
         "load_average_1m": _load_average(),
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument(
+        "--gather-ms", type=int, default=ExecutorConfig.gather_ms, help="the executor's --gather-ms"
+    )
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     from connectors.services import ServiceStack
