@@ -28,6 +28,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from connectors.db import migrate
 from connectors.demo import registry_tools
+from connectors.executor_base import ExecutorConfig
 from connectors.procs import free_port_block
 from connectors.services import ServiceStack
 from connectors.supervisor import Supervisor
@@ -201,6 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--runs", default="20,300,700", help="runs per level (at least 1,000 in all)"
     )
     parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument(
+        "--gather-ms",
+        type=int,
+        default=ExecutorConfig.gather_ms,
+        help="the executors' --gather-ms",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
     parser.add_argument("--out", default="bench/results/loop.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -233,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{model_port}",
+            "--gather-ms",
+            str(args.gather_ms),
         )
         sup.add(
             "tool-executor",
@@ -240,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{tool_port}",
+            "--gather-ms",
+            str(args.gather_ms),
         )
         sup.start_all()
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
@@ -262,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": "loop",
         "steps_per_run": STEPS,
         "runs_total": sum(r["runs"] for r in results),
+        "gather_ms": args.gather_ms,
         "levels": results,
         "peak_rss_mib": rss,
     }
