@@ -483,23 +483,18 @@ class Executor:
     def run(self, stop: threading.Event) -> None:
         """Execute effects until ``stop`` is set; the batch in hand is finished first."""
         self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
+        c = self.config
         try:
             while not stop.is_set():
                 self._recover_if_failed()
-                batch = self._poll()
+                batch = poll_batch(
+                    self._consumer, c.max_batch, c.poll_timeout_s, gather=c.gather_ms / 1000
+                )
                 if batch:
                     self._process(batch)
             self._drain()
         finally:
             self.close()
-
-    def _poll(self) -> list[Message]:
-        c = self.config
-        batch = poll_batch(self._consumer, c.max_batch, c.poll_timeout_s)
-        if batch and c.gather_ms > 0 and len(batch) < c.max_batch:
-            # consume(n, t) returns at n records or after t: the gathering window
-            batch += self._consumer.consume(c.max_batch - len(batch), c.gather_ms / 1000)
-        return batch
 
     def close(self) -> None:
         if self._closed:
