@@ -10,8 +10,9 @@ Two phases:
 
 - throughput: ``--calls`` effects produced at once; calls/s = calls / (first produce -> last
   answer visible);
-- latency: ``--rate`` effects per second for ``--seconds``; the added latency of a call is
-  "effect produced" -> "answer visible in the inbox" (the tool itself takes no time), p50/p99.
+- latency: ``--rate`` effects per second, ``--warmup`` seconds unmeasured, then ``--seconds``
+  measured; the added latency of a call is "effect produced" -> "answer visible in the inbox"
+  (the tool itself takes no time), p50/p99.
 
 Also reported: executor CPU per call in both phases (``/proc``, robust to a busy machine, unlike
 the wall-clock figures) and ``executor_stats``, the line the executor logs when it stops: batches,
@@ -41,6 +42,7 @@ from typing import Any
 
 from bench.broker import broker_settings
 from bench.core import host_speed
+from bench.latency import p99_by_second, percentile
 from bench.machine import MachineCpu, process_cpu_seconds
 from bench.targets import Target, evaluate
 from connectors.executor_base import ExecutorConfig
@@ -58,14 +60,6 @@ def _load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 @contextlib.contextmanager
@@ -235,7 +229,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 cpu2 = process_cpu_seconds(executor.pid)
                 if cpu1 is not None and cpu2 is not None:
                     latency["executor_cpu_ms_per_call"] = round(
-                        (cpu2 - cpu1) * 1000 / latency["calls"], 3
+                        (cpu2 - cpu1) * 1000 / latency["sent"], 3
                     )
                 if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
                     per_call = (cpu1 - cpu0) / throughput["calls"]
@@ -296,14 +290,16 @@ def _throughput(
         "calls": len(sent),
         "seconds": round(elapsed, 3),
         "calls_per_s": round(len(sent) / elapsed, 1),
-        "p50_ms_under_load": round(_percentile(lat, 0.5), 2),
+        "p50_ms_under_load": round(percentile(lat, 0.5), 2),
     }
 
 
 def _latency(
     args: argparse.Namespace, producer: Any, collector: Collector, topic: str, prefix: str
 ) -> dict[str, Any]:
-    count = int(args.rate * args.seconds)
+    """Paced calls: `warmup` seconds unmeasured (the throughput phase's burst settles), then
+    `seconds` measured, as the processor bench does."""
+    count = int(args.rate * (args.warmup + args.seconds))
     batch = _effects(prefix, count, 2_000_000)
     interval = 1.0 / args.rate
     sent: dict[str, float] = {}
@@ -319,15 +315,22 @@ def _latency(
     producer.flush(30)
     if not collector.wait(list(sent), args.timeout):
         raise RuntimeError("latency phase: calls unanswered")
+    measured = began + args.warmup
     with collector.lock:
-        lat = [(collector.seen[i] - t) * 1000 for i, t in sent.items()]
+        timed = [
+            (t - measured, (collector.seen[i] - t) * 1000) for i, t in sent.items() if t >= measured
+        ]
+    lat = [ms for _, ms in timed]
     return {
         "rate_per_s": args.rate,
-        "calls": count,
-        "p50_ms": round(_percentile(lat, 0.5), 2),
-        "p90_ms": round(_percentile(lat, 0.9), 2),
-        "p99_ms": round(_percentile(lat, 0.99), 2),
+        "warmup_s": args.warmup,
+        "sent": count,
+        "calls": len(lat),
+        "p50_ms": round(percentile(lat, 0.5), 2),
+        "p90_ms": round(percentile(lat, 0.9), 2),
+        "p99_ms": round(percentile(lat, 0.99), 2),
         "max_ms": round(max(lat), 2),
+        "p99_ms_by_second": p99_by_second(timed),
     }
 
 
@@ -336,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=5000, help="throughput phase calls")
     parser.add_argument("--rate", type=float, default=200.0, help="latency phase calls/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="latency phase duration")
+    parser.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds of paced calls before measuring"
+    )
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--partitions", type=int, default=6)

@@ -26,6 +26,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from bench.latency import percentile
 from connectors.db import migrate
 from connectors.demo import registry_tools
 from connectors.executor_base import ExecutorConfig
@@ -42,10 +43,6 @@ from streams.records import input_record
 from streams.topics import INBOX, RESULTS, STATE, topic_name
 
 STEPS = 10
-
-
-def _pct(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -183,10 +180,10 @@ class Driver:
             "succeeded": statuses.count("SUCCEEDED"),
             "seconds": round(elapsed, 2),
             "durable_steps_per_s": round(len(steps) / elapsed, 1) if elapsed else 0.0,
-            "step_latency_p50_ms": round(_pct(steps, 0.5) * 1000, 1),
-            "step_latency_p99_ms": round(_pct(steps, 0.99) * 1000, 1),
-            "run_latency_p50_ms": round(_pct(run_lat, 0.5) * 1000, 1),
-            "run_latency_p99_ms": round(_pct(run_lat, 0.99) * 1000, 1),
+            "step_latency_p50_ms": round(percentile(steps, 0.5) * 1000, 1),
+            "step_latency_p99_ms": round(percentile(steps, 0.99) * 1000, 1),
+            "run_latency_p50_ms": round(percentile(run_lat, 0.5) * 1000, 1),
+            "run_latency_p99_ms": round(percentile(run_lat, 0.99) * 1000, 1),
         }
 
     def close(self) -> None:

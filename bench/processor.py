@@ -31,6 +31,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.broker import broker_settings
 from bench.core import host_speed
+from bench.latency import p99_by_second, percentile
 from bench.machine import MachineCpu, metrics_text, scrape
 from bench.targets import Target, evaluate
 from connectors.procs import free_port_block
@@ -306,19 +307,6 @@ def _per_item(machine: dict[str, float | None], items: int) -> dict[str, float |
     return {**machine, "cpu_us_per_item": cpu_us}
 
 
-def _by_second(samples: list[tuple[float, float]]) -> list[list[float]]:
-    seconds: list[list[float]] = []
-    for at, latency in samples:
-        while len(seconds) <= int(at):
-            seconds.append([])
-        seconds[int(at)].append(latency)
-    return seconds
-
-
-def _pct(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns bench processor", description=__doc__)
     parser.add_argument("--runs", type=int, default=10_000)
@@ -421,12 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latency_rate_inputs_per_s": args.rate,
         "latency_warmup_s": args.warmup,
         "latency_samples": len(samples),
-        "latency_p50_ms": round(_pct(latencies, 0.50) * 1000, 1),
-        "latency_p99_ms": round(_pct(latencies, 0.99) * 1000, 1),
+        "latency_p50_ms": round(percentile(latencies, 0.50) * 1000, 1),
+        "latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
         # where in the phase the slow ones were (a stall, or all along)
-        "latency_p99_ms_by_second": [
-            round(_pct(sorted(second), 0.99) * 1000, 1) for second in _by_second(samples)
-        ],
+        "latency_p99_ms_by_second": p99_by_second(samples, scale=1000),
         # per input sent, the warm-up included: the machine was measured over all of them
         "latency_machine": _per_item(
             machine_latency, int(args.rate * (args.warmup + args.seconds))

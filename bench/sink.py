@@ -48,6 +48,7 @@ from confluent_kafka.admin import AdminClient
 
 from bench.broker import broker_settings
 from bench.core import host_speed, simulate
+from bench.latency import percentile
 from bench.machine import MachineCpu, process_cpu_seconds, scrape
 from bench.targets import Target, evaluate
 from connectors.procs import free_port_block
@@ -197,14 +198,6 @@ class LogWriter:
         """Flush and let the producer go (it would keep reconnecting to a stopped broker)."""
         self._producer.flush(10)
         del self._producer
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def paced_writer(
@@ -491,8 +484,8 @@ def run_bench(
         "paced_rate": rate,
         "paced_events": len(committed),
         "paced_achieved_rate": round(len(committed) / wall),
-        "lag_p50_ms": round(_percentile(lags, 0.50) * 1000, 1),
-        "lag_p99_ms": round(_percentile(lags, 0.99) * 1000, 1),
+        "lag_p50_ms": round(percentile(lags, 0.50) * 1000, 1),
+        "lag_p99_ms": round(percentile(lags, 0.99) * 1000, 1),
         "lag_max_ms": round(max(lags, default=0.0) * 1000, 1),
         "lag_missing": missing,
         "partitions": partitions,
