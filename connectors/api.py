@@ -68,7 +68,7 @@ from processors.validation import schema_problem
 from streams.codec import decode, encode
 from streams.kafka_defaults import release
 from streams.partitioning import partition_for
-from streams.records import parse_state
+from streams.records import input_record, parse_state
 from streams.topics import DEFAULT_PREFIX, INBOX, topic_name
 
 log = logging.getLogger("agentruns.api")
@@ -134,28 +134,6 @@ def submit_event_id(run_id: str) -> str:
 
 def request_hash(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
-
-
-def input_record(
-    event: Event,
-    *,
-    input_id: str,
-    producer_id: str | None = None,
-    producer_seq: int | None = None,
-    reply_to: str | None = None,
-) -> dict[str, Any]:
-    """The Input envelope (schema v2) of a core event."""
-    return {
-        "input_id": input_id,
-        "run_id": event.run_id,
-        "kind": event.type,
-        "trace_id": event.trace_id,
-        "producer_id": producer_id,
-        "producer_seq": producer_seq,
-        "at": event.at,
-        "body": event.model_dump_json(),
-        "reply_to": reply_to,
-    }
 
 
 # --------------------------------------------------------------------------- resume tokens

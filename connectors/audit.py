@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from prometheus_client import Counter, Gauge
 
 from connectors.errors import AgentrunsError, AgentrunsKafkaError
 from connectors.model_executor import candidate_from_artifact
+from connectors.procs import stop_on_signals
 from connectors.sink import (
     EVENT_COLUMNS,
     OP_COLUMNS,
@@ -851,9 +851,7 @@ def main(argv: list[str] | None = None) -> int:
                 from prometheus_client import start_http_server
 
                 start_http_server(args.metrics_port)
-            stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            stop = stop_on_signals()
             job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
             job.run(stop, rounds=args.rounds)
             return 1 if job.differences else 0

@@ -39,7 +39,6 @@ import httpx
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from connectors.api import (
-    input_record,
     now_ms,
     run_id_for_key,
     submit_event_id,
@@ -52,6 +51,7 @@ from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
 from streams.kafka_defaults import release
 from streams.partitioning import partition_for
+from streams.records import input_record
 from streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
 
 log = logging.getLogger("agentruns.client")

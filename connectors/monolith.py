@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from types import FrameType
 from typing import Any
 
 from connectors.artifacts import PostgresArtifactStore
@@ -25,6 +23,7 @@ from connectors.db import migrate
 from connectors.executor_base import ExecutorConfig
 from connectors.logs import setup_logging
 from connectors.model_executor import ModelExecutor, Routes
+from connectors.procs import stop_on_signals
 from connectors.services import ServiceStack
 from connectors.sink import Sink, SinkConfig
 from connectors.timer_service import TimerService
@@ -111,13 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="run")
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     with ServiceStack() as stack, ExitStack() as resources:
         assert stack.endpoints is not None
         ep = stack.endpoints

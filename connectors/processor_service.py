@@ -10,15 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from connectors.artifacts import PostgresArtifactStore
 from connectors.db import migrate
 from connectors.logs import setup_logging
+from connectors.procs import stop_on_signals
 from connectors.services import ServiceStack
 from streams.admin import ensure_topics
 from streams.interpreter import tune_gc, tune_switch_interval
@@ -66,13 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="processor")
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     with ServiceStack() as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints

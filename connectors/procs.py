@@ -7,11 +7,21 @@ import errno
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from connectors.errors import PortInUseError
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set, so a service's loop finishes what it holds, closes
+    cleanly and exits 0 (call from the main thread)."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
 
 
 def read_pid(pid_file: Path) -> int | None:

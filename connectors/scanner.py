@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +27,7 @@ import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import Counter
 
+from connectors.procs import stop_on_signals
 from connectors.timer_service import fired_input
 from streams.codec import encode
 from streams.partitioning import partition_for
@@ -160,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     from connectors.services import ServiceStack
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = stop_on_signals()
     with ServiceStack() as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints

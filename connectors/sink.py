@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import signal
 import sys
 import threading
 import time
@@ -49,6 +48,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from connectors.errors import AgentrunsError
 from connectors.pg import Table, prefer_lz4, write_rows
+from connectors.procs import stop_on_signals
 from processors.effects import Effect
 from processors.events import (
     CancelConfirmed,
@@ -1012,13 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     from connectors.services import ServiceStack
 
     setup_logging(args.log_level, component="sink")
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     tune_gc()
     if args.metrics_port:
         from prometheus_client import start_http_server

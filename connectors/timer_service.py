@@ -19,11 +19,9 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 import psycopg
@@ -31,6 +29,7 @@ from confluent_kafka import Consumer, KafkaException, Producer
 
 from connectors.db import migrate
 from connectors.logs import setup_logging
+from connectors.procs import stop_on_signals
 from connectors.services import ServiceStack
 from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
@@ -217,13 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="timer")
-    stop = threading.Event()
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     with ServiceStack() as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints

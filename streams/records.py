@@ -69,6 +69,7 @@ def input_record(
     input_id: str | None = None,
     producer_id: str | None = None,
     producer_seq: int | None = None,
+    reply_to: str | None = None,
 ) -> dict[str, Any]:
     """The inbox `Input` record carrying `event` (its id, time and trace are the event's)."""
     return {
@@ -80,7 +81,7 @@ def input_record(
         "producer_seq": producer_seq,
         "at": event.at,
         "body": event.model_dump_json(),
-        "reply_to": None,
+        "reply_to": reply_to,
     }
 
 
