@@ -89,7 +89,31 @@ def summary(figures: Json) -> list[str]:
             f" ({figure(low, path)} .. {figure(high, path)}) {verdict}"
         )
     lines.append(f"  trials meeting every target: {figures['trials_meeting_targets']}")
+    lines.extend(f"  trial {i}: {host_line(t)}" for i, t in enumerate(figures["trials"], 1))
     return lines
+
+
+def _steal(value: Any) -> list[float]:
+    """Every ``steal_pct`` the bench reported, in any phase."""
+    if isinstance(value, dict):
+        found = [float(v) for k, v in value.items() if k == "steal_pct" and v is not None]
+        return found + [s for v in value.values() for s in _steal(v)]
+    return []
+
+
+def host_line(trial: Json) -> str:
+    """How the host was during one trial, beside its verdict: a missed target on a host that
+    was stolen from or slow says little about the code."""
+    parts = []
+    steal = _steal(trial)
+    if steal:
+        parts.append(f"steal up to {max(steal):g}%")
+    speed = trial.get("host_speed")
+    if isinstance(speed, dict) and speed.get("core_fold_us_per_event") is not None:
+        parts.append(f"host_speed {speed['core_fold_us_per_event']:g} µs/event")
+    met = trial.get("meets_targets")
+    verdict = "no targets" if met is None else "met every target" if met else "missed a target"
+    return ", ".join([*parts, verdict])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -132,3 +132,15 @@ def test_repeat_judges_the_targets_on_the_median(
     assert "core: 2 trials" in told
     assert f"snapshot_bytes_step_50 <= 8192: median {snapshot['value']}" in told
     assert f"trials meeting every target: {met}" in told
+
+
+def test_each_trial_says_how_the_host_was() -> None:
+    trial = {
+        "meets_targets": False,
+        "host_speed": {"core_fold_us_per_event": 56.5},
+        "throughput_machine": {"steal_pct": 0.7},
+        "latency": {"machine": {"steal_pct": 9.4}},
+    }
+    assert repeat.host_line(trial) == "steal up to 9.4%, host_speed 56.5 µs/event, missed a target"
+    assert repeat.host_line({"meets_targets": True}) == "met every target"
+    assert repeat.host_line({}) == "no targets"
