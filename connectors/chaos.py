@@ -43,6 +43,7 @@ from processors.events import Message, RunSubmitted
 from processors.state import Budgets, Policy
 from streams.admin import ensure_topics
 from streams.codec import encode
+from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import input_record
 from streams.topics import DLQ, INBOX, RESULTS, topic_name
@@ -205,7 +206,9 @@ def run_chaos(
                         injected += 1
                     producer.poll(0)
                     time.sleep(rng.uniform(0.0, 2.0) * submit_seconds / runs)
-                producer.flush(60)
+                # released now: alive, it would reconnect to the stopped broker at the end
+                if (left := release(producer, 60)) > 0:
+                    raise RuntimeError(f"{left} submitted inputs were not acknowledged")
                 say(f"chaos: submitted {runs} runs and {injected} bad inputs")
                 results: dict[str, list[dict[str, Any]]] = {}
                 while time.monotonic() < deadline:

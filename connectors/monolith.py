@@ -47,6 +47,7 @@ class Monolith:
         tool_base_url: str | None = None,
     ) -> None:
         self.stop_event = threading.Event()
+        self.failed: str | None = None  # the component that stopped with an error
         self._threads: list[threading.Thread] = []
         self._closers: list[Callable[[], object]] = []
         store = PostgresArtifactStore(database_url)
@@ -87,6 +88,7 @@ class Monolith:
             component.run(self.stop_event)
         except Exception:
             log.exception("%s stopped with an error; stopping the monolith", name)
+            self.failed = self.failed or name
             self.stop_event.set()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -143,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if api is not None:
             api()
         monolith.stop()
-    return 0
+    # non-zero when a component failed, so a supervisor (systemd, Kubernetes) restarts us
+    return 1 if monolith.failed else 0
 
 
 def _start_api(

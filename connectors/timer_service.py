@@ -37,6 +37,7 @@ from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
 from streams.kafka_defaults import LONG_POLL_MS, release
 from streams.partitioning import partition_for
+from streams.polling import check_fatal
 from streams.records import input_record, parse_effect_body
 from streams.topics import INBOX, effect_suffix, topic_name
 
@@ -109,7 +110,7 @@ class TimerService:
         try:
             while not stop.is_set():
                 try:
-                    self._ingest(self._consumer.consume(500, self.tick))
+                    self._ingest(check_fatal(self._consumer.consume(500, self.tick)))
                     self._fire_due()
                     backoff = 0.1
                 except psycopg.OperationalError as exc:

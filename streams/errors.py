@@ -22,3 +22,10 @@ class AgentrunsError(Exception):
 
 class AgentrunsKafkaError(AgentrunsError):
     """A Kafka client call failed; `retryable` mirrors librdkafka's own classification."""
+
+
+class FatalConsumerError(AgentrunsKafkaError):
+    """The consumer hit a fatal error and will get nothing more: another member registered its
+    ``group.instance.id`` (librdkafka can also fence itself this way when it rejoins after a
+    broker restart). The partitions belong to somebody else from now on, so the process must
+    stop without committing what it holds; its supervisor starts it again."""

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import Consumer, KafkaError, Message
+
+from streams.errors import FatalConsumerError
+
+
+def check_fatal(messages: list[Message]) -> list[Message]:
+    """`messages`, unless one carries a fatal consumer error: then raise FatalConsumerError.
+    Logged and skipped like any consumer error, it left a process that consumed nothing while
+    its transactions could still commit: a zombie beside the member that took its partitions."""
+    for message in messages:
+        error = message.error()
+        # a consumer's fatal error arrives as code _FATAL (its fatal() flag is not always set)
+        if error is not None and (error.fatal() or error.code() == KafkaError._FATAL):
+            raise FatalConsumerError(
+                f"fatal consumer error: {error.str()}",
+                hint="the process stops; its supervisor (or you) starts it again",
+            )
+    return messages
 
 
 def poll_batch(
@@ -11,10 +28,11 @@ def poll_batch(
     """Up to `limit` records: wait at most `timeout` for the first, then take what has already
     arrived, or with `gather` (seconds) what arrives that much longer: a consumer-side linger.
     (librdkafka's `consume(n, timeout)` returns only when it has n records or the timeout
-    passed: as the first wait, under light load, it held every record for the whole timeout.)"""
+    passed: as the first wait, under light load, it held every record for the whole timeout.)
+    A fatal consumer error raises FatalConsumerError (see `check_fatal`)."""
     first = consumer.poll(timeout)
     if first is None:
         return []
     if limit <= 1:
-        return [first]
-    return [first, *consumer.consume(limit - 1, gather)]
+        return check_fatal([first])
+    return check_fatal([first, *consumer.consume(limit - 1, gather)])

@@ -55,7 +55,7 @@ from processors.state import TimerPurpose
 from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
-from streams.errors import AgentrunsKafkaError
+from streams.errors import AgentrunsKafkaError, FatalConsumerError
 from streams.kafka_defaults import (
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
@@ -63,7 +63,7 @@ from streams.kafka_defaults import (
     fetch_settings,
 )
 from streams.partitioning import event_key
-from streams.polling import poll_batch
+from streams.polling import check_fatal, poll_batch
 from streams.records import (
     EFFECT_TOPIC_KIND,
     RunSlot,
@@ -167,6 +167,9 @@ class Processor:
         self._consumer = self._new_consumer()
         self._producers = ProducerPair(self._new_producer)
         self._assigned: set[int] = set()
+        # Set when the consumer was fenced: from then on nothing applied is committed, and the
+        # rebalance callbacks that closing the consumer runs only drop state.
+        self._fenced = False
         self.stats = metrics.ProcessorStats()
 
     # ------------------------------------------------------------------ clients
@@ -234,7 +237,7 @@ class Processor:
                 if self._batch is None:
                     messages = poll_batch(self._consumer, limit, interval)
                 else:
-                    messages = self._consumer.consume(limit, 0.002)
+                    messages = check_fatal(self._consumer.consume(limit, 0.002))
                 drained = len(messages) < limit
                 try:
                     self._check_in_flight()  # a failed transaction: recover before applying more
@@ -252,6 +255,16 @@ class Processor:
                 except KafkaException as exc:
                     self._recover(exc)
             self._commit(wait=True)
+        except FatalConsumerError:
+            # Fenced: the partitions are another member's now (or will be once our session
+            # ends), so what was applied since the last commit is dropped, not committed. The
+            # transaction in flight was sealed before; the broker accepts its offsets only if
+            # the group still counts us, and a successor restores only after it has ended
+            # (`_on_assign`).
+            self._fenced = True
+            self._batch = None
+            log.error("the consumer was fenced; stopping without committing the open batch")
+            raise
         finally:
             self.close()
 
@@ -269,6 +282,7 @@ class Processor:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         mine = {tp.partition for tp in partitions}
         began = time.monotonic()
+        self._await_stable_offsets(consumer, partitions)
         restored = self._restore(mine)
         self._assigned |= mine
         gc.freeze()  # the restored slots live long: out of the collector's way
@@ -279,17 +293,49 @@ class Processor:
             time.monotonic() - began,
         )
 
+    def _await_stable_offsets(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Wait until no transaction of a previous owner of `partitions` is still open.
+
+        Its snapshots and its input offsets become visible (or are aborted) together, but a
+        restore reads the snapshots only up to the open transaction, while the consumer's own
+        offset fetch later waits for it: restored from before a transaction that then commits,
+        the run states would miss inputs the consumer never delivers again (the chaos run that
+        found it: a fenced processor committed seq 9 of a run while its successor, restored
+        without it, wrote another seq 9). A read_committed consumer's `committed()` waits while
+        offsets of an open transaction are pending (KIP-447 `require_stable`); one of a dead
+        owner is aborted by the coordinator within its transaction timeout."""
+        if not partitions:
+            return
+        bound = max(60.0, 2 * self.config.transaction_timeout_ms / 1000)
+        deadline = time.monotonic() + bound
+        wanted = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        while True:
+            try:
+                consumer.committed(wanted, timeout=min(10.0, bound))
+                return
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    numbers = sorted(tp.partition for tp in wanted)
+                    raise AgentrunsKafkaError(
+                        f"the committed offsets of {self.inbox} {numbers} stayed unstable for"
+                        f" {bound:.0f}s: {exc}",
+                        hint="a transaction of the previous owner is still open; see "
+                        "kafka-transactions.sh --describe",
+                    ) from exc
+                log.warning("waiting for the previous owner's transaction to end: %s", exc)
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Commit what was applied so far: the next owner starts from these offsets and state.
         revoked = {tp.partition for tp in partitions}
+        if self._fenced:  # nothing of ours may be committed any more
+            self._drop(revoked)
+            return
+        # Commit what was applied so far: the next owner starts from these offsets and state.
         try:
             self._commit(wait=True)
         except KafkaException as exc:
             log.warning("commit on revoke failed, aborting: %s", exc)
             self._recover(exc, rewind=self._assigned - revoked)
-        for p in revoked:
-            self._slots.pop(p, None)
-            self._assigned.discard(p)
+        self._drop(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # The group moved on without us: our open transaction is fenced; drop everything.
@@ -297,9 +343,12 @@ class Processor:
             self._wait_in_flight()
         self._batch = None
         self._abort_quietly()
-        for tp in partitions:
-            self._slots.pop(tp.partition, None)
-            self._assigned.discard(tp.partition)
+        self._drop({tp.partition for tp in partitions})
+
+    def _drop(self, partitions: set[int]) -> None:
+        for p in partitions:
+            self._slots.pop(p, None)
+            self._assigned.discard(p)
 
     def _restore(self, partitions: set[int]) -> int:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
