@@ -7,14 +7,19 @@ from confluent_kafka import Consumer, KafkaError, Message
 from streams.errors import FatalConsumerError
 
 
+def is_fatal(error: KafkaError | None) -> bool:
+    """A fatal consumer error: its code is _FATAL (its fatal() flag is not set on consumer
+    events) or the flag is set."""
+    return error is not None and (error.fatal() or error.code() == KafkaError._FATAL)
+
+
 def check_fatal(messages: list[Message]) -> list[Message]:
     """`messages`, unless one carries a fatal consumer error: then raise FatalConsumerError.
     Logged and skipped like any consumer error, it left a process that consumed nothing while
     its transactions could still commit: a zombie beside the member that took its partitions."""
     for message in messages:
         error = message.error()
-        # a consumer's fatal error arrives as code _FATAL (its fatal() flag is not always set)
-        if error is not None and (error.fatal() or error.code() == KafkaError._FATAL):
+        if error is not None and is_fatal(error):
             raise FatalConsumerError(
                 f"fatal consumer error: {error.str()}",
                 hint="the process stops; its supervisor (or you) starts it again",

@@ -63,7 +63,7 @@ from streams.kafka_defaults import (
     fetch_settings,
 )
 from streams.partitioning import event_key
-from streams.polling import check_fatal, poll_batch
+from streams.polling import check_fatal, is_fatal, poll_batch
 from streams.records import (
     EFFECT_TOPIC_KIND,
     RunSlot,
@@ -314,6 +314,9 @@ class Processor:
                 consumer.committed(wanted, timeout=min(10.0, bound))
                 return
             except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if isinstance(error, KafkaError) and is_fatal(error):
+                    raise FatalConsumerError(f"fatal consumer error: {error.str()}") from exc
                 if time.monotonic() > deadline:
                     numbers = sorted(tp.partition for tp in wanted)
                     raise AgentrunsKafkaError(
