@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from confluent_kafka import Consumer, KafkaError, Message
 
 from streams.errors import FatalConsumerError
 
 
-def is_fatal(error: KafkaError | None) -> bool:
+def is_fatal(error: KafkaError | None) -> TypeGuard[KafkaError]:
     """A fatal consumer error: its code is _FATAL (its fatal() flag is not set on consumer
     events) or the flag is set."""
     return error is not None and (error.fatal() or error.code() == KafkaError._FATAL)
+
+
+def fatal_error(error: KafkaError) -> FatalConsumerError:
+    return FatalConsumerError(
+        f"fatal consumer error: {error.str()}",
+        hint="the process stops; its supervisor (or you) starts it again",
+    )
 
 
 def check_fatal(messages: list[Message]) -> list[Message]:
@@ -19,11 +28,8 @@ def check_fatal(messages: list[Message]) -> list[Message]:
     its transactions could still commit: a zombie beside the member that took its partitions."""
     for message in messages:
         error = message.error()
-        if error is not None and is_fatal(error):
-            raise FatalConsumerError(
-                f"fatal consumer error: {error.str()}",
-                hint="the process stops; its supervisor (or you) starts it again",
-            )
+        if is_fatal(error):
+            raise fatal_error(error)
     return messages
 
 

@@ -63,7 +63,7 @@ from streams.kafka_defaults import (
     fetch_settings,
 )
 from streams.partitioning import event_key
-from streams.polling import check_fatal, is_fatal, poll_batch
+from streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
 from streams.records import (
     EFFECT_TOPIC_KIND,
     RunSlot,
@@ -316,7 +316,7 @@ class Processor:
             except KafkaException as exc:
                 error = exc.args[0] if exc.args else None
                 if isinstance(error, KafkaError) and is_fatal(error):
-                    raise FatalConsumerError(f"fatal consumer error: {error.str()}") from exc
+                    raise fatal_error(error) from exc
                 if time.monotonic() > deadline:
                     numbers = sorted(tp.partition for tp in wanted)
                     raise AgentrunsKafkaError(
