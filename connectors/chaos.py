@@ -1,11 +1,13 @@
-"""`agentruns chaos`: mixed runs while a driver kill -9s random components.
+"""`agentruns chaos`: mixed runs while a driver kill -9s and pauses random components.
 
 Starts Kafka and Postgres (local ones when none is configured), the scripted model server and
 the example tool server (never killed: they stand for the outside world), and the pipeline as
 separate processes: two processors, both executors, the timer service and the sink. It submits
-runs of mixed scenarios, injects a few bad inputs, kill -9s a random component every few seconds
-and restarts it, restarts the broker once (when it is ours), waits for every run to end, and
-then checks:
+runs of mixed scenarios, injects a few bad inputs, every few seconds kill -9s a random component
+and restarts it, or pauses one (SIGSTOP) for 1-15 s and lets it go on (SIGCONT): past its
+session timeout (6 s) the group has moved on and it resumes as a zombie, past the transaction
+timeout (10 s) the coordinator has aborted its open transaction. It restarts the broker once
+(when it is ours), waits for every run to end, and then checks:
 
 - every run has exactly one terminal result;
 - no tool idempotency key was executed twice (the tool server's counters);
@@ -49,6 +51,7 @@ from streams.records import input_record
 from streams.topics import DLQ, INBOX, RESULTS, topic_name
 
 PARTITIONS = 6
+PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
 KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
 
 
@@ -99,11 +102,16 @@ def run_chaos(
     broker_restart: bool,
     seed: int,
     submit_seconds: float = 60.0,
+    pause_share: float = 0.0,
     say: Any = print,
 ) -> dict[str, Any]:
-    """Submit `runs` runs spread over `submit_seconds` (so kills land while runs are in
-    flight), kill a component every ~`kill_every` s until every run is terminal."""
+    """Submit `runs` runs spread over `submit_seconds` (so faults land while runs are in
+    flight); every ~`kill_every` s kill a component, or with probability `pause_share` pause
+    one, until every run is terminal."""
+    # Two streams, so that the sequence of faults depends on the seed alone, not on how the
+    # submitting thread's draws interleave with the killer's.
     rng = random.Random(seed)
+    pacing = random.Random(f"{seed}:pacing")
     prefix = f"chaos-{uuid.uuid4().hex[:8]}"
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
@@ -147,6 +155,7 @@ def run_chaos(
             tool_specs = registry_tools()
             run_ids: list[str] = []
             kills = 0
+            pauses = 0
             restarts = 0
             broker_restarts = 0
             stop_killing = threading.Event()
@@ -154,7 +163,7 @@ def run_chaos(
             deadline = began + minutes * 60
 
             def killer() -> None:
-                nonlocal kills, restarts, broker_restarts
+                nonlocal kills, pauses, restarts, broker_restarts
                 restarted_broker = not broker_restart or stack.local is None
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
                     if not restarted_broker and kills >= 3:
@@ -165,6 +174,16 @@ def run_chaos(
                         restarted_broker = True
                         continue
                     name = rng.choice(KILLABLE)
+                    if rng.random() < pause_share:
+                        seconds = rng.uniform(*PAUSE_SECONDS)
+                        if sup.pause(name):
+                            try:
+                                stop_killing.wait(seconds)
+                            finally:
+                                sup.resume(name)
+                            pauses += 1
+                            say(f"chaos: paused {name} for {seconds:.1f} s ({pauses} pauses)")
+                        continue
                     sup.kill(name)
                     kills += 1
                     stop_killing.wait(rng.uniform(0.0, 2.0))
@@ -178,7 +197,9 @@ def run_chaos(
             try:
                 for i in range(runs):
                     mix = MIXES[i % len(MIXES)]
-                    run_id = f"chaos-{i:04d}-{mix.model_scenario}"
+                    # Unique per chaos run: a configured database keeps the timers, executed
+                    # actions and runs of earlier ones, keyed by run id.
+                    run_id = f"{prefix}-{i:04d}-{mix.model_scenario}"
                     event = RunSubmitted(
                         run_id=run_id,
                         event_id=f"{run_id}:submit",
@@ -205,7 +226,7 @@ def run_chaos(
                         producer.produce(inbox, key=b"garbage", value=b"\x00not avro", partition=0)
                         injected += 1
                     producer.poll(0)
-                    time.sleep(rng.uniform(0.0, 2.0) * submit_seconds / runs)
+                    time.sleep(pacing.uniform(0.0, 2.0) * submit_seconds / runs)
                 # released now: alive, it would reconnect to the stopped broker at the end
                 if (left := release(producer, 60)) > 0:
                     raise RuntimeError(f"{left} submitted inputs were not acknowledged")
@@ -245,6 +266,7 @@ def run_chaos(
     return {
         "runs": len(run_ids),
         "kills": kills,
+        "pauses": pauses,
         "restarts": restarts,
         "broker_restarts": broker_restarts,
         "broker_restartable": restartable,
@@ -272,7 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns chaos", description=__doc__)
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--minutes", type=float, default=10.0, help="time limit")
-    parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between kills")
+    parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between faults")
+    parser.add_argument(
+        "--pause-share",
+        type=float,
+        default=0.3,
+        help="the share of faults that pause a component (SIGSTOP, 1-15 s) instead of killing it",
+    )
     parser.add_argument("--no-broker-restart", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -286,11 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker_restart=not args.no_broker_restart,
         seed=args.seed,
         submit_seconds=args.submit_seconds,
+        pause_share=args.pause_share,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     ok = ok_figures(figures)
     print(
-        f"runs {figures['runs']}, kills {figures['kills']}, restarts {figures['restarts']}, "
+        f"runs {figures['runs']}, kills {figures['kills']}, pauses {figures['pauses']}, "
+        f"restarts {figures['restarts']}, "
         f"broker restarts {figures['broker_restarts']}, duplicates "
         f"{figures['duplicate_tool_executions']}, lost {figures['lost']}, audit differences "
         f"{figures['audit_differences']}: {'OK' if ok else 'FAILED'}",

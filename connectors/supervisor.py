@@ -1,9 +1,11 @@
 """Run pipeline components as separate processes (production mode), for the demo, chaos tests
-and benchmarks: start, kill -9, restart and stop them by name, with their logs in one folder.
+and benchmarks: start, kill -9, pause, restart and stop them by name, with their logs in one
+folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -66,6 +68,21 @@ class Supervisor:
             c.process.wait()
             c.kills += 1
 
+    def pause(self, name: str) -> bool:
+        """SIGSTOP the component's process group: a process that stops answering without dying
+        (a long GC pause, a stalled VM) and comes back as a zombie when `resume`d. False when
+        it was not running."""
+        c = self.components[name]
+        if c.process is None or c.process.poll() is not None:
+            return False
+        os.killpg(c.process.pid, signal.SIGSTOP)
+        return True
+
+    def resume(self, name: str) -> None:
+        c = self.components[name]
+        if c.process is not None and c.process.poll() is None:
+            os.killpg(c.process.pid, signal.SIGCONT)
+
     def restart(self, name: str) -> None:
         self.kill(name)
         self.start(name)
@@ -76,6 +93,8 @@ class Supervisor:
             return
         if c.process.poll() is None:
             c.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.process.pid, signal.SIGCONT)  # a paused one handles it only then
             try:
                 c.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

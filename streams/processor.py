@@ -341,9 +341,15 @@ class Processor:
         self._drop(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # The group moved on without us: our open transaction is fenced; drop everything.
-        with contextlib.suppress(KafkaException):
+        # The group moved on without us (a session that expired while the process stood still):
+        # our offsets are refused now, so a transaction still in flight fails; drop everything.
+        lost = sorted(tp.partition for tp in partitions)
+        try:
             self._wait_in_flight()
+        except KafkaException as exc:
+            log.warning("partitions %s lost; the transaction in flight failed: %s", lost, exc)
+        else:
+            log.warning("partitions %s lost; dropping their state and the open batch", lost)
         self._batch = None
         self._abort_quietly()
         self._drop({tp.partition for tp in partitions})

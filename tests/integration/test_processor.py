@@ -285,6 +285,54 @@ def test_a_killed_member_is_replaced_by_the_other(
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
+def test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """SIGSTOP one of two members past its session timeout while runs flow, then SIGCONT: the
+    group gave its partitions to the other meanwhile, so whatever it applied or had in flight
+    must be refused (its offsets carry the old generation), and it rejoins."""
+    env = _service_env(kafka_bootstrap, database_url)
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=4)
+    double.start()
+    first, second = _spawn(env, prefix, "0"), _spawn(env, prefix, "1")
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-0.log"
+    try:
+        inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+        runs = [f"zombie-{i}" for i in range(18)]
+        for run_id in runs[:6]:
+            inbox.send(input_record(submitted(run_id)))
+        inbox.flush()
+        wait_for(
+            lambda: len(_results(kafka_bootstrap, prefix)) >= 2,
+            timeout=60,
+            what="both members working",
+        )
+        first.send_signal(signal.SIGSTOP)
+        for run_id in runs[6:12]:  # taken over by the other member once the session expires
+            inbox.send(input_record(submitted(run_id)))
+            inbox.flush()
+            time.sleep(1.0)
+        time.sleep(4.0)  # 10 s in all, past the 6 s session timeout
+        first.send_signal(signal.SIGCONT)
+        wait_for(
+            lambda: "lost" in log_path.read_text(errors="replace"),
+            timeout=60,
+            what="the resumed member to find its partitions lost",
+        )
+        for run_id in runs[12:]:
+            inbox.send(input_record(submitted(run_id)))
+        inbox.flush()
+        _wait_all_terminal(kafka_bootstrap, prefix, runs, "every run terminal after the pause")
+    finally:
+        for proc in (first, second):
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        double.close()
+    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert_log_consistent(kafka_bootstrap, prefix)
+
+
 def test_out_of_order_duplicates_conflicts_and_gap_timeout(
     kafka_bootstrap: str, prefix: str, processor: Processor
 ) -> None:
