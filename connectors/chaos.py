@@ -6,8 +6,9 @@ separate processes: two processors, both executors, the timer service and the si
 runs of mixed scenarios, injects a few bad inputs, every few seconds kill -9s a random component
 and restarts it, or pauses one (SIGSTOP) for 1-15 s and lets it go on (SIGCONT): past its
 session timeout (6 s) the group has moved on and it resumes as a zombie, past the transaction
-timeout (10 s) the coordinator has aborted its open transaction. It restarts the broker once
-(when it is ours), waits for every run to end, and then checks:
+timeout (10 s) the coordinator has aborted its open transaction. When the broker is ours it
+restarts it once and pauses it once (SIGSTOP, 5-20 s: every client's requests time out, every
+session expires when it goes on). It waits for every run to end, and then checks:
 
 - every run has exactly one terminal result;
 - no tool idempotency key was executed twice (the tool server's counters);
@@ -52,6 +53,7 @@ from streams.topics import DLQ, INBOX, RESULTS, topic_name
 
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
+BROKER_PAUSE_SECONDS = (5.0, 20.0)
 KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
 
 
@@ -101,6 +103,7 @@ def run_chaos(
     kill_every: float,
     broker_restart: bool,
     seed: int,
+    broker_pause: bool = True,
     submit_seconds: float = 60.0,
     pause_share: float = 0.0,
     say: Any = print,
@@ -158,20 +161,38 @@ def run_chaos(
             pauses = 0
             restarts = 0
             broker_restarts = 0
+            broker_pauses = 0
             stop_killing = threading.Event()
+            broker_faults_done = threading.Event()  # the runs may end before them: wait
             began = time.monotonic()
             deadline = began + minutes * 60
 
             def killer() -> None:
-                nonlocal kills, pauses, restarts, broker_restarts
-                restarted_broker = not broker_restart or stack.local is None
+                nonlocal kills, pauses, restarts, broker_restarts, broker_pauses
+                local = stack.local
+                restarted_broker = not broker_restart or local is None
+                paused_broker = not broker_pause or local is None
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
+                    if restarted_broker and paused_broker:
+                        broker_faults_done.set()
                     if not restarted_broker and kills >= 3:
                         say("chaos: restarting the Kafka broker")
-                        assert stack.local is not None
-                        stack.local.kafka.restart()
+                        assert local is not None
+                        local.kafka.restart()
                         broker_restarts += 1
                         restarted_broker = True
+                        continue
+                    if not paused_broker and kills >= 4:
+                        seconds = rng.uniform(*BROKER_PAUSE_SECONDS)
+                        assert local is not None
+                        local.kafka.pause()
+                        try:
+                            stop_killing.wait(seconds)
+                        finally:
+                            local.kafka.resume()
+                        broker_pauses += 1
+                        paused_broker = True
+                        say(f"chaos: paused the Kafka broker for {seconds:.1f} s")
                         continue
                     name = rng.choice(KILLABLE)
                     if rng.random() < pause_share:
@@ -234,7 +255,7 @@ def run_chaos(
                 results: dict[str, list[dict[str, Any]]] = {}
                 while time.monotonic() < deadline:
                     results = _read_results(ep.kafka_bootstrap, prefix)
-                    if all(r in results for r in run_ids):
+                    if all(r in results for r in run_ids) and broker_faults_done.is_set():
                         break
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
@@ -269,6 +290,7 @@ def run_chaos(
         "pauses": pauses,
         "restarts": restarts,
         "broker_restarts": broker_restarts,
+        "broker_pauses": broker_pauses,
         "broker_restartable": restartable,
         "lost": len(lost),
         "terminal_twice": len(terminal_twice),
@@ -302,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the share of faults that pause a component (SIGSTOP, 1-15 s) instead of killing it",
     )
     parser.add_argument("--no-broker-restart", action="store_true")
+    parser.add_argument("--no-broker-pause", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--submit-seconds", type=float, default=120.0, help="spread the submissions over this"
@@ -312,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         minutes=args.minutes,
         kill_every=args.kill_every,
         broker_restart=not args.no_broker_restart,
+        broker_pause=not args.no_broker_pause,
         seed=args.seed,
         submit_seconds=args.submit_seconds,
         pause_share=args.pause_share,
@@ -321,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"runs {figures['runs']}, kills {figures['kills']}, pauses {figures['pauses']}, "
         f"restarts {figures['restarts']}, "
-        f"broker restarts {figures['broker_restarts']}, duplicates "
+        f"broker restarts {figures['broker_restarts']}, broker pauses "
+        f"{figures['broker_pauses']}, duplicates "
         f"{figures['duplicate_tool_executions']}, lost {figures['lost']}, audit differences "
         f"{figures['audit_differences']}: {'OK' if ok else 'FAILED'}",
         file=sys.stderr,

@@ -336,6 +336,16 @@ class LocalKafka:
                 stop_pid(node.pid_file, sig=signal.SIGKILL, timeout=10.0)
                 self._reap(node)
 
+    def pause(self) -> None:
+        """SIGSTOP every node (fault tests): a broker that stands still, connections open, as in
+        a long GC pause or a stalled disk."""
+        for pid in self.running():
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self.running():
+            os.kill(pid, signal.SIGCONT)
+
     def restart(self, *, timeout: float = 60.0) -> float:
         self.stop()
         return self.start(timeout=timeout)

@@ -1,7 +1,7 @@
 """The bounded chaos run inside `make test` (the long form is `agentruns chaos --minutes N`).
 
 Mixed runs while random components are killed -9 and restarted, or paused past their session
-timeout and resumed (zombies), and the broker restarts once:
+timeout and resumed (zombies), and the broker restarts once and stands still once:
 every run ends exactly once, no tool key executes twice, the audit finds the log, snapshots
 and Postgres in agreement, and the DLQ holds exactly the injected bad inputs.
 """
@@ -27,6 +27,7 @@ def test_chaos_kills_lose_and_repeat_nothing() -> None:
     assert figures["kills"] >= 3 and figures["pauses"] >= 1, figures
     # The broker is restarted only when it is ours (not one given by KAFKA_BOOTSTRAP_SERVERS).
     assert figures["broker_restarts"] == int(figures["broker_restartable"]), figures
+    assert figures["broker_pauses"] == int(figures["broker_restartable"]), figures
     assert figures["lost"] == 0, figures
     assert figures["terminal_twice"] == 0, figures
     assert figures["duplicate_tool_executions"] == 0, figures

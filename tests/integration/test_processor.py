@@ -253,16 +253,18 @@ def test_kill_9_at_random_points_loses_and_repeats_nothing(
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
-def test_a_killed_member_is_replaced_by_the_other(
-    kafka_bootstrap: str, database_url: str, prefix: str
-) -> None:
+@contextlib.contextmanager
+def _two_members(
+    kafka_bootstrap: str, database_url: str, prefix: str, runs: list[str]
+) -> Iterator[tuple[subprocess.Popen[bytes], Inbox]]:
+    """Two processor processes in one group (and an executor double), both at work on the
+    first six of `runs`; yields the first member and the inbox. Stops what is left running."""
     env = _service_env(kafka_bootstrap, database_url)
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=4)
     double.start()
-    first, second = _spawn(env, prefix, "0"), _spawn(env, prefix, "1")
+    members = (_spawn(env, prefix, "0"), _spawn(env, prefix, "1"))
     try:
         inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
-        runs = [f"pair-{i}" for i in range(12)]
         for run_id in runs[:6]:
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
@@ -271,16 +273,27 @@ def test_a_killed_member_is_replaced_by_the_other(
             timeout=60,
             what="both members working",
         )
+        yield members[0], inbox
+    finally:
+        for proc in members:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a paused one handles SIGTERM only then
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        double.close()
+
+
+def test_a_killed_member_is_replaced_by_the_other(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    runs = [f"pair-{i}" for i in range(12)]
+    with _two_members(kafka_bootstrap, database_url, prefix, runs) as (first, inbox):
         first.send_signal(signal.SIGKILL)
         first.wait()
         for run_id in runs[6:]:
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
         _wait_all_terminal(kafka_bootstrap, prefix, runs, "the survivor finishing every run")
-    finally:
-        second.send_signal(signal.SIGTERM)
-        second.wait(timeout=60)
-        double.close()
     assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
@@ -291,22 +304,9 @@ def test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice(
     """SIGSTOP one of two members past its session timeout while runs flow, then SIGCONT: the
     group gave its partitions to the other meanwhile, so whatever it applied or had in flight
     must be refused (its offsets carry the old generation), and it rejoins."""
-    env = _service_env(kafka_bootstrap, database_url)
-    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=4)
-    double.start()
-    first, second = _spawn(env, prefix, "0"), _spawn(env, prefix, "1")
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-0.log"
-    try:
-        inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
-        runs = [f"zombie-{i}" for i in range(18)]
-        for run_id in runs[:6]:
-            inbox.send(input_record(submitted(run_id)))
-        inbox.flush()
-        wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) >= 2,
-            timeout=60,
-            what="both members working",
-        )
+    runs = [f"zombie-{i}" for i in range(18)]
+    with _two_members(kafka_bootstrap, database_url, prefix, runs) as (first, inbox):
         first.send_signal(signal.SIGSTOP)
         for run_id in runs[6:12]:  # taken over by the other member once the session expires
             inbox.send(input_record(submitted(run_id)))
@@ -323,12 +323,6 @@ def test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice(
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
         _wait_all_terminal(kafka_bootstrap, prefix, runs, "every run terminal after the pause")
-    finally:
-        for proc in (first, second):
-            proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        double.close()
     assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
