@@ -22,6 +22,7 @@ only when every check holds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,45 +164,44 @@ def run_chaos(
             broker_restarts = 0
             broker_pauses = 0
             stop_killing = threading.Event()
-            broker_faults_done = threading.Event()  # the runs may end before them: wait
+            local = stack.local
+            # The broker faults, once each when the broker is ours; the runs may end before
+            # them, so the run goes on until they happened.
+            broker_restarts_due = int(broker_restart and local is not None)
+            broker_pauses_due = int(broker_pause and local is not None)
             began = time.monotonic()
             deadline = began + minutes * 60
 
+            def hold(seconds: float, resume: Callable[[], object]) -> None:
+                """Leave what was paused standing for `seconds` (less once the run ends), then
+                resume it, whatever happens."""
+                try:
+                    stop_killing.wait(seconds)
+                finally:
+                    resume()
+
             def killer() -> None:
                 nonlocal kills, pauses, restarts, broker_restarts, broker_pauses
-                local = stack.local
-                restarted_broker = not broker_restart or local is None
-                paused_broker = not broker_pause or local is None
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
-                    if restarted_broker and paused_broker:
-                        broker_faults_done.set()
-                    if not restarted_broker and kills >= 3:
+                    if broker_restarts < broker_restarts_due and kills >= 3:
                         say("chaos: restarting the Kafka broker")
                         assert local is not None
                         local.kafka.restart()
                         broker_restarts += 1
-                        restarted_broker = True
                         continue
-                    if not paused_broker and kills >= 4:
+                    if broker_pauses < broker_pauses_due and kills >= 4:
                         seconds = rng.uniform(*BROKER_PAUSE_SECONDS)
                         assert local is not None
                         local.kafka.pause()
-                        try:
-                            stop_killing.wait(seconds)
-                        finally:
-                            local.kafka.resume()
+                        hold(seconds, local.kafka.resume)
                         broker_pauses += 1
-                        paused_broker = True
                         say(f"chaos: paused the Kafka broker for {seconds:.1f} s")
                         continue
                     name = rng.choice(KILLABLE)
                     if rng.random() < pause_share:
                         seconds = rng.uniform(*PAUSE_SECONDS)
                         if sup.pause(name):
-                            try:
-                                stop_killing.wait(seconds)
-                            finally:
-                                sup.resume(name)
+                            hold(seconds, functools.partial(sup.resume, name))
                             pauses += 1
                             say(f"chaos: paused {name} for {seconds:.1f} s ({pauses} pauses)")
                         continue
@@ -255,7 +255,11 @@ def run_chaos(
                 results: dict[str, list[dict[str, Any]]] = {}
                 while time.monotonic() < deadline:
                     results = _read_results(ep.kafka_bootstrap, prefix)
-                    if all(r in results for r in run_ids) and broker_faults_done.is_set():
+                    if (
+                        all(r in results for r in run_ids)
+                        and broker_restarts >= broker_restarts_due
+                        and broker_pauses >= broker_pauses_due
+                    ):
                         break
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
@@ -278,7 +282,7 @@ def run_chaos(
             executions = httpx.get(f"{tools.url}/stats", timeout=10).json().get("executions", {})
             dlq = _dlq_count(ep.kafka_bootstrap, prefix)
             sup.stop_all()
-        restartable = stack.local is not None
+        restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
         r for r, rs in results.items() if len({json.dumps(x, sort_keys=True) for x in rs}) > 1
