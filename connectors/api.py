@@ -66,7 +66,7 @@ from processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from processors.summary import summarize
 from processors.validation import schema_problem
 from streams.codec import decode, encode
-from streams.kafka_defaults import release
+from streams.kafka_defaults import partition_count, release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_state
 from streams.topics import DEFAULT_PREFIX, INBOX, topic_name
@@ -344,16 +344,7 @@ class _Inbox:
                 **config.extra_producer,
             }
         )
-        if config.partitions is None:
-            meta = self._producer.list_topics(self.topic, timeout=30).topics.get(self.topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise AgentrunsError(
-                    f"topic {self.topic} does not exist",
-                    hint="create the topics first: agentruns topics create",
-                )
-            self.partitions = len(meta.partitions)
-        else:
-            self.partitions = config.partitions
+        self.partitions = config.partitions or partition_count(self._producer, self.topic)
 
     def produce(self, run_id: str, value: bytes) -> None:
         done = threading.Event()

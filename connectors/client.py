@@ -49,7 +49,7 @@ from processors.events import CancelRequested, RunSubmitted
 from processors.state import TERMINAL, RunStatus
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
-from streams.kafka_defaults import release
+from streams.kafka_defaults import partition_count, release
 from streams.partitioning import partition_for
 from streams.records import input_record
 from streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
@@ -101,15 +101,7 @@ class RunsProducer:
                 **(extra or {}),
             }
         )
-        if partitions is None:
-            meta = self._producer.list_topics(self.topic, timeout=30).topics.get(self.topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise AgentrunsKafkaError(
-                    f"topic {self.topic} does not exist",
-                    hint="create the topics first: agentruns topics create",
-                )
-            partitions = len(meta.partitions)
-        self.partitions = partitions
+        self.partitions = partitions or partition_count(self._producer, self.topic)
         self._errors: list[KafkaError] = []
 
     def submit(

