@@ -96,8 +96,8 @@ class ProcessorConfig:
     instance_id: str = "0"
     commit_interval_ms: int = 50
     # The inbox is fetched in windows of this many ms (the broker holds each fetch until the
-    # window ends or FETCH_WINDOW_BYTES wait): inputs trickling in from many producers reach the
-    # loop together, so one transaction carries them (0: fetch each input as it lands).
+    # window ends or FETCH_WINDOW_BYTES, 8 KiB, wait): inputs trickling in from many producers
+    # reach the loop together, so one transaction carries them (0: fetch each as it lands).
     fetch_window_ms: int = 20
     max_batch: int = 2000
     buffer_limit: int = 64  # out-of-order inputs held per run
