@@ -66,7 +66,7 @@ from processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from processors.summary import summarize
 from processors.validation import schema_problem
 from streams.codec import decode, encode
-from streams.kafka_defaults import partition_count, release
+from streams.kafka_defaults import NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
 from streams.records import input_record, parse_state
 from streams.topics import DEFAULT_PREFIX, INBOX, topic_name
@@ -340,6 +340,7 @@ class _Inbox:
                 "bootstrap.servers": config.bootstrap,
                 "enable.idempotence": True,
                 "linger.ms": 1,
+                **NO_DELAY,
                 "log_level": 3,
                 **config.extra_producer,
             }

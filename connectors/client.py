@@ -49,7 +49,7 @@ from processors.events import CancelRequested, RunSubmitted
 from processors.state import TERMINAL, RunStatus
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError
-from streams.kafka_defaults import partition_count, release
+from streams.kafka_defaults import NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
 from streams.records import input_record
 from streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
@@ -97,6 +97,7 @@ class RunsProducer:
                 "bootstrap.servers": bootstrap,
                 "enable.idempotence": True,
                 "linger.ms": 5,
+                **NO_DELAY,
                 "log_level": 3,
                 **(extra or {}),
             }
@@ -255,6 +256,7 @@ class ResultsConsumer:
                 "auto.commit.interval.ms": commit_interval_ms,
                 "enable.auto.offset.store": False,
                 "enable.partition.eof": True,
+                **NO_DELAY,
                 "log_level": 3,
                 **(extra or {}),
             }

@@ -57,6 +57,7 @@ from streams import dlq, records
 from streams.codec import CodecError, decode, encode
 from streams.kafka_defaults import (
     LONG_POLL_MS,
+    NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     commit_timed,
@@ -446,6 +447,7 @@ class Executor:
                 "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
                 "max.poll.interval.ms": c.max_poll_interval_ms,
                 "fetch.wait.max.ms": LONG_POLL_MS,
+                **NO_DELAY,
                 "log_level": 3,
                 **c.extra_consumer,
             }

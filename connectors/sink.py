@@ -65,7 +65,7 @@ from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
 from streams.codec import CodecError, decode, decode_fields
 from streams.interpreter import tune_gc
-from streams.kafka_defaults import LONG_POLL_MS
+from streams.kafka_defaults import LONG_POLL_MS, NO_DELAY
 from streams.polling import poll_batch
 from streams.records import parse_event_body
 from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
@@ -643,6 +643,7 @@ class Sink:
             "heartbeat.interval.ms": max(500, c.session_timeout_ms // 5),
             # a commit on the events topic answers a held fetch at once (LONG_POLL_MS)
             "fetch.wait.max.ms": LONG_POLL_MS,
+            **NO_DELAY,
             "log_level": 3,
         }
         if c.instance_id:

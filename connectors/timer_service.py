@@ -35,7 +35,7 @@ from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
-from streams.kafka_defaults import LONG_POLL_MS, partition_count, release
+from streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
 from streams.polling import check_fatal
 from streams.records import input_record, parse_effect_body
@@ -89,11 +89,12 @@ class TimerService:
                 "heartbeat.interval.ms": 1000,
                 # Static membership: a restarted timer service resumes its partitions at once.
                 "group.instance.id": f"{group_id}-{instance_id}",
+                **NO_DELAY,
                 "log_level": 3,
             }
         )
         self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2}
+            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, **NO_DELAY}
         )
         self.partitions = partition_count(self._producer, self.inbox)
         self._conn: Conn | None = None

@@ -57,6 +57,7 @@ from streams import dlq, metrics
 from streams.codec import CodecError, decode, encode
 from streams.errors import AgentrunsKafkaError, FatalConsumerError
 from streams.kafka_defaults import (
+    NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     commit_timed,
@@ -195,6 +196,7 @@ class Processor:
                 "group.instance.id": f"{c.group_id}-{c.instance_id}",
                 "partition.assignment.strategy": "range",
                 **fetch_settings(c.fetch_window_ms),
+                **NO_DELAY,
                 "log_level": 3,
                 **c.extra_consumer,
             }
