@@ -703,9 +703,8 @@ class Processor:
         Over batches the partitions take turns, so the executors share the load as before.
         Model effects need no order per run: a run has one model call open at a time and emits
         the next only after the result of the last (a retry too: it follows a failed result or
-        that failure's back-off timer). Tool and timer effects
-        stay on the run's partition: a CancelTool or CancelTimer must not overtake the effect
-        it cancels."""
+        that failure's back-off timer). Tool and timer effects stay on the run's partition: a
+        CancelTool or CancelTimer must not overtake the effect it cancels."""
         batch = self._open_batch()
         if batch.model_partition is None:
             if not self._model_partitions:
