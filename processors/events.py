@@ -210,6 +210,16 @@ class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True, gc=Fa
     diagnosis: str
 
 
+class InputRefused(EventBase, tag="InputRefused", frozen=True, kw_only=True, gc=False):
+    """The processor could not take an input of this run (its body or what it would write is
+    over a limit, it cannot be decoded): the run fails with the reason (R30). Written by the
+    processor, never by a producer; ``event_id`` and ``at`` derive from the refused input."""
+
+    type: ClassVar[Literal["InputRefused"]] = "InputRefused"
+    reason: str  # invalid_input:<what>[: detail]
+    input_id: str | None = None
+
+
 Event = (
     RunSubmitted
     | ModelCallCompleted
@@ -229,6 +239,7 @@ Event = (
     | RunReopened
     | RunResolved
     | GapTimedOut
+    | InputRefused
 )
 
 EVENT_TYPES: tuple[str, ...] = (
@@ -250,6 +261,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "RunReopened",
     "RunResolved",
     "GapTimedOut",
+    "InputRefused",
 )
 
 EVENT_DECODER: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)

@@ -37,6 +37,7 @@ from processors.events import (
     Event,
     GapTimedOut,
     GoalChanged,
+    InputRefused,
     KnowledgeRefreshed,
     Message,
     ModelCallCompleted,
@@ -1114,6 +1115,14 @@ def _on_gap(s: RunState, e: GapTimedOut) -> Transition:
     return out.done(_terminate(s, out, RunStatus.FAILED, reason))
 
 
+def _on_input_refused(s: RunState, e: InputRefused) -> Transition:
+    if e.event_id in s.control_event_ids:
+        return _unchanged(s, Disposition.DUPLICATE, "input already refused")
+    out = _Out(s, e)
+    s = _remember_control(s, e.event_id)
+    return out.done(_terminate(s, out, RunStatus.FAILED, e.reason[:300]))
+
+
 # --------------------------------------------------------------------------- submission
 
 
@@ -1241,6 +1250,7 @@ def _build_table() -> dict[tuple[RunStatus, str], Row]:
         }.get(status, _set(S.EXPIRED))
         add((status,), "TimerFired", _on_timer, timer)
     add(RESTING, "GapTimedOut", _on_gap, _set(S.FAILED))
+    add(RESTING, "InputRefused", _on_input_refused, _set(S.FAILED))
     add(
         (S.MODEL_RUNNING, S.READY, S.WAITING_USER, S.PAUSED),
         "GoalChanged",

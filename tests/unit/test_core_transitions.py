@@ -25,6 +25,7 @@ from processors.events import (
     Candidate,
     GapTimedOut,
     GoalChanged,
+    InputRefused,
     KnowledgeRefreshed,
     ModelOutcome,
     ModelUsage,
@@ -701,6 +702,17 @@ def test_gap_timeout_fails_with_diagnosis() -> None:
     d = started()
     d.apply(GapTimedOut, expected_seq=7, diagnosis="seq 7 never arrived")
     assert d.s.status is S.FAILED and d.s.outcome == "seq_gap:7:seq 7 never arrived"
+
+
+def test_a_refused_input_fails_the_run_once_with_its_reason() -> None:
+    d = started()
+    refused = d.make(InputRefused, reason="invalid_input:record_too_large: 2 MB", input_id="i-1")
+    t = transition(d.s, refused)
+    assert t.state is not None and t.state.status is S.FAILED
+    assert t.state.outcome == "invalid_input:record_too_large: 2 MB"
+    assert any(isinstance(e, PublishResult) for e in t.effects)
+    again = transition(t.state, refused)
+    assert again.disposition is Disposition.DUPLICATE and not again.effects
 
 
 # --- terminal, corrections
