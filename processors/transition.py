@@ -92,6 +92,7 @@ from processors.validation import (
     ValidationContext,
     revalidate,
     schema_problem,
+    task_problem,
 )
 
 RECENT_EVENT_IDS = 8
@@ -1160,6 +1161,9 @@ def _on_submitted(e: RunSubmitted) -> Transition:
     )
     out = _Out(s, e)
     out.store(frozen)
+    problem = task_problem(e)
+    if problem is not None:  # the run exists, so the producer receives its result
+        return out.done(_terminate(s, out, RunStatus.FAILED, problem))
     if e.budgets.deadline_at is not None:
         s = _schedule(s, out, TimerPurpose.DEADLINE, e.budgets.deadline_at)
     return out.done(_enter_ready(s, out, new_step=False, messages=e.messages))

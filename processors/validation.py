@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 
-from processors.events import Candidate, ToolCallRequest
+from processors.events import Candidate, RunSubmitted, ToolCallRequest
 from processors.ids import canonical_json, derive_key
+from processors.limits import MAX_JSON_DEPTH, json_depth
 from processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
 
 Action = Literal["dispatch", "approve", "finalize", "repair", "fail"]
@@ -315,4 +317,23 @@ def schema_problem(schema: dict[str, Any], value: Any) -> str | None:
     for error in validator.iter_errors(value):
         where = "/".join(str(p) for p in error.absolute_path) or "<root>"
         return f"{where}: {error.message}"[:300]
+    return None
+
+
+def task_problem(submitted: RunSubmitted) -> str | None:
+    """Why a submitted task cannot run (``invalid_input:<what>: detail``), or None.
+
+    The API and the client refuse such a task before producing it; the core fails a run
+    submitted with it through Kafka, so the producer still receives a terminal result."""
+    names = [t.name for t in submitted.tools]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        return f"invalid_input:duplicate_tool: {', '.join(repeated)}"
+    for spec in submitted.tools:
+        if json_depth(spec.parameters) > MAX_JSON_DEPTH:
+            return f"invalid_input:tool_schema: {spec.name}: nested deeper than {MAX_JSON_DEPTH}"
+        try:
+            Draft202012Validator.check_schema(spec.parameters)
+        except SchemaError as exc:
+            return f"invalid_input:tool_schema: {spec.name}: {exc.message}"[:300]
     return None

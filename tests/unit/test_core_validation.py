@@ -173,3 +173,28 @@ def test_fast_path_edges() -> None:
     assert not fast_valid({"type": "string", "minLength": 2}, "a")
     assert not fast_valid({"maximum": 1}, 2)
     assert not fast_valid({"enum": [1]}, True)
+
+
+def test_a_task_with_an_invalid_tool_schema_fails_its_run_with_the_reason() -> None:
+    from processors.events import RunSubmitted
+    from processors.state import RunStatus, ToolSpec
+    from processors.transition import transition
+    from processors.validation import task_problem
+
+    def task(*tools: ToolSpec) -> RunSubmitted:
+        return RunSubmitted(
+            run_id="r", event_id="e", at=1, trace_id="t", goal="g", tools=tuple(tools)
+        )
+
+    bad = task(ToolSpec(name="lookup", parameters={"type": "int"}))
+    assert (task_problem(bad) or "").startswith("invalid_input:tool_schema: lookup:")
+    result = transition(None, bad)
+    assert result.state is not None and result.state.status is RunStatus.FAILED
+    assert (result.state.outcome or "").startswith("invalid_input:tool_schema")
+    twice = task(ToolSpec(name="a"), ToolSpec(name="a"))
+    assert task_problem(twice) == "invalid_input:duplicate_tool: a"
+    deep: dict[str, object] = {"type": "object"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"x": deep}}
+    assert "nested deeper" in (task_problem(task(ToolSpec(name="d", parameters=deep))) or "")
+    assert task_problem(task(ToolSpec(name="ok"))) is None
