@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from confluent_kafka import Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
+from connectors import hostile as hostile_cases
 from connectors import model_server, tool_server
-from connectors.audit import audit
+from connectors.audit import audit, read_topic
 from connectors.db import migrate
 from connectors.demo import registry_tools
+from connectors.procs import free_port_block
 from connectors.services import ServiceStack, state_dir
 from connectors.supervisor import Supervisor
 from processors.events import Message, RunSubmitted
@@ -50,7 +52,7 @@ from streams.codec import encode
 from streams.kafka_defaults import release
 from streams.partitioning import partition_for
 from streams.records import input_record
-from streams.topics import DLQ, INBOX, RESULTS, topic_name
+from streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
 
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
@@ -63,13 +65,14 @@ class Mix:
     model_scenario: str
     budgets: Budgets
     policy: Policy
+    ends: str  # the status a run of this mix ends in, whatever the faults
 
 
 MIXES = (
-    Mix("multi_tool", Budgets(), Policy()),
-    Mix("flaky_stream", Budgets(), Policy()),
-    Mix("loop_forever", Budgets(), Policy()),
-    Mix("multi_tool", Budgets(max_steps=2), Policy()),
+    Mix("multi_tool", Budgets(), Policy(), "SUCCEEDED"),
+    Mix("flaky_stream", Budgets(), Policy(), "SUCCEEDED"),
+    Mix("loop_forever", Budgets(), Policy(), "FAILED"),
+    Mix("multi_tool", Budgets(max_steps=2), Policy(), "BUDGET_EXHAUSTED"),
     Mix(
         "approval",
         Budgets(),
@@ -78,6 +81,7 @@ MIXES = (
             allowed_permissions=("read", "write", "admin"),
             user_wait_ms=2000,
         ),
+        "EXPIRED",
     ),
 )
 
@@ -91,10 +95,62 @@ def _read_results(bootstrap: str, prefix: str) -> dict[str, list[dict[str, Any]]
     return out
 
 
-def _dlq_count(bootstrap: str, prefix: str) -> int:
-    from connectors.audit import read_topic
+def _dead_letters(bootstrap: str, prefix: str) -> list[dict[str, Any]]:
+    return list(read_topic(bootstrap, topic_name(DLQ, prefix), "DeadLetter"))
 
-    return sum(1 for _ in read_topic(bootstrap, topic_name(DLQ, prefix), "DeadLetter"))
+
+def consumer_groups(prefix: str) -> dict[str, tuple[str, ...]]:
+    """The pipeline's consumer groups and the topics whose offsets they commit to Kafka (the
+    sink keeps its offsets in Postgres)."""
+    return {
+        f"{prefix}-processor": (topic_name(INBOX, prefix),),
+        f"{prefix}-executor-model": (topic_name(effect_suffix("model"), prefix),),
+        f"{prefix}-executor-tool": (topic_name(effect_suffix("tool"), prefix),),
+        f"{prefix}-timer": (topic_name(effect_suffix("timer"), prefix),),
+    }
+
+
+def unconsumed(bootstrap: str, group: str, topics: Sequence[str]) -> int:
+    """Committed records of `topics` after `group`'s committed offsets: what it has not
+    processed yet (a stalled partition keeps some for good)."""
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "log_level": 3,
+        }
+    )
+    left = 0
+    try:
+        wanted = [
+            TopicPartition(topic, p)
+            for topic in topics
+            for p in reader.list_topics(topic, timeout=30).topics[topic].partitions
+        ]
+        committed = reader.committed(wanted, timeout=30)
+        reader.assign(
+            [
+                TopicPartition(
+                    tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                )
+                for tp in committed
+            ]
+        )
+        pending = {(tp.topic, tp.partition) for tp in committed}
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            for message in reader.consume(500, 0.5):
+                error = message.error()
+                if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                    pending.discard((message.topic() or "", message.partition() or 0))
+                elif error is None:
+                    left += 1
+    finally:
+        reader.close()
+    return left
 
 
 def run_chaos(
@@ -107,11 +163,14 @@ def run_chaos(
     broker_pause: bool = True,
     submit_seconds: float = 60.0,
     pause_share: float = 0.0,
+    hostile: bool = False,
     say: Any = print,
 ) -> dict[str, Any]:
     """Submit `runs` runs spread over `submit_seconds` (so faults land while runs are in
-    flight); every ~`kill_every` s kill a component, or with probability `pause_share` pause
-    one, until every run is terminal."""
+    flight); every ~`kill_every` s kill a component (0: never), or with probability
+    `pause_share` pause one, until every run is terminal. Bad inputs go in among the runs: a
+    garbage record every 50 runs, or with `hostile` every case of `connectors.hostile`
+    through its door (the API then runs too), each checked against its one allowed ending."""
     # Two streams, so that the sequence of faults depends on the seed alone, not on how the
     # submitting thread's draws interleave with the killer's.
     rng = random.Random(seed)
@@ -151,13 +210,40 @@ def run_chaos(
             sup.add("tool-executor", "connectors.tool_executor", *common, "--base-url", tools.url)
             sup.add("timer", "connectors.timer_service", *common, "--log-level", "WARNING")
             sup.add("sink", "connectors.sink", *common, "--log-level", "WARNING")
+            api_url = None
+            if hostile:
+                api_port = free_port_block(1, start=29500)
+                api_url = f"http://127.0.0.1:{api_port}"
+                sup.env["AGENTRUNS_API_TOKEN"] = api_token = uuid.uuid4().hex
+                sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
+                sup.add("api", "connectors.cli", "api", *common, "--port", str(api_port))
             sup.start_all()
             producer = Producer(
                 {"bootstrap.servers": ep.kafka_bootstrap, "enable.idempotence": True}
             )
             inbox = topic_name(INBOX, prefix)
             tool_specs = registry_tools()
+            doors = hostile_cases.Doors(
+                bootstrap=ep.kafka_bootstrap,
+                prefix=prefix,
+                partitions=PARTITIONS,
+                model_url=models.url,
+                tool_url=tools.url,
+                tools=tool_specs,
+                api_url=api_url,
+                api_token=api_token if hostile else None,
+            )
+            bad_inputs = (
+                hostile_cases.cases(api=True)
+                if hostile
+                else tuple(c for c in hostile_cases.CASES if c.name == "inbox_garbage_bytes")
+            )
+            bad_every = max(1, runs // len(bad_inputs)) if hostile else 50
+            if hostile:
+                wait_for_api(api_url, sup)
+            injections: list[tuple[hostile_cases.Case, hostile_cases.Injected]] = []
             run_ids: list[str] = []
+            ends: dict[str, str] = {}
             kills = 0
             pauses = 0
             restarts = 0
@@ -182,6 +268,8 @@ def run_chaos(
 
             def killer() -> None:
                 nonlocal kills, pauses, restarts, broker_restarts, broker_pauses
+                if kill_every <= 0:
+                    return
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
                     if broker_restarts < broker_restarts_due and kills >= 3:
                         say("chaos: restarting the Kafka broker")
@@ -215,6 +303,7 @@ def run_chaos(
             killing = threading.Thread(target=killer, daemon=True)
             killing.start()
             injected = 0
+            crashes = 0  # components that exited without being killed
             try:
                 for i in range(runs):
                     mix = MIXES[i % len(MIXES)]
@@ -243,26 +332,43 @@ def run_chaos(
                         partition=partition_for(run_id, PARTITIONS),
                     )
                     run_ids.append(run_id)
-                    if i % 50 == 0:  # bad input, which must end in the DLQ and nowhere else
-                        producer.produce(inbox, key=b"garbage", value=b"\x00not avro", partition=0)
+                    ends[run_id] = mix.ends
+                    if i % bad_every == 0:
+                        case = bad_inputs[(i // bad_every) % len(bad_inputs)]
+                        bad_id = f"{prefix}-bad-{i:04d}"
+                        injections.append((case, hostile_cases.inject(case, doors, bad_id)))
                         injected += 1
                     producer.poll(0)
                     time.sleep(pacing.uniform(0.0, 2.0) * submit_seconds / runs)
+                for case in bad_inputs[injected:] if hostile else ():  # fewer runs than cases
+                    bad_id = f"{prefix}-bad-{injected:04d}-tail"
+                    injections.append((case, hostile_cases.inject(case, doors, bad_id)))
+                    injected += 1
                 # released now: alive, it would reconnect to the stopped broker at the end
                 if (left := release(producer, 60)) > 0:
                     raise RuntimeError(f"{left} submitted inputs were not acknowledged")
+                if (left := doors.flush(60)) > 0:
+                    raise RuntimeError(f"{left} bad inputs were not acknowledged")
                 say(f"chaos: submitted {runs} runs and {injected} bad inputs")
+                # runs of bad inputs whose one allowed ending is a terminal result
+                ending_runs = [
+                    inj.run_id
+                    for case, inj in injections
+                    if case.ending.status is not None and inj.run_id is not None
+                ]
                 results: dict[str, list[dict[str, Any]]] = {}
                 while time.monotonic() < deadline:
                     results = _read_results(ep.kafka_bootstrap, prefix)
                     if (
-                        all(r in results for r in run_ids)
+                        all(r in results for r in (*run_ids, *ending_runs))
                         and broker_restarts >= broker_restarts_due
                         and broker_pauses >= broker_pauses_due
                     ):
                         break
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
+                            say(f"chaos: {name} exited on its own: {sup.log_tail(name, 5)}")
+                            crashes += 1
                             sup.start(name)
                     time.sleep(2.0)
             finally:
@@ -280,14 +386,27 @@ def run_chaos(
                 time.sleep(2.0)
             assert report is not None
             executions = httpx.get(f"{tools.url}/stats", timeout=10).json().get("executions", {})
-            dlq = _dlq_count(ep.kafka_bootstrap, prefix)
+            dead = hostile_cases.positions(_dead_letters(ep.kafka_bootstrap, prefix))
+            stalls = {
+                group: left
+                for group, topics in consumer_groups(prefix).items()
+                if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
+            }
+            crashes += sum(1 for name in sup.components if not sup.alive(name))
             sup.stop_all()
+            doors.close()
         restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
         r for r, rs in results.items() if len({json.dumps(x, sort_keys=True) for x in rs}) > 1
     ]
     duplicates = {k: n for k, n in executions.items() if n > 1}
+    misses = {
+        case.name: why
+        for case, inj in injections
+        if (why := hostile_cases.check(case, inj, results, dead)) is not None
+    }
+    expected_dead = {inj.position for case, inj in injections if case.ending.dlq is not None}
     return {
         "runs": len(run_ids),
         "kills": kills,
@@ -301,8 +420,23 @@ def run_chaos(
         "duplicate_tool_executions": len(duplicates),
         "audit_differences": len(report.differences),
         "audit_first": [str(d) for d in report.differences[:5]],
-        "dlq_injected": injected,
-        "dlq": dlq,
+        "dlq_injected": len(expected_dead),
+        "dlq": len(dead),
+        "dlq_unexpected": [
+            {"source": list(where), "reason": d[0]["reason"][:200]}
+            for where, d in dead.items()
+            if where not in expected_dead
+        ][:10],
+        "hostile_injected": injected,
+        "hostile_ended": injected - len(misses),
+        "hostile_misses": misses,
+        "stalls": stalls,
+        "unexpected_statuses": {
+            r: results[r][-1]["status"]
+            for r in run_ids
+            if r in results and results[r][-1]["status"] != ends[r]
+        },
+        "crashes": crashes,
         "statuses": _count(r[-1]["status"] for r in results.values()),
         "seconds": round(time.monotonic() - began, 1),
         "logs": str(log_dir),
@@ -331,6 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-broker-pause", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--hostile",
+        action="store_true",
+        help="inject every hostile case (bad tasks, replies, records, backend answers) among the"
+        " runs and check each ends as it must",
+    )
+    parser.add_argument(
         "--submit-seconds", type=float, default=120.0, help="spread the submissions over this"
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -343,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         submit_seconds=args.submit_seconds,
         pause_share=args.pause_share,
+        hostile=args.hostile,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     ok = ok_figures(figures)
@@ -366,7 +507,24 @@ def ok_figures(figures: dict[str, Any]) -> bool:
         and figures["duplicate_tool_executions"] == 0
         and figures["audit_differences"] == 0
         and figures["dlq"] == figures["dlq_injected"]
+        and not figures["dlq_unexpected"]
+        and figures["hostile_ended"] == figures["hostile_injected"]
+        and not figures["stalls"]
     )
+
+
+def wait_for_api(url: str | None, sup: Supervisor, timeout_s: float = 90.0) -> None:
+    """Wait until the API answers its health check (it starts after its Kafka and Postgres)."""
+    assert url is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the API never answered: {sup.log_tail('api')}")
 
 
 if __name__ == "__main__":
