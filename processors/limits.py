@@ -38,6 +38,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Amount = Annotated[int, msgspec.Meta(ge=0, le=MAX_AMOUNT)]
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+# A list of identifiers from outside (permissions, tool names, refs).
+Ids = Annotated[tuple[Id, ...], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
 def json_depth(value: object, limit: int = MAX_JSON_DEPTH) -> int:
