@@ -7,7 +7,6 @@ for domain failures: they return terminal states, PAUSED, or a non-APPLIED dispo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -91,6 +90,7 @@ from processors.validation import (
     ASK_WHEN_EXHAUSTED,
     ValidatedCall,
     ValidationContext,
+    failure_reason,
     revalidate,
     schema_problem,
     task_problem,
@@ -565,7 +565,7 @@ def _validate(
                 return _new_attempt(s, out, note)
             if decision.action == "repair" and code in ASK_WHEN_EXHAUSTED:
                 return _ask(s, out, "clarification", {"problem": code, "detail": decision.detail})
-            return _terminate(s, out, RunStatus.FAILED, f"validation:{code}")
+            return _terminate(s, out, RunStatus.FAILED, failure_reason(code, decision.detail))
 
 
 def _op_spec(op: Operation) -> OperationSpec:
@@ -1136,9 +1136,12 @@ def _on_input_refused(s: RunState, e: InputRefused) -> Transition:
 
 
 def _on_submitted(e: RunSubmitted) -> Transition:
+    problem = task_problem(e)
+    # a refused task's tools are not kept: its state holds nothing it could not serialize
+    tools = e.tools if problem is None else ()
     frozen = canonical_json(
         {
-            "tools": [t.model_dump(mode="json") for t in e.tools],
+            "tools": [t.model_dump(mode="json") for t in tools],
             "policy": e.policy.model_dump(mode="json"),
             "budgets": e.budgets.model_dump(mode="json"),
             "loop": e.loop.model_dump(mode="json"),
@@ -1147,7 +1150,7 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         }
     )
     config = RunConfig(
-        tools=e.tools,
+        tools=tools,
         config_ref=content_ref(frozen),
         policy=e.policy,
         budgets=e.budgets,
@@ -1169,7 +1172,6 @@ def _on_submitted(e: RunSubmitted) -> Transition:
     )
     out = _Out(s, e)
     out.store(frozen)
-    problem = task_problem(e)
     if problem is not None:  # the run exists, so the producer receives its result
         return out.done(_terminate(s, out, RunStatus.FAILED, problem))
     if e.budgets.deadline_at is not None:
@@ -1312,5 +1314,6 @@ def fold(events: Iterable[Event], state: RunState | None = None) -> RunState | N
 
 
 def load_candidate(content: str) -> Candidate:
-    """Parse a stored candidate artifact (for audit re-validation, R28)."""
-    return Candidate.model_validate(json.loads(content))
+    """Parse a stored candidate artifact (for audit re-validation, R28); raises only
+    msgspec.DecodeError (or its subclass msgspec.ValidationError), whatever the content."""
+    return Candidate.model_validate_json(content)
