@@ -1,16 +1,23 @@
-"""JSON Schema validation whose cost stays linear in the document, for schemas from outside.
+"""JSON Schema validation whose cost stays bounded by the document, for schemas from outside.
 
 jsonschema evaluates ``pattern`` and ``patternProperties`` with Python's backtracking ``re``:
 a pattern such as ``^(a+)+$`` over a few dozen characters of model arguments takes seconds.
 The validator here evaluates them with RE2 (linear time, no backreferences or lookaround), so
-a pattern RE2 cannot compile makes a schema unusable rather than slow. It never fetches a
-remote ``$ref`` (the core does no I/O): an unresolvable reference is an error of the schema.
+a pattern RE2 cannot compile makes a schema unusable rather than slow. ``uniqueItems`` is
+checked by hashing (jsonschema compares unsortable items pairwise). Schema keywords shared
+through ``$ref`` can multiply the work for one value exponentially (``anyOf`` of two refs to
+an ``anyOf`` of two refs...): :func:`first_error` gives each validation a budget of keyword
+evaluations proportional to the value's size and raises :class:`TooMuchWork` past it. It
+never fetches a remote ``$ref`` (the core does no I/O): an unresolvable reference is an
+error of the schema.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+import reprlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import re2
@@ -18,6 +25,8 @@ import referencing
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
+
+from processors.limits import SCHEMA_STEPS_BASE, SCHEMA_STEPS_PER_VALUE_NODE
 
 _OPTIONS = re2.Options()
 _OPTIONS.log_errors = False  # a refused pattern is reported to the caller, not to stderr
@@ -87,11 +96,16 @@ def keywords_in(schema: object) -> set[str]:
     return found
 
 
+def _short(value: Any) -> str:
+    """A bounded repr: a violation's message names the value without copying all of it."""
+    return reprlib.repr(value)
+
+
 def _pattern(
     validator: Any, pattern: str, instance: Any, schema: Mapping[str, Any]
 ) -> Iterator[ValidationError]:
     if validator.is_type(instance, "string") and not search(pattern, instance):
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+        yield ValidationError(f"{_short(instance)} does not match {pattern!r}")
 
 
 def _pattern_properties(
@@ -143,13 +157,58 @@ def _additional_properties(
 
 # the keyword callables receive the validator instance jsonschema builds (typed Any: the
 # protocol omits ``descend``); ``extend`` is untyped in the stubs
+def _identity(value: Any) -> Any:
+    """A hashable stand-in equal for values JSON Schema calls equal (1 == 1.0, True != 1)."""
+    if value is True or value is False:
+        return ("bool", value)
+    if isinstance(value, str):
+        return ("str", value)
+    if isinstance(value, list):
+        return ("list", tuple(_identity(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", frozenset((k, _identity(v)) for k, v in value.items()))
+    return ("value", value)  # numbers (1 and 1.0 hash alike) and null
+
+
+def _unique_items(
+    validator: Any, unique: Any, instance: Any, schema: Mapping[str, Any]
+) -> Iterator[ValidationError]:
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    if len({_identity(item) for item in instance}) != len(instance):
+        yield ValidationError(f"{_short(instance)} has non-unique elements")
+
+
+class TooMuchWork(Exception):
+    """A validation spent its budget of keyword evaluations."""
+
+
+# The keyword evaluations left to the validation running in this context (None: unbounded).
+_STEPS_LEFT: ContextVar[list[int] | None] = ContextVar("schema_steps_left", default=None)
+_Keyword = Callable[[Any, Any, Any, Mapping[str, Any]], Any]
+
+
+def _counted(keyword: _Keyword) -> _Keyword:
+    def evaluate(validator: Any, value: Any, instance: Any, schema: Mapping[str, Any]) -> Any:
+        left = _STEPS_LEFT.get()
+        if left is not None:
+            left[0] -= 1
+            if left[0] < 0:
+                raise TooMuchWork
+        return keyword(validator, value, instance, schema)
+
+    return evaluate
+
+
+_KEYWORDS: dict[str, _Keyword] = {
+    **Draft202012Validator.VALIDATORS,
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "uniqueItems": _unique_items,
+}
 LinearValidator: type[Validator] = validators.extend(  # type: ignore[no-untyped-call]
-    Draft202012Validator,
-    {
-        "pattern": _pattern,
-        "patternProperties": _pattern_properties,
-        "additionalProperties": _additional_properties,
-    },
+    Draft202012Validator, {name: _counted(keyword) for name, keyword in _KEYWORDS.items()}
 )
 # The metaschemas only: a ``$ref`` to anything else is unresolvable, never fetched.
 _LOCAL_ONLY: referencing.Registry[Any] = referencing.Registry()
@@ -158,3 +217,27 @@ _LOCAL_ONLY: referencing.Registry[Any] = referencing.Registry()
 def validator_for(schema: Mapping[str, Any]) -> Validator:
     """A validator for a (checked) schema: RE2 patterns, no remote references."""
     return LinearValidator(schema, registry=_LOCAL_ONLY)
+
+
+def _nodes(value: Any) -> int:
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+def first_error(validator: Validator, value: Any) -> ValidationError | None:
+    """The first violation of ``value``, within a budget of keyword evaluations proportional to
+    its size (:class:`TooMuchWork` past it)."""
+    budget = SCHEMA_STEPS_BASE + SCHEMA_STEPS_PER_VALUE_NODE * _nodes(value)
+    token = _STEPS_LEFT.set([budget])
+    try:
+        return next(iter(validator.iter_errors(value)), None)
+    finally:
+        _STEPS_LEFT.reset(token)

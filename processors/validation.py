@@ -21,7 +21,9 @@ from processors.ids import canonical_json, derive_key
 from processors.limits import MAX_JSON_DEPTH, json_depth
 from processors.linear_schema import (
     UNSUPPORTED_COMBINATION,
+    TooMuchWork,
     compiles,
+    first_error,
     keywords_in,
     patterns_in,
     validator_for,
@@ -123,14 +125,17 @@ def _first_error(schema: dict[str, Any], value: Any) -> str | None:
     try:
         if fast_valid(schema, value):
             return None
-        for error in _compiled(canonical_json(schema)).iter_errors(value):
-            where = "/".join(str(p) for p in error.absolute_path) or "<root>"
-            return f"{where}: {error.message}"[:300]
+        error = first_error(_compiled(canonical_json(schema)), value)
     except _Unusable:
         raise
+    except TooMuchWork:
+        raise _Unusable("schema needs too many evaluation steps") from None
     except Exception as exc:  # third-party evaluation of a schema from outside: any failure
         raise _Unusable(f"schema cannot be evaluated: {type(exc).__name__}") from None
-    return None
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "<root>"
+    return f"{where}: {error.message}"[:300]
 
 
 def _schema_error(spec: ToolSpec, arguments: Any) -> str | None:

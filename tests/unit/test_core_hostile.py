@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 
 from bench.core import TOOLS
 from processors.effects import EFFECT_DECODER, AskUser, ScheduleTimer
@@ -59,9 +60,23 @@ WEIRD_SCHEMAS: list[dict[str, Any]] = [
     {"minLength": "x"},
     {"maximum": 1e308, "multipleOf": 1e-308},
     {"const": {"pattern": "(?=x)"}},
+    {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
     {"type": "object"},
     {},
 ]
+
+
+def multiplying(levels: int, root: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small schema whose $refs double the work per level: anyOf of two refs to the next."""
+    defs: dict[str, Any] = {
+        f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}, {"$ref": f"#/$defs/a{i + 1}"}]}
+        for i in range(levels)
+    }
+    defs[f"a{levels}"] = {"type": "string"}
+    return {"$defs": defs, **(root or {"$ref": "#/$defs/a0"})}
+
+
+WEIRD_SCHEMAS += [multiplying(40), multiplying(40, {"properties": {"q": {"$ref": "#/$defs/a0"}}})]
 
 
 def nested(depth: int, leaf: Any = 1) -> Any:
@@ -311,6 +326,50 @@ def test_catastrophic_property_name_patterns_are_decided_by_re2() -> None:
     assert "does not match any of the regexes" in (schema_problem(schema, {hostile: 1}) or "")
     assert schema_problem(schema, {"a" * 40: 1}) is None
     assert "is not of type 'integer'" in (schema_problem(schema, {"a" * 40: "x"}) or "")
+
+
+def test_a_schema_whose_refs_multiply_the_work_is_refused_at_submission() -> None:
+    problem = task_problem(submitted(ToolSpec(name="lookup", parameters=multiplying(40))))
+    assert problem == "invalid_input:tool_schema: lookup: schema needs too many evaluation steps"
+
+
+def test_a_schema_whose_refs_multiply_the_work_for_some_arguments_fails_the_run() -> None:
+    d = with_tool(multiplying(40, {"type": "object", "properties": {"q": {"$ref": "#/$defs/a0"}}}))
+    assert d.s.status is RunStatus.MODEL_RUNNING  # {} never reaches the refs
+    d.calls(("lookup", {"q": 1}))
+    assert d.s.last_decision is not None
+    assert d.s.last_decision.error_code == "TOOL_SCHEMA_UNUSABLE"
+    assert d.s.outcome == (
+        "invalid_input:tool_schema: lookup: schema needs too many evaluation steps"
+    )
+
+
+def test_unique_items_of_many_unsortable_items_are_decided_by_hashing() -> None:
+    schema = {"type": "array", "uniqueItems": True}
+    items: list[Any] = [{"n": i, "tags": [i, str(i)]} for i in range(20_000)]
+    assert schema_problem(schema, items) is None
+    assert "has non-unique elements" in (
+        schema_problem(schema, [*items, {"n": 7, "tags": [7, "7"]}]) or ""
+    )
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [1, 1.0],
+        [1, True],
+        [0, False],
+        [{"a": [1]}, {"a": [True]}],
+        [{"a": 1}, {"a": 1.0}],
+        [None, None],
+        ["1", 1],
+        [[1, 2], [2, 1]],
+    ],
+)
+def test_unique_items_agree_with_jsonschema_on_equality(items: list[Any]) -> None:
+    schema = {"type": "array", "uniqueItems": True}
+    authority = Draft202012Validator(schema).is_valid(items)
+    assert (schema_problem(schema, items) is None) is authority
 
 
 def test_a_tool_schema_found_unusable_at_validation_fails_the_run_as_invalid_input() -> None:
@@ -636,7 +695,7 @@ def test_the_core_never_raises_for_any_decoded_event_on_any_reached_state(
         assert EFFECT_DECODER.decode(effect.model_dump_json()) == effect
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(schemas, min_size=1, max_size=2), tool_calls, st.booleans())
 def test_model_calls_of_tools_with_any_schema_never_make_the_core_raise(
     parameters: list[dict[str, Any]], calls: list[dict[str, Any]], approve: bool
