@@ -14,6 +14,7 @@ error of the schema.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import reprlib
 from collections.abc import Callable, Iterator, Mapping
@@ -232,12 +233,26 @@ def _nodes(value: Any) -> int:
     return count
 
 
+@contextlib.contextmanager
+def shared_budget() -> Iterator[None]:
+    """One budget for every validation inside: SCHEMA_STEPS_BASE once, plus each value's
+    share, so many values (a task's tools, a candidate's calls) cost at most their total size.
+    An outer budget stays in force."""
+    if _STEPS_LEFT.get() is not None:
+        yield
+        return
+    token = _STEPS_LEFT.set([SCHEMA_STEPS_BASE])
+    try:
+        yield
+    finally:
+        _STEPS_LEFT.reset(token)
+
+
 def first_error(validator: Validator, value: Any) -> ValidationError | None:
     """The first violation of ``value``, within a budget of keyword evaluations proportional to
     its size (:class:`TooMuchWork` past it)."""
-    budget = SCHEMA_STEPS_BASE + SCHEMA_STEPS_PER_VALUE_NODE * _nodes(value)
-    token = _STEPS_LEFT.set([budget])
-    try:
+    with shared_budget():
+        left = _STEPS_LEFT.get()
+        assert left is not None
+        left[0] += SCHEMA_STEPS_PER_VALUE_NODE * _nodes(value)
         return next(iter(validator.iter_errors(value)), None)
-    finally:
-        _STEPS_LEFT.reset(token)

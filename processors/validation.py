@@ -26,6 +26,7 @@ from processors.linear_schema import (
     first_error,
     keywords_in,
     patterns_in,
+    shared_budget,
     validator_for,
 )
 from processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
@@ -286,7 +287,8 @@ def revalidate(
             evidence_hash=evidence,
         )
     try:
-        action, calls = validator(candidate, ctx)
+        with shared_budget():  # all the calls of a candidate share one validation budget
+            action, calls = validator(candidate, ctx)
     except _Fail as failure:
         return ValidationDecision(
             validator_version=validator_version,
@@ -399,10 +401,11 @@ def task_problem(submitted: RunSubmitted) -> str | None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         return f"invalid_input:duplicate_tool: {', '.join(repeated)}"
-    for spec in submitted.tools:
-        problem = _tool_schema_problem(spec.parameters)
-        if problem is not None:
-            return f"invalid_input:tool_schema: {spec.name}: {problem}"[:300]
+    with shared_budget():  # the trial evaluations of all the tools share one budget
+        for spec in submitted.tools:
+            problem = _tool_schema_problem(spec.parameters)
+            if problem is not None:
+                return f"invalid_input:tool_schema: {spec.name}: {problem}"[:300]
     return None
 
 

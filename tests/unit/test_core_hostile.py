@@ -344,6 +344,32 @@ def test_a_schema_whose_refs_multiply_the_work_for_some_arguments_fails_the_run(
     )
 
 
+def test_the_tools_of_a_task_share_one_evaluation_budget() -> None:
+    costly = multiplying(11)  # within the budget alone
+    assert task_problem(submitted(ToolSpec(name="t0", parameters=costly))) is None
+    many = [ToolSpec(name=f"t{i}", parameters=costly) for i in range(200)]
+    problem = task_problem(submitted(*many))
+    assert (problem or "").endswith("schema needs too many evaluation steps")
+
+
+def test_the_calls_of_a_candidate_share_one_evaluation_budget() -> None:
+    # an integer is valid, after a costly first branch (within the budget for one call)
+    costly = {"anyOf": [{"$ref": "#/$defs/a0"}, {"type": "integer"}]}
+    schema = multiplying(11, {"type": "object", "properties": {"q": costly}})
+    ctx = ValidationContext(tools=(ToolSpec(name="lookup", parameters=schema),), policy=Policy())
+
+    def calls(n: int) -> Candidate:
+        return Candidate(
+            tool_calls=tuple(
+                ToolCallRequest(id=f"c{i}", name="lookup", arguments_json=json.dumps({"q": i}))
+                for i in range(n)
+            )
+        )
+
+    assert revalidate(calls(1), ctx).action == "dispatch"
+    assert revalidate(calls(200), ctx).error_code == "TOOL_SCHEMA_UNUSABLE"
+
+
 def test_unique_items_of_many_unsortable_items_are_decided_by_hashing() -> None:
     schema = {"type": "array", "uniqueItems": True}
     items: list[Any] = [{"n": i, "tags": [i, str(i)]} for i in range(20_000)]
