@@ -14,7 +14,7 @@ import msgspec
 from processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 
 CURRENT_VALIDATOR_VERSION = 2
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 _replace = msgspec.structs.replace
 _ENCODER = msgspec.json.Encoder()
@@ -66,16 +66,16 @@ class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 _TOO_DEEP = "JSON is nested too deeply"
 
 
-class Decoder(Generic[T]):
+class Decoder(Generic[_T]):
     """A msgspec JSON decoder that raises only :class:`msgspec.DecodeError` (or its subclass
     :class:`msgspec.ValidationError`) on bad input, whatever its nesting."""
 
     __slots__ = ("_decoder",)
 
-    def __init__(self, decoder: msgspec.json.Decoder[T]) -> None:
+    def __init__(self, decoder: msgspec.json.Decoder[_T]) -> None:
         self._decoder = decoder
 
-    def decode(self, data: str | bytes) -> T:
+    def decode(self, data: str | bytes) -> _T:
         try:
             return self._decoder.decode(data)
         except RecursionError:
