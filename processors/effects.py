@@ -9,15 +9,19 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from processors.state import Frozen, RunStatus, TimerPurpose
+from processors.limits import Id, TimeMs
+from processors.state import Decoder, Frozen, RunStatus, TimerPurpose
+
+# Values an effect copies from the run's input keep their bounds (ids, times the core caps at
+# MAX_TIME_MS); counters the core increments (step, attempt, dispatch, poll) stay unbounded.
 
 
 class EffectBase(Frozen, tag_field="type", frozen=True, kw_only=True, gc=False):
     idempotency_key: str
-    run_id: str
+    run_id: Id
     step: int
     attempt: int
-    trace_id: str
+    trace_id: Id
 
 
 class RepairNote(Frozen, frozen=True, kw_only=True, gc=False):
@@ -29,13 +33,13 @@ class RepairNote(Frozen, frozen=True, kw_only=True, gc=False):
 class CallModel(EffectBase, tag="CallModel", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CallModel"]] = "CallModel"
     context_ref: str
-    model_route: str
+    model_route: Id
     repair: RepairNote | None = None
 
 
 class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
     key: str  # passed to the backend: the same on every resend (R12, R25)
-    tool: str
+    tool: Id
     arguments_json: str
     expected_version: str | None
     policy_decision: str
@@ -50,14 +54,14 @@ class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True, gc=False):
 class Reconcile(EffectBase, tag="Reconcile", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["Reconcile"]] = "Reconcile"
     operation_key: str
-    tool: str
+    tool: Id
     dispatch: int
 
 
 class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["PollTool"]] = "PollTool"
     operation_key: str
-    tool: str
+    tool: Id
     dispatch: int
     poll: int
 
@@ -65,14 +69,14 @@ class PollTool(EffectBase, tag="PollTool", frozen=True, kw_only=True, gc=False):
 class CancelTool(EffectBase, tag="CancelTool", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelTool"]] = "CancelTool"
     operation_key: str
-    tool: str
+    tool: Id
     dispatch: int
 
 
 class ScheduleTimer(EffectBase, tag="ScheduleTimer", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ScheduleTimer"]] = "ScheduleTimer"
     timer_id: str
-    due_at: int
+    due_at: TimeMs
     purpose: TimerPurpose
 
 
@@ -86,7 +90,7 @@ class AskUser(EffectBase, tag="AskUser", frozen=True, kw_only=True, gc=False):
     question_id: str
     question_ref: str
     response_schema: dict[str, Any]
-    expires_at: int
+    expires_at: TimeMs
     token_id: str
     state_version: int
 
@@ -111,4 +115,4 @@ Effect = (
     | PublishResult
 )
 
-EFFECT_DECODER: msgspec.json.Decoder[Effect] = msgspec.json.Decoder(Effect)
+EFFECT_DECODER: Decoder[Effect] = Decoder(msgspec.json.Decoder(Effect))

@@ -7,46 +7,51 @@ epoch, the only clock) and ``trace_id``. The per-run seq is assigned outside the
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
+from processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 from processors.state import (
     CURRENT_VALIDATOR_VERSION,
     Budgets,
+    Decoder,
     ErrorClass,
     Frozen,
     LoopLimits,
     Policy,
     RunStatus,
-    ToolSpec,
+    Tools,
 )
+
+# Every field an event brings from outside carries its bound (processors.limits, R30): a body
+# with a value out of range fails to decode, so the transition function never sees it.
 
 
 class EventBase(Frozen, tag_field="type", frozen=True, kw_only=True, gc=False):
-    run_id: str
-    event_id: str
-    at: int
-    trace_id: str
+    run_id: Id
+    event_id: Id
+    at: TimeMs
+    trace_id: Id
 
 
 class Message(Frozen, frozen=True, kw_only=True, gc=False):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Text
 
 
 class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunSubmitted"]] = "RunSubmitted"
-    goal: str
-    messages: tuple[Message, ...] = ()
-    tools: tuple[ToolSpec, ...] = ()
+    goal: Text
+    messages: Annotated[tuple[Message, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    tools: Tools = ()
     policy: Policy = Policy()
-    model_route: str = "default"
+    model_route: Id = "default"
     budgets: Budgets = Budgets()
     loop: LoopLimits = LoopLimits()
-    memory_ref: str | None = None
-    evidence_refs: tuple[str, ...] = ()
-    validator_version: int = CURRENT_VALIDATOR_VERSION
+    memory_ref: Id | None = None
+    evidence_refs: Ids = ()
+    validator_version: Count = CURRENT_VALIDATOR_VERSION
 
 
 class ModelOutcome(StrEnum):
@@ -59,46 +64,46 @@ class ModelOutcome(StrEnum):
 
 
 class ToolCallRequest(Frozen, frozen=True, kw_only=True, gc=False):
-    id: str
-    name: str
-    arguments_json: str
-    expected_version: str | None = None
+    id: Id
+    name: Id
+    arguments_json: str  # model output: its size is the record's, its depth checked by the core
+    expected_version: Id | None = None
 
 
 class Candidate(Frozen, frozen=True, kw_only=True, gc=False):
     """A parsed, complete model generation (the candidate artifact's content)."""
 
-    content: str = ""
-    tool_calls: tuple[ToolCallRequest, ...] = ()
-    cited_refs: tuple[str, ...] = ()
+    content: str = ""  # model output: bounded by the record size
+    tool_calls: Annotated[tuple[ToolCallRequest, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    cited_refs: Ids = ()
 
 
 class ModelUsage(Frozen, frozen=True, kw_only=True, gc=False):
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cost_micros: int = 0
+    input_tokens: Amount = 0
+    output_tokens: Amount = 0
+    cost_micros: Amount = 0
 
 
 class ModelCallCompleted(EventBase, tag="ModelCallCompleted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ModelCallCompleted"]] = "ModelCallCompleted"
-    step: int
-    attempt: int
+    step: Count
+    attempt: Count
     outcome: ModelOutcome
-    candidate_ref: str | None = None
+    candidate_ref: Id | None = None
     candidate: Candidate | None = None
     usage: ModelUsage = ModelUsage()
-    retry_after_ms: int | None = None
+    retry_after_ms: DurationMs | None = None
 
 
 class OpEvent(EventBase, frozen=True, kw_only=True, gc=False):
-    step: int
-    operation_key: str
-    dispatch: int = 1
+    step: Count
+    operation_key: Id
+    dispatch: Count = 1
 
 
 class ToolCallAccepted(OpEvent, tag="ToolCallAccepted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallAccepted"]] = "ToolCallAccepted"
-    poll_after_ms: int | None = None
+    poll_after_ms: DurationMs | None = None
 
 
 class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only=True, gc=False):
@@ -106,33 +111,33 @@ class ToolStatusReported(OpEvent, tag="ToolStatusReported", frozen=True, kw_only
 
     type: ClassVar[Literal["ToolStatusReported"]] = "ToolStatusReported"
     status: Literal["accepted", "running"] = "running"
-    poll: int  # echoes PollTool.poll: only the answer to the latest poll applies
+    poll: Count  # echoes PollTool.poll: only the answer to the latest poll applies
 
 
 class OutputSummary(Frozen, frozen=True, kw_only=True, gc=False):
-    head: str
-    tail: str
-    error_lines: tuple[str, ...]
-    line_count: int
-    byte_count: int
-    error_count: int
+    head: Text
+    tail: Text
+    error_lines: Annotated[tuple[Text, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+    line_count: Amount
+    byte_count: Amount
+    error_count: Amount
 
 
 class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallSucceeded"]] = "ToolCallSucceeded"
-    result_ref: str
-    result_bytes: int = 0
+    result_ref: Id
+    result_bytes: Amount = 0
     summary: OutputSummary | None = None
-    resource_version: str | None = None
-    candidate_count: int | None = None
+    resource_version: Id | None = None
+    candidate_count: Count | None = None
 
 
 class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ToolCallFailed"]] = "ToolCallFailed"
     error_class: ErrorClass
-    error_code: str
-    message: str = ""
-    retry_after_ms: int | None = None
+    error_code: Id
+    message: Text = ""
+    retry_after_ms: DurationMs | None = None
 
 
 class ToolCallTimedOut(OpEvent, tag="ToolCallTimedOut", frozen=True, kw_only=True, gc=False):
@@ -148,20 +153,20 @@ class ReconcileOutcome(StrEnum):
 class ReconcileCompleted(OpEvent, tag="ReconcileCompleted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["ReconcileCompleted"]] = "ReconcileCompleted"
     outcome: ReconcileOutcome
-    result_ref: str | None = None
+    result_ref: Id | None = None
 
 
 class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["UserReplied"]] = "UserReplied"
-    question_id: str
-    token_id: str
-    state_version: int
-    response: dict[str, Any]
+    question_id: Id
+    token_id: Id
+    state_version: Count
+    response: dict[str, Any]  # its depth is checked by the core (REJECTED past MAX_JSON_DEPTH)
 
 
 class CancelRequested(EventBase, tag="CancelRequested", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["CancelRequested"]] = "CancelRequested"
-    reason: str = "requested"
+    reason: Text = "requested"
 
 
 class CancelConfirmed(OpEvent, tag="CancelConfirmed", frozen=True, kw_only=True, gc=False):
@@ -174,50 +179,51 @@ class CancelUnconfirmed(OpEvent, tag="CancelUnconfirmed", frozen=True, kw_only=T
 
 class TimerFired(EventBase, tag="TimerFired", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["TimerFired"]] = "TimerFired"
-    timer_id: str
+    timer_id: Id
 
 
 class GoalChanged(EventBase, tag="GoalChanged", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["GoalChanged"]] = "GoalChanged"
-    step: int
-    goal: str
+    step: Count
+    goal: Text
 
 
 class KnowledgeRefreshed(EventBase, tag="KnowledgeRefreshed", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["KnowledgeRefreshed"]] = "KnowledgeRefreshed"
-    step: int
-    memory_ref: str | None = None
-    evidence_refs: tuple[str, ...] = ()
+    step: Count
+    memory_ref: Id | None = None
+    evidence_refs: Ids = ()
 
 
 class RunReopened(EventBase, tag="RunReopened", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunReopened"]] = "RunReopened"
-    resolution: int  # compare-and-set: the resolution this correction applies to
-    reason: str
-    goal: str | None = None
+    resolution: Count  # compare-and-set: the resolution this correction applies to
+    reason: Text
+    goal: Text | None = None
 
 
 class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunResolved"]] = "RunResolved"
-    resolution: int
+    resolution: Count
     status: RunStatus
-    reason: str
+    reason: Text
 
 
 class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["GapTimedOut"]] = "GapTimedOut"
-    expected_seq: int
-    diagnosis: str
+    expected_seq: Count
+    diagnosis: Text
 
 
 class InputRefused(EventBase, tag="InputRefused", frozen=True, kw_only=True, gc=False):
     """The processor could not take an input of this run (its body or what it would write is
     over a limit, it cannot be decoded): the run fails with the reason (R30). Written by the
-    processor, never by a producer; ``event_id`` and ``at`` derive from the refused input."""
+    processor, never by a producer; ``event_id`` and ``at`` derive from the refused input, within
+    their bounds (an id longer than MAX_ID_CHARS is replaced by a digest)."""
 
     type: ClassVar[Literal["InputRefused"]] = "InputRefused"
-    reason: str  # invalid_input:<what>[: detail]
-    input_id: str | None = None
+    reason: Text  # invalid_input:<what>[: detail]
+    input_id: Id | None = None
 
 
 Event = (
@@ -264,9 +270,10 @@ EVENT_TYPES: tuple[str, ...] = (
     "InputRefused",
 )
 
-EVENT_DECODER: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+EVENT_DECODER: Decoder[Event] = Decoder(msgspec.json.Decoder(Event))
 
 
 def parse_event(data: str | bytes) -> Event:
-    """Decode one event from JSON (raises msgspec.ValidationError on bad input)."""
+    """Decode one event from JSON (raises msgspec.DecodeError or its subclass
+    msgspec.ValidationError on bad input, nothing else)."""
     return EVENT_DECODER.decode(data)

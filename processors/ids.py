@@ -96,10 +96,12 @@ def resume_token_id(run_id: str, qid: str, version: int) -> str:
 
 
 def canonicalize_arguments(arguments_json: str) -> str | None:
-    """Canonical form of a JSON arguments document, or None if it is not a JSON object."""
+    """Canonical form of a JSON arguments document, or None if it is not a JSON object.
+
+    Strict JSON, as the validator reads tool-call arguments (no NaN, valid UTF-8)."""
     try:
-        value = json.loads(arguments_json)
-    except ValueError:
+        value = msgspec.json.decode(arguments_json)
+    except (msgspec.DecodeError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None

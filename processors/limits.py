@@ -31,6 +31,11 @@ MAX_ITEMS = 1024
 # Nesting of any JSON document from outside (tool schemas, model arguments, tool results,
 # replies): deep enough for real documents, far below the interpreter's recursion limit.
 MAX_JSON_DEPTH = 64
+# Work of one JSON Schema validation, in keyword evaluations: a fixed allowance plus a share per
+# node of the value. Real schemas need a few per node; one whose $refs multiply the work (an
+# anyOf of refs to an anyOf of refs...) runs out and is refused instead of running for hours.
+SCHEMA_STEPS_BASE = 10_000
+SCHEMA_STEPS_PER_VALUE_NODE = 100
 
 TimeMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIME_MS)]
 DurationMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_DURATION_MS)]
@@ -38,6 +43,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Amount = Annotated[int, msgspec.Meta(ge=0, le=MAX_AMOUNT)]
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+# A list of identifiers from outside (permissions, tool names, refs).
+Ids = Annotated[tuple[Id, ...], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
 def json_depth(value: object, limit: int = MAX_JSON_DEPTH) -> int:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 import msgspec
 
+from processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
+
 CURRENT_VALIDATOR_VERSION = 2
+_T = TypeVar("_T")
 
 _replace = msgspec.structs.replace
 _ENCODER = msgspec.json.Encoder()
@@ -42,13 +45,41 @@ class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     @classmethod
     def model_validate_json(cls, data: str | bytes) -> Self:
-        """Decode and validate (raises :class:`msgspec.ValidationError`)."""
-        return msgspec.json.decode(data, type=cls)
+        """Decode and validate (raises :class:`msgspec.DecodeError` or its subclass
+        :class:`msgspec.ValidationError`, nothing else)."""
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except RecursionError:
+            raise msgspec.DecodeError(_TOO_DEEP) from None
 
     @classmethod
     def model_validate(cls, data: Any) -> Self:
         """Validate builtins (a parsed JSON document) into this type."""
-        return msgspec.convert(data, type=cls)
+        try:
+            return msgspec.convert(data, type=cls)
+        except RecursionError:
+            raise msgspec.ValidationError(_TOO_DEEP) from None
+
+
+# msgspec decodes nested containers recursively and raises RecursionError past the
+# interpreter's limit; the decoders turn it into the DecodeError every caller handles.
+_TOO_DEEP = "JSON is nested too deeply"
+
+
+class Decoder(Generic[_T]):
+    """A msgspec JSON decoder that raises only :class:`msgspec.DecodeError` (or its subclass
+    :class:`msgspec.ValidationError`) on bad input, whatever its nesting."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, decoder: msgspec.json.Decoder[_T]) -> None:
+        self._decoder = decoder
+
+    def decode(self, data: str | bytes) -> _T:
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:
+            raise msgspec.DecodeError(_TOO_DEEP) from None
 
 
 class RunStatus(StrEnum):
@@ -118,55 +149,63 @@ class TimerPurpose(StrEnum):
     GAP_TIMEOUT = "GAP_TIMEOUT"  # scheduled by the processor for a seq gap (R5), never by the core
 
 
+# The bounds on the fields below (R30) are checked when a task is decoded: a value out of range
+# never reaches the transition function. Fields the core derives (counters it increments, sums,
+# hashes) stay unbounded so a snapshot always decodes.
+
+
 class ToolSpec(Frozen, frozen=True, kw_only=True, gc=False):
-    name: str
+    name: Id
     parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
-    permission: str = "read"
+    permission: Id = "read"
     is_async: bool = False
     idempotent: bool = True
     cancellable: bool = False
 
 
 class Policy(Frozen, frozen=True, kw_only=True, gc=False):
-    allowed_permissions: tuple[str, ...] = ("read", "write")
-    approval_required: tuple[str, ...] = ()
-    max_model_attempts: int = 3
-    max_repairs: int = 2
-    max_tool_retries: int = 2
+    allowed_permissions: Ids = ("read", "write")
+    approval_required: Ids = ()
+    max_model_attempts: Count = 3
+    max_repairs: Count = 2
+    max_tool_retries: Count = 2
     require_evidence: bool = False
-    required_tools: tuple[str, ...] = ()
-    user_wait_ms: int = 600_000
+    required_tools: Ids = ()
+    user_wait_ms: DurationMs = 600_000
     on_user_expiry: Literal["expire", "cancel"] = "expire"
     on_goal_change: Literal["continue", "new_run"] = "continue"
     on_no_progress: Literal["pause", "fail"] = "pause"
-    large_output_bytes: int = 16_384
-    poll_interval_ms: int = 30_000
+    large_output_bytes: Amount = 16_384
+    poll_interval_ms: DurationMs = 30_000
 
 
 class Budgets(Frozen, frozen=True, kw_only=True, gc=False):
-    deadline_at: int | None = None
-    max_steps: int = 20
-    max_tokens: int | None = None
-    max_cost_micros: int | None = None
-    max_tool_calls: int | None = None
+    deadline_at: TimeMs | None = None
+    max_steps: Count = 20
+    max_tokens: Amount | None = None
+    max_cost_micros: Amount | None = None
+    max_tool_calls: Count | None = None
 
 
 class LoopLimits(Frozen, frozen=True, kw_only=True, gc=False):
-    max_repeat_action: int = 3
-    max_repeat_error: int = 3
-    max_steps_without_progress: int = 5
-    max_events: int = 200
+    max_repeat_action: Count = 3
+    max_repeat_error: Count = 3
+    max_steps_without_progress: Count = 5
+    max_events: Count = 200
     detect_oscillation: bool = True
 
 
+Tools = Annotated[tuple[ToolSpec, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
 class RunConfig(Frozen, frozen=True, kw_only=True, gc=False):
-    tools: tuple[ToolSpec, ...]
+    tools: Tools
     config_ref: str  # the frozen run configuration artifact (tools, policy, budgets, route)
     policy: Policy
     budgets: Budgets
     loop: LoopLimits
-    model_route: str
-    validator_version: int
+    model_route: Id
+    validator_version: Count
 
     def tool(self, name: str) -> ToolSpec | None:
         for spec in self.tools:
@@ -195,12 +234,12 @@ class Usage(Frozen, frozen=True, kw_only=True, gc=False):
 class TimeAccount(Frozen, frozen=True, kw_only=True, gc=False):
     """Milliseconds split by who the run was waiting for (R16)."""
 
-    started_at: int
-    last_at: int
+    started_at: TimeMs
+    last_at: TimeMs
     system_ms: int = 0
     tool_wait_ms: int = 0
     user_wait_ms: int = 0
-    ended_at: int | None = None
+    ended_at: TimeMs | None = None
 
 
 class Operation(Frozen, frozen=True, kw_only=True, gc=False):
@@ -228,7 +267,7 @@ class Question(Frozen, frozen=True, kw_only=True, gc=False):
     kind: Literal["approval", "clarification"]
     artifact_ref: str
     response_schema: dict[str, Any]
-    expires_at: int
+    expires_at: TimeMs  # the core caps derived times at MAX_TIME_MS
     token_id: str
     version: int
     timer_id: str
@@ -237,7 +276,7 @@ class Question(Frozen, frozen=True, kw_only=True, gc=False):
 class Timer(Frozen, frozen=True, kw_only=True, gc=False):
     timer_id: str
     purpose: TimerPurpose
-    due_at: int
+    due_at: TimeMs  # the core caps derived times at MAX_TIME_MS
     op_key: str | None = None
 
 
@@ -260,14 +299,14 @@ class ValidationRecord(Frozen, frozen=True, kw_only=True, gc=False):
 
 
 class RunState(Frozen, frozen=True, kw_only=True, gc=False):
-    run_id: str
-    trace_id: str
-    submitted_event_id: str
+    run_id: Id
+    trace_id: Id
+    submitted_event_id: Id
     status: RunStatus
     path: tuple[RunStatus, ...] = ()
     version: int = 1
     resolution: int = 0
-    goal: str
+    goal: Text
     config: RunConfig
     step: int = 1
     attempt: int = 1

@@ -7,7 +7,6 @@ for domain failures: they return terminal states, PAUSED, or a non-APPLIED dispo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -66,6 +65,7 @@ from processors.ids import (
     short_hash,
     timer_id,
 )
+from processors.limits import MAX_TIME_MS
 from processors.state import (
     IN_FLIGHT,
     NON_TERMINAL,
@@ -90,6 +90,7 @@ from processors.validation import (
     ASK_WHEN_EXHAUSTED,
     ValidatedCall,
     ValidationContext,
+    failure_reason,
     revalidate,
     schema_problem,
     task_problem,
@@ -229,6 +230,12 @@ def _goto(s: RunState, out: _Out, status: RunStatus) -> RunState:
 
 
 # --------------------------------------------------------------------------- timers
+
+
+def _due(at: int, delay_ms: int) -> int:
+    """``at`` plus a delay, capped at the last representable time: both are bounded inputs, but
+    their sum may not be, and every consumer of a timer turns it into a date."""
+    return min(at + delay_ms, MAX_TIME_MS)
 
 
 def _schedule(
@@ -502,7 +509,7 @@ def _on_model_completed(s: RunState, e: ModelCallCompleted) -> Transition:
         case ModelOutcome.BLOCKED:
             return out.done(_terminate(s, out, RunStatus.FAILED, "model:blocked"))
         case ModelOutcome.RATE_LIMITED:
-            due = out.at + (e.retry_after_ms or DEFAULT_BACKOFF_MS)
+            due = _due(out.at, e.retry_after_ms or DEFAULT_BACKOFF_MS)
             deadline = s.config.budgets.deadline_at
             if deadline is not None and due >= deadline:
                 return out.done(_terminate(s, out, RunStatus.EXPIRED, "deadline:backoff"))
@@ -558,7 +565,7 @@ def _validate(
                 return _new_attempt(s, out, note)
             if decision.action == "repair" and code in ASK_WHEN_EXHAUSTED:
                 return _ask(s, out, "clarification", {"problem": code, "detail": decision.detail})
-            return _terminate(s, out, RunStatus.FAILED, f"validation:{code}")
+            return _terminate(s, out, RunStatus.FAILED, failure_reason(code, decision.detail))
 
 
 def _op_spec(op: Operation) -> OperationSpec:
@@ -652,7 +659,7 @@ def _ask(s: RunState, out: _Out, kind: str, payload: dict[str, Any]) -> RunState
     qid = question_id(s.run_id, s.step, s.attempt, kind, out.version)
     body = {"run_id": s.run_id, "question_id": qid, "kind": kind, "step": s.step, **payload}
     ref = out.store(canonical_json(body))
-    expires = out.at + s.config.policy.user_wait_ms
+    expires = _due(out.at, s.config.policy.user_wait_ms)
     s = _schedule(s, out, TimerPurpose.USER_EXPIRY, expires)
     token = resume_token_id(s.run_id, qid, out.version)
     question = Question(
@@ -783,7 +790,7 @@ def _on_tool_accepted(s: RunState, e: ToolCallAccepted) -> Transition:
         return op
     out = _Out(s, e)
     s = _replace_op(s, replace(op, status=OpStatus.ACCEPTED))
-    due = out.at + (e.poll_after_ms or s.config.policy.poll_interval_ms)
+    due = _due(out.at, e.poll_after_ms or s.config.policy.poll_interval_ms)
     s = _schedule(s, out, TimerPurpose.TOOL_POLL, due, op.key)
     return out.done(_advance(s, out))
 
@@ -799,7 +806,8 @@ def _on_tool_status(s: RunState, e: ToolStatusReported) -> Transition:
     out = _Out(s, e)
     status = OpStatus.RUNNING if e.status == "running" else OpStatus.ACCEPTED
     s = _replace_op(s, replace(op, status=status))
-    s = _schedule(s, out, TimerPurpose.TOOL_POLL, out.at + s.config.policy.poll_interval_ms, op.key)
+    due = _due(out.at, s.config.policy.poll_interval_ms)
+    s = _schedule(s, out, TimerPurpose.TOOL_POLL, due, op.key)
     return out.done(_advance(s, out))
 
 
@@ -863,7 +871,7 @@ def _on_tool_failed(s: RunState, e: ToolCallFailed) -> Transition:
             reason = f"tool:PERMISSION_DENIED:{op.tool}"
             return out.done(_terminate(s, out, RunStatus.FAILED, reason))
         case ErrorClass.RATE_LIMIT:
-            due = out.at + (e.retry_after_ms or DEFAULT_BACKOFF_MS)
+            due = _due(out.at, e.retry_after_ms or DEFAULT_BACKOFF_MS)
             deadline = s.config.budgets.deadline_at
             if deadline is not None and due >= deadline:
                 return out.done(_terminate(s, out, RunStatus.EXPIRED, "deadline:backoff"))
@@ -1128,9 +1136,12 @@ def _on_input_refused(s: RunState, e: InputRefused) -> Transition:
 
 
 def _on_submitted(e: RunSubmitted) -> Transition:
+    problem = task_problem(e)
+    # a refused task's tools are not kept: its state holds nothing it could not serialize
+    tools = e.tools if problem is None else ()
     frozen = canonical_json(
         {
-            "tools": [t.model_dump(mode="json") for t in e.tools],
+            "tools": [t.model_dump(mode="json") for t in tools],
             "policy": e.policy.model_dump(mode="json"),
             "budgets": e.budgets.model_dump(mode="json"),
             "loop": e.loop.model_dump(mode="json"),
@@ -1139,7 +1150,7 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         }
     )
     config = RunConfig(
-        tools=e.tools,
+        tools=tools,
         config_ref=content_ref(frozen),
         policy=e.policy,
         budgets=e.budgets,
@@ -1161,7 +1172,6 @@ def _on_submitted(e: RunSubmitted) -> Transition:
     )
     out = _Out(s, e)
     out.store(frozen)
-    problem = task_problem(e)
     if problem is not None:  # the run exists, so the producer receives its result
         return out.done(_terminate(s, out, RunStatus.FAILED, problem))
     if e.budgets.deadline_at is not None:
@@ -1304,5 +1314,6 @@ def fold(events: Iterable[Event], state: RunState | None = None) -> RunState | N
 
 
 def load_candidate(content: str) -> Candidate:
-    """Parse a stored candidate artifact (for audit re-validation, R28)."""
-    return Candidate.model_validate(json.loads(content))
+    """Parse a stored candidate artifact (for audit re-validation, R28); raises only
+    msgspec.DecodeError (or its subclass msgspec.ValidationError), whatever the content."""
+    return Candidate.model_validate_json(content)

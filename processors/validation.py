@@ -11,12 +11,24 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal
 
+import msgspec
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
 
 from processors.events import Candidate, RunSubmitted, ToolCallRequest
 from processors.ids import canonical_json, derive_key
 from processors.limits import MAX_JSON_DEPTH, json_depth
+from processors.linear_schema import (
+    UNSUPPORTED_COMBINATION,
+    TooMuchWork,
+    compiles,
+    first_error,
+    keywords_in,
+    patterns_in,
+    shared_budget,
+    validator_for,
+)
 from processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
 
 Action = Literal["dispatch", "approve", "finalize", "repair", "fail"]
@@ -28,6 +40,7 @@ REPAIRABLE: frozenset[str] = frozenset(
         "DUPLICATE_CALL_ID",
         "UNKNOWN_TOOL",
         "INVALID_ARGUMENTS_JSON",
+        "ARGUMENTS_TOO_DEEP",
         "SCHEMA_VIOLATION",
         "UNRESOLVED_REFERENCE",
         "MISSING_EVIDENCE",
@@ -36,6 +49,18 @@ REPAIRABLE: frozenset[str] = frozenset(
 )
 # When repairs are exhausted these ask the user instead of failing.
 ASK_WHEN_EXHAUSTED: frozenset[str] = frozenset({"UNRESOLVED_REFERENCE", "MISSING_EVIDENCE"})
+# Codes that name an input from outside the run cannot use (R30): a run failed by one ends with
+# ``invalid_input:<what>`` rather than ``validation:<code>``.
+INVALID_INPUT: dict[str, str] = {
+    "ARGUMENTS_TOO_DEEP": "invalid_input:arguments_too_deep",
+    "TOOL_SCHEMA_UNUSABLE": "invalid_input:tool_schema",
+}
+
+
+def failure_reason(code: str, detail: str) -> str:
+    """The reason a run fails with when validation fails it with ``code``."""
+    what = INVALID_INPUT.get(code)
+    return f"validation:{code}" if what is None else f"{what}: {detail}"[:300]
 
 
 class ValidationContext(Frozen, frozen=True, kw_only=True, gc=False):
@@ -79,13 +104,46 @@ class ValidationDecision(Frozen, frozen=True, kw_only=True, gc=False):
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(schema_json: str) -> Draft202012Validator:
+def _compiled(schema_json: str) -> Validator:
     # Pure memoization of a pure function (schema text → validator); no observable state.
-    return Draft202012Validator(json.loads(schema_json))
+    schema = json.loads(schema_json)
+    if keywords_in(schema).issuperset(UNSUPPORTED_COMBINATION):
+        raise _Unusable(" with ".join(UNSUPPORTED_COMBINATION) + " is not supported")
+    return validator_for(schema)
+
+
+class _Unusable(Exception):  # the schema itself cannot be evaluated; never escapes this module
+    pass
+
+
+def _first_error(schema: dict[str, Any], value: Any) -> str | None:
+    """First violation of ``value`` (or None); :class:`_Unusable` when the schema cannot be
+    evaluated (a ``$ref`` cycle or an unresolvable one, a malformed keyword)."""
+    if json_depth(schema) > MAX_JSON_DEPTH:
+        raise _Unusable(f"schema nested deeper than {MAX_JSON_DEPTH}")
+    if json_depth(value) > MAX_JSON_DEPTH:
+        return f"<root>: nested deeper than {MAX_JSON_DEPTH}"
+    try:
+        if fast_valid(schema, value):
+            return None
+        error = first_error(_compiled(canonical_json(schema)), value)
+    except _Unusable:
+        raise
+    except TooMuchWork:
+        raise _Unusable("schema needs too many evaluation steps") from None
+    except Exception as exc:  # third-party evaluation of a schema from outside: any failure
+        raise _Unusable(f"schema cannot be evaluated: {type(exc).__name__}") from None
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "<root>"
+    return f"{where}: {error.message}"[:300]
 
 
 def _schema_error(spec: ToolSpec, arguments: Any) -> str | None:
-    problem = schema_problem(spec.parameters, arguments)
+    try:
+        problem = _first_error(spec.parameters, arguments)
+    except _Unusable as unusable:
+        raise _Fail("TOOL_SCHEMA_UNUSABLE", f"{spec.name}: {unusable}") from None
     return None if problem is None else f"{spec.name}: {problem}"
 
 
@@ -106,16 +164,29 @@ class _Fail(Exception):  # internal control flow only; never escapes this module
         self.detail = detail
 
 
+def _arguments(call: ToolCallRequest) -> dict[str, Any]:
+    """The call's arguments: a JSON object (strict JSON, UTF-8) at most MAX_JSON_DEPTH deep."""
+    too_deep = _Fail(
+        "ARGUMENTS_TOO_DEEP", f"{call.name}: arguments nested deeper than {MAX_JSON_DEPTH}"
+    )
+    try:
+        arguments = msgspec.json.decode(call.arguments_json)
+    except RecursionError:
+        raise too_deep from None
+    except msgspec.DecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise _Fail("INVALID_ARGUMENTS_JSON", f"{call.name}: arguments are not a JSON object")
+    if json_depth(arguments) > MAX_JSON_DEPTH:
+        raise too_deep
+    return arguments
+
+
 def _check_call(call: ToolCallRequest, ctx: ValidationContext, check_refs: bool) -> ValidatedCall:
     spec = next((t for t in ctx.tools if t.name == call.name), None)
     if spec is None:
         raise _Fail("UNKNOWN_TOOL", f"no tool named {call.name!r}")
-    try:
-        arguments = json.loads(call.arguments_json)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise _Fail("INVALID_ARGUMENTS_JSON", f"{call.name}: arguments are not a JSON object")
+    arguments = _arguments(call)
     canonical = canonical_json(arguments)
     problem = _schema_error(spec, arguments)
     if problem is not None:
@@ -216,7 +287,8 @@ def revalidate(
             evidence_hash=evidence,
         )
     try:
-        action, calls = validator(candidate, ctx)
+        with shared_budget():  # all the calls of a candidate share one validation budget
+            action, calls = validator(candidate, ctx)
     except _Fail as failure:
         return ValidationDecision(
             validator_version=validator_version,
@@ -310,14 +382,14 @@ def fast_valid(schema: Any, value: Any) -> bool:
 
 
 def schema_problem(schema: dict[str, Any], value: Any) -> str | None:
-    """First JSON Schema violation of ``value`` (or None), using the memoized validator."""
-    if fast_valid(schema, value):
-        return None
-    validator = _compiled(canonical_json(schema))
-    for error in validator.iter_errors(value):
-        where = "/".join(str(p) for p in error.absolute_path) or "<root>"
-        return f"{where}: {error.message}"[:300]
-    return None
+    """First JSON Schema violation of ``value`` (or None), using the memoized validator.
+
+    Never raises: a value nested deeper than MAX_JSON_DEPTH, or a schema that cannot be
+    evaluated, is a problem like any violation."""
+    try:
+        return _first_error(schema, value)
+    except _Unusable as unusable:
+        return f"<schema>: {unusable}"[:300]
 
 
 def task_problem(submitted: RunSubmitted) -> str | None:
@@ -329,11 +401,32 @@ def task_problem(submitted: RunSubmitted) -> str | None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         return f"invalid_input:duplicate_tool: {', '.join(repeated)}"
-    for spec in submitted.tools:
-        if json_depth(spec.parameters) > MAX_JSON_DEPTH:
-            return f"invalid_input:tool_schema: {spec.name}: nested deeper than {MAX_JSON_DEPTH}"
-        try:
-            Draft202012Validator.check_schema(spec.parameters)
-        except SchemaError as exc:
-            return f"invalid_input:tool_schema: {spec.name}: {exc.message}"[:300]
+    with shared_budget():  # the trial evaluations of all the tools share one budget
+        for spec in submitted.tools:
+            problem = _tool_schema_problem(spec.parameters)
+            if problem is not None:
+                return f"invalid_input:tool_schema: {spec.name}: {problem}"[:300]
+    return None
+
+
+def _tool_schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a tool's parameter schema cannot be used (never raises)."""
+    if json_depth(schema) > MAX_JSON_DEPTH:
+        return f"nested deeper than {MAX_JSON_DEPTH}"
+    for pattern in patterns_in(schema):
+        if not compiles(pattern):
+            return f"pattern {pattern!r} is not supported (RE2: no backreferences or lookaround)"
+    if keywords_in(schema).issuperset(UNSUPPORTED_COMBINATION):
+        return " with ".join(UNSUPPORTED_COMBINATION) + " is not supported"
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return exc.message
+    except Exception as exc:  # third-party checking of a schema from outside: any failure
+        return f"schema cannot be checked: {type(exc).__name__}"
+    # one evaluation finds what the metaschema cannot: $ref cycles, unresolvable references
+    try:
+        _first_error(schema, {})
+    except _Unusable as unusable:
+        return str(unusable)
     return None
