@@ -517,7 +517,7 @@ def _outsized_int(value: Any) -> int | None:
         item = stack.pop()
         if isinstance(item, dict):
             stack.extend(item.values())
-        elif isinstance(item, list):
+        elif isinstance(item, list | tuple):
             stack.extend(item)
         elif isinstance(item, int) and item not in INT64:
             return item
@@ -1068,7 +1068,7 @@ class ApiService:
 
 #: Bytes no header value or query string may hold: a header is one line, and what is read from
 #: one becomes ids and trace ids in records.
-_CONTROL = frozenset(range(0x20)) | {0x7F}
+_CONTROL = (frozenset(range(0x20)) - {0x09}) | {0x7F}  # a tab is whitespace in a header
 
 
 def _clean(value: bytes) -> bool:
@@ -1284,8 +1284,12 @@ def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, A
 
 _RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _ERRS = {
+    "400": _resp("a header or the query string is not UTF-8 or holds a control character", _ERROR),
     "401": _resp("missing or wrong bearer token", _ERROR),
     "503": _resp("Kafka or Postgres unavailable; retry", _ERROR),
+}
+_TOO_LARGE = {
+    "413": _resp("body over max_body_bytes, or its input record over max_record_bytes", _ERROR)
 }
 
 OPENAPI: dict[str, Any] = {
@@ -1303,7 +1307,14 @@ OPENAPI: dict[str, Any] = {
             "Error": {
                 "type": "object",
                 "required": ["error", "detail"],
-                "properties": {"error": {"type": "string"}, "detail": {"type": "string"}},
+                "properties": {
+                    "error": {"type": "string"},
+                    "detail": {"type": "string"},
+                    "reason": {
+                        "type": "string",
+                        "description": "invalid_input:<what>: ... when the input is refused",
+                    },
+                },
             },
             "Task": {
                 "type": "object",
@@ -1402,7 +1413,12 @@ OPENAPI: dict[str, Any] = {
                         "a repeat: the same run", {"$ref": "#/components/schemas/Submitted"}
                     ),
                     "400": _resp("no Idempotency-Key or not JSON", _ERROR),
-                    "422": _resp("invalid task, or the key was used for another task", _ERROR),
+                    "422": _resp(
+                        "invalid task (with its invalid_input reason), or the key was used for"
+                        " another task",
+                        _ERROR,
+                    ),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1442,7 +1458,10 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "202": _resp("accepted; the core applies it"),
                     "409": _resp("token forged, expired, stale or already used", _ERROR),
-                    "422": _resp("response does not match the expected schema", _ERROR),
+                    "422": _resp(
+                        "response does not match the expected schema, or nests too deep", _ERROR
+                    ),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1455,6 +1474,7 @@ OPENAPI: dict[str, Any] = {
                     "202": _resp("cancel requested"),
                     "404": _resp("unknown run", _ERROR),
                     "409": _resp("the run is already terminal", _ERROR),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1477,6 +1497,7 @@ OPENAPI: dict[str, Any] = {
                     "200": _resp("nothing to do (already settled, or still running)"),
                     "404": _resp("unknown operation", _ERROR),
                     "422": _resp("unknown status", _ERROR),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
