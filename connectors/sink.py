@@ -551,6 +551,9 @@ class SinkConfig:
     poll_timeout_s: float = 0.05
     max_cached_runs: int = 100_000
     retry_max_delay_s: float = 5.0
+    #: Attempts of a batch that fails on a live connection (a conflict, a cancelled statement)
+    #: before its records are written one by one and the one that fails is dead-lettered.
+    max_batch_retries: int = 5
     session_timeout_ms: int = 10_000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
@@ -614,14 +617,28 @@ class _Retry(Exception):
     pass
 
 
-#: A lost connection or a conflict with another transaction: retried with backoff, never
-#: blamed on a record. The broker is one too: dead letters are flushed inside the transaction.
+#: Failures a retry may cure: Postgres away (retried for as long as it is away), the broker away
+#: (dead letters are flushed inside the transaction), and on a live connection a conflict with
+#: another transaction or a cancelled statement (retried `max_batch_retries` times, then the
+#: batch's records are written one by one).
 _TRANSIENT = (
     psycopg.OperationalError,
     psycopg.errors.SerializationFailure,
     psycopg.errors.DeadlockDetected,
     KafkaException,
 )
+
+
+_CONFLICTS = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def _away(exc: Exception, conn: Conn | None) -> bool:
+    """Whether `exc` says Postgres or the broker is away (not what a statement did)."""
+    if isinstance(exc, KafkaException):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and (
+        conn is None or conn.broken or conn.closed
+    )
 
 
 class _Pg:
@@ -711,9 +728,11 @@ class Sink:
     def _with_retry(
         self, pg: _Pg, what: str, fn: Callable[[Conn], Any], *, transaction: bool = True
     ) -> Any:
-        """Run `fn` (in a transaction); on a lost connection (or the broker away, for the dead
-        letters `fn` flushes) back off and retry until stopped. Any other failure is raised."""
+        """Run `fn` (in a transaction), retrying with backoff: while Postgres (or the broker,
+        for the dead letters `fn` flushes) is away, until stopped; a conflict or a cancelled
+        statement `max_batch_retries` times. Any other failure is raised at once."""
         delay = 0.05
+        attempts = 0
         while True:
             try:
                 conn = pg.connection()
@@ -724,7 +743,11 @@ class Sink:
                 with conn.transaction():
                     return fn(conn)
             except _TRANSIENT as exc:
+                away = _away(exc, pg.conn)
                 pg.drop()
+                attempts += 0 if away else 1
+                if attempts >= self.config.max_batch_retries:
+                    raise SinkError(f"{what} failed {attempts} times: {exc}") from exc
                 self.stats.retries += 1
                 SINK_RETRIES.inc()
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -1048,9 +1071,9 @@ class Sink:
                             [part.snapshot] if part.snapshot is not None else [],
                             clear=True,
                         )
-                except _TRANSIENT:
-                    raise
                 except Exception as exc:  # the one guard of the write: this record is refused
+                    if _away(exc, conn) or isinstance(exc, _CONFLICTS):
+                        raise  # not this record's doing: the whole batch again, later
                     reason = f"invalid_input:unwritable: {dead_letters.first_line(exc)}"
                     dead.append(self._refused(part.message, reason))
             self._finish(cur, batch, dead)

@@ -187,9 +187,9 @@ class TimerService:
                 try:
                     with conn.transaction():
                         self._apply(conn, msg)
-                except psycopg.OperationalError:
-                    raise  # the connection, not the effect: the whole batch is retried
                 except Exception as exc:  # the one guard: this effect, and only it, is refused
+                    if isinstance(exc, psycopg.OperationalError) and (conn.broken or conn.closed):
+                        raise  # Postgres away, not the effect: the whole batch again, later
                     refused = refusal(exc)
                     log.error("timer effect at offset %s refused: %s", msg.offset(), refused.reason)
                     dead.append(dead_letters.of_message(msg, refused.reason, refused.error_class))
