@@ -117,6 +117,7 @@ class TimerService:
         self.fired = 0
         self.scheduled = 0
         self.dead_letters = 0
+        self.retries = 0
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -160,6 +161,7 @@ class TimerService:
                 except (psycopg.OperationalError, KafkaException) as exc:
                     # Postgres restarting or the broker away: the same batch is ingested again.
                     log.warning("%s; retrying in %.1fs", dead_letters.first_line(exc), backoff)
+                    self.retries += 1
                     self._drop_db()
                     stop.wait(backoff)
                     backoff = min(backoff * 2, RETRY_MAX_S)

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,9 @@ import pytest
 from confluent_kafka import Producer
 
 from connectors.artifacts import PostgresArtifactStore
+from connectors.db import migrate
+from connectors.local_postgres import LocalPostgres
+from connectors.procs import free_port_block
 from connectors.timer_service import DUE_AT_OUT_OF_RANGE, TimerService
 from processors.effects import CancelTimer, ScheduleTimer
 from processors.state import Budgets, TimerPurpose
@@ -24,7 +28,15 @@ from streams.codec import encode
 from streams.processor import Processor, ProcessorConfig
 from streams.records import effect_record, parse_event_body
 from streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
-from tests.integration.pipeline import Inbox, input_record, now_ms, read_all, submitted, wait_for
+from tests.integration.pipeline import (
+    Inbox,
+    input_record,
+    now_ms,
+    read_all,
+    running_on_thread,
+    submitted,
+    wait_for,
+)
 
 PARTITIONS = 3
 
@@ -236,3 +248,41 @@ def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_sti
         assert letter["original_headers"][0]["key"] == "run_id"
     assert [f["run_id"] for f in _fired(kafka_bootstrap, prefix)] == ["good"]
     assert timer_thread.dead_letters == 5
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A Postgres of this test's own, so it can be stopped and started."""
+    directory = Path(tempfile.mkdtemp(prefix="agentruns-timer-pg-"))
+    directory.chmod(0o755)
+    server = LocalPostgres(directory, port=free_port_block(1, start=26432), durable=False)
+    server.start()
+    try:
+        migrate(server.url)
+        yield server
+    finally:
+        server.wipe()
+
+
+def test_timers_consumed_while_postgres_is_down_fire_once_it_is_back(
+    kafka_bootstrap: str, own_postgres: LocalPostgres, prefix: str
+) -> None:
+    service = TimerService(
+        kafka_bootstrap, own_postgres.url, prefix=prefix, group_id=f"{prefix}-timer"
+    )
+    with running_on_thread(service.run, "timer"):
+        _schedule(kafka_bootstrap, prefix, [_timer("up", "up:t", now_ms())])
+        wait_for(lambda: len(_fired(kafka_bootstrap, prefix)) == 1, timeout=30, what="a timer")
+        own_postgres.stop(mode="immediate")
+        base = now_ms()
+        _schedule(kafka_bootstrap, prefix, [_timer(f"d{i}", f"d{i}:t", base + i) for i in range(5)])
+        wait_for(lambda: service.retries >= 3, timeout=60, what="the timer to back off")
+        own_postgres.start()
+        wait_for(
+            lambda: len(_fired(kafka_bootstrap, prefix)) == 6,
+            timeout=60,
+            what="the timers consumed while Postgres was down",
+        )
+    assert sorted(str(f["run_id"]) for f in _fired(kafka_bootstrap, prefix)) == [
+        "d0", "d1", "d2", "d3", "d4", "up"
+    ]  # fmt: skip
