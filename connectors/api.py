@@ -67,7 +67,7 @@ from processors.events import (
     UserReplied,
 )
 from processors.ids import canonical_json
-from processors.limits import MAX_JSON_DEPTH, json_depth
+from processors.limits import MAX_DURATION_MS, MAX_JSON_DEPTH, json_depth
 from processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from processors.summary import summarize
 from processors.validation import schema_problem, task_problem
@@ -95,6 +95,8 @@ MAX_RECORD_BYTES = 1_048_576 - 65_536
 #: How deep a request body may nest: a JSON document the core bounds at MAX_JSON_DEPTH (a tool
 #: schema, a reply) sits at most three levels down in it ({"tools": [{"parameters": ...}]}).
 MAX_BODY_DEPTH = MAX_JSON_DEPTH + 3
+#: Longest Idempotency-Key (it becomes part of the input's id).
+MAX_KEY_CHARS = 200
 #: The integers a task may carry: what Avro `long` and a Postgres bigint hold.
 INT64 = range(-(2**63), 2**63)
 CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
@@ -690,7 +692,7 @@ class ApiService:
     # ------------------------------------------------------------------ runs
 
     def submit(self, key: str, body: dict[str, Any], trace_header: str | None) -> dict[str, Any]:
-        if not key or len(key) > 200:
+        if not key or len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header")
         run_id = run_id_for_key(key)
         trace_id = trace_header or str(body.get("trace_id") or "") or trace_id_for(run_id)
@@ -936,6 +938,8 @@ class ApiService:
 
         Without an Idempotency-Key, one cancel per run resolution: a repeat is answered as
         already requested (the core would record it as a DUPLICATE anyway)."""
+        if key is not None and len(key) > MAX_KEY_CHARS:
+            raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
         with self.db.connection() as conn:
             run = _run_row(conn, run_id)
             submitted = _submitted_record(conn, run_id) if run is None else None
@@ -1018,12 +1022,23 @@ class ApiService:
             except ValueError:
                 error_class = ErrorClass.UNKNOWN
             retry = body.get("retry_after_ms")
+            if retry is not None and not (
+                isinstance(retry, int)
+                and not isinstance(retry, bool)
+                and 0 <= retry <= MAX_DURATION_MS
+            ):
+                raise invalid_input(
+                    422,
+                    "invalid_callback",
+                    f"invalid_input:retry_after_ms: {str(retry)[:40]} is not an integer"
+                    f" from 0 to {MAX_DURATION_MS}",
+                )
             event = ToolCallFailed(
                 **ids,
                 error_class=error_class,
                 error_code=str(code or "failed")[:200],
                 message=str(body.get("message") or "")[:1000],
-                retry_after_ms=retry if isinstance(retry, int) else None,
+                retry_after_ms=retry,
             )
         elif status == "cancelled":
             event = CancelConfirmed(**ids)

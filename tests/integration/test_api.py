@@ -605,3 +605,26 @@ def test_headers_with_cr_lf_or_non_utf8_bytes_get_a_clean_4xx(stack: Stack) -> N
         assert status == 202 and json.loads(body)["run_id"] == run_id_for_key(seen), body
     good = stack.submit(f"good-after-headers-{uuid.uuid4().hex}")
     stack.wait_status(good, "SUCCEEDED")
+
+
+def test_a_callback_or_cancel_outside_the_limits_is_refused_and_a_good_one_is_taken(
+    stack: Stack,
+) -> None:
+    run_id, op = _waiting_tool(stack)
+    url = callback_url(stack.url, op["op_key"], SECRET)
+    with httpx.Client(timeout=10) as backend:
+        for retry in (2**70, -1, "soon"):
+            bad = {"status": "failed", "error_class": "TRANSIENT", "retry_after_ms": retry}
+            r = backend.post(url, json=bad)
+            assert r.status_code == 422, r.text
+            assert r.json()["reason"].startswith("invalid_input:retry_after_ms")
+    r = stack.http.post(f"/runs/{run_id}/cancel", json={}, headers={"Idempotency-Key": "k" * 201})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_header"
+    r = stack.http.post(f"/runs/{run_id}/cancel", json={}, headers={"Idempotency-Key": "k1"})
+    assert r.status_code == 202, r.text
+    assert stack.wait_status(run_id, "CANCELLED")["operations"][0]["status"] == "CANCELLED"
+    with psycopg.connect(stack.database_url) as conn:
+        kinds = [k for (k,) in conn.execute(
+            "SELECT kind FROM api_inputs WHERE run_id = %s ORDER BY kind", (run_id,)
+        )]  # fmt: skip
+    assert kinds == ["CancelRequested", "RunSubmitted"]
