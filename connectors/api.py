@@ -15,7 +15,12 @@ Replies are checked here synchronously against the projection (signature, run, e
 run's open question, single use, response schema) and then produced; the core re-checks them
 and stays the final judge (R15, R30).
 
-Endpoints, auth and the resume-token format are documented in docs/api.md.
+Hostile input is refused at the door, before anything is stored or produced: a body over
+`max_body_bytes` (413, by Content-Length at once, or counted while read), a record over
+`max_record_bytes` (413), a body that is not UTF-8 JSON, nests deeper than the limits, carries an
+integer a bigint cannot hold, or a task the core would refuse (422 with the reason
+`invalid_input:<what>: ...`), a header or query that is not UTF-8 or holds a control character
+(400). Endpoints, auth, limits and the resume-token format are documented in docs/api.md.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ from processors.events import (
     UserReplied,
 )
 from processors.ids import canonical_json
+from processors.limits import MAX_DURATION_MS, MAX_JSON_DEPTH, json_depth
 from processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from processors.summary import summarize
-from processors.validation import schema_problem
+from processors.validation import schema_problem, task_problem
 from streams.codec import decode, encode
 from streams.kafka_defaults import NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
@@ -80,7 +86,19 @@ RUN_NAMESPACE = uuid.UUID("6f1d3a52-2b8e-5c1e-9a43-61676e747275")
 TOKEN_PREFIX = "art1"
 API_PRODUCER_ID = "api"
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+#: Largest request body read (a named default of `ApiConfig.max_body_bytes`).
 MAX_BODY_BYTES = 1_048_576
+#: Largest encoded input record produced (`ApiConfig.max_record_bytes`, and the client's):
+#: 1 MiB, the broker's default `message.max.bytes`, less 64 KiB for the key, headers and batch
+#: framing; also below librdkafka's own default (1,000,000 bytes).
+MAX_RECORD_BYTES = 1_048_576 - 65_536
+#: How deep a request body may nest: a JSON document the core bounds at MAX_JSON_DEPTH (a tool
+#: schema, a reply) sits at most three levels down in it ({"tools": [{"parameters": ...}]}).
+MAX_BODY_DEPTH = MAX_JSON_DEPTH + 3
+#: Longest Idempotency-Key (it becomes part of the input's id).
+MAX_KEY_CHARS = 200
+#: The integers a task may carry: what Avro `long` and a Postgres bigint hold.
+INT64 = range(-(2**63), 2**63)
 CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 LARGE_OUTPUT_BYTES = 16_384
 
@@ -112,6 +130,63 @@ class ApiError(AgentrunsError):
         return JSONResponse(
             {"error": self.code, "detail": str(self), **self.extra}, status_code=self.status
         )
+
+
+def invalid_input(status: int, code: str, reason: str, **extra: Any) -> ApiError:
+    """A refusal of hostile or invalid input: `reason` is `invalid_input:<what>: detail`, the
+    same reason the core gives a run it fails for it."""
+    return ApiError(status, code, reason, reason=reason, **extra)
+
+
+class InvalidInputError(AgentrunsError):
+    """An input refused before it is produced (the API answers 413/422 with it, RunsProducer
+    raises it): `reason` is `invalid_input:<what>: detail`, what the core would fail the run
+    with."""
+
+    def __init__(self, reason: str, *, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.errors = errors or []
+
+
+def submitted_task(fields: Mapping[str, Any], **ids: Any) -> RunSubmitted:
+    """The RunSubmitted of a task (its fields, `ids` the run_id, event_id, at, trace_id), or
+    InvalidInputError: nested too deep, an integer a bigint cannot hold, outside the core's
+    decode bounds, refused by `processors.validation.task_problem`, or not UTF-8."""
+    if json_depth(fields, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
+        raise InvalidInputError(f"invalid_input:json_too_deep: nested deeper than {MAX_BODY_DEPTH}")
+    big = _outsized_int(fields)
+    if big is not None:
+        raise InvalidInputError(f"invalid_input:integer_out_of_range: {big} is not a bigint")
+    try:
+        event = RunSubmitted.model_validate({**fields, **ids})
+    except msgspec.ValidationError as exc:
+        raise InvalidInputError(
+            f"invalid_input:task: {exc}", errors=_validation_detail(exc)
+        ) from None
+    problem = task_problem(event)
+    if problem is not None:
+        raise InvalidInputError(problem)
+    try:
+        event.model_dump_json()  # text Python holds but UTF-8 cannot (a lone surrogate)
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"invalid_input:encoding: {exc}") from None
+    return event
+
+
+def encoded_input(record: dict[str, Any], limit: int) -> bytes:
+    """The Input record's bytes, or InvalidInputError when they cannot be produced: text that
+    is not UTF-8 (a lone surrogate), or more than `limit` bytes (the broker would refuse it on
+    every retry)."""
+    try:
+        value = encode("Input", record)
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"invalid_input:encoding: {exc}") from None
+    if len(value) > limit:
+        raise InvalidInputError(
+            f"invalid_input:record_too_large: the input record is {len(value)} bytes, over {limit}"
+        )
+    return value
 
 
 def now_ms() -> int:
@@ -229,6 +304,8 @@ class ApiConfig:
     partitions: int | None = None
     db_pool_size: int = 8
     produce_timeout_s: float = 15.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_record_bytes: int = MAX_RECORD_BYTES
     clock: Callable[[], int] = now_ms
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -385,16 +462,68 @@ def _ms(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp() * 1000)
 
 
+def _too_large(limit: int) -> ApiError:
+    return invalid_input(
+        413, "body_too_large", f"invalid_input:body_too_large: request body over {limit} bytes"
+    )
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, read as it streams in and never past `limit` bytes: a Content-Length
+    over it is refused before reading, a chunked body as soon as it grows over it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "invalid_header", "Content-Length is not a number")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _json_object(raw: bytes) -> dict[str, Any]:
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, "body_too_large", f"request body over {MAX_BODY_BYTES} bytes")
+    """The body as a JSON object: UTF-8, nested at most MAX_BODY_DEPTH deep (a deeper one is
+    refused without recursing into it)."""
     try:
-        value = json.loads(raw or b"{}")
-    except ValueError as exc:
+        value = msgspec.json.decode(raw or b"{}")
+    except UnicodeDecodeError:
+        raise invalid_input(
+            422, "invalid_encoding", "invalid_input:encoding: request body is not UTF-8"
+        ) from None
+    except RecursionError:
+        value = None
+        depth = MAX_BODY_DEPTH + 1
+    except msgspec.DecodeError as exc:
         raise ApiError(400, "invalid_json", f"request body is not JSON: {exc}") from None
+    else:
+        depth = json_depth(value, MAX_BODY_DEPTH)
+    if depth > MAX_BODY_DEPTH:
+        raise invalid_input(
+            422, "too_deep", f"invalid_input:json_too_deep: nested deeper than {MAX_BODY_DEPTH}"
+        )
     if not isinstance(value, dict):
         raise ApiError(400, "invalid_json", "request body must be a JSON object")
     return value
+
+
+def _outsized_int(value: Any) -> int | None:
+    """The first integer in a parsed JSON value that a bigint cannot hold, or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, int) and item not in INT64:
+            return item
+    return None
 
 
 def _validation_detail(exc: msgspec.ValidationError) -> list[dict[str, Any]]:
@@ -497,6 +626,15 @@ class ApiService:
 
     # ------------------------------------------------------------------ produce once
 
+    def _encoded(self, record: dict[str, Any]) -> bytes:
+        """The record's bytes; one the broker would refuse on every retry is never stored."""
+        try:
+            return encoded_input(record, self.config.max_record_bytes)
+        except InvalidInputError as exc:
+            if exc.reason.startswith("invalid_input:record_too_large"):
+                raise invalid_input(413, "record_too_large", exc.reason) from None
+            raise invalid_input(422, "invalid_encoding", exc.reason) from None
+
     def _produce_once(
         self,
         input_id: str,
@@ -554,31 +692,28 @@ class ApiService:
     # ------------------------------------------------------------------ runs
 
     def submit(self, key: str, body: dict[str, Any], trace_header: str | None) -> dict[str, Any]:
-        if not key or len(key) > 200:
+        if not key or len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header")
         run_id = run_id_for_key(key)
         trace_id = trace_header or str(body.get("trace_id") or "") or trace_id_for(run_id)
         fields = {k: v for k, v in body.items() if k != "trace_id"}
         at = self.clock()
         try:
-            event = RunSubmitted.model_validate(
-                {
-                    **fields,
-                    "run_id": run_id,
-                    "event_id": submit_event_id(run_id),
-                    "at": at,
-                    "trace_id": trace_id,
-                }
+            event = submitted_task(
+                fields,
+                run_id=run_id,
+                event_id=submit_event_id(run_id),
+                at=at,
+                trace_id=trace_id,
             )
-        except msgspec.ValidationError as exc:
-            raise ApiError(
-                422, "invalid_task", "the task is invalid", errors=_validation_detail(exc)
-            ) from None
+        except InvalidInputError as exc:
+            extra = {"errors": exc.errors} if exc.errors else {}
+            raise invalid_input(422, "invalid_task", exc.reason, **extra) from None
         record = input_record(
             event, input_id=submit_event_id(run_id), producer_id=API_PRODUCER_ID, producer_seq=1
         )
         created = self._produce_once(
-            record["input_id"], run_id, event.type, request_hash(body), encode("Input", record)
+            record["input_id"], run_id, event.type, request_hash(body), self._encoded(record)
         )
         run = self.run_row(run_id)
         return {
@@ -712,6 +847,12 @@ class ApiService:
         response = body.get("response")
         if not isinstance(text, str) or not isinstance(response, dict):
             raise ApiError(400, "invalid_reply", "send {resume_token: string, response: object}")
+        if json_depth(response) > MAX_JSON_DEPTH:
+            raise invalid_input(
+                422,
+                "response_invalid",
+                f"invalid_input:response_too_deep: nested deeper than {MAX_JSON_DEPTH}",
+            )
         token = verify_token(self.config.secret, text)
         if token.run_id != run_id:
             raise TokenError("token_forged", "resume token was issued for another run")
@@ -783,7 +924,7 @@ class ApiService:
             run_id,
             event.type,
             req_hash,
-            encode("Input", record),
+            self._encoded(record),
             conflict=TokenError("token_used", "this resume token was already used"),
             single_use=True,
             claim=claim,
@@ -797,6 +938,8 @@ class ApiService:
 
         Without an Idempotency-Key, one cancel per run resolution: a repeat is answered as
         already requested (the core would record it as a DUPLICATE anyway)."""
+        if key is not None and len(key) > MAX_KEY_CHARS:
+            raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
         with self.db.connection() as conn:
             run = _run_row(conn, run_id)
             submitted = _submitted_record(conn, run_id) if run is None else None
@@ -815,9 +958,7 @@ class ApiService:
         )
         record = input_record(event, input_id=input_id)
         req_hash = request_hash({"reason": reason} if key else {"cancel": run_id})
-        created = self._produce_once(
-            input_id, run_id, event.type, req_hash, encode("Input", record)
-        )
+        created = self._produce_once(input_id, run_id, event.type, req_hash, self._encoded(record))
         return {"run_id": run_id, "cancel_requested": True, "created": created}
 
     def callback(self, op_key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -881,12 +1022,23 @@ class ApiService:
             except ValueError:
                 error_class = ErrorClass.UNKNOWN
             retry = body.get("retry_after_ms")
+            if retry is not None and not (
+                isinstance(retry, int)
+                and not isinstance(retry, bool)
+                and 0 <= retry <= MAX_DURATION_MS
+            ):
+                raise invalid_input(
+                    422,
+                    "invalid_callback",
+                    f"invalid_input:retry_after_ms: {str(retry)[:40]} is not an integer"
+                    f" from 0 to {MAX_DURATION_MS}",
+                )
             event = ToolCallFailed(
                 **ids,
                 error_class=error_class,
                 error_code=str(code or "failed")[:200],
                 message=str(body.get("message") or "")[:1000],
-                retry_after_ms=retry if isinstance(retry, int) else None,
+                retry_after_ms=retry,
             )
         elif status == "cancelled":
             event = CancelConfirmed(**ids)
@@ -915,7 +1067,7 @@ class ApiService:
             run_id,
             event.type,
             request_hash({"status": status, "body": body}),
-            encode("Input", record),
+            self._encoded(record),
             conflict=ApiError(409, "callback_conflict", "another outcome was already reported"),
         )
         return 202, {"operation_key": op_key, "run_id": run_id, "accepted": True}
@@ -927,6 +1079,49 @@ class ApiService:
 
 
 # --------------------------------------------------------------------------- HTTP layer
+
+
+#: Bytes no header value or query string may hold: a header is one line, and what is read from
+#: one becomes ids and trace ids in records.
+_CONTROL = (frozenset(range(0x20)) - {0x09}) | {0x7F}  # a tab is whitespace in a header
+
+
+def _clean(value: bytes) -> bool:
+    if _CONTROL.intersection(value):
+        return False
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class _Guard:
+    """The outermost check of every request: header values and the query string must be UTF-8
+    without control characters (400 otherwise). The HTTP server already refuses a header line
+    broken by CR or LF; this also covers what it lets through (obs-text, NUL, DEL)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            bad = next((k for k, v in scope["headers"] if not _clean(v)), None)
+            if bad is None and not _clean(scope.get("query_string", b"")):
+                bad = b"query string"
+            if bad is not None:
+                what = bad.decode("latin-1")
+                response = JSONResponse(
+                    {
+                        "error": "invalid_header",
+                        "detail": f"{what} is not UTF-8 or holds a control character",
+                    },
+                    status_code=400,
+                )
+                REQUESTS.labels(scope["method"], "invalid_header", "400").inc()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Auth:
@@ -992,7 +1187,7 @@ def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response
 
 
 async def _submit(s: ApiService, r: Request) -> Response:
-    body = _json_object(await r.body())
+    body = _json_object(await _body(r, s.config.max_body_bytes))
     key = r.headers.get("idempotency-key", "")
     out = await run_in_threadpool(s.submit, key, body, r.headers.get("x-trace-id"))
     return JSONResponse(
@@ -1025,20 +1220,20 @@ async def _events(s: ApiService, r: Request) -> Response:
 
 
 async def _reply(s: ApiService, r: Request) -> Response:
-    body = _json_object(await r.body())
+    body = _json_object(await _body(r, s.config.max_body_bytes))
     out = await run_in_threadpool(s.reply, r.path_params["run_id"], body)
     return JSONResponse(out, status_code=202)
 
 
 async def _cancel(s: ApiService, r: Request) -> Response:
-    body = _json_object(await r.body())
+    body = _json_object(await _body(r, s.config.max_body_bytes))
     key = r.headers.get("idempotency-key")
     out = await run_in_threadpool(s.cancel, r.path_params["run_id"], body, key)
     return JSONResponse(out, status_code=202)
 
 
 async def _callback(s: ApiService, r: Request) -> Response:
-    body = _json_object(await r.body())
+    body = _json_object(await _body(r, s.config.max_body_bytes))
     status, out = await run_in_threadpool(s.callback, r.path_params["key"], body)
     return JSONResponse(out, status_code=status)
 
@@ -1085,6 +1280,7 @@ def create_app(config: ApiConfig) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(_Auth, token=config.api_token, secret=config.secret)
+    app.add_middleware(_Guard)  # added last: runs first
     app.state.service = service
     return app
 
@@ -1103,8 +1299,12 @@ def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, A
 
 _RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _ERRS = {
+    "400": _resp("a header or the query string is not UTF-8 or holds a control character", _ERROR),
     "401": _resp("missing or wrong bearer token", _ERROR),
     "503": _resp("Kafka or Postgres unavailable; retry", _ERROR),
+}
+_TOO_LARGE = {
+    "413": _resp("body over max_body_bytes, or its input record over max_record_bytes", _ERROR)
 }
 
 OPENAPI: dict[str, Any] = {
@@ -1122,7 +1322,14 @@ OPENAPI: dict[str, Any] = {
             "Error": {
                 "type": "object",
                 "required": ["error", "detail"],
-                "properties": {"error": {"type": "string"}, "detail": {"type": "string"}},
+                "properties": {
+                    "error": {"type": "string"},
+                    "detail": {"type": "string"},
+                    "reason": {
+                        "type": "string",
+                        "description": "invalid_input:<what>: ... when the input is refused",
+                    },
+                },
             },
             "Task": {
                 "type": "object",
@@ -1221,7 +1428,12 @@ OPENAPI: dict[str, Any] = {
                         "a repeat: the same run", {"$ref": "#/components/schemas/Submitted"}
                     ),
                     "400": _resp("no Idempotency-Key or not JSON", _ERROR),
-                    "422": _resp("invalid task, or the key was used for another task", _ERROR),
+                    "422": _resp(
+                        "invalid task (with its invalid_input reason), or the key was used for"
+                        " another task",
+                        _ERROR,
+                    ),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1261,7 +1473,10 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "202": _resp("accepted; the core applies it"),
                     "409": _resp("token forged, expired, stale or already used", _ERROR),
-                    "422": _resp("response does not match the expected schema", _ERROR),
+                    "422": _resp(
+                        "response does not match the expected schema, or nests too deep", _ERROR
+                    ),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1274,6 +1489,7 @@ OPENAPI: dict[str, Any] = {
                     "202": _resp("cancel requested"),
                     "404": _resp("unknown run", _ERROR),
                     "409": _resp("the run is already terminal", _ERROR),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }
@@ -1296,6 +1512,7 @@ OPENAPI: dict[str, Any] = {
                     "200": _resp("nothing to do (already settled, or still running)"),
                     "404": _resp("unknown operation", _ERROR),
                     "422": _resp("unknown status", _ERROR),
+                    **_TOO_LARGE,
                     **_ERRS,
                 },
             }

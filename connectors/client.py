@@ -18,6 +18,10 @@ Numbering rule of `RunsProducer` (documented in docs/api.md): `producer_seq` is 
 Pass the same `at` when re-submitting the same task to make the retry byte-identical; with a new
 `at` the processor still drops it, and records the difference as a conflicting duplicate on the
 dead-letter topic (R5).
+
+`RunsProducer` refuses what the API refuses, before anything is produced: a task the core would
+fail (its decode bounds, `processors.validation.task_problem`) and a record over
+`max_record_bytes` raise `InvalidInputError` with the reason `invalid_input:<what>: ...`.
 """
 
 from __future__ import annotations
@@ -39,15 +43,19 @@ import httpx
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from connectors.api import (
+    MAX_RECORD_BYTES,
+    InvalidInputError,
+    encoded_input,
     now_ms,
     run_id_for_key,
     submit_event_id,
+    submitted_task,
     trace_id_for,
 )
 from connectors.errors import AgentrunsError
-from processors.events import CancelRequested, RunSubmitted
+from processors.events import CancelRequested
 from processors.state import TERMINAL, RunStatus
-from streams.codec import CodecError, decode, encode
+from streams.codec import CodecError, decode
 from streams.errors import AgentrunsKafkaError
 from streams.kafka_defaults import NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
@@ -56,14 +64,36 @@ from streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
 
 log = logging.getLogger("agentruns.client")
 
+__all__ = [
+    "ApiClient",
+    "ClientError",
+    "InvalidInputError",
+    "ResultsConsumer",
+    "RunResult",
+    "RunsProducer",
+    "Submission",
+    "main_cancel",
+    "main_reply",
+    "main_results",
+    "main_submit",
+]
+
 
 class ClientError(AgentrunsError):
     """A call through the client failed; `status` is the HTTP status when there was one."""
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        reason: str | None = None,
+    ):
         super().__init__(message, retryable=status is None or status >= 500)
         self.status = status
         self.code = code
+        self.reason = reason  # `invalid_input:<what>: ...` when the API refused the input
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +116,13 @@ class RunsProducer:
         producer_id: str,
         prefix: str = DEFAULT_PREFIX,
         partitions: int | None = None,
+        max_record_bytes: int = MAX_RECORD_BYTES,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         if not producer_id:
             raise ValueError("producer_id must be a stable, non-empty name")
         self.producer_id = producer_id
+        self.max_record_bytes = max_record_bytes
         self.topic = topic_name(INBOX, prefix)
         self._producer = Producer(
             {
@@ -113,16 +145,17 @@ class RunsProducer:
         at: int | None = None,
         trace_id: str | None = None,
     ) -> Submission:
-        """Queue a task (the RunSubmitted fields but ids and time); `flush()` to wait for it."""
+        """Queue a task (the RunSubmitted fields but ids and time); `flush()` to wait for it.
+
+        Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
+        record is over `max_record_bytes`."""
         run_id = run_id_for_key(idempotency_key)
-        event = RunSubmitted.model_validate(
-            {
-                **task,
-                "run_id": run_id,
-                "event_id": submit_event_id(run_id),
-                "at": now_ms() if at is None else at,
-                "trace_id": trace_id or trace_id_for(run_id),
-            }
+        event = submitted_task(
+            task,
+            run_id=run_id,
+            event_id=submit_event_id(run_id),
+            at=now_ms() if at is None else at,
+            trace_id=trace_id or trace_id_for(run_id),
         )
         record = input_record(
             event, input_id=event.event_id, producer_id=self.producer_id, producer_seq=1
@@ -160,11 +193,12 @@ class RunsProducer:
                 self._errors.append(err)
 
         run_id = record["run_id"]
+        value = encoded_input(record, self.max_record_bytes)
         try:
             self._producer.produce(
                 self.topic,
                 key=run_id.encode(),
-                value=encode("Input", record),
+                value=value,
                 partition=partition_for(run_id, self.partitions),
                 on_delivery=delivered,
             )
@@ -380,12 +414,15 @@ class ApiClient:
             payload = response.json()
         except ValueError:
             payload = {"detail": response.text}
+        if not isinstance(payload, dict):
+            payload = {"detail": response.text}
         if response.status_code >= 400:
             raise ClientError(
                 f"{method} {path}: HTTP {response.status_code} "
                 f"{payload.get('error', '')}: {payload.get('detail', '')}",
                 status=response.status_code,
                 code=payload.get("error"),
+                reason=payload.get("reason"),
             )
         return dict(payload)
 

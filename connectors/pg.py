@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from processors.limits import MAX_TIME_MS
 from streams.errors import AgentrunsError
 
 T = TypeVar("T")
@@ -83,9 +84,24 @@ def prefer_lz4(conn: Conn) -> bool:
     return True
 
 
+#: The times a projection stores, in epoch milliseconds: what Python's datetime represents
+#: (0001-01-01 to 9999-12-31, UTC). A time outside is stored as the nearest bound, the same in
+#: Postgres as in Python (`clamp_ms`), so a hostile time neither breaks a batch nor differs.
+MIN_STORED_MS = -62_135_596_800_000
+MAX_STORED_MS = MAX_TIME_MS
+
+
+def clamp_ms(ms: int) -> int:
+    return min(max(ms, MIN_STORED_MS), MAX_STORED_MS)
+
+
 # Staged as epoch milliseconds (what event data carries), turned into timestamptz by Postgres:
 # exact (the product stays below 2**53 microseconds) and no datetime per value in Python.
-_MS = "timestamptz 'epoch' + {c} * interval '1 millisecond'"
+# Clamped as `clamp_ms` does (GREATEST/LEAST skip NULL, hence the CASE).
+_MS = (
+    "CASE WHEN {c} IS NULL THEN NULL ELSE timestamptz 'epoch'"
+    f" + LEAST(GREATEST({{c}}, {MIN_STORED_MS}), {MAX_STORED_MS}) * interval '1 millisecond' END"
+)
 
 
 @dataclass(frozen=True)
@@ -138,12 +154,17 @@ class Table:
         )
 
 
-def write_rows(cur: psycopg.Cursor[Any], table: Table, rows: Iterable[Sequence[Any]]) -> None:
+def write_rows(
+    cur: psycopg.Cursor[Any], table: Table, rows: Iterable[Sequence[Any]], *, clear: bool = False
+) -> None:
     """Stage `rows` (value tuples in `table.columns` order) with a binary COPY, then upsert them
-    (the stage empties itself at commit)."""
+    (the stage empties itself at commit; with `clear` at once, for a transaction that writes
+    the table more than once)."""
     with cur.copy(table.copy()) as copy:
         copy.set_types(table.stage_types)
         write = copy.write_row
         for row in rows:
             write(row)
     cur.execute(table.upsert())
+    if clear:
+        cur.execute(f"DELETE FROM {table.stage}")

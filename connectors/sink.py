@@ -19,6 +19,13 @@ offsets are never used). A crash anywhere before 5 leaves rows and offsets as th
 after 5 but before Kafka hears anything changes nothing either. A lost connection (Postgres
 restarting) is retried with backoff with the same messages; a commit whose outcome is unknown is
 re-applied, which the guards make a no-op.
+
+Hostile records never stop the projection. A record the sink cannot decode or fold becomes a
+dead-letter record on `<prefix>.dlq` (its reason, bytes, headers, topic/partition/offset) and the
+batch goes on. A batch whose SQL fails for any reason but a lost connection is written again
+record by record, each in its own savepoint, once: the records that fail alone are dead-lettered,
+the rest committed. Dead letters are flushed before the transaction that moves the offsets past
+them commits. Times outside what datetime holds are stored as the nearest bound (`clamp_ms`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -42,12 +49,14 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
+    Producer,
     TopicPartition,
 )
 from prometheus_client import Counter, Gauge, Histogram
 
+from connectors import dead_letters
 from connectors.errors import AgentrunsError
-from connectors.pg import Table, prefer_lz4, write_rows
+from connectors.pg import Table, clamp_ms, prefer_lz4, write_rows
 from connectors.procs import stop_on_signals
 from processors.effects import Effect
 from processors.events import (
@@ -64,11 +73,12 @@ from processors.events import (
 from processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from processors.transition import Disposition, transition
 from streams.codec import CodecError, decode, decode_fields
+from streams.dlq import INVALID_EVENT
 from streams.interpreter import tune_gc
-from streams.kafka_defaults import LONG_POLL_MS, NO_DELAY
+from streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, release
 from streams.polling import poll_batch
 from streams.records import parse_event_body
-from streams.topics import DEFAULT_PREFIX, EVENTS, RESULTS, STATE, topic_name
+from streams.topics import DEFAULT_PREFIX, DLQ, EVENTS, RESULTS, STATE, topic_name
 
 log = logging.getLogger("agentruns.sink")
 
@@ -77,7 +87,9 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 SINK_EVENTS = Counter("agentruns_sink_events_total", "Events projected into Postgres")
 SINK_SKIPPED = Counter(
-    "agentruns_sink_skipped_total", "Records skipped: already projected or undecodable", ["why"]
+    "agentruns_sink_skipped_total",
+    "Records skipped: already projected, or refused to the dead-letter topic",
+    ["why"],
 )
 SINK_RETRIES = Counter("agentruns_sink_retries_total", "Postgres batches retried after an error")
 SINK_DIVERGENCES = Counter(
@@ -97,8 +109,9 @@ class SinkError(AgentrunsError):
 
 
 def ms_time(ms: int) -> datetime:
-    """Event-data milliseconds as an exact timestamptz value."""
-    return EPOCH + timedelta(milliseconds=ms)
+    """Event-data milliseconds as an exact timestamptz value; outside what datetime holds, the
+    nearest bound (as Postgres stores it, see connectors.pg.clamp_ms)."""
+    return EPOCH + timedelta(milliseconds=clamp_ms(ms))
 
 
 # --------------------------------------------------------------------------- the pure projection
@@ -428,6 +441,17 @@ RESULT_COLUMNS = (
 )
 SNAPSHOT_COLUMNS = ("run_id", "last_seq", "version", "status", "updated_at")
 
+
+def result_values(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A Result record as the results row, in RESULT_COLUMNS order."""
+    return (r["run_id"], r["version"], r["status"], r["seq"], r["result_ref"], r["summary"],
+            r["trace_id"], r["at"])  # fmt: skip
+
+
+def snapshot_values(s: dict[str, Any]) -> tuple[Any, ...]:
+    return (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
+
+
 EVENTS_TABLE = Table(
     "events",
     EVENT_COLUMNS,
@@ -527,6 +551,9 @@ class SinkConfig:
     poll_timeout_s: float = 0.05
     max_cached_runs: int = 100_000
     retry_max_delay_s: float = 5.0
+    #: Attempts of a batch that fails on a live connection (a conflict, a cancelled statement)
+    #: before its records are written one by one and the one that fails is dead-lettered.
+    max_batch_retries: int = 5
     session_timeout_ms: int = 10_000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
@@ -541,7 +568,7 @@ class SinkStats:
     snapshots: int = 0
     results: int = 0
     skipped: int = 0
-    undecodable: int = 0
+    dead_letters: int = 0  # records refused: undecodable, unfoldable or unwritable
     retries: int = 0
     divergences: int = 0
     gaps: int = 0
@@ -558,6 +585,20 @@ class CommitReport:
 
 
 @dataclass
+class _Part:
+    """What one consumed record adds to a batch's rows: written alone (in its own savepoint)
+    when the merged batch's SQL fails, to find the record that breaks it."""
+
+    message: Message
+    event: tuple[Any, ...] | None = None
+    run: tuple[int, RunState] | None = None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    questions: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    snapshot: dict[str, Any] | None = None
+
+
+@dataclass
 class _Batch:
     """One consumed batch, decoded and folded: everything its transaction writes."""
 
@@ -568,10 +609,36 @@ class _Batch:
     runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)  # last state per run
     ops: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    parts: list[_Part] = field(default_factory=list)  # the same rows, per record, in order
+    dead: list[dict[str, Any]] = field(default_factory=list)  # records refused while folding
 
 
 class _Retry(Exception):
     pass
+
+
+#: Failures a retry may cure: Postgres away (retried for as long as it is away), the broker away
+#: (dead letters are flushed inside the transaction), and on a live connection a conflict with
+#: another transaction or a cancelled statement (retried `max_batch_retries` times, then the
+#: batch's records are written one by one).
+_TRANSIENT = (
+    psycopg.OperationalError,
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.DeadlockDetected,
+    KafkaException,
+)
+
+
+_CONFLICTS = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def _away(exc: Exception, conn: Conn | None) -> bool:
+    """Whether `exc` says Postgres or the broker is away (not what a statement did)."""
+    if isinstance(exc, KafkaException):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and (
+        conn is None or conn.broken or conn.closed
+    )
 
 
 class _Pg:
@@ -619,6 +686,7 @@ class Sink:
         self.events_topic = topic_name(EVENTS, p)
         self.state_topic = topic_name(STATE, p)
         self.results_topic = topic_name(RESULTS, p)
+        self.dlq_topic = topic_name(DLQ, p)
         self.topics = [self.events_topic, self.state_topic, self.results_topic]
         self.stats = SinkStats()
         self._cache: dict[str, tuple[int, RunState]] = {}
@@ -628,6 +696,10 @@ class Sink:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._consumer = Consumer(self._consumer_config())
+        self._dlq = Producer(
+            {"bootstrap.servers": config.bootstrap, "enable.idempotence": True, **NO_DELAY,
+             "log_level": 3}
+        )  # fmt: skip
         self._closed = False
 
     def _consumer_config(self) -> dict[str, Any]:
@@ -656,8 +728,11 @@ class Sink:
     def _with_retry(
         self, pg: _Pg, what: str, fn: Callable[[Conn], Any], *, transaction: bool = True
     ) -> Any:
-        """Run `fn` (in a transaction); on a lost connection back off and retry until stopped."""
+        """Run `fn` (in a transaction), retrying with backoff: while Postgres (or the broker,
+        for the dead letters `fn` flushes) is away, until stopped; a conflict or a cancelled
+        statement `max_batch_retries` times. Any other failure is raised at once."""
         delay = 0.05
+        attempts = 0
         while True:
             try:
                 conn = pg.connection()
@@ -667,12 +742,12 @@ class Sink:
                     return result
                 with conn.transaction():
                     return fn(conn)
-            except (
-                psycopg.OperationalError,
-                psycopg.errors.SerializationFailure,
-                psycopg.errors.DeadlockDetected,
-            ) as exc:
+            except _TRANSIENT as exc:
+                away = _away(exc, pg.conn)
                 pg.drop()
+                attempts += 0 if away else 1
+                if attempts >= self.config.max_batch_retries:
+                    raise SinkError(f"{what} failed {attempts} times: {exc}") from exc
                 self.stats.retries += 1
                 SINK_RETRIES.inc()
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -682,7 +757,10 @@ class Sink:
                 delay = min(delay * 2, self.config.retry_max_delay_s)
             except psycopg.Error as exc:
                 pg.drop()
-                raise SinkError(f"{what} failed: {exc}") from exc
+                raise SinkError(f"{what} failed: {dead_letters.first_line(exc)}") from exc
+            except Exception:
+                pg.drop()
+                raise
 
     # ------------------------------------------------------------------ assignment
 
@@ -769,6 +847,7 @@ class Sink:
             self._executor.shutdown(wait=True)
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
+        release(self._dlq, 10)
         self._writer_pg.drop()
         self._reader_pg.drop()
 
@@ -796,12 +875,12 @@ class Sink:
         began = time.monotonic()
         batch = _Batch({}, {}, {})
         positions, snapshots, results = batch.positions, batch.snapshots, batch.results
-        events: list[dict[str, Any]] = []
+        events: list[tuple[dict[str, Any], Message]] = []
         # Snapshots are keyed by run and written in version order within the run's partition,
         # so only the last one per key in the batch is decoded (the processor writes ~one per
         # event, each carrying the whole state), and of it only the leading fields the
         # run_snapshots row needs, not the state; the version guard still applies in Postgres.
-        latest: dict[bytes | str | None, tuple[bytes, tuple[str, int, int]]] = {}
+        latest: dict[bytes | str | None, Message] = {}
         events_topic, state_topic = self.events_topic, self.state_topic
         for message in messages:
             error = message.error()
@@ -816,22 +895,24 @@ class Sink:
             if value is None:
                 continue
             if topic == state_topic:
-                latest[message.key()] = (value, (topic, partition, offset))
+                latest[message.key()] = message
                 continue
             try:
                 if topic == events_topic:
-                    events.append(decode(value, expected_name="Event").record)
+                    events.append((decode(value, expected_name="Event").record, message))
                 else:
                     res = decode(value, expected_name="Result").record
                     results[(res["run_id"], res["version"])] = res
+                    batch.parts.append(_Part(message, result=res))
             except CodecError as exc:
-                self._undecodable(topic, partition, offset, exc)
-        for value, (topic, partition, offset) in latest.values():
+                batch.dead.append(self._refused(message, str(exc), exc.error_class))
+        for message in latest.values():
             try:
-                snap = decode_fields(value, "Snapshot", SNAPSHOT_COLUMNS)
+                snap = decode_fields(message.value() or b"", "Snapshot", SNAPSHOT_COLUMNS)
             except CodecError as exc:
-                self._undecodable(topic, partition, offset, exc)
+                batch.dead.append(self._refused(message, str(exc), exc.error_class))
                 continue
+            batch.parts.append(_Part(message, snapshot=snap))
             held = snapshots.get(snap["run_id"])
             if held is None or held["version"] < snap["version"]:
                 snapshots[snap["run_id"]] = snap
@@ -846,12 +927,21 @@ class Sink:
         self.stats.fold_s += time.monotonic() - began
         return batch
 
-    def _undecodable(self, topic: str, partition: int, offset: int, exc: CodecError) -> None:
-        # The processor never writes these; a foreign writer did. Skipped and counted (the
-        # projection cannot represent it); the offset still moves on.
-        self.stats.undecodable += 1
-        SINK_SKIPPED.labels("undecodable").inc()
-        log.error("undecodable record at %s[%d]@%d: %s", topic, partition, offset, exc)
+    def _refused(
+        self, message: Message, reason: str, error_class: str = INVALID_EVENT
+    ) -> dict[str, Any]:
+        """The dead letter of a record the projection cannot represent (a foreign writer's, or
+        hostile content); its offset still moves on, with the dead letter flushed first."""
+        self.stats.dead_letters += 1
+        SINK_SKIPPED.labels("dead_letter").inc()
+        log.error(
+            "record %s[%s]@%s refused: %s",
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            reason,
+        )
+        return dead_letters.of_message(message, reason, error_class)
 
     def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
         """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache
@@ -869,47 +959,74 @@ class Sink:
         )
         return loaded
 
-    def _fold(self, events: list[dict[str, Any]], batch: _Batch) -> None:
+    def _fold(self, events: list[tuple[dict[str, Any], Message]], batch: _Batch) -> None:
         cache = self._cache
-        missing = list({e["run_id"] for e in events if e["run_id"] not in cache})
+        missing = list({e["run_id"] for e, _ in events if e["run_id"] not in cache})
         loaded = self._load(missing) if missing else {}
-        runs = batch.runs
-        for record in events:
-            run_id, seq = record["run_id"], record["seq"]
-            current = runs.get(run_id) or cache.get(run_id) or loaded.get(run_id)
-            last_seq, state = current if current is not None else (0, None)
-            if seq <= last_seq:
-                self.stats.skipped += 1
-                SINK_SKIPPED.labels("already_projected").inc()
-                continue
-            if seq != last_seq + 1:
-                self.stats.gaps += 1
-                log.error(
-                    "run %s: event seq %d follows %d; folding what the log holds",
-                    run_id,
-                    seq,
-                    last_seq,
-                    extra={"run_id": run_id, "seq": seq},
-                )
-            projected = project_event(state, record)
-            if projected is None:
-                log.error("run %s seq %d: the fold has no state", run_id, seq)
-                continue
-            if str(projected.disposition) != record["disposition"]:
-                self.stats.divergences += 1
-                SINK_DIVERGENCES.inc()
-            runs[run_id] = (seq, projected.state)
-            batch.events.append(event_values(record, projected.status))
-            for row in projected.ops:
-                merge_op(batch.ops, row)
-            for row in projected.questions:
-                merge_question(batch.questions, row)
+        for record, message in events:
+            try:
+                self._fold_one(record, message, batch, loaded)
+            except Exception as exc:  # the one guard of the fold: this record is refused
+                reason = f"invalid_input:unprojectable: {dead_letters.first_line(exc)}"
+                batch.dead.append(self._refused(message, reason))
+
+    def _fold_one(
+        self,
+        record: dict[str, Any],
+        message: Message,
+        batch: _Batch,
+        loaded: dict[str, tuple[int, RunState]],
+    ) -> None:
+        cache, runs = self._cache, batch.runs
+        run_id, seq = record["run_id"], record["seq"]
+        current = runs.get(run_id) or cache.get(run_id) or loaded.get(run_id)
+        last_seq, state = current if current is not None else (0, None)
+        if seq <= last_seq:
+            self.stats.skipped += 1
+            SINK_SKIPPED.labels("already_projected").inc()
+            return
+        if seq != last_seq + 1:
+            self.stats.gaps += 1
+            log.error(
+                "run %s: event seq %d follows %d; folding what the log holds",
+                run_id,
+                seq,
+                last_seq,
+                extra={"run_id": run_id, "seq": seq},
+            )
+        projected = project_event(state, record)
+        if projected is None:
+            raise ValueError(f"run {run_id} seq {seq}: the fold has no state")
+        if str(projected.disposition) != record["disposition"]:
+            self.stats.divergences += 1
+            SINK_DIVERGENCES.inc()
+        row = event_values(record, projected.status)
+        runs[run_id] = (seq, projected.state)
+        batch.events.append(row)
+        for op in projected.ops:
+            merge_op(batch.ops, op)
+        for q in projected.questions:
+            merge_question(batch.questions, q)
+        batch.parts.append(
+            _Part(message, row, (seq, projected.state), projected.ops, projected.questions)
+        )
 
     def _commit(self, batch: _Batch) -> None:
         """Write and commit one folded batch (the writer thread), retrying a lost connection
-        with the same rows: the guards make a re-applied batch a no-op."""
+        with the same rows: the guards make a re-applied batch a no-op. A batch that fails
+        otherwise is written once more record by record (`_isolate`)."""
         began = time.monotonic()
-        self._with_retry(self._writer_pg, "writing a sink batch", lambda c: self._write(c, batch))
+        try:
+            self._with_retry(
+                self._writer_pg, "writing a sink batch", lambda c: self._write(c, batch)
+            )
+        except _Retry:
+            raise
+        except Exception as exc:  # not a lost connection: some record's rows break the SQL
+            log.error("sink batch failed (%s); writing it record by record", exc)
+            self._with_retry(
+                self._writer_pg, "writing a sink batch by record", lambda c: self._isolate(c, batch)
+            )
         self.stats.write_s += time.monotonic() - began
         self.stats.batches += 1
         self.stats.events += len(batch.events)
@@ -922,63 +1039,93 @@ class Sink:
 
     def _write(self, conn: Conn, batch: _Batch) -> None:
         with conn.cursor() as cur:
-            if not self._writer_pg.staged:
-                for table in TABLES:
-                    cur.execute(table.create_stage())
-                self._writer_pg.staged = True
-            if batch.events:
-                write_rows(cur, EVENTS_TABLE, batch.events)
-            if batch.runs:
-                # Only the last state of each run in the batch is serialized and written.
-                rows = (run_values(state, seq) for seq, state in batch.runs.values())
-                write_rows(cur, RUNS_TABLE, rows)
-            if batch.ops:
-                write_rows(
-                    cur, OPS_TABLE, (tuple(r[c] for c in OP_COLUMNS) for r in batch.ops.values())
-                )
-            if batch.questions:
-                write_rows(
-                    cur,
-                    QUESTIONS_TABLE,
-                    (tuple(r[c] for c in QUESTION_COLUMNS) for r in batch.questions.values()),
-                )
-            if batch.results:
-                write_rows(
-                    cur,
-                    RESULTS_TABLE,
-                    (
-                        (
-                            r["run_id"],
-                            r["version"],
-                            r["status"],
-                            r["seq"],
-                            r["result_ref"],
-                            r["summary"],
-                            r["trace_id"],
-                            r["at"],
-                        )
-                        for r in batch.results.values()
-                    ),
-                )
-            if batch.snapshots:
-                write_rows(
-                    cur,
-                    SNAPSHOTS_TABLE,
-                    (
-                        (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
-                        for s in batch.snapshots.values()
-                    ),
-                )
-            keys = sorted(batch.positions)
-            cur.execute(
-                SQL_OFFSETS,
-                (
-                    self.config.group_id,
-                    [t for t, _ in keys],
-                    [p for _, p in keys],
-                    [batch.positions[k] for k in keys],
-                ),
+            self._stage(cur)
+            # Only the last state of each run in the batch is serialized and written.
+            self._write_rows(
+                cur,
+                batch.events,
+                batch.runs.values(),
+                batch.ops.values(),
+                batch.questions.values(),
+                batch.results.values(),
+                batch.snapshots.values(),
             )
+            self._finish(cur, batch, batch.dead)
+
+    def _isolate(self, conn: Conn, batch: _Batch) -> None:
+        """The batch again, each record's rows in a savepoint of their own: a record whose rows
+        fail is dead-lettered, every other one is written, and the offsets move past both."""
+        dead = list(batch.dead)
+        with conn.cursor() as cur:
+            self._stage(cur)
+            for part in batch.parts:
+                try:
+                    with conn.transaction():
+                        self._write_rows(
+                            cur,
+                            [part.event] if part.event is not None else [],
+                            [part.run] if part.run is not None else [],
+                            part.ops,
+                            part.questions,
+                            [part.result] if part.result is not None else [],
+                            [part.snapshot] if part.snapshot is not None else [],
+                            clear=True,
+                        )
+                except Exception as exc:  # the one guard of the write: this record is refused
+                    if _away(exc, conn) or isinstance(exc, _CONFLICTS):
+                        raise  # not this record's doing: the whole batch again, later
+                    reason = f"invalid_input:unwritable: {dead_letters.first_line(exc)}"
+                    dead.append(self._refused(part.message, reason))
+            self._finish(cur, batch, dead)
+
+    def _stage(self, cur: psycopg.Cursor[Any]) -> None:
+        if not self._writer_pg.staged:
+            for table in TABLES:
+                cur.execute(table.create_stage())
+            self._writer_pg.staged = True
+
+    @staticmethod
+    def _write_rows(
+        cur: psycopg.Cursor[Any],
+        events: Collection[tuple[Any, ...]],
+        runs: Collection[tuple[int, RunState]],
+        ops: Collection[dict[str, Any]],
+        questions: Collection[dict[str, Any]],
+        results: Collection[dict[str, Any]],
+        snapshots: Collection[dict[str, Any]],
+        *,
+        clear: bool = False,
+    ) -> None:
+        if events:
+            write_rows(cur, EVENTS_TABLE, events, clear=clear)
+        if runs:
+            rows = (run_values(state, seq) for seq, state in runs)
+            write_rows(cur, RUNS_TABLE, rows, clear=clear)
+        if ops:
+            rows = (tuple(r[c] for c in OP_COLUMNS) for r in ops)
+            write_rows(cur, OPS_TABLE, rows, clear=clear)
+        if questions:
+            rows = (tuple(r[c] for c in QUESTION_COLUMNS) for r in questions)
+            write_rows(cur, QUESTIONS_TABLE, rows, clear=clear)
+        if results:
+            write_rows(cur, RESULTS_TABLE, map(result_values, results), clear=clear)
+        if snapshots:
+            write_rows(cur, SNAPSHOTS_TABLE, map(snapshot_values, snapshots), clear=clear)
+
+    def _finish(self, cur: psycopg.Cursor[Any], batch: _Batch, dead: list[dict[str, Any]]) -> None:
+        """The consumed positions, after the dead letters of the batch are flushed (inside
+        the transaction: if the broker is away, nothing commits and the batch is retried)."""
+        dead_letters.send(self._dlq, self.dlq_topic, dead)
+        keys = sorted(batch.positions)
+        cur.execute(
+            SQL_OFFSETS,
+            (
+                self.config.group_id,
+                [t for t, _ in keys],
+                [p for _, p in keys],
+                [batch.positions[k] for k in keys],
+            ),
+        )
 
 
 # --------------------------------------------------------------------------- CLI

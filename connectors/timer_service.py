@@ -11,6 +11,12 @@ produce and the mark is byte-identical and the processor drops it as an exact du
 for a run that moved on is recorded by the core as LATE and changes nothing. Several timer
 processes may run: the consumer group splits the effect partitions, and firing claims rows with
 `FOR UPDATE SKIP LOCKED`.
+
+Hostile input: an effect the service cannot ingest (undecodable, a due time outside
+`processors.limits.MAX_TIME_MS`, a row Postgres refuses) becomes a dead-letter record on
+`<prefix>.dlq` with its reason, and the next effects are ingested. Each effect is written in its
+own savepoint, so one bad row never takes the batch with it. A database or broker that is away
+is waited for with capped exponential backoff, on the same consumed batch.
 """
 
 from __future__ import annotations
@@ -24,25 +30,57 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import psycopg
-from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaException, Message, Producer
 
+from connectors import dead_letters
 from connectors.db import migrate
 from connectors.logs import setup_logging
 from connectors.procs import stop_on_signals
 from connectors.services import ServiceStack
 from processors.effects import CancelTimer, ScheduleTimer
 from processors.events import TimerFired
+from processors.limits import MAX_TIME_MS
+from streams import dlq
 from streams.admin import ensure_topics
 from streams.codec import CodecError, decode, encode
 from streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_count, release
 from streams.partitioning import partition_for
 from streams.polling import check_fatal
 from streams.records import input_record, parse_effect_body
-from streams.topics import INBOX, effect_suffix, topic_name
+from streams.topics import DLQ, INBOX, effect_suffix, topic_name
 
 log = logging.getLogger("agentruns.timer")
 Conn = psycopg.Connection[tuple[Any, ...]]
+
+#: Backoff of the retry loop while Postgres or the broker is away: first wait, and its cap.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 5.0
+DUE_AT_OUT_OF_RANGE = "invalid_input:due_at_out_of_range"
+
+
+class Refused(Exception):
+    """An effect the timer service cannot ingest; `reason` and `error_class` go to its dead
+    letter."""
+
+    def __init__(self, reason: str, error_class: str = dlq.INVALID_EVENT) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error_class = error_class
+
+
+def refusal(exc: Exception) -> Refused:
+    """Why an effect could not be ingested, as a dead letter states it."""
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, CodecError):
+        return Refused(str(exc), exc.error_class)
+    if isinstance(exc, msgspec.MsgspecError):
+        return Refused(f"invalid_input:effect_body: {exc}")
+    if isinstance(exc, psycopg.Error):
+        return Refused(f"invalid_input:unstorable: {dead_letters.first_line(exc)}")
+    return Refused(f"invalid_input:effect: {dead_letters.first_line(exc)}")
 
 
 def now_ms() -> int:
@@ -74,9 +112,12 @@ class TimerService:
         self.prefix = prefix
         self.tick = tick_ms / 1000
         self.inbox = topic_name(INBOX, prefix)
+        self.dlq = topic_name(DLQ, prefix)
         group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
         self.fired = 0
         self.scheduled = 0
+        self.dead_letters = 0
+        self.retries = 0
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -106,71 +147,86 @@ class TimerService:
 
     def run(self, stop: threading.Event) -> None:
         self._consumer.subscribe([topic_name(effect_suffix("timer"), self.prefix)])
-        backoff = 0.1
+        backoff = RETRY_FIRST_S
+        pending: list[Message] | None = None  # consumed, not yet ingested: kept across retries
         try:
             while not stop.is_set():
                 try:
-                    self._ingest(check_fatal(self._consumer.consume(500, self.tick)))
+                    if pending is None:
+                        pending = check_fatal(self._consumer.consume(500, self.tick))
+                    self._ingest(pending)
+                    pending = None
                     self._fire_due()
-                    backoff = 0.1
-                except psycopg.OperationalError as exc:
-                    # Postgres restarting: keep the offsets where they are and retry.
-                    log.warning("database unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self._conn = None
+                    backoff = RETRY_FIRST_S
+                except (psycopg.OperationalError, KafkaException) as exc:
+                    # Postgres restarting or the broker away: the same batch is ingested again.
+                    log.warning("%s; retrying in %.1fs", dead_letters.first_line(exc), backoff)
+                    self.retries += 1
+                    self._drop_db()
                     stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, RETRY_MAX_S)
         finally:
             self.close()
 
-    def _ingest(self, messages: list[Any]) -> None:
-        schedule: list[tuple[Any, ...]] = []
-        cancel: list[tuple[str, str]] = []
-        for msg in messages:
-            value = msg.value()
-            if msg.error() is not None or value is None:
-                continue
-            try:
-                effect = parse_effect_body(decode(value, "Effect").record["body"])
-            except (CodecError, ValueError) as exc:
-                log.error("undecodable timer effect at offset %s: %s", msg.offset(), exc)
-                continue
-            if isinstance(effect, ScheduleTimer):
-                schedule.append(
-                    (
-                        effect.run_id,
-                        effect.timer_id,
-                        str(effect.purpose),
-                        effect.due_at,
-                        effect.trace_id,
-                        effect.step,
-                        effect.attempt,
-                    )
-                )
-            elif isinstance(effect, CancelTimer):
-                cancel.append((effect.run_id, effect.timer_id))
+    def _drop_db(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+        self._conn = None
+
+    def _ingest(self, messages: list[Message]) -> None:
+        """Write the batch's timer effects in one transaction, each in its own savepoint; an
+        effect that cannot be ingested is dead-lettered (flushed before the rows and offsets
+        commit) and the rest go on."""
         if not messages:
             return
+        dead: list[dict[str, Any]] = []
         conn = self._db()
         with conn.transaction():
-            if schedule:
-                conn.cursor().executemany(
-                    "INSERT INTO timers"
-                    " (run_id, timer_id, purpose, due_at, trace_id, step, attempt)"
-                    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
-                    " ON CONFLICT (run_id, timer_id) DO NOTHING",
-                    schedule,
-                )
-            if cancel:
-                conn.cursor().executemany(
-                    "UPDATE timers SET cancelled = true"
-                    " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
-                    cancel,
-                )
-        self.scheduled += len(schedule)
+            for msg in messages:
+                if msg.error() is not None or msg.value() is None:
+                    continue
+                try:
+                    with conn.transaction():
+                        self._apply(conn, msg)
+                except Exception as exc:  # the one guard: this effect, and only it, is refused
+                    if isinstance(exc, psycopg.OperationalError) and (conn.broken or conn.closed):
+                        raise  # Postgres away, not the effect: the whole batch again, later
+                    refused = refusal(exc)
+                    log.error("timer effect at offset %s refused: %s", msg.offset(), refused.reason)
+                    dead.append(dead_letters.of_message(msg, refused.reason, refused.error_class))
+            dead_letters.send(self._producer, self.dlq, dead)
+        self.dead_letters += len(dead)
         try:
             self._consumer.commit(asynchronous=False)
         except KafkaException as exc:
             log.warning("offset commit failed (rows are idempotent, will re-read): %s", exc)
+
+    def _apply(self, conn: Conn, msg: Message) -> None:
+        effect = parse_effect_body(decode(msg.value() or b"", "Effect").record["body"])
+        if isinstance(effect, ScheduleTimer):
+            if not 0 <= effect.due_at <= MAX_TIME_MS:
+                raise Refused(DUE_AT_OUT_OF_RANGE)
+            conn.execute(
+                "INSERT INTO timers (run_id, timer_id, purpose, due_at, trace_id, step, attempt)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, timer_id) DO NOTHING",
+                (
+                    effect.run_id,
+                    effect.timer_id,
+                    str(effect.purpose),
+                    effect.due_at,
+                    effect.trace_id,
+                    effect.step,
+                    effect.attempt,
+                ),
+            )
+            self.scheduled += 1
+        elif isinstance(effect, CancelTimer):
+            conn.execute(
+                "UPDATE timers SET cancelled = true"
+                " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
+                (effect.run_id, effect.timer_id),
+            )
 
     def _fire_due(self) -> None:
         conn = self._db()

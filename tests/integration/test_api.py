@@ -3,6 +3,8 @@ with the in-process processor, the sink (connectors/sink.py) and the executor do
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 import uuid
@@ -18,7 +20,15 @@ import pytest
 import uvicorn
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from connectors.api import ApiConfig, callback_url, create_app, sign_token, verify_token
+from connectors.api import (
+    MAX_BODY_BYTES,
+    ApiConfig,
+    callback_url,
+    create_app,
+    run_id_for_key,
+    sign_token,
+    verify_token,
+)
 from connectors.artifacts import PostgresArtifactStore
 from connectors.client import ResultsConsumer
 from processors.effects import CallModel, CallTool, CancelTool
@@ -31,13 +41,14 @@ from processors.events import (
     ToolCallAccepted,
     ToolCallRequest,
 )
+from processors.limits import MAX_JSON_DEPTH
 from processors.state import ToolSpec
 from streams.admin import ensure_topics
 from streams.codec import decode
 from streams.partitioning import partition_for
 from streams.processor import Processor, ProcessorConfig
-from streams.topics import RESULTS, topic_name
-from tests.integration.pipeline import SEARCH, ExecutorDouble, now_ms, wait_for
+from streams.topics import INBOX, RESULTS, topic_name
+from tests.integration.pipeline import SEARCH, ExecutorDouble, now_ms, read_all, wait_for
 from tests.integration.runlog import running_sink
 
 PARTITIONS = 3
@@ -426,3 +437,194 @@ def test_an_async_tool_callback_completes_the_operation(stack: Stack) -> None:
         assert repeat.status_code == 200 and repeat.json()["accepted"] is False
     missing = stack.http.post("/operations/no-such-op/callback", json={"status": "succeeded"})
     assert missing.status_code == 404
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+def _raw_http(url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte (what httpx refuses to send); the status and body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    status_line, _, rest = received.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def _submit_head(key: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /runs HTTP/1.1\r\nHost: api\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nIdempotency-Key: " + key + extra
+    )
+
+
+def _inbox_run_ids(stack: Stack) -> set[str]:
+    return {
+        str(r.value["run_id"])
+        for r in read_all(stack.bootstrap, topic_name(INBOX, stack.prefix), "Input")
+    }
+
+
+def _stored(stack: Stack, run_ids: Iterable[str]) -> list[str]:
+    with psycopg.connect(stack.database_url) as conn:
+        rows = conn.execute(
+            "SELECT run_id FROM api_inputs WHERE run_id = ANY(%s)", (list(run_ids),)
+        ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def test_a_body_over_the_limit_is_refused_with_413_and_a_good_task_is_accepted_after(
+    stack: Stack,
+) -> None:
+    limit = MAX_BODY_BYTES
+    # declared too large: refused from the headers, the body is never sent
+    status, body = _raw_http(
+        stack.url, _submit_head(b"huge-declared", f"\r\nContent-Length: {50 * limit}".encode())
+    )
+    assert status == 413 and json.loads(body)["reason"].startswith("invalid_input:body_too_large")
+    # chunked, no length: counted while read, refused once over
+    chunks = [b'{"goal": "' + b"x" * (limit // 2), b"x" * (limit // 2), b'"}']
+    r = stack.http.post("/runs", content=iter(chunks), headers={"Idempotency-Key": "huge-chunked"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+    # under the body limit, but its record is over the broker's: 413 every time, not a 503
+    messages = [{"role": "user", "content": "m" * 200_000} for _ in range(5)]
+    key = f"huge-record-{uuid.uuid4().hex}"
+    for _ in range(2):
+        r = stack.http.post(
+            "/runs",
+            json={"goal": "g", "messages": messages},
+            headers={"Idempotency-Key": key},
+        )
+        assert r.status_code == 413, r.text
+        assert r.json()["reason"].startswith("invalid_input:record_too_large")
+    refused = [run_id_for_key(k) for k in ("huge-declared", "huge-chunked", key)]
+    good = stack.submit(f"good-after-413-{uuid.uuid4().hex}")
+    stack.wait_status(good, "SUCCEEDED")
+    assert _stored(stack, refused) == []
+    assert not set(refused) & _inbox_run_ids(stack)
+
+
+def test_a_task_the_core_would_refuse_gets_422_with_its_reason_and_nothing_is_produced(
+    stack: Stack,
+) -> None:
+    search = SEARCH.model_dump()
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(70):
+        deep = {"type": "object", "properties": {"x": deep}}
+    cases: dict[str, tuple[bytes, str]] = {
+        "duplicate": (
+            json.dumps({"goal": "g", "tools": [search, search]}).encode(),
+            "invalid_input:duplicate_tool",
+        ),
+        "schema": (
+            json.dumps({"goal": "g", "tools": [{**search, "parameters": {"type": 12}}]}).encode(),
+            "invalid_input:tool_schema",
+        ),
+        "schema-depth": (
+            json.dumps({"goal": "g", "tools": [{**search, "parameters": deep}]}).encode(),
+            "invalid_input:json_too_deep",
+        ),
+        "deadline": (
+            json.dumps({"goal": "g", "budgets": {"deadline_at": 2**63}}).encode(),
+            "invalid_input:integer_out_of_range",
+        ),
+        "type": (json.dumps({"goal": ["not", "text"]}).encode(), "invalid_input:task"),
+        "unknown": (json.dumps({"goal": "g", "hue": "red"}).encode(), "invalid_input:task"),
+        "latin-1": ('{"goal": "café"}'.encode("latin-1"), "invalid_input:encoding"),
+        "nested": (b'{"goal": "g", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                   "invalid_input:json_too_deep"),
+    }  # fmt: skip
+    keys = {name: f"bad-{name}-{uuid.uuid4().hex}" for name in cases}
+    for name, (body, reason) in cases.items():
+        r = stack.http.post(
+            "/runs",
+            content=body,
+            headers={"Idempotency-Key": keys[name], "Content-Type": "application/json"},
+        )
+        assert r.status_code == 422, (name, r.status_code, r.text)
+        assert r.json()["reason"].startswith(reason), (name, r.json())
+    good = stack.submit(f"good-after-422-{uuid.uuid4().hex}")
+    stack.wait_status(good, "SUCCEEDED")
+    refused = [run_id_for_key(k) for k in keys.values()]
+    assert _stored(stack, refused) == []
+    assert not set(refused) & _inbox_run_ids(stack)
+
+
+def test_a_reply_nested_too_deep_or_too_large_is_refused_and_a_good_one_is_accepted(
+    stack: Stack,
+) -> None:
+    run_id, q = _waiting_question(stack)
+    deep: dict[str, Any] = {"approved": True}
+    for _ in range(MAX_JSON_DEPTH):
+        deep = {"approved": True, "why": deep}
+    r = stack.http.post(
+        f"/runs/{run_id}/replies", json={"resume_token": q["resume_token"], "response": deep}
+    )
+    assert r.status_code == 422 and r.json()["reason"].startswith("invalid_input:response_too_deep")
+    big = {"approved": True, "why": "w" * MAX_BODY_BYTES}
+    r = stack.http.post(
+        f"/runs/{run_id}/replies", json={"resume_token": q["resume_token"], "response": big}
+    )
+    assert r.status_code == 413 and r.json()["reason"].startswith("invalid_input:body_too_large")
+    r = stack.http.post(
+        f"/runs/{run_id}/replies",
+        json={"resume_token": q["resume_token"], "response": {"approved": True}},
+    )
+    assert r.status_code == 202, r.text
+    stack.wait_status(run_id, "SUCCEEDED")
+
+
+def test_headers_with_cr_lf_or_non_utf8_bytes_get_a_clean_4xx(stack: Stack) -> None:
+    task = json.dumps({"goal": "g", "tools": [SEARCH.model_dump()]}).encode()
+    length = f"\r\nContent-Length: {len(task)}".encode()
+    heads = {
+        "bare CR in a value": _submit_head(b"k-cr", b"\rX-Evil: 1" + length),
+        "NUL in a value": _submit_head(b"k-\x00-nul", length),
+        "non-UTF-8 key": _submit_head(b"k-\xff\xfe", length),
+        "non-UTF-8 trace id": _submit_head(b"k-trace", b"\r\nX-Trace-Id: \xc3\x28" + length),
+        "non-UTF-8 token": _submit_head(b"k-auth", b"\r\nAuthorization: Bearer \xff" + length),
+        "non-UTF-8 query": b"POST /operations/op-1/callback?sig=\xff\xfe HTTP/1.1\r\nHost: api"
+        + length,
+    }
+    for name, head in heads.items():
+        status, body = _raw_http(stack.url, head, task)
+        assert 400 <= status < 500, (name, status, body)
+    # A bare LF ends a header line (RFC 9112 lets a server accept it): what follows it is a
+    # header of its own, never part of the key; a line folded over LF is one value joined by a
+    # space. Either way no LF reaches the key.
+    key = f"k-lf-{uuid.uuid4().hex}"
+    for head, seen in [
+        (_submit_head(key.encode() + b"\nX-Evil: 1", length), key),
+        (_submit_head(key.encode() + b"\n folded", length), key + " folded"),
+    ]:
+        status, body = _raw_http(stack.url, head, task)
+        assert status == 202 and json.loads(body)["run_id"] == run_id_for_key(seen), body
+    good = stack.submit(f"good-after-headers-{uuid.uuid4().hex}")
+    stack.wait_status(good, "SUCCEEDED")
+
+
+def test_a_callback_or_cancel_outside_the_limits_is_refused_and_a_good_one_is_taken(
+    stack: Stack,
+) -> None:
+    run_id, op = _waiting_tool(stack)
+    url = callback_url(stack.url, op["op_key"], SECRET)
+    with httpx.Client(timeout=10) as backend:
+        for retry in (2**70, -1, "soon"):
+            bad = {"status": "failed", "error_class": "TRANSIENT", "retry_after_ms": retry}
+            r = backend.post(url, json=bad)
+            assert r.status_code == 422, r.text
+            assert r.json()["reason"].startswith("invalid_input:retry_after_ms")
+    r = stack.http.post(f"/runs/{run_id}/cancel", json={}, headers={"Idempotency-Key": "k" * 201})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_header"
+    r = stack.http.post(f"/runs/{run_id}/cancel", json={}, headers={"Idempotency-Key": "k1"})
+    assert r.status_code == 202, r.text
+    assert stack.wait_status(run_id, "CANCELLED")["operations"][0]["status"] == "CANCELLED"
+    with psycopg.connect(stack.database_url) as conn:
+        kinds = [k for (k,) in conn.execute(
+            "SELECT kind FROM api_inputs WHERE run_id = %s ORDER BY kind", (run_id,)
+        )]  # fmt: skip
+    assert kinds == ["CancelRequested", "RunSubmitted"]

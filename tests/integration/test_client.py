@@ -7,12 +7,15 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from connectors.api import run_id_for_key
 from connectors.client import (
     ApiClient,
     ClientError,
+    InvalidInputError,
     ResultsConsumer,
     RunsProducer,
     main_cancel,
@@ -20,7 +23,8 @@ from connectors.client import (
     main_results,
     main_submit,
 )
-from streams.topics import DLQ, topic_name
+from connectors.errors import AgentrunsError
+from streams.topics import DLQ, INBOX, topic_name
 from tests.integration.pipeline import SEARCH, now_ms, read_all
 from tests.integration.test_api import GUARDED, TOKEN, Stack, pipeline
 
@@ -114,3 +118,47 @@ def test_cli_submit_results_reply_and_cancel(
     assert main_results(["--prefix", stack.prefix, "--group", group]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert {run_id, asked} <= {x["run_id"] for x in lines}
+
+
+def test_the_producer_refuses_a_task_the_core_would_refuse_and_produces_nothing(
+    stack: Stack,
+) -> None:
+    search = SEARCH.model_dump(mode="json")
+    big = [{"role": "user", "content": "m" * 200_000} for _ in range(5)]
+    cases: dict[str, tuple[dict[str, Any], str]] = {
+        "duplicate": ({**TASK, "tools": [search, search]}, "invalid_input:duplicate_tool"),
+        "schema": (
+            {**TASK, "tools": [{**search, "parameters": {"type": 12}}]},
+            "invalid_input:tool_schema",
+        ),
+        "deadline": (
+            {**TASK, "budgets": {"deadline_at": 2**63}},
+            "invalid_input:integer_out_of_range",
+        ),
+        "type": ({**TASK, "goal": 7}, "invalid_input:task"),
+        "surrogate": ({**TASK, "goal": "half \ud800 a pair"}, "invalid_input:encoding"),
+        "record": ({**TASK, "messages": big}, "invalid_input:record_too_large"),
+    }
+    keys = {name: f"refused-{name}-{uuid.uuid4().hex}" for name in cases}
+    with RunsProducer(stack.bootstrap, producer_id="refusing", prefix=stack.prefix) as producer:
+        for name, (task, reason) in cases.items():
+            with pytest.raises(InvalidInputError) as refused:
+                producer.submit(task, idempotency_key=keys[name])
+            assert isinstance(refused.value, AgentrunsError)
+            assert refused.value.reason.startswith(reason), (name, refused.value.reason)
+        good = producer.submit(TASK, idempotency_key=f"good-after-refusals-{uuid.uuid4().hex}")
+    with (
+        RunsProducer(
+            stack.bootstrap, producer_id="small", prefix=stack.prefix, max_record_bytes=2_000
+        ) as small,
+        pytest.raises(InvalidInputError) as too_large,
+    ):
+        small.submit({**TASK, "goal": "g" * 3_000}, idempotency_key=f"small-{uuid.uuid4()}")
+    assert too_large.value.reason.startswith("invalid_input:record_too_large")
+    stack.wait_status(good.run_id, "SUCCEEDED")
+    produced = {
+        str(r.value["run_id"])
+        for r in read_all(stack.bootstrap, topic_name(INBOX, stack.prefix), "Input")
+    }
+    assert good.run_id in produced
+    assert not {run_id_for_key(k) for k in keys.values()} & produced

@@ -11,18 +11,32 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
+from confluent_kafka import Producer
 
 from connectors.audit import audit
 from connectors.db import migrate
 from connectors.local_postgres import LocalPostgres
 from connectors.pg import prefer_lz4
 from connectors.procs import free_port_block
-from processors.transition import fold
-from streams.records import parse_event_body
+from processors.effects import CallModel
+from processors.events import (
+    Candidate,
+    Event,
+    ModelCallCompleted,
+    ModelOutcome,
+    ToolCallRequest,
+)
+from processors.state import Policy
+from processors.transition import fold, transition
+from streams.codec import decode, encode
+from streams.records import event_record, parse_event_body
+from streams.topics import DLQ, EVENTS, topic_name
+from tests.integration.pipeline import SEARCH, now_ms, read_all, submitted
 from tests.integration.runlog import (
     new_log,
     projected_events,
@@ -222,3 +236,104 @@ def test_postgres_restart_while_sinking_retries_and_loses_nothing(
     assert projected_events(url, prefix) == len(keys)
     report = audit(kafka_bootstrap, prefix, url)
     assert report.differences == [], [d.line() for d in report.differences[:20]]
+
+
+def _asking(run_id: str, user_wait_ms: int) -> list[Event]:
+    """A run whose model asks for a tool that needs approval: it waits for the user, with a
+    question that expires `user_wait_ms` after the model's answer."""
+    at = now_ms()
+    guarded = SEARCH.model_copy(update={"permission": "write"})
+    policy = Policy(approval_required=("write",), user_wait_ms=user_wait_ms)
+    sub = submitted(run_id, at=at).model_copy(update={"tools": (guarded,), "policy": policy})
+    call = next(e for e in transition(None, sub).effects if isinstance(e, CallModel))
+    answer = ModelCallCompleted(
+        run_id=run_id,
+        event_id=f"{call.idempotency_key}:result",
+        at=at + 1,
+        trace_id=sub.trace_id,
+        step=call.step,
+        attempt=call.attempt,
+        outcome=ModelOutcome.FINISHED,
+        candidate_ref="sha256:" + "a" * 64,
+        candidate=Candidate(
+            tool_calls=(
+                ToolCallRequest(id="c1", name="search_docs", arguments_json='{"query": "q"}'),
+            )
+        ),
+    )
+    return [sub, answer]
+
+
+def _raw(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for key, value in records:
+        producer.produce(topic, key=key, value=value, headers=[("origin", b"test")])
+    assert producer.flush(30) == 0
+
+
+def _runs(database_url: str, prefix: str) -> dict[str, str]:
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            "SELECT run_id, status FROM runs WHERE run_id LIKE %s", (f"{prefix}-%",)
+        ).fetchall()
+    return {str(r): str(s) for r, s in rows}
+
+
+def test_records_the_sink_cannot_project_are_dead_lettered_and_the_next_runs_are_projected(
+    kafka_bootstrap: str, database_url: str, unique_name: str
+) -> None:
+    prefix = unique_name
+    events_topic = topic_name(EVENTS, prefix)
+    writer = new_log(kafka_bootstrap, None, prefix)
+    # a question that expires past year 9999: Python's datetime cannot hold it
+    writer.send(writer.plan(_asking(f"{prefix}-wait", 300_000_000_000_000)))
+    # a goal with a NUL character: Postgres text (and jsonb) refuse it, the batch's SQL fails
+    writer.send(writer.plan([submitted(f"{prefix}-nul").model_copy(update={"goal": "a\x00b"})]))
+    garbage = b"\x00not an event"
+    unfoldable = encode(
+        "Event",
+        event_record(
+            f"{prefix}-body",
+            1,
+            submitted(f"{prefix}-body"),
+            transition(None, submitted(f"{prefix}-body")),
+            input_id=None,
+        )
+        | {"body": '{"type": "RunSubmitted"}'},
+    )
+    _raw(
+        kafka_bootstrap, events_topic, [(b"junk", garbage), (f"{prefix}-body".encode(), unfoldable)]
+    )
+    writer.send(writer.plan([submitted(f"{prefix}-good")]))
+    with running_sink(kafka_bootstrap, database_url, prefix) as sink:
+        wait_for(
+            lambda: {f"{prefix}-good", f"{prefix}-wait"} <= set(_runs(database_url, prefix)),
+            60,
+            "the good runs to be projected past the bad records",
+        )
+        writer.send(writer.plan([submitted(f"{prefix}-after")]))  # a later batch goes on too
+        wait_for(lambda: f"{prefix}-after" in _runs(database_url, prefix), 60, "a later run")
+    writer.close()
+    runs = _runs(database_url, prefix)
+    assert runs == {
+        f"{prefix}-wait": "WAITING_USER",
+        f"{prefix}-good": "MODEL_RUNNING",
+        f"{prefix}-after": "MODEL_RUNNING",
+    }
+    with psycopg.connect(database_url) as conn:
+        expires = conn.execute(
+            "SELECT expires_at FROM questions WHERE run_id = %s", (f"{prefix}-wait",)
+        ).fetchone()
+    assert expires is not None and expires[0] == datetime(9999, 12, 31, 23, 59, 59, 999000, UTC)
+    dead = read_all(kafka_bootstrap, topic_name(DLQ, prefix), "DeadLetter")
+    by_value = {d.value["original_value"]: d.value for d in dead}
+    assert len(dead) == 3, [d.value["reason"] for d in dead]
+    assert by_value[garbage]["reason"] and by_value[garbage]["source_topic"] == events_topic
+    assert by_value[unfoldable]["reason"].startswith("invalid_input:unprojectable")
+    (nul,) = [v for v in by_value.values() if v["reason"].startswith("invalid_input:unwritable")]
+    assert decode(nul["original_value"], "Event").record["run_id"] == f"{prefix}-nul"
+    assert nul["source_topic"] == events_topic and nul["source_offset"] >= 0
+    assert nul["original_headers"] == [] and by_value[garbage]["original_headers"] == [
+        {"key": "origin", "value": b"test"}
+    ]
+    assert sink.stats.dead_letters == 3

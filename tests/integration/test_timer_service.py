@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +17,26 @@ import pytest
 from confluent_kafka import Producer
 
 from connectors.artifacts import PostgresArtifactStore
-from connectors.timer_service import TimerService
+from connectors.db import migrate
+from connectors.local_postgres import LocalPostgres
+from connectors.procs import free_port_block
+from connectors.timer_service import DUE_AT_OUT_OF_RANGE, TimerService
 from processors.effects import CancelTimer, ScheduleTimer
 from processors.state import Budgets, TimerPurpose
 from streams.admin import ensure_topics
 from streams.codec import encode
 from streams.processor import Processor, ProcessorConfig
 from streams.records import effect_record, parse_event_body
-from streams.topics import INBOX, RESULTS, effect_suffix, topic_name
-from tests.integration.pipeline import Inbox, input_record, now_ms, read_all, submitted, wait_for
+from streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
+from tests.integration.pipeline import (
+    Inbox,
+    input_record,
+    now_ms,
+    read_all,
+    running_on_thread,
+    submitted,
+    wait_for,
+)
 
 PARTITIONS = 3
 
@@ -36,12 +48,22 @@ def prefix(kafka_bootstrap: str, unique_name: str) -> str:
 
 
 def _schedule(bootstrap: str, prefix: str, effects: list[ScheduleTimer | CancelTimer]) -> None:
+    _produce(bootstrap, prefix, [(e.run_id, _effect_bytes(e)) for e in effects])
+
+
+def _effect_bytes(effect: ScheduleTimer | CancelTimer) -> bytes:
+    return encode("Effect", effect_record(effect, seq=1, at=now_ms()))
+
+
+def _produce(bootstrap: str, prefix: str, records: list[tuple[str, bytes]]) -> None:
+    """Raw records on the timer effects topic, in order, on one partition (key "same")."""
     producer = Producer({"bootstrap.servers": bootstrap})
-    for effect in effects:
+    for run_id, value in records:
         producer.produce(
             topic_name(effect_suffix("timer"), prefix),
-            key=effect.run_id.encode(),
-            value=encode("Effect", effect_record(effect, seq=1, at=now_ms())),
+            key=run_id.encode(),
+            value=value,
+            headers=[("run_id", run_id.encode())],
         )
     assert producer.flush(30) == 0
 
@@ -178,3 +200,89 @@ def test_a_run_past_its_deadline_expires_once(
         store.close()
     statuses = [r.value["status"] for r in read_all(kafka_bootstrap, results, "Result")]
     assert statuses == ["EXPIRED"] * 4
+
+
+def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_still_fires(
+    kafka_bootstrap: str, prefix: str, timer_thread: TimerService
+) -> None:
+    garbage = b"\x00not an effect"
+    bad_body = _timer("bb", "bb:t", now_ms())
+    bad_body_record = effect_record(bad_body, seq=1, at=now_ms())
+    bad_body_record["body"] = '{"type": "ScheduleTimer", "due_at": "soon"'  # truncated JSON
+    too_late = _effect_bytes(_timer("far", "far:deadline", 2**63))
+    negative = _effect_bytes(_timer("neg", "neg:deadline", -1))
+    nul = _effect_bytes(_timer("nul", "nul:\x00deadline", now_ms()))  # Postgres text refuses NUL
+    good = _timer("good", "good:deadline", now_ms() + 200)
+    records = [
+        ("garbage", garbage),
+        ("bb", encode("Effect", bad_body_record)),
+        ("far", too_late),
+        ("neg", negative),
+        ("nul", nul),
+        ("good", _effect_bytes(good)),
+    ]
+    _produce(kafka_bootstrap, prefix, records)
+    wait_for(
+        lambda: any(f["run_id"] == "good" for f in _fired(kafka_bootstrap, prefix)),
+        timeout=30,
+        what="the good timer after the bad effects",
+    )
+    dlq = topic_name(DLQ, prefix)
+    wait_for(
+        lambda: len(read_all(kafka_bootstrap, dlq, "DeadLetter")) >= 5,
+        timeout=30,
+        what="five dead letters",
+    )
+    dead = {
+        d.value["original_value"]: d.value for d in read_all(kafka_bootstrap, dlq, "DeadLetter")
+    }
+    assert set(dead) == {value for _, value in records[:5]}
+    assert dead[too_late]["reason"] == DUE_AT_OUT_OF_RANGE
+    assert dead[negative]["reason"] == DUE_AT_OUT_OF_RANGE
+    assert dead[encode("Effect", bad_body_record)]["reason"].startswith("invalid_input:effect_body")
+    assert dead[nul]["reason"].startswith("invalid_input:unstorable")
+    assert dead[garbage]["error_class"] != "INVALID_EVENT" and dead[garbage]["reason"]
+    for letter in dead.values():
+        assert letter["source_topic"] == topic_name(effect_suffix("timer"), prefix)
+        assert letter["source_offset"] >= 0 and letter["source_partition"] >= 0
+        assert letter["original_headers"][0]["key"] == "run_id"
+    assert [f["run_id"] for f in _fired(kafka_bootstrap, prefix)] == ["good"]
+    assert timer_thread.dead_letters == 5
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A Postgres of this test's own, so it can be stopped and started."""
+    directory = Path(tempfile.mkdtemp(prefix="agentruns-timer-pg-"))
+    directory.chmod(0o755)
+    server = LocalPostgres(directory, port=free_port_block(1, start=26432), durable=False)
+    server.start()
+    try:
+        migrate(server.url)
+        yield server
+    finally:
+        server.wipe()
+
+
+def test_timers_consumed_while_postgres_is_down_fire_once_it_is_back(
+    kafka_bootstrap: str, own_postgres: LocalPostgres, prefix: str
+) -> None:
+    service = TimerService(
+        kafka_bootstrap, own_postgres.url, prefix=prefix, group_id=f"{prefix}-timer"
+    )
+    with running_on_thread(service.run, "timer"):
+        _schedule(kafka_bootstrap, prefix, [_timer("up", "up:t", now_ms())])
+        wait_for(lambda: len(_fired(kafka_bootstrap, prefix)) == 1, timeout=30, what="a timer")
+        own_postgres.stop(mode="immediate")
+        base = now_ms()
+        _schedule(kafka_bootstrap, prefix, [_timer(f"d{i}", f"d{i}:t", base + i) for i in range(5)])
+        wait_for(lambda: service.retries >= 3, timeout=60, what="the timer to back off")
+        own_postgres.start()
+        wait_for(
+            lambda: len(_fired(kafka_bootstrap, prefix)) == 6,
+            timeout=60,
+            what="the timers consumed while Postgres was down",
+        )
+    assert sorted(str(f["run_id"]) for f in _fired(kafka_bootstrap, prefix)) == [
+        "d0", "d1", "d2", "d3", "d4", "up"
+    ]  # fmt: skip

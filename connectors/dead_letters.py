@@ -1,0 +1,57 @@
+"""Dead letters of the adapters that consume a topic outside a Kafka transaction (the timer
+service, the sink): a record built from the consumed message (streams.dlq), produced to
+`<prefix>.dlq` and flushed BEFORE the consumer's position is committed, so a crash in between
+re-reads the record and writes its dead letter again (at least once), never loses it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from confluent_kafka import KafkaException, Message, Producer
+
+from streams import dlq
+from streams.codec import encode
+
+#: How long a flush of dead letters may wait for the broker before the caller retries.
+FLUSH_TIMEOUT_S = 30.0
+
+
+def of_message(
+    message: Message, reason: str, error_class: str = dlq.INVALID_EVENT
+) -> dict[str, Any]:
+    """The DeadLetter record of one consumed message: reason, bytes, headers and position."""
+    partition, offset = message.partition(), message.offset()
+    headers = message.headers()
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or ())
+    _, timestamp = message.timestamp()
+    return dlq.dead_letter(
+        reason,
+        error_class,
+        message.topic() or "",
+        -1 if partition is None else partition,
+        -1 if offset is None else offset,
+        message.key(),
+        message.value(),
+        pairs,
+        int(time.time() * 1000),
+        original_timestamp=timestamp if timestamp > 0 else None,
+    )
+
+
+def send(producer: Producer, topic: str, records: Sequence[dict[str, Any]]) -> None:
+    """Produce `records` to the DLQ topic (keyed by the original key) and wait for them."""
+    if not records:
+        return
+    for record in records:
+        producer.produce(topic, key=record["original_key"], value=encode("DeadLetter", record))
+    if producer.flush(FLUSH_TIMEOUT_S) != 0:
+        raise KafkaException(f"{len(records)} dead letters not delivered to {topic} in time")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one short line for a reason (Postgres errors span several lines)."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line}"[:500]
