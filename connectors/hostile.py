@@ -273,6 +273,30 @@ def _reply_without_question(doors: Doors, run_id: str) -> Injected:
     return _send(doors, run_id, encode("Input", input_record(reply)))
 
 
+def _scripted(scenario: str, turns: list[dict[str, Any]], **fields: Any) -> Inject:
+    """A task whose model answers from a scenario registered on the scripted model server for
+    this case (what a misbehaving model would stream)."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        name = f"{scenario}-{run_id}"
+        body = {"name": name, "description": f"hostile case {scenario}", "turns": turns}
+        httpx.post(f"{doors.model_url}/scenarios", json=body, timeout=30).raise_for_status()
+        task = _task(run_id, doors, scenario=name, **fields)
+        return _send(doors, run_id, encode("Input", input_record(task)))
+
+    return inject
+
+
+LOOKUP_REDOS = ToolSpec(
+    name="lookup",
+    parameters={
+        "type": "object",
+        "properties": {"q": {"type": "string", "pattern": "^(a+)+$"}},
+        "required": ["q"],
+    },
+)
+
+
 def _api_submit(task: Callable[[str], Mapping[str, Any] | bytes]) -> Inject:
     def inject(doors: Doors, run_id: str) -> Injected:
         body = task(run_id)
@@ -456,6 +480,26 @@ CASES: tuple[Case, ...] = (
         "inbox",
         Ending(status="SUCCEEDED"),
         _inbox_task(policy=Policy(user_wait_ms=366 * 24 * 3600 * 1000)),
+    ),
+    # the model: tool-call arguments the core must refuse without stopping
+    Case(
+        "model_arguments_nested_300_deep",
+        "model",
+        Ending(status="FAILED", reason="ARGUMENTS_TOO_DEEP"),
+        _scripted(
+            "deep-arguments",
+            [{"tool_calls": [{"name": "search_docs", "arguments": {"query": _nested(300)}}]}],
+        ),
+    ),
+    Case(
+        "model_arguments_against_a_backtracking_pattern",
+        "model",
+        Ending(status="FAILED", reason="SCHEMA_VIOLATION"),
+        _scripted(
+            "redos",
+            [{"tool_calls": [{"name": "lookup", "arguments": {"q": "a" * 40 + "!"}}]}],
+            tools=(LOOKUP_REDOS,),
+        ),
     ),
     # the executors' and the timer's topics
     Case(
