@@ -357,6 +357,10 @@ class ExecutorConfig:
     # An artifact a handler returns over this size becomes the failure
     # `invalid_output:too_large` (the store refuses more than MAX_ARTIFACT_BYTES).
     max_artifact_bytes: int = MAX_ARTIFACT_BYTES
+    # An answer whose Input record encodes to more than this becomes the failure
+    # `invalid_output:too_large`: the broker refuses a record over its message.max.bytes
+    # (1 MiB by default), and a refused record would fail every transaction it is in.
+    max_input_bytes: int = 1_000_000
     # A batch that fails (the database is down) is re-read after this back-off, doubling up to
     # the maximum while it keeps failing.
     retry_backoff_s: float = 0.5
@@ -807,8 +811,11 @@ class Executor:
                 message = f"an artifact of {size} bytes, over the limit of {limit}"
                 return self._give_up(effect, "invalid_output:too_large", message)
         record = input_record(effect, outcome.event)
-        # An answer the committer could not encode would fail every transaction it is in.
-        encode("Input", record)
+        # An answer the committer could not encode or send would fail every transaction.
+        size = len(encode("Input", record))
+        if size > self.config.max_input_bytes:
+            message = f"an answer of {size} bytes, over the limit of {self.config.max_input_bytes}"
+            return self._give_up(effect, "invalid_output:too_large", message)
         return Completion(effect, record, clean_text(outcome.detail), outcome.artifacts)
 
     def _give_up(self, effect: Effect, code: str, message: str) -> Completion:

@@ -275,6 +275,31 @@ def test_an_artifact_over_the_store_cap_becomes_the_failure_too_large(
     assert_no_batch_retried(tools.harness, bad)
 
 
+def test_an_effect_started_too_often_without_an_answer_is_answered_without_a_call(
+    tools: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """A crash loop (the handler kills the process, say): after ``max_starts`` starts the
+    effect is answered with its failure instead of being run again."""
+    ids = ids_for(request)
+    bad = ids.call("create_ticket", TICKET)
+    assert tools.harness.executor is not None
+    starts = tools.harness.executor.config.max_starts
+    with psycopg.connect(tools.harness.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step, attempt,"
+            " operation_key, status, executor, starts) VALUES (%s, 'CallTool', %s, 1, 1, %s,"
+            " 'started', 'crashed', %s)",
+            (bad.idempotency_key, bad.run_id, bad.operation.key, starts),
+        )
+    good_and_bad(tools, ids, bad)
+    failed = tools.harness.inbox.typed(bad, ToolCallFailed)
+    assert (failed.error_class, failed.error_code) == (
+        ErrorClass.UNKNOWN,
+        "executor_error:restarts",
+    )
+    assert tools.http.get(f"/executions/{bad.operation.key}").json()["calls"] == 0
+
+
 # --------------------------------------------------------------------------- model side
 
 
@@ -309,6 +334,12 @@ def hostile_routes(base: str) -> Routes:
         "huge_stream": faulty(f"huge_stream; size={4 * STREAM_CAP}"),
         "huge_line": faulty("huge_line; size=1048576", max_stream_bytes=4 * 1024 * 1024),
         "bad_utf8": faulty("bad_utf8"),
+        # a 1.5 MB answer within the stream's bounds: too large for one Kafka record
+        "too_large": faulty(
+            "huge_line; size=1500000",
+            max_stream_bytes=8 * 1024 * 1024,
+            max_line_bytes=4 * 1024 * 1024,
+        ),
     }
     for shape in sorted(model_server.BAD_SHAPES):
         routes[f"bad:{shape}"] = faulty(f"bad_chunk; shape={shape}")
@@ -414,6 +445,15 @@ def test_a_retry_after_a_model_sends_is_clamped_or_ignored(
     event = model_call(model_env, request, f"429:{value}")
     assert event.outcome is ModelOutcome.RATE_LIMITED
     assert event.retry_after_ms == expected
+
+
+def test_a_model_answer_too_large_for_one_record_is_a_transport_error(
+    model_env: ModelEnv, request: pytest.FixtureRequest
+) -> None:
+    event = model_call(model_env, request, "too_large")
+    assert event.outcome is ModelOutcome.TRANSPORT_ERROR and event.candidate_ref is None
+    detail = detail_of(model_env.harness, f"{event.run_id}:model:1:1")
+    assert "invalid_output:too_large" in detail
 
 
 def test_a_model_handler_that_raises_answers_a_transport_error(
