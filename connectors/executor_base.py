@@ -790,9 +790,9 @@ class Executor:
                 text = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, OSError) and attempt < c.handler_attempts:
                     log.warning("%s %s: %s; again", effect.type, effect.idempotency_key, text)
-                    if not self._stop.wait(delay):
-                        delay *= 2
-                        continue
+                    time.sleep(delay)  # short and bounded: a stop finishes the batch in hand
+                    delay *= 2
+                    continue
                 log.warning(
                     "%s %s failed in its handler: %s",
                     effect.type,

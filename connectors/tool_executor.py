@@ -447,6 +447,8 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
         total = 0
         while True:
             size = int(conn.read_until(b"\r\n").split(b";")[0], 16)
+            if size < 0:
+                raise HTTPWireError(f"negative chunk size {size}")
             total += size
             if total > conn.limit:
                 raise BodyTooLargeError(status, total, conn.limit)

@@ -4,6 +4,8 @@ backends, stream chunks of unexpected shapes."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,14 @@ import pytest
 
 from connectors.executor_base import clean_text, decode_json
 from connectors.model_executor import MalformedChunkError, Routes, StreamAssembler
-from connectors.tool_executor import MAX_RETRY_AFTER_MS, retry_after_ms
+from connectors.tool_executor import (
+    MAX_RETRY_AFTER_MS,
+    BodyTooLargeError,
+    HTTPWireError,
+    _Connection,
+    _read_response,
+    retry_after_ms,
+)
 from processors.events import ModelOutcome
 from processors.limits import MAX_AMOUNT, MAX_JSON_DEPTH
 
@@ -115,3 +124,37 @@ def test_a_routes_file_sets_the_bounds_of_a_call(tmp_path: Path) -> None:
     path.write_text(json.dumps({"r": bounds}))
     route = Routes.from_env(str(path)).get("r")
     assert (route.total_timeout_s, route.max_stream_bytes, route.max_line_bytes) == (5, 1000, 10)
+
+
+def read_answer(raw: bytes, limit: int = 1000, deadline_s: float = 5.0) -> Any:
+    """`_read_response` of ``raw`` over a real socket pair (no server)."""
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(raw)
+        conn = _Connection(ours)
+        conn.limit, conn.deadline = limit, time.monotonic() + deadline_s
+        return _read_response(conn, "POST")
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_body_over_the_limit_is_not_read() -> None:
+    with pytest.raises(BodyTooLargeError):
+        read_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 1001\r\n\r\n")
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(BodyTooLargeError):
+        read_answer(chunked + b"200\r\n" + b"x" * 512 + b"\r\n200\r\n")
+    with pytest.raises(HTTPWireError):
+        read_answer(chunked + b"-1\r\n")
+    with pytest.raises(HTTPWireError):
+        read_answer(b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n")
+    head = b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 300 + b"\r\n"
+    with pytest.raises(HTTPWireError):
+        read_answer(head)
+
+
+def test_an_answer_that_does_not_come_ends_at_the_deadline() -> None:
+    with pytest.raises(TimeoutError):
+        read_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", deadline_s=0.05)
+    assert read_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")[2] == b"abc"
