@@ -501,6 +501,11 @@ class Executor:
         self._retry_backoff_s = c.retry_backoff_s
         self._committer.start()
 
+    @property
+    def retry_backoff_s(self) -> float:
+        """How long the loop waits before re-reading the next batch that fails."""
+        return self._retry_backoff_s
+
     # ------------------------------------------------------------------ clients
 
     def _new_consumer(self) -> Consumer:

@@ -43,6 +43,7 @@ from tests.integration.test_tool_executor import (
     ids_for,
     make_harness,
     release,
+    wait_until,
 )
 
 TOOL_BODY_CAP = 1024 * 1024
@@ -298,6 +299,41 @@ def test_an_effect_started_too_often_without_an_answer_is_answered_without_a_cal
         "executor_error:restarts",
     )
     assert tools.http.get(f"/executions/{bad.operation.key}").json()["calls"] == 0
+
+
+def test_a_batch_the_database_refuses_is_retried_with_a_growing_backoff_until_it_passes(
+    kafka_bootstrap: str, database_url: str, tools: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """The database refuses the batch's records (here a check constraint on this test's keys;
+    an outage looks the same to the loop): the batch is re-read after a back-off that doubles
+    up to its maximum, and answered once the database takes it; the back-off starts over."""
+    prefix = f"t-hostile-db-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    harness = make_harness(kafka_bootstrap, database_url, prefix, "tool")
+    config = harness.config("tool", retry_backoff_s=0.05, retry_backoff_max_s=0.4)
+    executor = Executor(config, ToolHandler(tools.handler.registry))
+    ids = Ids(f"dbdown-{time.monotonic_ns() % 10**9}")
+    call = ids.call("create_ticket", TICKET)
+    refuse = (
+        "ALTER TABLE executed_actions ADD CONSTRAINT hostile_refuses"
+        " CHECK (idempotency_key NOT LIKE 'dbdown-%') NOT VALID"
+    )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(refuse)
+        try:
+            harness.start(executor)
+            harness.effects.send(call)
+            wait_until(lambda: executor.stats.batch_retries >= 5, 30, "five batch retries")
+            assert executor.retry_backoff_s == config.retry_backoff_max_s
+        finally:
+            conn.execute("ALTER TABLE executed_actions DROP CONSTRAINT hostile_refuses")
+    try:
+        harness.inbox.typed(call, ToolCallSucceeded)
+        wait_until(lambda: executor.retry_backoff_s == config.retry_backoff_s, 10, "reset")
+        assert tools.executions(call.operation.key) == 1
+    finally:
+        harness.stop_executor()
+        harness.inbox.close()
+        release(harness)
 
 
 # --------------------------------------------------------------------------- model side
