@@ -108,8 +108,9 @@ def decode_json(body: bytes, depth: int = MAX_JSON_DEPTH) -> tuple[Any, str | No
     return value, None
 
 
-def clean_text(text: str, limit: int = 1000) -> str:
-    """Text for a Postgres ``text`` column: no NUL (which Postgres refuses), bounded."""
+def clean_text(text: str, limit: int | None = 1000) -> str:
+    """Text for a Postgres ``text`` column: no NUL (which Postgres refuses, and would refuse
+    on every retry of the batch), bounded by ``limit`` characters."""
     return text[:limit].replace("\x00", "\\0")
 
 
@@ -208,7 +209,7 @@ class ActionRecords:
         columns = (
             [e.idempotency_key for e in effects],
             [e.type for e in effects],
-            [e.run_id for e in effects],
+            [clean_text(e.run_id, None) for e in effects],  # informational: a run id from outside
             [e.step for e in effects],
             [e.attempt for e in effects],
             [operation_key_of(e) for e in effects],
@@ -723,6 +724,11 @@ class Executor:
             return None
         if effect.type not in self.handler.effect_types:
             reason = f"{effect.type} is not executed by the {self.config.kind} executor"
+            dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
+            return None
+        if "\x00" in effect.idempotency_key + (operation_key_of(effect) or ""):
+            # the record of a key Postgres cannot store would fail the batch on every retry
+            reason = "invalid_input:key_with_nul: an effect key holds a NUL character"
             dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
             return None
         return effect

@@ -8,6 +8,7 @@ normal answer, the bad one its failure answer within its deadline, and no batch 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import psycopg
 import pytest
+from confluent_kafka import Consumer
 
 from connectors import model_server, tool_server
 from connectors.artifacts import PostgresArtifactStore
@@ -34,6 +37,8 @@ from processors.events import (
     ToolCallTimedOut,
 )
 from processors.state import ErrorClass
+from streams.codec import decode
+from streams.topics import DLQ, topic_name
 from tests.integration.test_model_executor import ModelEnv
 from tests.integration.test_tool_executor import (
     TICKET,
@@ -274,6 +279,54 @@ def test_an_artifact_over_the_store_cap_becomes_the_failure_too_large(
         "invalid_output:too_large",
     )
     assert_no_batch_retried(tools.harness, bad)
+
+
+def test_a_run_id_with_a_nul_character_is_recorded_and_answered(
+    tools: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """Postgres text refuses NUL: kept out of the records, else the batch fails every time."""
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    bad = msgspec.structs.replace(call, run_id=f"run-nul\x00-{time.monotonic_ns() % 10**9}")
+    good_and_bad(tools, ids, bad)
+    tools.harness.inbox.typed(bad, ToolCallSucceeded)
+    assert_no_batch_retried(tools.harness, bad)
+
+
+def test_an_effect_whose_key_holds_a_nul_is_a_dead_letter_and_the_batch_goes_on(
+    tools: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    ids = ids_for(request)
+    call = ids.call("create_ticket", TICKET)
+    bad = msgspec.structs.replace(call, idempotency_key=call.idempotency_key + "\x00")
+    good_and_bad(tools, ids, bad)
+    reader = Consumer(
+        {
+            "bootstrap.servers": tools.harness.bootstrap,
+            "group.id": f"{tools.harness.prefix}-dlq-reader-{time.monotonic_ns()}",
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "log_level": 3,
+        }
+    )
+    reader.subscribe([topic_name(DLQ, tools.harness.prefix)])
+    letters: list[dict[str, Any]] = []
+
+    def dead_letter_for_bad() -> bool:
+        for message in reader.consume(100, 0.2):
+            if message.error() is None and message.value():
+                letters.append(decode(message.value() or b"", expected_name="DeadLetter").record)
+        return any(
+            str(d["reason"]).startswith("invalid_input:key_with_nul")
+            and call.idempotency_key in json.dumps(d, default=str)
+            for d in letters
+        )
+
+    try:
+        wait_until(dead_letter_for_bad, 20, "the dead letter of the effect")
+    finally:
+        reader.close()
+    assert tools.harness.record(bad.idempotency_key.replace("\x00", "")) is None
 
 
 def test_an_effect_started_too_often_without_an_answer_is_answered_without_a_call(
