@@ -777,11 +777,12 @@ def _read_stream(
     try:
         for piece in _pieces(response, route.max_stream_bytes, deadline):
             buffer += piece
-            while (end := buffer.find(b"\n")) >= 0:
-                line = bytes(buffer[:end]).rstrip(b"\r")
-                del buffer[: end + 1]
-                if _fold_line(line, assembler, route.max_line_bytes):
-                    return assembler.result()
+            if b"\n" in piece:
+                *lines, rest = bytes(buffer).split(b"\n")
+                buffer = bytearray(rest)
+                for line in lines:
+                    if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
+                        return assembler.result()
             if len(buffer) > route.max_line_bytes:
                 raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
         if buffer and _fold_line(bytes(buffer).rstrip(b"\r"), assembler, route.max_line_bytes):
