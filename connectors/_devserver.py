@@ -46,6 +46,12 @@ class FaultRequest:
         return int(self.number(name, default))
 
 
+def param_text(value: float | str) -> str:
+    """A fault parameter as a header parameter: numbers as ``%g``, text verbatim (so a rule
+    can ask for ``Retry-After: inf`` or an HTTP date as well as for ``2.5``)."""
+    return f"{value:g}" if isinstance(value, int | float) else value
+
+
 def parse_fault_header(value: str | None) -> FaultRequest | None:
     """Parse an ``X-Fault`` header value; ``None`` or blank means no fault."""
     if value is None or not value.strip():

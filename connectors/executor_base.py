@@ -12,6 +12,13 @@ event per effect, sent to the inbox as an ``Input`` record. What one batch does,
 4. the others are executed in the pool; the handler sees the previous record, so a
    ``started`` row (a crash between the call and the commit) leads to reconciliation instead
    of a blind second call;
+   Every effect goes through ONE guard (:meth:`Executor._answer`): whatever its handler does
+   (raises, returns an artifact over the store's cap or an answer the codec cannot encode),
+   the effect gets an answer: an exception that looks transient (``OSError``) is retried for
+   that effect alone (``handler_attempts``, backing off), anything else, or the last attempt,
+   becomes the handler's failure answer (:meth:`Handler.failure`); an effect started
+   ``max_starts`` times without an answer (a crash loop) is answered with its failure without
+   calling again. Only a database outage fails the batch;
 5. the artifacts the handlers made are written (write-once, content-addressed) BEFORE anything
    references them (R2);
 6. the records become ``completed`` with the exact input record (first writer wins: a row that
@@ -22,6 +29,9 @@ event per effect, sent to the inbox as an ``Input`` record. What one batch does,
    ``partition_for(run_id, n)``), the dead letters, commit. One transaction at a time; if one
    fails, the batches queued behind it are dropped and the loop re-reads from the earliest of
    their offsets (every effect then comes back and is answered from its record).
+
+A batch that fails (the database is down) is re-read after a back-off that doubles from
+``retry_backoff_s`` to ``retry_backoff_max_s``.
 
 A crash anywhere before 7 commits leaves the offsets where they were: the effects come back and
 steps 2-3 answer every completed key from its record. Input ids are ``<effect key>:result``, so
@@ -53,6 +63,7 @@ from connectors.errors import AgentrunsError, AgentrunsKafkaError
 from connectors.pg import Conn, RetryingConnection
 from processors.effects import Effect
 from processors.events import Event
+from processors.limits import MAX_JSON_DEPTH, json_depth
 from streams import dlq, records
 from streams.codec import CodecError, decode, encode
 from streams.kafka_defaults import (
@@ -78,6 +89,29 @@ class ExecutorError(AgentrunsError):
 def now_ms() -> int:
     """Executors are at the edge: their results carry the wall clock."""
     return int(time.time() * 1000)
+
+
+def decode_json(body: bytes, depth: int = MAX_JSON_DEPTH) -> tuple[Any, str | None]:
+    """A backend's JSON: (value, None), or (None, what is wrong: ``not_json``, ``not_utf8``,
+    ``too_deep``). Never raises: msgspec stops at its own depth limit with RecursionError
+    (no Python recursion), and the named limit is checked without recursion."""
+    try:
+        value = msgspec.json.decode(body)
+    except RecursionError:
+        return None, "too_deep"
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    except (msgspec.DecodeError, ValueError):
+        return None, "not_json"
+    if json_depth(value, depth) > depth:
+        return None, "too_deep"
+    return value, None
+
+
+def clean_text(text: str, limit: int | None = 1000) -> str:
+    """Text for a Postgres ``text`` column: no NUL (which Postgres refuses, and would refuse
+    on every retry of the batch), bounded by ``limit`` characters."""
+    return text[:limit].replace("\x00", "\\0")
 
 
 def result_input_id(effect: Effect) -> str:
@@ -130,6 +164,7 @@ class Completion:
     effect: Effect
     input: dict[str, Any]
     detail: str
+    artifacts: tuple[StoredArtifact, ...] = ()
 
 
 def operation_key_of(effect: Effect) -> str | None:
@@ -174,7 +209,7 @@ class ActionRecords:
         columns = (
             [e.idempotency_key for e in effects],
             [e.type for e in effects],
-            [e.run_id for e in effects],
+            [clean_text(e.run_id, None) for e in effects],  # informational: a run id from outside
             [e.step for e in effects],
             [e.attempt for e in effects],
             [operation_key_of(e) for e in effects],
@@ -271,12 +306,19 @@ class Outcome:
 
 
 class Handler(Protocol):
-    """Carries out effects of some types. ``execute`` runs in a pool thread and never raises
-    for outside failures: it classifies them into the answer event."""
+    """Carries out effects of some types. ``execute`` runs in a pool thread and classifies
+    outside failures into the answer event; if it raises anyway, the executor's guard asks
+    ``failure`` for the effect's failure answer (which must not raise: no I/O)."""
 
     effect_types: frozenset[str]
 
     def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome: ...
+
+    def failure(self, effect: Effect, code: str, message: str) -> Outcome:
+        """The answer to an effect that cannot be carried out: one the core classifies as
+        not worth retrying as is. ``code``: ``executor_error`` (the handler raised),
+        ``executor_error:restarts`` (a crash loop), ``invalid_output:<what>``."""
+        ...
 
     def close(self) -> None: ...
 
@@ -305,6 +347,25 @@ class ExecutorConfig:
     # call, p99 added latency 53-72 ms against 55-373 (docs/design.md, "Fetching"). Unlike a
     # fetch window (fetch.min.bytes) it costs an idle executor no extra fetches.
     gather_ms: int = 10
+    # The guard around each effect's handler (one place, Executor._answer): an exception that
+    # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
+    # all, waiting `handler_backoff_ms`, doubling; then the effect gets its failure answer.
+    handler_attempts: int = 3
+    handler_backoff_ms: int = 200
+    # An effect started this many times without an answer (its handler kills the process, or
+    # the batch around it keeps failing) is answered with its failure instead of run again.
+    max_starts: int = 5
+    # An artifact a handler returns over this size becomes the failure
+    # `invalid_output:too_large` (the store refuses more than MAX_ARTIFACT_BYTES).
+    max_artifact_bytes: int = MAX_ARTIFACT_BYTES
+    # An answer whose Input record encodes to more than this becomes the failure
+    # `invalid_output:too_large`: the broker refuses a record over its message.max.bytes
+    # (1 MiB by default), and a refused record would fail every transaction it is in.
+    max_input_bytes: int = 1_000_000
+    # A batch that fails (the database is down) is re-read after this back-off, doubling up to
+    # the maximum while it keeps failing.
+    retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 10.0
     transaction_timeout_ms: int = 10_000
     session_timeout_ms: int = 6000
     max_poll_interval_ms: int = 300_000
@@ -325,6 +386,9 @@ class ExecutorStats:
     replayed: int = 0
     dead_letters: int = 0
     aborts: int = 0
+    batch_retries: int = 0  # batches re-read after a failure (database down)
+    handler_errors: int = 0  # exceptions out of a handler, caught by the guard
+    gave_up: int = 0  # effects answered with their failure by the guard
     execute_s: float = 0.0  # records + outside calls
     wait_s: float = 0.0  # the loop waiting for the committer (back-pressure, drains)
     produce_s: float = 0.0  # begin + produce
@@ -349,6 +413,9 @@ class ExecutorStats:
             "replayed": self.replayed,
             "dead_letters": self.dead_letters,
             "aborts": self.aborts,
+            "batch_retries": self.batch_retries,
+            "handler_errors": self.handler_errors,
+            "gave_up": self.gave_up,
             "ms_per_batch": {
                 "execute": round(self.execute_s * 1000 / batches, 2),
                 "wait": round(self.wait_s * 1000 / batches, 2),
@@ -430,7 +497,15 @@ class Executor:
         self._producers = ProducerPair(self._new_producer)
         self._inbox_partitions = partition_count(self._producers.current, self.inbox)
         self._closed = False
+        self._stop = threading.Event()
+        self._stats_lock = threading.Lock()  # counters the pool threads update
+        self._retry_backoff_s = c.retry_backoff_s
         self._committer.start()
+
+    @property
+    def retry_backoff_s(self) -> float:
+        """How long the loop waits before re-reading the next batch that fails."""
+        return self._retry_backoff_s
 
     # ------------------------------------------------------------------ clients
 
@@ -476,6 +551,7 @@ class Executor:
 
     def run(self, stop: threading.Event) -> None:
         """Execute effects until ``stop`` is set; the batch in hand is finished first."""
+        self._stop = stop
         self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
         c = self.config
         try:
@@ -536,15 +612,18 @@ class Executor:
             inputs = self._execute(effects)
             self.stats.execute_s += time.monotonic() - began
             self.stats.batches += 1
-        except Exception as exc:  # database down, or a handler bug: never lose the batch
+            self._retry_backoff_s = self.config.retry_backoff_s
+        except Exception as exc:  # database down (handlers' own errors end in the guard)
             if isinstance(exc, ExecutorError | psycopg.Error):
-                log.error("batch failed, retrying it: %s", exc)
+                log.error("batch failed, retrying it in %.1f s: %s", self._retry_backoff_s, exc)
             else:
                 log.exception("batch failed unexpectedly, retrying it")
             self.stats.aborts += 1
+            self.stats.batch_retries += 1
             if self._drain(also_rewind=first):  # else already rewound to the failed batch
                 self._rewind(first)
-            time.sleep(0.5)
+            self._stop.wait(self._retry_backoff_s)
+            self._retry_backoff_s = min(self._retry_backoff_s * 2, self.config.retry_backoff_max_s)
             return
         metadata = self._consumer.consumer_group_metadata()
         ready = _Ready(inputs, dead, first, last, metadata, _oldest(messages))
@@ -647,6 +726,11 @@ class Executor:
             reason = f"{effect.type} is not executed by the {self.config.kind} executor"
             dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
             return None
+        if "\x00" in effect.idempotency_key + (operation_key_of(effect) or ""):
+            # the record of a key Postgres cannot store would fail the batch on every retry
+            reason = "invalid_input:key_with_nul: an effect key holds a NUL character"
+            dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
+            return None
         return effect
 
     def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
@@ -683,20 +767,74 @@ class Executor:
         self.stats.replayed += len(answers)
         if todo:
             futures = [
-                self._pool.submit(self.handler.execute, e, records.get(e.idempotency_key))
-                for e in todo
+                self._pool.submit(self._answer, e, records.get(e.idempotency_key)) for e in todo
             ]
-            outcomes = [f.result() for f in futures]
-            completions = [
-                Completion(e, input_record(e, o.event), o.detail)
-                for e, o in zip(todo, outcomes, strict=True)
-            ]
+            completions = [f.result() for f in futures]
             # artifacts and records in one statement, before any input referencing them (R2)
-            artifacts = [a for o in outcomes for a in o.artifacts]
+            artifacts = [a for c in completions for a in c.artifacts]
             answers.update(self._records.complete(completions, artifacts))
             self.stats.executed += len(todo)
         self.stats.effects += len(unique)
         return [(unique[k].run_id, answers[k]) for k in unique]
+
+    def _answer(self, effect: Effect, previous: ActionRecord | None) -> Completion:
+        """The one guard around a handler (a pool thread): the effect's answer, always.
+
+        A database outage is re-raised (the batch is retried); any other exception out of
+        the handler is this effect's alone: retried a few times if it looks transient, then
+        answered with the handler's failure, so one bad backend answer never fails a batch."""
+        c = self.config
+        if previous is not None and previous.starts >= c.max_starts:
+            reason = f"started {previous.starts} times without an answer"
+            return self._give_up(effect, "executor_error:restarts", reason)
+        delay = c.handler_backoff_ms / 1000
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self._checked(effect, self.handler.execute(effect, previous))
+            except Exception as exc:
+                if _outage(exc):
+                    raise
+                with self._stats_lock:
+                    self.stats.handler_errors += 1
+                text = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, OSError) and attempt < c.handler_attempts:
+                    log.warning("%s %s: %s; again", effect.type, effect.idempotency_key, text)
+                    time.sleep(delay)  # short and bounded: a stop finishes the batch in hand
+                    delay *= 2
+                    continue
+                log.warning(
+                    "%s %s failed in its handler: %s",
+                    effect.type,
+                    effect.idempotency_key,
+                    text,
+                    exc_info=not isinstance(exc, OSError),
+                )
+                return self._give_up(effect, "executor_error", text)
+
+    def _checked(self, effect: Effect, outcome: Outcome) -> Completion:
+        """The completion of a handler's outcome, if the store and the codec can take it."""
+        limit = min(self.config.max_artifact_bytes, MAX_ARTIFACT_BYTES)
+        for artifact in outcome.artifacts:
+            size = len(artifact.content.encode())
+            if size > limit:
+                message = f"an artifact of {size} bytes, over the limit of {limit}"
+                return self._give_up(effect, "invalid_output:too_large", message)
+        record = input_record(effect, outcome.event)
+        # An answer the committer could not encode or send would fail every transaction.
+        size = len(encode("Input", record))
+        if size > self.config.max_input_bytes:
+            message = f"an answer of {size} bytes, over the limit of {self.config.max_input_bytes}"
+            return self._give_up(effect, "invalid_output:too_large", message)
+        return Completion(effect, record, clean_text(outcome.detail), outcome.artifacts)
+
+    def _give_up(self, effect: Effect, code: str, message: str) -> Completion:
+        with self._stats_lock:
+            self.stats.gave_up += 1
+        outcome = self.handler.failure(effect, code, clean_text(message, 500))
+        record = input_record(effect, outcome.event)
+        return Completion(effect, record, clean_text(f"{code}: {message}"), outcome.artifacts)
 
     def _commit(self, batches: list[_Ready]) -> None:
         """One transaction (the committer thread; one at a time) for ``batches``: the
@@ -774,6 +912,13 @@ class Executor:
                 self._consumer.seek(TopicPartition(self.effects_topic, partition, offset))
             except KafkaException as exc:  # no longer assigned: its new owner re-reads it
                 log.info("not rewinding partition %d: %s", partition, exc)
+
+
+def _outage(exc: Exception) -> bool:
+    """The database is down (after the connection's own retries): retry the whole batch."""
+    if isinstance(exc, psycopg.OperationalError):
+        return True
+    return isinstance(exc, AgentrunsError) and exc.retryable
 
 
 def _oldest(messages: list[Message]) -> float | None:
@@ -870,7 +1015,9 @@ __all__ = [
     "Handler",
     "Outcome",
     "add_common_arguments",
+    "clean_text",
     "config_from_args",
+    "decode_json",
     "event_identity",
     "input_record",
     "now_ms",

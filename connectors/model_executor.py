@@ -15,9 +15,13 @@ For one effect (R7, R9):
 3. the SSE stream is assembled by :class:`StreamAssembler` (pure) and classified:
    ``stop``/``tool_calls`` = finished; ``length`` = truncated; ``content_filter`` = blocked;
    ended without a finish, connection lost, or deadline passed = incomplete; 429 =
-   rate_limited (Retry-After); 5xx, other statuses and transport errors before the response =
-   transport_error. Tool calls are passed on only from a finished stream: a tool never starts
-   on half-streamed arguments;
+   rate_limited (Retry-After, clamped); 5xx, other statuses and transport errors before the
+   response = transport_error. A stream that cannot be trusted is incomplete too: a chunk of
+   an unexpected shape, not JSON, nested deeper than ``MAX_JSON_DEPTH`` or not UTF-8, a line
+   over ``max_line_bytes``, more than ``max_stream_bytes`` in all, or still going at
+   ``total_timeout_s`` after the request (keep-alive comments and a byte-by-byte drip count
+   against it like any other bytes). Tool calls are passed on only from a finished stream: a
+   tool never starts on half-streamed arguments;
 4. the candidate artifact (the assistant message in OpenAI form plus finish_reason, outcome,
    usage: :func:`candidate_artifact`) is written, then the input (by the loop).
 
@@ -27,6 +31,7 @@ A redelivered effect whose record is completed is answered from the record: no s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -49,6 +54,7 @@ from connectors.executor_base import (
     Outcome,
     add_common_arguments,
     config_from_args,
+    decode_json,
     event_identity,
     run_until_signal,
 )
@@ -62,11 +68,18 @@ from processors.events import (
     ToolCallRequest,
 )
 from processors.ids import canonical_json
+from processors.limits import MAX_AMOUNT, MAX_ID_CHARS, MAX_ITEMS
 
 log = logging.getLogger("agentruns.executor.model")
 
 CANDIDATE_MEDIA_TYPE = "application/vnd.agentruns.candidate+json"
 DEFAULT_BASE_URL = "http://127.0.0.1:8700/v1"
+# Bounds on one model answer (per route, RouteConfig): the SSE bytes of a whole stream (or a
+# JSON body), one SSE line (real chunks carry a few tokens), and an error body kept for the
+# record (only its start is used).
+DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_LINE_BYTES = 256 * 1024
+ERROR_BODY_BYTES = 64 * 1024
 
 
 # --------------------------------------------------------------------------- routes
@@ -81,7 +94,11 @@ class RouteConfig:
     model: str | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0  # between two chunks
-    total_timeout_s: float = 120.0  # the whole stream
+    # The whole call, from the request: whatever arrives (keep-alive comments, a drip), the
+    # stream is cut at this point (at the first read after it; reads wait at most this long).
+    total_timeout_s: float = 120.0
+    max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_tokens: int | None = None
     temperature: float | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
@@ -143,11 +160,37 @@ class Assembled:
 FINISHED = frozenset({"stop", "tool_calls", "function_call"})
 
 
+class MalformedChunkError(ValueError):
+    """A chunk is valid JSON of a shape the protocol does not have."""
+
+
+def _optional_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise MalformedChunkError(f"{what} is a {type(value).__name__}, not a string")
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise MalformedChunkError(f"{what} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise MalformedChunkError(f"{what} is a {type(value).__name__}, not an object")
+    return value
+
+
 class StreamAssembler:
     """Folds ``chat.completion.chunk`` objects into one generation (pure: no I/O).
 
     Tool-call deltas are merged by ``index``; arguments pieces are concatenated. Only
-    :meth:`result` decides whether the tool calls are complete (a trusted finish)."""
+    :meth:`result` decides whether the tool calls are complete (a trusted finish). A chunk of
+    a shape the protocol does not have raises :class:`MalformedChunkError` (the caller ends
+    the call: an untrusted stream is incomplete)."""
 
     def __init__(self) -> None:
         self.content: list[str] = []
@@ -159,35 +202,59 @@ class StreamAssembler:
         self.done = False
         self.chunks = 0
 
-    def feed(self, chunk: Mapping[str, Any]) -> None:
+    def feed(self, chunk: Any) -> None:
+        chunk = _object(chunk, "a chunk")
         self.chunks += 1
-        self.completion_id = self.completion_id or chunk.get("id")
-        self.model = self.model or chunk.get("model")
+        completion_id = _optional_str(chunk.get("id"), "id")
+        self.completion_id = self.completion_id or (completion_id or "")[:MAX_ID_CHARS] or None
+        model = _optional_str(chunk.get("model"), "model")
+        self.model = self.model or (model or "")[:MAX_ID_CHARS] or None
         usage = chunk.get("usage")
         if isinstance(usage, Mapping):
-            self.usage = {k: int(v) for k, v in usage.items() if isinstance(v, int)}
-        for choice in chunk.get("choices") or ():
+            self.usage = {
+                str(k)[:64]: min(max(v, 0), MAX_AMOUNT)
+                for k, v in usage.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+        for choice in _list(chunk.get("choices"), "choices"):
+            choice = _object(choice, "a choice")
             if choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") or choice.get("message") or {}
-            if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                index = int(call.get("index", len(self.calls)))
-                slot = self.calls.setdefault(index, {"id": None, "name": "", "arguments": []})
-                slot["id"] = call.get("id") or slot["id"]
-                function = call.get("function") or {}
-                if function.get("name"):
-                    slot["name"] = function["name"]
-                if isinstance(function.get("arguments"), str):
-                    slot["arguments"].append(function["arguments"])
-            if choice.get("finish_reason"):
-                self.finish_reason = str(choice["finish_reason"])
+            streamed = "delta" in choice
+            delta = choice.get("delta") if streamed else choice.get("message")
+            delta = _object(delta or {}, "delta" if streamed else "message")
+            content = _optional_str(delta.get("content"), "content")
+            if content:
+                self.content.append(content)
+            for position, call in enumerate(_list(delta.get("tool_calls"), "tool_calls")):
+                self._feed_call(_object(call, "a tool call"), None if streamed else position)
+            finish = _optional_str(choice.get("finish_reason"), "finish_reason")
+            if finish:
+                self.finish_reason = finish[:100]
 
-    def result(self, *, interrupted: str | None = None) -> Assembled:
-        """Classify. ``interrupted``: why the stream stopped early (connection lost, deadline)."""
+    def _feed_call(self, call: Mapping[str, Any], position: int | None) -> None:
+        """One tool-call delta (``position``: its place in a non-streamed message, where the
+        calls carry no ``index``)."""
+        index = call.get("index", position)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_ITEMS:
+            raise MalformedChunkError(f"a tool call delta has no valid index ({index!r:.40})")
+        slot = self.calls.setdefault(index, {"id": None, "name": "", "arguments": []})
+        slot["id"] = _optional_str(call.get("id"), "a tool call id") or slot["id"]
+        function = _object(call.get("function") or {}, "a tool call function")
+        name = _optional_str(function.get("name"), "a tool name")
+        if name:
+            slot["name"] = name
+        arguments = _optional_str(function.get("arguments"), "tool call arguments")
+        if arguments is not None:
+            slot["arguments"].append(arguments)
+
+    def result(self, *, interrupted: str | None = None, untrusted: str | None = None) -> Assembled:
+        """Classify. ``interrupted``: why the stream stopped early (connection lost, deadline);
+        ``untrusted``: why nothing it said can be used (incomplete, even after a finish)."""
         reason = self.finish_reason
-        if interrupted is not None and reason is None:
+        if untrusted is not None:
+            outcome, detail = ModelOutcome.INCOMPLETE, untrusted
+        elif interrupted is not None and reason is None:
             outcome, detail = ModelOutcome.INCOMPLETE, interrupted
         elif reason is None:
             outcome, detail = ModelOutcome.INCOMPLETE, "stream ended without a finish_reason"
@@ -552,9 +619,10 @@ class ModelHandler:
         headers = {"Accept": "text/event-stream", **route.headers}
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
-        timeout = httpx.Timeout(
-            route.read_timeout_s, connect=route.connect_timeout_s, pool=route.connect_timeout_s
-        )
+        # no read may wait past the whole call's deadline
+        read_s = min(route.read_timeout_s, route.total_timeout_s)
+        connect = route.connect_timeout_s
+        timeout = httpx.Timeout(read_s, connect=connect, pool=connect)
         deadline = time.monotonic() + route.total_timeout_s
         assembler = StreamAssembler()
         try:
@@ -562,23 +630,11 @@ class ModelHandler:
                 "POST", route.chat_url(), json=payload, headers=headers, timeout=timeout
             ) as response:
                 if response.status_code != 200:
-                    response.read()
-                    return self._http_error(response)
+                    body = _read_capped(response, ERROR_BODY_BYTES, deadline)
+                    return self._http_error(response, body)
                 if "json" in response.headers.get("content-type", ""):
-                    response.read()
-                    assembler.feed(response.json())
-                    return assembler.result()
-                for data in sse_data(response.iter_lines()):
-                    if data == "[DONE]":
-                        assembler.done = True
-                        break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        return assembler.result(interrupted=f"undecodable chunk {data[:80]!r}")
-                    assembler.feed(chunk)
-                    if time.monotonic() > deadline:
-                        return assembler.result(interrupted="total timeout exceeded")
+                    return _whole_answer(response, route, deadline, assembler)
+                return _read_stream(response, route, deadline, assembler)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             return replace_outcome(
                 StreamAssembler().result(interrupted=f"{type(exc).__name__}: {exc}"),
@@ -591,12 +647,12 @@ class ModelHandler:
                     ModelOutcome.TRANSPORT_ERROR,
                 )
             return assembler.result(interrupted=f"connection lost: {type(exc).__name__}: {exc}")
-        return assembler.result()
 
     @staticmethod
-    def _http_error(response: httpx.Response) -> Assembled:
+    def _http_error(response: httpx.Response, body: bytes) -> Assembled:
         status = response.status_code
-        detail = f"HTTP {status}: {response.text[:300]}"
+        text = body[:300].decode("utf-8", "replace")
+        detail = f"HTTP {status}: {text}"
         if status == 429:
             assembled = replace_outcome(
                 StreamAssembler().result(interrupted=detail), ModelOutcome.RATE_LIMITED
@@ -606,6 +662,18 @@ class ModelHandler:
         return replace_outcome(
             StreamAssembler().result(interrupted=detail), ModelOutcome.TRANSPORT_ERROR
         )
+
+    def failure(self, effect: Effect, code: str, message: str) -> Outcome:
+        """The answer to an effect this handler could not carry out (the executor's guard): a
+        transport error, which the core retries as a new attempt within its own bound."""
+        assert isinstance(effect, CallModel)
+        event = ModelCallCompleted(
+            **event_identity(effect),
+            step=effect.step,
+            attempt=effect.attempt,
+            outcome=ModelOutcome.TRANSPORT_ERROR,
+        )
+        return Outcome(event, detail=f"{ModelOutcome.TRANSPORT_ERROR.value}: {code}: {message}")
 
     def _outcome(self, effect: CallModel, assembled: Assembled) -> Outcome:
         artifacts: tuple[StoredArtifact, ...] = ()
@@ -624,10 +692,14 @@ class ModelHandler:
         route = self.routes.get(effect.model_route)
         input_tokens = int(assembled.usage.get("prompt_tokens", 0))
         output_tokens = int(assembled.usage.get("completion_tokens", 0))
-        cost = (
-            input_tokens * route.input_cost_micros_per_1k
-            + output_tokens * route.output_cost_micros_per_1k
-        ) // 1000
+        cost = min(
+            (
+                input_tokens * route.input_cost_micros_per_1k
+                + output_tokens * route.output_cost_micros_per_1k
+            )
+            // 1000,
+            MAX_AMOUNT,
+        )
         event = ModelCallCompleted(
             **event_identity(effect),
             step=effect.step,
@@ -646,6 +718,99 @@ class ModelHandler:
 
 def replace_outcome(assembled: Assembled, outcome: ModelOutcome) -> Assembled:
     return Assembled(**{**assembled.__dict__, "outcome": outcome, "tool_calls": ()})
+
+
+class _Overrun(Exception):
+    """The answer went past one of the call's bounds (size or deadline)."""
+
+
+def _pieces(response: httpx.Response, limit: int, deadline: float) -> Iterator[bytes]:
+    """The body's bytes as they arrive, ended by ``_Overrun`` past ``limit`` bytes or the
+    deadline: every piece counts, a keep-alive comment as much as a token."""
+    total = 0
+    for piece in response.iter_bytes():
+        total += len(piece)
+        if total > limit:
+            raise _Overrun(f"answer over {limit} bytes")
+        if time.monotonic() > deadline:
+            raise _Overrun("total timeout exceeded")
+        yield piece
+
+
+def _read_capped(response: httpx.Response, limit: int, deadline: float) -> bytes:
+    """Up to ``limit`` bytes of an (error) body; the rest is not read."""
+    body = bytearray()
+    with contextlib.suppress(_Overrun, httpx.HTTPError):
+        for piece in _pieces(response, 1 << 62, deadline):
+            body += piece
+            if len(body) >= limit:
+                break
+    return bytes(body[:limit])
+
+
+def _whole_answer(
+    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+) -> Assembled:
+    """A non-streamed ``chat.completion`` (a server that ignored ``stream: true``)."""
+    body = bytearray()
+    try:
+        for piece in _pieces(response, route.max_stream_bytes, deadline):
+            body += piece
+    except _Overrun as exc:
+        return assembler.result(untrusted=str(exc))
+    value, problem = decode_json(bytes(body))
+    if problem is not None:
+        return assembler.result(untrusted=f"answer is {problem.replace('_', ' ')}")
+    try:
+        assembler.feed(value)
+    except MalformedChunkError as exc:
+        return assembler.result(untrusted=f"malformed answer: {exc}")
+    return assembler.result()
+
+
+def _read_stream(
+    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+) -> Assembled:
+    """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
+    body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
+    buffer = bytearray()
+    try:
+        for piece in _pieces(response, route.max_stream_bytes, deadline):
+            buffer += piece
+            if b"\n" in piece:
+                *lines, rest = bytes(buffer).split(b"\n")
+                buffer = bytearray(rest)
+                for line in lines:
+                    if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
+                        return assembler.result()
+            if len(buffer) > route.max_line_bytes:
+                raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
+        if buffer and _fold_line(bytes(buffer).rstrip(b"\r"), assembler, route.max_line_bytes):
+            return assembler.result()
+    except _Overrun as exc:
+        if str(exc) == "total timeout exceeded":
+            return assembler.result(interrupted=str(exc))
+        return assembler.result(untrusted=str(exc))
+    except MalformedChunkError as exc:
+        return assembler.result(untrusted=f"malformed stream: {exc}")
+    return assembler.result()
+
+
+def _fold_line(line: bytes, assembler: StreamAssembler, max_line: int) -> bool:
+    """One SSE line into the assembler; True at ``data: [DONE]``."""
+    if len(line) > max_line:
+        raise MalformedChunkError(f"an SSE line over {max_line} bytes")
+    if not line.startswith(b"data:"):
+        return False  # a comment, another field or an event separator
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        assembler.done = True
+        return True
+    chunk, problem = decode_json(data)
+    if problem is not None:
+        raise MalformedChunkError(f"a chunk is {problem.replace('_', ' ')}: {data[:80]!r}")
+    assembler.feed(chunk)
+    return False
 
 
 # --------------------------------------------------------------------------- process

@@ -31,6 +31,7 @@ from connectors._devserver import (
     FaultRequest,
     JSONHandler,
     ServerHandle,
+    param_text,
     parse_fault_header,
     run_until_signal,
     start_server,
@@ -41,9 +42,42 @@ DEFAULT_PORT = 8700
 SCENARIO_MARKER = re.compile(r"scenario:([A-Za-z0-9_.\-]+)")
 
 FaultKind = Literal[
-    "disconnect", "incomplete", "length", "content_filter", "slow", "429", "500", "503"
+    "disconnect",
+    "incomplete",
+    "length",
+    "content_filter",
+    "slow",
+    "429",
+    "500",
+    "503",
+    "keepalive",
+    "drip",
+    "bad_chunk",
+    "huge_stream",
+    "huge_line",
+    "bad_utf8",
 ]
 FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
+# `bad_chunk; shape=...`: a chunk that is valid JSON (or, for `not_json`, not) of a shape the
+# protocol does not have, sent after `after_chunks` good chunks; the stream then finishes.
+BadShape = Literal[
+    "choices_not_list",
+    "choice_not_object",
+    "delta_string",
+    "content_not_string",
+    "index_missing",
+    "arguments_not_string",
+    "not_object",
+    "not_json",
+    "deep",
+]
+BAD_SHAPES: frozenset[str] = frozenset(get_args(BadShape))
+# Defaults of the new kinds' parameters (bytes, nesting, milliseconds).
+HUGE_STREAM_BYTES = 8 * 1024 * 1024
+HUGE_LINE_BYTES = 1024 * 1024
+BAD_DEPTH = 1000
+KEEPALIVE_MS = 100.0
+DRIP_MS = 1000.0
 
 
 class ToolCallSpec(BaseModel):
@@ -65,8 +99,11 @@ class FaultSpec(BaseModel):
     kind: FaultKind
     times: int | None = 1
     after_chunks: int = 2
-    delay_ms: int = 50
-    retry_after: float = 1.0
+    delay_ms: float | None = None
+    retry_after: float | str = 1.0
+    shape: BadShape = "choices_not_list"
+    size: int | None = None
+    depth: int | None = None
 
 
 class Turn(BaseModel):
@@ -116,8 +153,11 @@ class FaultRule(BaseModel):
     times: int | None = 1
     per_conversation: bool = False
     after_chunks: int = 2
-    delay_ms: int = 50
-    retry_after: float = 1.0
+    delay_ms: float | None = None
+    retry_after: float | str = 1.0
+    shape: BadShape = "choices_not_list"
+    size: int | None = None
+    depth: int | None = None
 
 
 DEFAULT_SCENARIO = Scenario(
@@ -377,14 +417,50 @@ class ModelServerApp:
 
 
 def _fault_request(spec: FaultSpec | FaultRule) -> FaultRequest:
-    return FaultRequest(
-        kind=spec.kind,
-        params={
-            "after_chunks": str(spec.after_chunks),
-            "delay_ms": str(spec.delay_ms),
-            "retry_after": str(spec.retry_after),
+    values: dict[str, float | str | None] = {
+        "after_chunks": spec.after_chunks,
+        "delay_ms": spec.delay_ms,
+        "retry_after": spec.retry_after,
+        "shape": spec.shape,
+        "size": spec.size,
+        "depth": spec.depth,
+    }
+    params = {k: param_text(v) for k, v in values.items() if v is not None}
+    return FaultRequest(kind=spec.kind, params=params)
+
+
+def bad_chunk(shape: str, completion_id: str, model: str, depth: int = BAD_DEPTH) -> bytes:
+    """The ``data:`` payload of a ``bad_chunk`` fault (see ``BadShape``)."""
+    base: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": model,
+    }
+    call = {"id": "call_bad", "type": "function", "function": {"name": "search_docs"}}
+    deltas: dict[str, Any] = {
+        "delta_string": "oops",
+        "content_not_string": {"content": {"text": "oops"}},
+        "index_missing": {"tool_calls": [{**call, "function": {"arguments": "{}"}}]},
+        "arguments_not_string": {
+            "tool_calls": [{"index": 0, **call, "function": {"arguments": {"query": "x"}}}]
         },
-    )
+    }
+    match shape:
+        case "not_json":
+            return b"{not json"
+        case "deep":
+            return b"[" * depth + b"]" * depth
+        case "not_object":
+            return b"[1,2,3]"
+        case "choices_not_list":
+            payload: Any = {**base, "choices": "oops"}
+        case "choice_not_object":
+            payload = {**base, "choices": ["oops"]}
+        case _:
+            choice = {"index": 0, "delta": deltas[shape], "finish_reason": None}
+            payload = {**base, "choices": [choice]}
+    return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -475,15 +551,20 @@ class ModelHandler(JSONHandler):
         if header_fault is not None and header_fault.kind not in FAULT_KINDS:
             self.send_json(400, _error(f"unknown fault {header_fault.kind!r}"))
             return
+        shape = header_fault.params.get("shape") if header_fault is not None else None
+        if shape is not None and shape not in BAD_SHAPES:
+            self.send_json(400, _error(f"unknown bad_chunk shape {shape!r}"))
+            return
         fault, attempt = self.app.plan(scenario, conversation, turn_index, header_fault)
         if fault is not None:
             self.app.count_fault(fault.kind)
             if fault.kind == "429":
-                retry_after = fault.number("retry_after", 1.0)
+                # verbatim: `inf`, `-1`, an HTTP date or garbage reach the client as given
+                retry_after = fault.params.get("retry_after", "1")
                 self.send_json(
                     429,
                     _error("rate limited (scripted)", "rate_limit_error"),
-                    {"Retry-After": f"{retry_after:g}"},
+                    {"Retry-After": retry_after},
                 )
                 return
             if fault.kind in ("500", "503"):
@@ -573,6 +654,24 @@ class ModelHandler(JSONHandler):
             delay += fault.number("delay_ms", 50) / 1000
         if fault is not None and kind in ("disconnect", "incomplete"):
             events = events[: max(0, min(fault.integer("after_chunks", 2), len(events) - 1))]
+        elif fault is not None and kind in ("bad_chunk", "bad_utf8"):
+            at = max(0, min(fault.integer("after_chunks", 2), len(events)))
+            if kind == "bad_chunk":
+                depth = fault.integer("depth", BAD_DEPTH)
+                shape = fault.params.get("shape", "choices_not_list")
+                data = bad_chunk(shape, completion_id, model, depth)
+            else:  # a content string with bytes that are not UTF-8
+                data = chunk({"content": "@@"}, None).removeprefix(b"data: ").rstrip()
+                data = data.replace(b"@@", b"\xff\xfe")
+            events = [*events[:at], b"data: " + data + b"\n\n", *events[at:]]
+            events += finish(answer.finish_reason)
+        elif fault is not None and kind == "huge_stream":
+            size, piece = fault.integer("size", HUGE_STREAM_BYTES), "x" * 1000
+            events = events[:1] + [chunk({"content": piece}, None)] * (size // 1000 + 1)
+            events += finish("stop")
+        elif fault is not None and kind == "huge_line":
+            content = "x" * fault.integer("size", HUGE_LINE_BYTES)
+            events = [*events[:1], chunk({"content": content}, None), *finish("stop")]
         elif kind == "length" and answer.tool_calls:
             events = events[:-1]  # the last argument piece never comes: incomplete JSON
             events += finish("length")
@@ -592,6 +691,9 @@ class ModelHandler(JSONHandler):
         frames = [b"%x\r\n%s\r\n" % (len(event), event) for event in events]
         if kind != "disconnect":
             frames.append(b"0\r\n\r\n")  # "incomplete" ends the body cleanly, unfinished
+        if fault is not None and kind in ("keepalive", "drip"):
+            self.stall(head, events, fault)
+            return
         try:
             if delay:
                 self.wfile.write(head)
@@ -609,6 +711,36 @@ class ModelHandler(JSONHandler):
             self.drop_connection()  # socket closed mid-body: no finish, no [DONE]
         elif kind is None or kind == "slow":
             self.app.count("completions")
+
+    def stall(self, head: bytes, events: list[bytes], fault: FaultRequest) -> None:
+        """``keepalive``: the first ``after_chunks`` events, then a ``: ping`` comment every
+        ``delay_ms`` (100), forever. ``drip``: the whole stream, one byte per ``delay_ms``
+        (1000), each in its own HTTP chunk. Both end when the client goes or the server
+        closes."""
+        try:
+            if fault.kind == "keepalive":
+                delay = fault.number("delay_ms", KEEPALIVE_MS) / 1000
+                first = events[: max(0, fault.integer("after_chunks", 2))]
+                self.wfile.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in first))
+                self.wfile.flush()
+                while self.server.sleep(delay):
+                    self.wfile.write(b"8\r\n: ping\n\n\r\n")
+                    self.wfile.flush()
+            else:
+                delay = fault.number("delay_ms", DRIP_MS) / 1000
+                self.wfile.write(head)
+                self.wfile.flush()
+                for byte in b"".join(events):
+                    if not self.server.sleep(delay):
+                        break
+                    self.wfile.write(b"1\r\n%c\r\n" % byte)
+                    self.wfile.flush()
+                else:
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+        except OSError:
+            pass
+        self.drop_connection()
 
 
 # --- entry points ----------------------------------------------------------------------

@@ -4,6 +4,12 @@ Consumes ``agentruns.effects.tool`` (CallTool, Reconcile, PollTool, CancelTool) 
 with one core event on the inbox (see :mod:`connectors.executor_base` for the loop, the records
 and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
 
+- Every exchange ends by the tool's ``timeout_ms`` counted from the request (a backend that
+  drips its answer byte by byte cannot hold it longer: a timeout as any other), and a body
+  over ``max_body_bytes`` (8 MiB) is not read: the call fails ``UNKNOWN``
+  ``invalid_output:too_large``; a JSON body nested deeper than ``MAX_JSON_DEPTH`` fails
+  ``invalid_output:too_deep`` (look-ups: cannot tell). ``Retry-After`` is clamped to
+  ``MAX_RETRY_AFTER_MS`` or ignored when it is not a number or a date.
 - ``CallTool``: ``<method> base_url + endpoint`` with the canonical JSON arguments and the
   header ``Idempotency-Key: <operation key>`` (the same key on every resend), ``If-Match`` with
   the expected resource version when the operation has one, ``X-Callback-URL`` when configured.
@@ -19,6 +25,9 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   running (poll again later).
 - ``CancelTool``: ``POST cancel_url`` -> 200 cancelled or 404 never executed = CancelConfirmed;
   409 (already finished), 5xx, transport errors or no cancel URL = CancelUnconfirmed.
+- An effect whose handler raised (the executor's guard) is answered with :meth:`ToolHandler.
+  failure`: ToolCallFailed ``UNKNOWN`` (not retried by the core), ReconcileCompleted
+  undeterminable, CancelUnconfirmed.
 - A ``CallTool`` whose executed-action record is ``started`` without a result (the executor
   crashed between the call and the commit) is first looked up by key: found -> its outcome,
   404 -> called now with the same key, cannot tell -> ToolCallTimedOut (the core reconciles).
@@ -33,10 +42,12 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -53,6 +64,7 @@ from connectors.executor_base import (
     Outcome,
     add_common_arguments,
     config_from_args,
+    decode_json,
     event_identity,
     now_ms,
     run_until_signal,
@@ -71,6 +83,7 @@ from processors.events import (
     ToolStatusReported,
 )
 from processors.ids import canonical_json
+from processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
 from processors.state import ErrorClass
 from processors.summary import summarize
 
@@ -79,6 +92,13 @@ log = logging.getLogger("agentruns.executor.tool")
 DEFAULT_REGISTRY = Path(__file__).with_name("tools.example.json")
 DEFAULT_SUMMARY_BYTES = 16_384
 RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
+# A tool answer's body is read up to this size; a larger one fails the call (it could not be
+# stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
+MAX_RETRY_AFTER_MS = 10 * 60 * 1000
+# Response head lines (status + headers) a backend may send before the body.
+MAX_HEAD_LINES = 256
 
 
 # --------------------------------------------------------------------------- registry
@@ -154,18 +174,23 @@ class ToolRegistry:
 # --------------------------------------------------------------------------- pure mapping
 
 
-def retry_after_ms(value: str | None) -> int | None:
-    """``Retry-After`` (seconds, possibly fractional, or an HTTP date) in ms."""
-    if not value:
+def retry_after_ms(value: str | None, limit: int = MAX_RETRY_AFTER_MS) -> int | None:
+    """``Retry-After`` (seconds, possibly fractional, or an HTTP date) in ms, within
+    [0, ``limit``]; None when it is neither (``NaN``, ``inf``, garbage). Never raises."""
+    if not value or len(value) > 100:
         return None
     try:
-        return max(0, round(float(value) * 1000))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - now_ms())
-    except (TypeError, ValueError):
+        seconds = math.nan
+        try:
+            when = parsedate_to_datetime(value)
+            seconds = (when.timestamp() * 1000 - now_ms()) / 1000
+        except (TypeError, ValueError, OverflowError, IndexError, OSError):
+            return None
+    if not math.isfinite(seconds):
         return None
+    return int(min(max(seconds * 1000, 0), limit))
 
 
 def error_for_status(status: int) -> tuple[ErrorClass, str] | None:
@@ -192,16 +217,18 @@ def error_for_status(status: int) -> tuple[ErrorClass, str] | None:
             return ErrorClass.UNKNOWN, f"http_{status}"
 
 
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body) if body else None
-    except ValueError:
-        return None
+def _json(body: bytes) -> tuple[Any, str | None]:
+    """(payload, problem): None for an empty or non-JSON body; ``too_deep`` when it nests
+    deeper than MAX_JSON_DEPTH (the only problem that makes an answer unusable)."""
+    if not body:
+        return None, None
+    payload, problem = decode_json(body)
+    return payload, "too_deep" if problem == "too_deep" else None
 
 
 def _error_code(payload: Any, default: str) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), str):
-        return str(payload["error"])
+        return str(payload["error"])[:200]
     return default
 
 
@@ -226,14 +253,31 @@ class HTTPWireError(Exception):
     """The peer broke the HTTP/1.1 framing (or closed the connection) mid-response."""
 
 
+class BodyTooLargeError(HTTPWireError):
+    """The response body is over the client's limit: it was not read (the connection is
+    closed, never reused)."""
+
+    def __init__(self, status: int, size: int, limit: int) -> None:
+        super().__init__(f"HTTP {status} body of {size}+ bytes, over the limit of {limit}")
+        self.status = status
+
+
 class _Connection:
-    """One keep-alive socket and its read buffer."""
+    """One keep-alive socket and its read buffer. ``deadline`` (monotonic) and ``limit``
+    (body bytes) are set per exchange: every read waits only until the deadline, so a
+    backend dripping bytes cannot extend it."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buffer = bytearray()
+        self.deadline = math.inf
+        self.limit = DEFAULT_MAX_BODY_BYTES
 
     def _fill(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no complete answer within the deadline")
+        self.sock.settimeout(min(remaining, 3600.0))
         data = self.sock.recv(65536)
         if not data:
             raise HTTPWireError("connection closed by the server")
@@ -257,10 +301,12 @@ class _Connection:
         del self.buffer[:size]
         return data
 
-    def read_to_close(self) -> bytes:
+    def read_to_close(self, status: int) -> bytes:
         with contextlib.suppress(HTTPWireError):
-            while True:
+            while len(self.buffer) <= self.limit:
                 self._fill()
+        if len(self.buffer) > self.limit:
+            raise BodyTooLargeError(status, len(self.buffer), self.limit)
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -285,8 +331,11 @@ class KeepAliveHTTP:
     nothing is retried here: the core decides (R11, R12).
     """
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: set[_Connection] = set()
@@ -325,6 +374,9 @@ class KeepAliveHTTP:
         headers: Mapping[str, str] | None = None,
         body: bytes | None = None,
     ) -> Answer:
+        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
+        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        deadline = time.monotonic() + timeout_s
         parts = urlsplit(url)
         https = parts.scheme == "https"
         host = parts.hostname or ""
@@ -343,10 +395,14 @@ class KeepAliveHTTP:
         if body is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body or b'')}")
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        conn.deadline, conn.limit = deadline, self.max_body_bytes
         try:
-            conn.sock.settimeout(timeout_s)
+            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
             conn.sock.sendall(request)
             status, answer_headers, data, close = _read_response(conn, method)
+        except BodyTooLargeError as exc:
+            self._discard(pool, origin)
+            return Answer(exc.status, failure="too_large", detail=str(exc))
         except (OSError, HTTPWireError, ValueError) as exc:
             self._discard(pool, origin)
             return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
@@ -363,6 +419,7 @@ class KeepAliveHTTP:
 
 def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
     """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
+    lines = 0
     while True:
         status_line = conn.read_until(b"\r\n").decode("latin-1")
         version, _, rest = status_line.partition(" ")
@@ -374,6 +431,9 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
             line = conn.read_until(b"\r\n").decode("latin-1")
             if not line:
                 break
+            lines += 1
+            if lines > MAX_HEAD_LINES:
+                raise HTTPWireError("response head has too many lines")
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         if not 100 <= status < 200:
@@ -384,8 +444,14 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
         return status, headers, b"", close
     if "chunked" in headers.get("transfer-encoding", "").lower():
         chunks = []
+        total = 0
         while True:
             size = int(conn.read_until(b"\r\n").split(b";")[0], 16)
+            if size < 0:
+                raise HTTPWireError(f"negative chunk size {size}")
+            total += size
+            if total > conn.limit:
+                raise BodyTooLargeError(status, total, conn.limit)
             if size == 0:
                 while conn.read_until(b"\r\n"):  # trailers
                     pass
@@ -394,8 +460,13 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
             conn.read_until(b"\r\n")
         return status, headers, b"".join(chunks), close
     if "content-length" in headers:
-        return status, headers, conn.read_exactly(int(headers["content-length"])), close
-    return status, headers, conn.read_to_close(), True
+        length = int(headers["content-length"])
+        if length > conn.limit:
+            raise BodyTooLargeError(status, length, conn.limit)
+        if length < 0:
+            raise HTTPWireError(f"negative Content-Length {length}")
+        return status, headers, conn.read_exactly(length), close
+    return status, headers, conn.read_to_close(status), True
 
 
 # --------------------------------------------------------------------------- handler
@@ -416,6 +487,7 @@ class ToolHandler:
         summary_bytes: int = DEFAULT_SUMMARY_BYTES,
         connect_timeout_s: float = 2.0,
         lookup_timeout_s: float = 5.0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.registry = registry
         self.base_url = (base_url or registry.base_url).rstrip("/")
@@ -428,10 +500,28 @@ class ToolHandler:
         self.summary_bytes = summary_bytes
         self.connect_timeout_s = connect_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
-        self._http = KeepAliveHTTP(connect_timeout_s)
+        self._http = KeepAliveHTTP(connect_timeout_s, max_body_bytes)
 
     def close(self) -> None:
         self._http.close()
+
+    def failure(self, effect: Effect, code: str, message: str) -> Outcome:
+        """The answer to an effect this handler could not carry out (the executor's guard):
+        the core does not retry UNKNOWN; a reconcile that cannot finish is undeterminable
+        (a person decides); a cancel is unconfirmed."""
+        op_key, dispatch = _op_of(effect)
+        ids = self._ids(effect, op_key, dispatch)
+        event: Event
+        match effect:
+            case Reconcile():
+                event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.UNDETERMINABLE)
+            case CancelTool():
+                event = CancelUnconfirmed(**ids)
+            case _:
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code=code, message=message
+                )
+        return Outcome(event, detail=f"{code}: {message}")
 
     # ------------------------------------------------------------------ the one network method
 
@@ -533,9 +623,14 @@ class ToolHandler:
                 message=answer.detail[:500],
             )
             return Outcome(event, detail=answer.detail)
+        if answer.failure == "too_large":
+            return self.failure(effect, "invalid_output:too_large", answer.detail)
         if answer.failure is not None or answer.status == 504:
             return Outcome(ToolCallTimedOut(**ids), detail=answer.detail or "HTTP 504")
-        payload = _json(answer.body)
+        payload, problem = _json(answer.body)
+        if problem is not None and 200 <= answer.status < 300:
+            message = f"HTTP {answer.status} body nested deeper than {MAX_JSON_DEPTH}"
+            return self.failure(effect, f"invalid_output:{problem}", message)
         if answer.status == 202:
             event = ToolCallAccepted(
                 **ids, poll_after_ms=retry_after_ms(answer.header("retry-after"))
@@ -591,6 +686,8 @@ class ToolHandler:
         version = None
         if isinstance(output, dict) and isinstance(output.get("version"), int | str):
             version = str(output["version"])
+            if len(version) > MAX_ID_CHARS:  # not an id the core can carry: no version
+                version = None
         event = ToolCallSucceeded(
             **ids,
             result_ref=artifact.ref,
@@ -611,7 +708,9 @@ class ToolHandler:
         answer = self._send("GET", self._url(template, key), timeout_s=self.lookup_timeout_s)
         if answer.failure is not None:
             return "unknown", None, answer
-        payload = _json(answer.body)
+        payload, problem = _json(answer.body)
+        if problem is not None:
+            return "unknown", None, answer
         if answer.status == 404:
             return "not_found", payload, answer
         if answer.status != 200 or not isinstance(payload, dict):
@@ -716,6 +815,13 @@ class ToolHandler:
         return Outcome(CancelUnconfirmed(**ids), detail=detail)
 
 
+def _op_of(effect: Effect) -> tuple[str, int]:
+    """(operation key, dispatch) of a tool effect."""
+    if isinstance(effect, CallTool):
+        return effect.operation.key, effect.operation.dispatch
+    return str(getattr(effect, "operation_key", "")), int(getattr(effect, "dispatch", 1))
+
+
 # --------------------------------------------------------------------------- process
 
 
@@ -731,6 +837,7 @@ class ToolExecutor(Executor):
         callback_url: str | None = None,
         callback_secret: bytes | None = None,
         summary_bytes: int = DEFAULT_SUMMARY_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         handler = ToolHandler(
             ToolRegistry.load(registry),
@@ -738,6 +845,7 @@ class ToolExecutor(Executor):
             callback_url=callback_url,
             callback_secret=callback_secret,
             summary_bytes=summary_bytes,
+            max_body_bytes=max_body_bytes,
         )
         try:
             super().__init__(config, handler)
@@ -760,6 +868,12 @@ def main(argv: list[str] | None = None) -> int:
         "(signed with $AGENTRUNS_API_SECRET when set)",
     )
     parser.add_argument("--summary-bytes", type=int, default=DEFAULT_SUMMARY_BYTES)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="a tool answer larger than this fails the call (invalid_output:too_large)",
+    )
     args = parser.parse_args(argv)
     config, stack = config_from_args(args, "tool")
     try:
@@ -770,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
             callback_url=args.callback_url,
             callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
             summary_bytes=args.summary_bytes,
+            max_body_bytes=args.max_body_bytes,
         )
         return run_until_signal(executor)
     finally:
@@ -778,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_RETRY_AFTER_MS",
     "ToolEntry",
     "ToolExecutor",
     "ToolHandler",

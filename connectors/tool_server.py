@@ -35,6 +35,7 @@ from connectors._devserver import (
     FaultRequest,
     JSONHandler,
     ServerHandle,
+    param_text,
     parse_fault_header,
     run_until_signal,
     start_server,
@@ -46,9 +47,26 @@ LATE_MARGIN_MS = 1000.0  # "late" answers this long after the tool's registry ti
 DEFAULT_SLOW_MS = 200.0
 
 FaultKind = Literal[
-    "late", "drop", "drop_after", "slow", "403", "409", "429", "300", "500", "503", "unknown"
+    "late",
+    "drop",
+    "drop_after",
+    "slow",
+    "403",
+    "409",
+    "429",
+    "300",
+    "500",
+    "503",
+    "unknown",
+    "deep",
+    "huge",
+    "drip",
 ]
 FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
+# Defaults of the hostile kinds' parameters: `deep` nesting, `huge` body bytes, `drip` pace.
+DEEP_DEPTH = 1000
+HUGE_BYTES = 16 * 1024 * 1024
+DRIP_MS = 1000.0
 STATUS_FAULTS = {"403": 403, "409": 409, "429": 429, "300": 300, "500": 500, "503": 503}
 FAULT_BODIES: dict[str, dict[str, Any]] = {
     "403": {"error": "permission_denied", "message": "caller may not use this tool (injected)"},
@@ -75,7 +93,10 @@ class FaultRule(BaseModel):
     key: str | None = None
     times: int | None = 1
     delay_ms: float | None = None
-    retry_after: float = 1.0
+    retry_after: float | str = 1.0
+    depth: int | None = None
+    size: int | None = None
+    framing: Literal["length", "chunked", "close"] | None = None
 
 
 class ToolRejectedError(Exception):
@@ -239,9 +260,14 @@ class ToolServerApp:
                 if rule.times is not None and used[0] >= rule.times:
                     continue
                 used[0] += 1
-                params = {"retry_after": str(rule.retry_after)}
-                if rule.delay_ms is not None:
-                    params["delay_ms"] = str(rule.delay_ms)
+                values = {
+                    "retry_after": rule.retry_after,
+                    "delay_ms": rule.delay_ms,
+                    "depth": rule.depth,
+                    "size": rule.size,
+                    "framing": rule.framing,
+                }
+                params = {k: param_text(v) for k, v in values.items() if v is not None}
                 return FaultRequest(kind=rule.kind, params=params)
         return None
 
@@ -598,9 +624,12 @@ class ToolHandler(JSONHandler):
             return
         if fault is not None and kind in STATUS_FAULTS:
             headers = {}
-            if kind == "429":
-                headers["Retry-After"] = f"{fault.number('retry_after', 1.0):g}"
+            if kind == "429":  # verbatim: `inf`, `-1`, an HTTP date or garbage as given
+                headers["Retry-After"] = fault.params.get("retry_after", "1")
             self.send_json(STATUS_FAULTS[kind], {"key": key, **FAULT_BODIES[kind]}, headers)
+            return
+        if fault is not None and kind in ("deep", "huge"):
+            self.hostile_body(key, fault)
             return
         slow = fault.number("delay_ms", DEFAULT_SLOW_MS) / 1000 if fault and kind == "slow" else 0
         if slow and not self.server.sleep(slow):
@@ -627,7 +656,66 @@ class ToolHandler(JSONHandler):
         headers = {"Idempotency-Replayed": "true"} if replayed else {}
         if status == 202:
             headers["Location"] = payload["status_url"]
+        if fault is not None and kind == "drip":
+            self.drip(status, payload, headers, fault.number("delay_ms", DRIP_MS) / 1000)
+            return
         self.send_json(status, payload, headers)
+
+    def hostile_body(self, key: str, fault: FaultRequest) -> None:
+        """``deep``: 200 with a result nested ``depth`` (1000) arrays deep. ``huge``: 200 with
+        a valid JSON body of ``size`` (16 MiB) bytes, framed by Content-Length, ``chunked``
+        (64 KiB chunks) or ``close`` (no length: the body ends with the connection). Nothing
+        is executed."""
+        if fault.kind == "deep":
+            depth = fault.integer("depth", DEEP_DEPTH)
+            body = b'{"key":"%s","status":"succeeded","result":' % key.encode()
+            body += b"[" * depth + b"]" * depth + b"}"
+            self.send_bytes(200, body, {"Content-Type": "application/json"})
+            return
+        size = fault.integer("size", HUGE_BYTES)
+        head = b'{"status":"succeeded","result":{"content":"'
+        body = head + b"x" * max(0, size - len(head) - 3) + b'"}}'
+        framing = fault.params.get("framing", "length")
+        if framing == "length":
+            self.send_bytes(200, body, {"Content-Type": "application/json"})
+            return
+        headers = {"Content-Type": "application/json"}
+        if framing == "chunked":
+            headers["Transfer-Encoding"] = "chunked"
+        else:
+            self.close_connection = True
+        try:
+            self.wfile.write(self.head_bytes(200, headers))
+            for at in range(0, len(body), 65536):
+                piece = body[at : at + 65536]
+                self.wfile.write(
+                    b"%x\r\n%s\r\n" % (len(piece), piece) if framing == "chunked" else piece
+                )
+            if framing == "chunked":
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
+            return
+        if framing == "close":
+            self.drop_connection()
+
+    def drip(
+        self, status: int, payload: dict[str, Any], headers: dict[str, str], delay: float
+    ) -> None:
+        """The answer (Content-Length framed), one byte every ``delay`` seconds."""
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        head = {"Content-Type": "application/json", **headers, "Content-Length": str(len(body))}
+        try:
+            self.wfile.write(self.head_bytes(status, head))
+            self.wfile.flush()
+            for byte in body:
+                if not self.server.sleep(delay):
+                    self.drop_connection()
+                    return
+                self.wfile.write(bytes((byte,)))
+                self.wfile.flush()
+        except OSError:
+            self.close_connection = True
 
 
 def serve(

@@ -211,3 +211,28 @@ def test_unknown_error_is_not_retried_and_goes_to_the_next_step(
     inputs = context_inputs(e2e, store, run_id, event["step"] + 1)
     assert "failed:update_record:UNKNOWN:not_found" in inputs, inputs
     assert result["status"] in ("SUCCEEDED", "FAILED"), result
+
+
+def test_a_tool_body_nested_too_deep_fails_the_call_once_and_the_run_goes_on(
+    e2e: Pipeline, store: PostgresArtifactStore
+) -> None:
+    run_id, _, event = recovered_run(e2e, "deep", "search_docs", "deep")
+    assert (event["error_class"], event["error_code"]) == ("UNKNOWN", "invalid_output:too_deep")
+    assert requests(e2e, event["operation_key"]) == 1  # not resent
+    inputs = context_inputs(e2e, store, run_id, event["step"] + 1)
+    assert "failed:search_docs:UNKNOWN:invalid_output:too_deep" in inputs, inputs
+
+
+def test_a_model_chunk_of_the_wrong_shape_is_an_incomplete_call_then_a_new_attempt(
+    e2e: Pipeline,
+) -> None:
+    rule = {"kind": "bad_chunk", "shape": "delta_string", "times": 1}
+    httpx.post(e2e.models.url + "/faults", json=rule, timeout=5).raise_for_status()
+    run_id = new_run("badchunk")
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "SUCCEEDED"
+    outcomes = [
+        (m["step"], m["attempt"], m["outcome"])
+        for m in bodies(e2e.events(run_id), "ModelCallCompleted")
+    ]
+    assert outcomes[0] == (1, 1, "incomplete") and outcomes[1] == (1, 2, "finished"), outcomes

@@ -305,6 +305,95 @@ def test_rate_limit_and_server_error(client: httpx.Client) -> None:
     assert client.get("/stats").json()["requests"] == 0
 
 
+# --- hostile faults by header -------------------------------------------------------------
+
+
+def raw_stream(client: httpx.Client, fault: str) -> bytes:
+    body = {"stream": True, "messages": conversation("multi_tool")}
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Fault": fault}
+    ) as response:
+        assert response.status_code == 200
+        return response.read()
+
+
+def data_lines(raw: bytes) -> list[bytes]:
+    return [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_keepalive_sends_comments_forever_after_the_first_chunks(client: httpx.Client) -> None:
+    body = {"stream": True, "messages": conversation("multi_tool")}
+    headers = {"X-Fault": "keepalive; delay_ms=5; after_chunks=2"}
+    lines: list[str] = []
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if lines.count(": ping") == 20:
+                break
+    data = [line for line in lines if line.startswith("data:")]
+    assert len(data) == 2 and "data: [DONE]" not in lines
+
+
+def test_drip_sends_the_whole_stream_byte_by_byte(client: httpx.Client) -> None:
+    dripped = data_lines(raw_stream(client, "drip; delay_ms=0.1"))
+    client.post("/reset")
+    normal = data_lines(raw_stream(client, ""))
+    assert dripped == normal and dripped[-1] == b"[DONE]"
+
+
+@pytest.mark.parametrize("shape", sorted(model_server.BAD_SHAPES))
+def test_bad_chunk_sends_one_chunk_of_the_wrong_shape_then_finishes(
+    client: httpx.Client, shape: str
+) -> None:
+    lines = data_lines(raw_stream(client, f"bad_chunk; shape={shape}; after_chunks=1; depth=50"))
+    assert lines[-1] == b"[DONE]"
+    bad = lines[1]
+    if shape == "deep":
+        assert bad == b"[" * 50 + b"]" * 50
+    elif shape == "not_json":
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(bad)
+    else:
+        payload = json.loads(bad)
+        ids = (payload["id"], payload["model"]) if isinstance(payload, dict) else ("", "")
+        assert payload == json.loads(model_server.bad_chunk(shape, *ids))
+    assert all(isinstance(json.loads(line)["choices"], list) for line in lines[2:-1])
+
+
+def test_bad_chunk_with_an_unknown_shape_is_refused(client: httpx.Client) -> None:
+    body = {"stream": True, "messages": conversation("multi_tool")}
+    headers = {"X-Fault": "bad_chunk; shape=nope"}
+    assert client.post("/v1/chat/completions", json=body, headers=headers).status_code == 400
+
+
+def test_huge_stream_huge_line_and_bad_utf8(client: httpx.Client) -> None:
+    huge = data_lines(raw_stream(client, "huge_stream; size=20000"))
+    content = "".join(
+        json.loads(line)["choices"][0]["delta"].get("content") or "" for line in huge[1:-3]
+    )
+    assert len(content) >= 20_000 and huge[-1] == b"[DONE]"
+    line = data_lines(raw_stream(client, "huge_line; size=50000"))
+    assert len(json.loads(line[1])["choices"][0]["delta"]["content"]) == 50_000
+    raw = raw_stream(client, "bad_utf8; after_chunks=1")
+    bad = data_lines(raw)[1]
+    assert b"\xff\xfe" in bad
+    with pytest.raises(UnicodeDecodeError):
+        bad.decode()
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "-1", "NaN", "garbage", "99999999999999999999"])
+def test_retry_after_is_sent_verbatim(client: httpx.Client, value: str) -> None:
+    body = {"stream": True, "messages": conversation("multi_tool")}
+    r = client.post(
+        "/v1/chat/completions", json=body, headers={"X-Fault": f"429; retry_after={value}"}
+    )
+    assert r.status_code == 429 and r.headers["retry-after"] == value
+    rule = {"kind": "429", "retry_after": "Wed, 21 Oct 2015 07:28:00 GMT"}
+    client.post("/faults", json=rule).raise_for_status()
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.headers["retry-after"] == "Wed, 21 Oct 2015 07:28:00 GMT"
+
+
 # --- faults by scenario turn and by rule: once per conversation -----------------------------
 
 

@@ -255,6 +255,41 @@ def test_slow(client: httpx.Client) -> None:
     assert time.monotonic() - started >= 0.1
 
 
+def test_deep_answers_a_result_nested_depth_deep_without_executing(
+    client: httpx.Client,
+) -> None:
+    r = call(client, "create_ticket", TICKET, "deep", fault="deep; depth=1000")
+    assert r.status_code == 200 and r.content.count(b"[") == 1000
+    assert executions(client, "deep") == 0
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked", "close"])
+def test_huge_answers_size_bytes_of_json_in_each_framing(
+    client: httpx.Client, framing: str
+) -> None:
+    fault = f"huge; size=300000; framing={framing}"
+    r = call(client, "create_ticket", TICKET, f"huge-{framing}", fault=fault)
+    assert r.status_code == 200 and len(r.content) == 300_000
+    assert len(r.json()["result"]["content"]) > 299_000
+    chunked = r.headers.get("transfer-encoding") == "chunked"
+    assert chunked == (framing == "chunked")
+    assert ("content-length" in r.headers) == (framing == "length")
+
+
+def test_drip_executes_then_answers_byte_by_byte(client: httpx.Client) -> None:
+    r = call(client, "create_ticket", TICKET, "drip", fault="drip; delay_ms=0.1")
+    assert r.status_code == 200 and r.json()["result"]["ticket_id"].startswith("T-")
+    assert executions(client, "drip") == 1
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "-1", "NaN", "garbage"])
+def test_retry_after_text_is_sent_verbatim(client: httpx.Client, value: str) -> None:
+    rule = {"target": "create_ticket", "kind": "429", "retry_after": value}
+    client.post("/faults", json=rule).raise_for_status()
+    r = call(client, "create_ticket", TICKET, f"ra-{value}")
+    assert r.status_code == 429 and r.headers["retry-after"] == value
+
+
 def test_search_docs_large_output(client: httpx.Client) -> None:
     r = call(client, "search_docs", {"query": "refund policy", "size": 100_000}, "big")
     result = r.json()["result"]
