@@ -57,6 +57,8 @@ from streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
 BROKER_PAUSE_SECONDS = (5.0, 20.0)
+# The model route of a hostile run: a stream that never ends is cut after seconds.
+HOSTILE_ROUTE = {"total_timeout_s": 6.0, "read_timeout_s": 3.0}
 KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
 
 
@@ -204,8 +206,19 @@ def run_chaos(
                     "--log-level",
                     "WARNING",
                 )
+            routes: tuple[str, ...] = ()
+            if hostile:  # streams that never end are cut after seconds, not minutes
+                log_dir.mkdir(parents=True, exist_ok=True)
+                routes_file = log_dir / "routes.json"
+                routes_file.write_text(json.dumps({"*": HOSTILE_ROUTE}))
+                routes = ("--routes", str(routes_file))
             sup.add(
-                "model-executor", "connectors.model_executor", *common, "--base-url", models.url
+                "model-executor",
+                "connectors.model_executor",
+                *common,
+                "--base-url",
+                models.url,
+                *routes,
             )
             sup.add("tool-executor", "connectors.tool_executor", *common, "--base-url", tools.url)
             sup.add("timer", "connectors.timer_service", *common, "--log-level", "WARNING")

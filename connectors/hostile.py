@@ -24,6 +24,7 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from processors.events import Message as ChatMessage
 from processors.events import RunSubmitted, UserReplied
+from processors.ids import canonical_json, operation_key
 from processors.state import Budgets, Policy, ToolSpec
 from streams.codec import encode
 from streams.partitioning import partition_for
@@ -287,6 +288,32 @@ def _scripted(scenario: str, turns: list[dict[str, Any]], **fields: Any) -> Inje
     return inject
 
 
+def _model_fault(fault: dict[str, Any], *, then_answer: bool = True) -> Inject:
+    """The model answers the first turn with ``fault`` (``times: null``: every attempt),
+    then, after one tool result, with a final answer."""
+    first: dict[str, Any] = {
+        "tool_calls": [{"name": "search_docs", "arguments": {"query": "hostile"}}],
+        "faults": [fault],
+    }
+    turns = [first, {"content": "done"}] if then_answer else [first]
+    return _scripted(f"model-{fault['kind']}", turns)
+
+
+def _tool_fault(fault: dict[str, Any]) -> Inject:
+    """The model calls ``search_docs`` once (arguments unique to the run), and the tool server
+    answers that call, by its idempotency key, with ``fault``; then a final answer."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        arguments = {"query": f"hostile {run_id}"}
+        key = operation_key(run_id, 1, "search_docs", canonical_json(arguments))
+        rule = {"target": "search_docs", "key": key, **fault}
+        httpx.post(f"{doors.tool_url}/faults", json=rule, timeout=30).raise_for_status()
+        turns = [{"tool_calls": [{"name": "search_docs", "arguments": arguments}]}]
+        return _scripted(f"tool-{fault['kind']}", [*turns, {"content": "done"}])(doors, run_id)
+
+    return inject
+
+
 LOOKUP_REDOS = ToolSpec(
     name="lookup",
     parameters={
@@ -500,6 +527,74 @@ CASES: tuple[Case, ...] = (
             [{"tool_calls": [{"name": "lookup", "arguments": {"q": "a" * 40 + "!"}}]}],
             tools=(LOOKUP_REDOS,),
         ),
+    ),
+    # the model's stream
+    Case(
+        "model_stream_that_never_ends",
+        "model",
+        Ending(status="FAILED"),
+        _model_fault({"kind": "keepalive", "times": None, "delay_ms": 200}, then_answer=False),
+    ),
+    Case(
+        "model_stream_one_byte_per_second",
+        "model",
+        Ending(status="FAILED"),
+        _model_fault({"kind": "drip", "times": None, "delay_ms": 1000}, then_answer=False),
+    ),
+    Case(
+        "model_chunk_of_the_wrong_shape",
+        "model",
+        Ending(status="FAILED"),
+        _model_fault({"kind": "bad_chunk", "shape": "delta_string", "times": None}),
+    ),
+    Case(
+        "model_stream_over_the_size_cap",
+        "model",
+        Ending(status="FAILED"),
+        _model_fault({"kind": "huge_stream", "size": 6 << 20, "times": None}),
+    ),
+    Case(
+        "model_stream_not_utf8",
+        "model",
+        Ending(status="FAILED"),
+        _model_fault({"kind": "bad_utf8", "times": None}),
+    ),
+    *(
+        Case(
+            f"model_retry_after_{label}",
+            "model",
+            Ending(status="SUCCEEDED"),
+            _model_fault({"kind": "429", "retry_after": value, "times": 1}),
+        )
+        for label, value in (("inf", "inf"), ("1e300", "1e300"), ("minus_1", "-1"))
+    ),
+    # the tool's answer
+    Case(
+        "tool_body_nested_1000_deep",
+        "tool",
+        Ending(status="SUCCEEDED"),
+        _tool_fault({"kind": "deep", "depth": 1000, "times": None}),
+    ),
+    Case(
+        "tool_body_over_the_size_cap",
+        "tool",
+        Ending(status="SUCCEEDED"),
+        _tool_fault({"kind": "huge", "size": 12 << 20, "framing": "chunked", "times": None}),
+    ),
+    Case(
+        "tool_answer_one_byte_per_second",
+        "tool",
+        Ending(status="SUCCEEDED"),
+        _tool_fault({"kind": "drip", "delay_ms": 1000, "times": 1}),
+    ),
+    *(
+        Case(
+            f"tool_retry_after_{label}",
+            "tool",
+            Ending(status="SUCCEEDED"),
+            _tool_fault({"kind": "429", "retry_after": value, "times": 1}),
+        )
+        for label, value in (("inf", "inf"), ("1e300", "1e300"), ("garbage", "soon"))
     ),
     # the executors' and the timer's topics
     Case(

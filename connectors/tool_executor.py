@@ -9,7 +9,7 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   over ``max_body_bytes`` (8 MiB) is not read: the call fails ``UNKNOWN``
   ``invalid_output:too_large``; a JSON body nested deeper than ``MAX_JSON_DEPTH`` fails
   ``invalid_output:too_deep`` (look-ups: cannot tell). ``Retry-After`` is clamped to
-  ``MAX_RETRY_AFTER_MS`` or ignored when it is not a number or a date.
+  ``MAX_RETRY_AFTER_MS`` or ignored when it is not a number or a date, or is over a day.
 - ``CallTool``: ``<method> base_url + endpoint`` with the canonical JSON arguments and the
   header ``Idempotency-Key: <operation key>`` (the same key on every resend), ``If-Match`` with
   the expected resource version when the operation has one, ``X-Callback-URL`` when configured.
@@ -97,6 +97,9 @@ RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
 MAX_RETRY_AFTER_MS = 10 * 60 * 1000
+# A Retry-After beyond this is no schedule a backend means (`1e300`): ignored like garbage,
+# so our own back-off applies instead of the longest one.
+ABSURD_RETRY_AFTER_S = 24 * 3600
 # Response head lines (status + headers) a backend may send before the body.
 MAX_HEAD_LINES = 256
 
@@ -176,7 +179,8 @@ class ToolRegistry:
 
 def retry_after_ms(value: str | None, limit: int = MAX_RETRY_AFTER_MS) -> int | None:
     """``Retry-After`` (seconds, possibly fractional, or an HTTP date) in ms, within
-    [0, ``limit``]; None when it is neither (``NaN``, ``inf``, garbage). Never raises."""
+    [0, ``limit``]; None when it is neither (``NaN``, ``inf``, garbage) or over a day
+    (``1e300``). Never raises."""
     if not value or len(value) > 100:
         return None
     try:
@@ -188,7 +192,7 @@ def retry_after_ms(value: str | None, limit: int = MAX_RETRY_AFTER_MS) -> int | 
             seconds = (when.timestamp() * 1000 - now_ms()) / 1000
         except (TypeError, ValueError, OverflowError, IndexError, OSError):
             return None
-    if not math.isfinite(seconds):
+    if not math.isfinite(seconds) or seconds > ABSURD_RETRY_AFTER_S:
         return None
     return int(min(max(seconds * 1000, 0), limit))
 
