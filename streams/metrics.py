@@ -21,6 +21,19 @@ DUPLICATES = Counter("agentruns_duplicate_inputs_total", "Exact duplicate inputs
 BUFFERED = Counter("agentruns_buffered_inputs_total", "Inputs held for a seq gap")
 DEAD_LETTERS = Counter("agentruns_dead_letters_total", "Inputs sent to the DLQ")
 ABORTS = Counter("agentruns_transaction_aborts_total", "Transactions aborted and rewound")
+RETRIES = Counter(
+    "agentruns_transaction_retries_total", "Rewinds retried after a back-off (one per abort)"
+)
+ISOLATIONS = Counter(
+    "agentruns_transaction_isolations_total",
+    "Times a repeatedly failing batch was retried one input per transaction",
+)
+REFUSED = Counter(
+    "agentruns_refused_inputs_total", "Inputs refused with InputRefused (their run failed)"
+)
+TOO_LARGE = Counter(
+    "agentruns_record_too_large_total", "Inputs whose records were over the record size limit"
+)
 BATCH_INPUTS = Histogram(
     "agentruns_batch_inputs",
     "Inputs per committed transaction",
@@ -48,6 +61,10 @@ _MIRRORED: dict[str, Counter] = {
     "buffered": BUFFERED,
     "dead_letters": DEAD_LETTERS,
     "aborts": ABORTS,
+    "retries": RETRIES,
+    "isolations": ISOLATIONS,
+    "refused": REFUSED,
+    "too_large": TOO_LARGE,
 }
 _BY_DISPOSITION = {"applied": "APPLIED", "late": "LATE", "rejected": "REJECTED"}
 
@@ -68,6 +85,10 @@ class ProcessorStats:
     dead_letters: int = 0
     stale_timers: int = 0
     aborts: int = 0
+    retries: int = 0
+    isolations: int = 0
+    refused: int = 0
+    too_large: int = 0
     commits: int = 0
     inputs_committed: int = 0
     last_commit_s: float = 0.0
