@@ -36,7 +36,7 @@ from processors.limits import MAX_ID_CHARS
 from processors.state import TimerPurpose
 from processors.transition import Artifact, Disposition, Transition, transition
 from streams import dlq, metrics
-from streams.codec import CodecError, decode, encode
+from streams.codec import CodecError, decode, decode_fields, encode
 from streams.partitioning import event_key
 from streams.records import (
     EFFECT_TOPIC_KIND,
@@ -161,6 +161,9 @@ class PathSettings:
     buffer_limit: int = 64  # out-of-order inputs held per run
     gap_timeout_ms: int = 30_000
     max_log_events: int = 1000
+    # The artifact store refuses larger artifacts (connectors.artifacts.MAX_ARTIFACT_BYTES);
+    # refused at apply time, such an artifact cannot fail the batch's write.
+    max_artifact_bytes: int = 16 << 20
 
 
 def record_size(record: Record) -> int:
@@ -234,7 +237,8 @@ class InputPath:
         batch.inputs += 1
         poison = self.poisoned.pop((inbound.partition, inbound.offset), None)
         if poison is not None:
-            self._dead_letter(inbound, poison, dlq.TRANSACTION_FAILED)
+            run_id = _run_of(inbound)
+            self._dead_letter(inbound, poison, dlq.TRANSACTION_FAILED, run_id=run_id)
             return
         mark = _Mark(len(batch.records), len(batch.artifacts))
         record: dict[str, Any] | None = None
@@ -355,12 +359,16 @@ class InputPath:
     def _check_sizes(self, mark: _Mark, work: RunSlot | None, inbound: Inbound) -> None:
         """Raise RecordTooLarge if a record this input added, or the snapshot it leaves, is over
         its topic's limit."""
-        limits = self.limits
         for record in self._batch.records[mark.records :]:
-            size = record_size(record)
-            limit = limits.of(record[0])
+            size, limit = record_size(record), self.limits.of(record[0])
             if size > limit:
                 raise RecordTooLarge(record[0], size, limit)
+        limit = self.settings.max_artifact_bytes
+        for artifact in self._batch.artifacts[mark.artifacts :]:
+            content = artifact.content
+            # UTF-8 takes at most 4 bytes a character: encode only what may be over
+            if len(content) * 4 > limit and len(content.encode()) > limit:
+                raise RecordTooLarge(f"artifact {artifact.ref}", len(content.encode()), limit)
         if work is not None:
             self._check_snapshot(work, inbound)
 
@@ -705,6 +713,15 @@ class InputPath:
         self._emit(self.topics.dlq, key, value, None, headers or None)
         self.stats.dead_letters += 1
         log.warning("dead letter (%s): %s", error_class, reason[:500], extra={"run_id": run_id})
+
+
+def _run_of(inbound: Inbound) -> str | None:
+    """The run an input names, if it decodes that far (for a dead letter's run_id)."""
+    try:
+        run_id = decode_fields(inbound.value or b"", "Input", ("input_id", "run_id"))["run_id"]
+    except CodecError:
+        return None
+    return _bounded_id(str(run_id))
 
 
 def _live(slot: RunSlot) -> bool:

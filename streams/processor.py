@@ -119,6 +119,8 @@ class ProcessorConfig:
     # isolate_after failures in a row, the inputs of the failing batch are retried one per
     # transaction, and one whose own transaction fails isolate_after times is dead-lettered
     # with the broker's error.
+    # (A retriable error, an outage of the broker or of the artifact store, is retried with
+    # the same back-off but never dead-letters an input.)
     retry_backoff_ms: int = 100
     retry_backoff_max_ms: int = 5000
     isolate_after: int = 3
@@ -576,7 +578,17 @@ class Processor:
         producer.send_offsets_to_transaction(batch.offsets, batch.metadata, 30)
         sent = time.monotonic()
         if batch.artifacts is not None:
-            batch.artifacts.result()  # re-raises the store's error: nothing is committed then
+            try:
+                batch.artifacts.result()
+            except Exception as exc:  # the store's error: nothing is committed, retried
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError._FAIL,
+                        f"artifact store: {type(exc).__name__}: {exc}",
+                        retriable=True,
+                        txn_requires_abort=True,
+                    )
+                ) from exc
         wrote = time.monotonic()
         flushed = commit_timed(producer, 30)
         self._txn_open = False
@@ -654,6 +666,9 @@ class Processor:
         """Find the input a batch keeps failing on (one the size checks let through, a record
         the broker refuses for a reason of its own): retry the batch's inputs one per
         transaction; one whose own transaction keeps failing is dead-lettered with the error."""
+        error = exc.args[0] if exc.args else None
+        if isinstance(error, KafkaError) and error.retriable():
+            return  # an outage (of the broker, of the store), not an input's fault: retried
         if self._isolating and failed.inputs == 1 and len(failed.offsets) == 1:
             tp = failed.offsets[0]
             where = (tp.partition, tp.offset - 1)
