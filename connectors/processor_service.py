@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         "whose records would be larger fails its run (invalid_input:record_too_large) or is "
         "dead-lettered",
     )
+    p.add_argument(
+        "--terminal-retention-ms",
+        type=int,
+        default=ProcessorConfig.terminal_retention_ms,
+        help="evict a run from memory and the state topic (a tombstone) this long after its "
+        "end, in event time; a negative value keeps ended runs",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     p.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     return p
@@ -95,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             gap_timeout_ms=args.gap_timeout_ms,
             buffer_limit=args.buffer_limit,
             max_record_bytes=args.max_record_bytes,
+            terminal_retention_ms=(
+                None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+            ),
         )
         tune_gc()
         tune_switch_interval()

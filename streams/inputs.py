@@ -30,7 +30,7 @@ import msgspec
 from confluent_kafka import Message
 
 from processors.effects import PublishResult, ScheduleTimer
-from processors.events import Event, GapTimedOut, InputRefused, TimerFired
+from processors.events import Event, GapTimedOut, InputRefused, RunSubmitted, TimerFired
 from processors.ids import derive_key
 from processors.limits import MAX_ID_CHARS
 from processors.state import TimerPurpose
@@ -68,9 +68,13 @@ SNAPSHOT_CHECK_SHARE = 0.5
 #: Reasons are stored in events and dead letters: bounded.
 MAX_REASON_CHARS = 300
 
+#: Producers whose marks a run keeps: the one heard from longest ago is forgotten past it (a
+#: run hears from a few: the API, the executors, the timer service).
+MAX_PRODUCER_MARKS = 64
+
 Headers = list[tuple[str, str | bytes | None]]
-# topic, key, value, partition (None: the producer's partitioner), headers
-Record = tuple[str, bytes | None, bytes, int | None, Headers | None]
+# topic, key, value (None: a tombstone), partition (None: the producer's partitioner), headers
+Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 
 
 @dataclass(frozen=True)
@@ -166,10 +170,18 @@ class PathSettings:
     max_artifact_bytes: int = 16 << 20
 
 
+@dataclass(slots=True)
+class Ended:
+    """What is kept of a run evicted after its end: enough to answer a late input LATE."""
+
+    status: str
+    last_seq: int
+
+
 def record_size(record: Record) -> int:
     """What a record weighs against the limit: key + value + header keys and values."""
     _, key, value, _, headers = record
-    size = len(value) + (len(key) if key is not None else 0)
+    size = (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
     for name, hv in headers or ():
         size += len(name) + (len(hv) if hv is not None else 0)
     return size
@@ -198,6 +210,7 @@ class _Mark:
     artifacts: int
     run_id: str | None = None
     dirty: tuple[int, RunSlot] | None = None
+    ended: tuple[Ended, int] | None = None  # an evicted run's entry and its last seq before
 
 
 class InputPath:
@@ -213,16 +226,22 @@ class InputPath:
         limits: RecordLimits | None = None,
         model_partitions: Callable[[], int] = lambda: 1,
         clock: Callable[[], float] = time.time,
+        submitted_after: Callable[[int], int | None] = lambda partition: None,
     ) -> None:
         self.topics = topics
         self.settings = settings
         self.stats = stats
         self.limits = limits or RecordLimits()
         self.slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
+        # partition -> run_id -> what is kept of a run evicted after its end (Processor._evict)
+        self.ended: dict[int, dict[str, Ended]] = {}
         # Inputs a transaction of their own failed on (see Processor._recover), by (partition,
         # offset): dead-lettered with that error when they come again.
         self.poisoned: dict[tuple[int, int], str] = {}
         self._model_partitions = model_partitions
+        # partition -> the `at` a submission of a run not held must be after: a run of that
+        # id may have ended and been evicted before it (None: any)
+        self._submitted_after = submitted_after
         self._model_batches = 0
         self._clock = clock
         self._batch = Batch()
@@ -241,6 +260,7 @@ class InputPath:
             self._dead_letter(inbound, poison, dlq.TRANSACTION_FAILED, run_id=run_id)
             return
         mark = _Mark(len(batch.records), len(batch.artifacts))
+        counted = self.stats.counts()
         record: dict[str, Any] | None = None
         try:
             record = self._decode(inbound)
@@ -250,6 +270,7 @@ class InputPath:
             self._check_sizes(mark, work, inbound)
         except Exception as exc:  # the one guard: see the module doc
             self._rollback(mark)
+            self.stats.recount(counted)
             try:
                 self._refuse(inbound, record, exc)
             except Exception:
@@ -257,7 +278,8 @@ class InputPath:
                 self._rollback(mark)
                 self._last_resort(inbound)
             return
-        self._keep(inbound.partition, work)
+        if work is not None:
+            self._keep(inbound.partition, work)
 
     def _last_resort(self, inbound: Inbound) -> None:
         """A dead letter that carries only where the input was: nothing of it can be written."""
@@ -279,6 +301,8 @@ class InputPath:
         batch = self._batch
         del batch.records[mark.records :]
         del batch.artifacts[mark.artifacts :]
+        if mark.ended is not None:
+            mark.ended[0].last_seq = mark.ended[1]
         if mark.run_id is not None:
             if mark.dirty is None:
                 batch.dirty.pop(mark.run_id, None)
@@ -420,16 +444,34 @@ class InputPath:
         mark.dirty = self._batch.dirty.get(slot.run_id)
         return slot.copy()
 
-    def _accept(self, inbound: Inbound, record: dict[str, Any], mark: _Mark) -> RunSlot:
+    def _accept(self, inbound: Inbound, record: dict[str, Any], mark: _Mark) -> RunSlot | None:
         run_id = record["run_id"]
         partition = inbound.partition
-        slot = self.slots.get(partition, {}).get(run_id) or RunSlot(run_id)
-        work = self._work_on(slot, mark)
+        slot = self.slots.get(partition, {}).get(run_id)
+        ended = None if slot is not None else self.ended.get(partition, {}).get(run_id)
+        work = None if ended is not None else self._work_on(slot or RunSlot(run_id), mark)
         try:
-            self._sequence(partition, work, record, inbound)
+            if work is not None:
+                self._sequence(partition, work, record, inbound)
+            elif ended is not None:
+                mark.ended = (ended, ended.last_seq)
+                self._after_end(partition, run_id, ended, record)
         except _Reject as exc:
             self._dead_letter(inbound, exc.reason, exc.error_class, run_id=_bounded_id(run_id))
         return work
+
+    def _after_end(self, partition: int, run_id: str, ended: Ended, record: dict[str, Any]) -> None:
+        """An input of a run evicted after its end: LATE, as the core answers any input of an
+        ended run, appended to the run's log (its state is no longer held, nor its snapshot)."""
+        if ended.last_seq >= self.settings.max_log_events:
+            raise _Reject(f"run {run_id} has {ended.last_seq} events", "EVENT_CAP")
+        event = self._parse(record)
+        result = Transition(
+            state=None, disposition=Disposition.LATE, reason=f"run is {ended.status}"
+        )
+        ended.last_seq += 1
+        self._produce_event(partition, run_id, ended.last_seq, event, result, record["input_id"])
+        self.stats.count(result.disposition, 0)
 
     def _sequence(
         self, partition: int, slot: RunSlot, record: dict[str, Any], inbound: Inbound
@@ -469,7 +511,11 @@ class InputPath:
         """Apply the next input of a producer. Its seq is used up even if it is refused (to
         the DLQ), so a bad input never blocks the ones behind it."""
         pid, pseq = record["producer_id"], record["producer_seq"]
-        slot.producer_marks[pid] = pseq
+        marks = slot.producer_marks
+        marks.pop(pid, None)  # re-inserted last: the marks are in the order last heard
+        marks[pid] = pseq
+        if len(marks) > MAX_PRODUCER_MARKS:
+            del marks[next(iter(marks))]
         slot.remember(f"p:{pid}:{pseq}", input_digest(record["kind"], record["body"]))
         self._touch(partition, slot)
         try:
@@ -586,6 +632,14 @@ class InputPath:
                 f"{self.settings.max_log_events}",
                 "EVENT_CAP",
             )
+        if slot.state is None and isinstance(event, RunSubmitted):
+            after = self._submitted_after(partition)
+            if after is not None and event.at <= after:
+                raise _Reject(
+                    f"submitted at {event.at}, not after {after}: a run with this id may have "
+                    "ended and been evicted since",
+                    dlq.LATE_SUBMISSION,
+                )
         result = transition(slot.state, event)
         if slot.state is None and result.state is None:
             # Nothing to log for a run that does not exist: the input is refused as a whole.

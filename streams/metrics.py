@@ -51,6 +51,9 @@ COMMIT_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+EVICTED = Counter(
+    "agentruns_evicted_runs_total", "Ended runs evicted from memory and the state topic"
+)
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
 
 
@@ -65,6 +68,7 @@ _MIRRORED: dict[str, Counter] = {
     "isolations": ISOLATIONS,
     "refused": REFUSED,
     "too_large": TOO_LARGE,
+    "evicted": EVICTED,
 }
 _BY_DISPOSITION = {"applied": "APPLIED", "late": "LATE", "rejected": "REJECTED"}
 
@@ -89,6 +93,7 @@ class ProcessorStats:
     isolations: int = 0
     refused: int = 0
     too_large: int = 0
+    evicted: int = 0
     commits: int = 0
     inputs_committed: int = 0
     last_commit_s: float = 0.0
@@ -109,6 +114,29 @@ class ProcessorStats:
                 self.duplicates += 1
             case _:
                 self.rejected += 1
+
+    def counts(self) -> tuple[int, ...]:
+        """The per-input counters, to be put back by `recount` when an input is rolled back."""
+        return (
+            self.applied,
+            self.late,
+            self.duplicates,
+            self.rejected,
+            self.effects,
+            self.buffered,
+            self.stale_timers,
+        )
+
+    def recount(self, counts: tuple[int, ...]) -> None:
+        (
+            self.applied,
+            self.late,
+            self.duplicates,
+            self.rejected,
+            self.effects,
+            self.buffered,
+            self.stale_timers,
+        ) = counts
 
     def committed(self, inputs: int, seconds: float) -> None:
         """One transaction committed (the committer thread; `publish` is the loop's)."""

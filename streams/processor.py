@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import logging
 import threading
 import time
@@ -59,6 +60,7 @@ from streams.inputs import (
     DEFAULT_RECORD_LIMIT,
     RECORD_MARGIN,
     Batch,
+    Ended,
     Inbound,
     InputPath,
     PathSettings,
@@ -82,6 +84,7 @@ log = logging.getLogger("agentruns.processor")
 
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
 SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
+EVICT_PER_SEAL = 1000  # ended runs evicted (tombstoned) per transaction at most
 
 
 @dataclass
@@ -124,6 +127,14 @@ class ProcessorConfig:
     retry_backoff_ms: int = 100
     retry_backoff_max_ms: int = 5000
     isolate_after: int = 3
+    # A run that ended this long ago (event time: the latest `at` its partition has seen, at
+    # most the wall clock, against the run's last `at`) leaves memory and the state topic (a
+    # tombstone), so memory and restore scale with live runs. What is kept of it (status, last
+    # seq) answers a late input LATE until the process restarts; after that, the input is
+    # refused as for a run that does not exist. None: never evicted.
+    terminal_retention_ms: int | None = 600_000
+    # Evicted runs remembered per partition (the oldest forgotten first).
+    max_ended_runs: int = 100_000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -180,6 +191,7 @@ class Processor:
             self.stats,
             limits=self._record_limits(),
             model_partitions=self._model_partition_count,
+            submitted_after=self._submitted_after,
         )
         self._slots = self._path.slots  # partition -> run_id -> slot (the path's, shared)
         self._batch: Batch | None = None
@@ -189,6 +201,10 @@ class Processor:
         self._isolating: dict[int, int] = {}
         self._single_failures: dict[tuple[int, int], int] = {}
         self._stop: threading.Event | None = None
+        # Eviction after the end (`_evict`): partition -> heap of (due at, run_id) of ended
+        # runs, and the latest event time applied on the partition.
+        self._expiring: dict[int, list[tuple[int, str]]] = {}
+        self._watermark: dict[int, int] = {}
         # The committer thread runs one transaction at a time (`_transact`); `_in_flight` is
         # the sealed batch it is committing, `_txn_open` whether a transaction is begun.
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
@@ -415,12 +431,19 @@ class Processor:
     def _drop(self, partitions: set[int]) -> None:
         for p in partitions:
             self._slots.pop(p, None)
+            self._path.ended.pop(p, None)
+            self._expiring.pop(p, None)
+            self._watermark.pop(p, None)
+            self._isolating.pop(p, None)
             self._assigned.discard(p)
 
     def _restore(self, partitions: set[int]) -> int:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
         for p in partitions:
             self._slots[p] = {}
+            self._path.ended[p] = {}
+            self._expiring[p] = []
+            self._watermark[p] = 0
         if not partitions:
             return 0
         reader = Consumer(
@@ -453,15 +476,24 @@ class Processor:
                             continue
                         raise KafkaException(error)
                     value = message.value()
-                    runs = self._slots[message.partition() or 0]
-                    if value is None:  # a tombstone: the run is no longer held
+                    partition = message.partition() or 0
+                    runs = self._slots[partition]
+                    if value is None:  # a tombstone: the run was evicted after its end
                         key = message.key()
                         if key is not None:
                             runs.pop(key.decode("utf-8", "replace"), None)
+                        # written once event time was past the run's end plus the retention:
+                        # its time keeps a replayed submission of the run refused
+                        written = message.timestamp()[1]
+                        if written > self._watermark.get(partition, 0):
+                            self._watermark[partition] = written
                         continue
                     slot = RunSlot.from_record(decode(value, expected_name="Snapshot").record)
                     slot.size_estimate = len(value) + len(slot.run_id)
                     runs[slot.run_id] = slot
+            for p in partitions:
+                for slot in self._slots[p].values():
+                    self._track(p, slot)
             return sum(len(self._slots[p]) for p in partitions)
         finally:
             reader.close()
@@ -547,6 +579,8 @@ class Processor:
             key = run_id.encode()
             slot.size_estimate = len(key) + len(value)
             batch.records.append((self.state_topic, key, value, partition, None))
+            self._track(partition, slot)
+        self._evict(batch)
         offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
         self.stats.publish(sum(len(slots) for slots in self._slots.values()))
         sealed = time.monotonic()
@@ -561,6 +595,51 @@ class Processor:
             started=batch.started,
             sealed=sealed,
         )
+
+    def _track(self, partition: int, slot: RunSlot) -> None:
+        """Note the event time a slot reached and, if it ended, when it may be evicted."""
+        if slot.updated_at > self._watermark.get(partition, 0):
+            self._watermark[partition] = slot.updated_at
+        retention = self.config.terminal_retention_ms
+        if retention is not None and slot.state is not None and slot.state.terminal:
+            heap = self._expiring.setdefault(partition, [])
+            heapq.heappush(heap, (slot.updated_at + retention, slot.run_id))
+
+    def _submitted_after(self, partition: int) -> int | None:
+        """A run is evicted once its partition's event time (capped by the clock) is
+        `terminal_retention_ms` past the run's last `at`, so a submission at or before that
+        horizon less the retention may be the replay of an evicted run: refused."""
+        retention = self.config.terminal_retention_ms
+        horizon = min(self._watermark.get(partition, 0), int(time.time() * 1000))
+        return None if retention is None or horizon <= 0 else horizon - retention
+
+    def _evict(self, batch: Batch) -> None:
+        """Runs that ended `terminal_retention_ms` ago leave memory, and the state topic with a
+        tombstone after their last snapshot (the event log keeps them). At most EVICT_PER_SEAL a
+        seal keeps transactions small after a restore with many of them."""
+        retention = self.config.terminal_retention_ms
+        if retention is None:
+            return
+        now = int(time.time() * 1000)
+        evicted = 0
+        for partition, heap in self._expiring.items():
+            horizon = min(self._watermark.get(partition, 0), now)
+            runs = self._slots.get(partition, {})
+            ended = self._path.ended.setdefault(partition, {})
+            while heap and heap[0][0] <= horizon and evicted < EVICT_PER_SEAL:
+                _, run_id = heapq.heappop(heap)
+                slot = runs.get(run_id)
+                if slot is None or slot.state is None or not slot.state.terminal:
+                    continue
+                if slot.buffer or slot.updated_at + retention > horizon:
+                    continue  # touched since: pushed again with its new time
+                del runs[run_id]
+                ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
+                if len(ended) > self.config.max_ended_runs:
+                    del ended[next(iter(ended))]
+                batch.records.append((self.state_topic, run_id.encode(), None, partition, None))
+                evicted += 1
+        self.stats.evicted += evicted
 
     def _transact(self, batch: _Sealed) -> None:
         """The committer thread: one transaction for one sealed batch."""
@@ -648,7 +727,8 @@ class Processor:
             self._failures += 1
             if failed is not None:
                 self._isolate(failed, exc)
-        self._back_off()
+        if rewind is None:  # not in a rebalance callback, which must not stall
+            self._back_off()
         self.stats.retries += 1
         self._rewind(set(self._assigned) if rewind is None else rewind)
 

@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from connectors.artifacts import PostgresArtifactStore
-from processors.events import GoalChanged, RunSubmitted
+from processors.events import CancelRequested, GoalChanged, RunSubmitted
 from streams import dlq
 from streams.admin import ensure_topics
+from streams.partitioning import partition_for
 from streams.processor import Processor, ProcessorConfig
 from streams.records import parse_event_body
-from streams.topics import DLQ, EVENTS, RESULTS, topic_name
+from streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
 from tests.integration.pipeline import (
     ExecutorDouble,
     Inbox,
     input_record,
+    now_ms,
     read_all,
     running_on_thread,
     submitted,
@@ -205,3 +209,88 @@ def _set_topic_config(bootstrap: str, topic: str, name: str, value: int) -> None
     )
     for future in admin.incremental_alter_configs([resource]).values():
         future.result(timeout=30)
+
+
+def test_an_ended_run_is_evicted_answered_late_and_not_restored(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    config = _config(kafka_bootstrap, prefix, terminal_retention_ms=1000)
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
+    double.start()
+    first = submitted("ends")
+    try:
+        with _processor(database_url, config) as proc:
+            inbox.send(input_record(first))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("ends") == "SUCCEEDED",
+                timeout=60,
+                what="the run's end",
+            )
+            time.sleep(1.2)  # event time moves past its end plus the retention
+            inbox.send(input_record(submitted("later")))
+            inbox.flush()
+            wait_for(lambda: proc.stats.evicted >= 1, timeout=60, what="the eviction")
+            assert "ends" not in {slot.run_id for slot in proc.slots()}
+            ended = len(_log(kafka_bootstrap, prefix, "ends"))
+            cancel = CancelRequested(run_id="ends", event_id="late", at=now_ms(), trace_id="t")
+            inbox.send(input_record(cancel))
+            inbox.flush()
+            wait_for(
+                lambda: len(_log(kafka_bootstrap, prefix, "ends")) == ended + 1,
+                timeout=60,
+                what="the late answer",
+            )
+        assert _last_state(kafka_bootstrap, prefix, "ends") is None  # a tombstone
+        with _processor(database_url, config) as proc:
+            wait_for(lambda: bool(proc._assigned), timeout=60, what="the restore")
+            assert "ends" not in {slot.run_id for slot in proc.slots()}
+            inbox.send(input_record(first))  # its submission again: not a new run
+            inbox.send(input_record(submitted("after-restore")))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("after-restore") == "SUCCEEDED",
+                timeout=60,
+                what="a run after the restore",
+            )
+            wait_for(lambda: bool(_dead(kafka_bootstrap, prefix)), timeout=30, what="refusal")
+    finally:
+        double.close()
+        inbox.close()
+    log = _log(kafka_bootstrap, prefix, "ends")
+    assert log[-1]["type"] == "CancelRequested" and log[-1]["disposition"] == "LATE"
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    (dead,) = _dead(kafka_bootstrap, prefix)
+    assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "ends"
+
+
+def _last_state(bootstrap: str, prefix: str, run_id: str) -> bytes | None:
+    """The value of the last committed state record of `run_id` (None: a tombstone)."""
+    topic = topic_name(STATE, prefix)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"state-{secrets.token_hex(4)}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "log_level": 3,
+        }
+    )
+    try:
+        partition = partition_for(run_id, PARTITIONS)
+        consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        found: list[bytes | None] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for message in consumer.consume(500, 0.5):
+                error = message.error()
+                if error is not None:
+                    assert error.code() == KafkaError._PARTITION_EOF, error
+                    assert found, f"no state record of {run_id}"
+                    return found[-1]
+                if message.key() == run_id.encode():
+                    found.append(message.value())
+        raise AssertionError(f"reading {topic} did not reach the end")
+    finally:
+        consumer.close()

@@ -15,7 +15,9 @@ from processors.state import RunStatus
 from streams import dlq
 from streams.codec import decode, encode
 from streams.inputs import (
+    MAX_PRODUCER_MARKS,
     Batch,
+    Ended,
     Inbound,
     InputPath,
     PathSettings,
@@ -131,6 +133,7 @@ def test_an_error_halfway_through_an_input_rolls_it_back_and_refuses_it() -> Non
     assert after.last_seq == 2 and after.state is not None
     assert after.state.outcome == "invalid_input:unprocessable: RuntimeError: boom"
     assert batch.dirty["r4"][1] is after
+    assert path.stats.applied == 2  # the submission and the refusal, not the rolled back input
     (dead,) = records_to(batch, TOPICS.dlq)
     assert dead["error_class"] == dlq.PROCESSING_ERROR and dead["source_offset"] == 1
     path.handle(of_event(CancelRequested(run_id="r4", event_id="c", at=AT, trace_id="t"), 2), batch)
@@ -291,6 +294,7 @@ def test_every_input_ends_applied_rejected_refused_or_dead_lettered(
     inputs: list[tuple[bytes | None, bytes | None, list[Any]]],
 ) -> None:
     path, batch = new_path(), Batch()
+    path.ended[0] = {"p2": Ended("SUCCEEDED", 5)}  # evicted after its end
     for offset, (value, key, headers) in enumerate(inputs):
         before = len(batch.records)
         stats = (path.stats.duplicates, path.stats.buffered, path.stats.stale_timers)
@@ -306,3 +310,50 @@ def test_every_input_ends_applied_rejected_refused_or_dead_lettered(
     for _, slot in batch.dirty.values():
         if slot.state is not None or slot.buffer:
             assert len(encode("Snapshot", slot.to_record())) <= LIMIT
+
+
+# ------------------------------------------------------------------ ended and evicted runs
+
+
+def test_an_input_of_a_run_evicted_after_its_end_is_answered_late_from_its_last_seq() -> None:
+    path, batch = new_path(), Batch()
+    path.ended[0] = {"gone": Ended("SUCCEEDED", 7)}
+    cancel = CancelRequested(run_id="gone", event_id="c", at=AT, trace_id="t")
+    path.handle(of_event(cancel), batch)
+    (event,) = records_to(batch, TOPICS.events)
+    assert (event["seq"], event["disposition"], event["reason"]) == (8, "LATE", "run is SUCCEEDED")
+    assert path.ended[0]["gone"].last_seq == 8 and "gone" not in path.slots.get(0, {})
+    assert not batch.dirty  # no snapshot: its state is not held any more
+
+
+def test_a_late_answer_over_the_limit_leaves_the_evicted_runs_seq_as_it_was() -> None:
+    path, batch = new_path(), Batch()
+    path.ended[0] = {"gone": Ended("FAILED", 3)}
+    goal = GoalChanged(run_id="gone", event_id="g", at=AT, trace_id="t", step=1, goal="x" * LIMIT)
+    path.handle(of_event(goal), batch)
+    (dead,) = records_to(batch, TOPICS.dlq)
+    assert dead["error_class"] == dlq.RECORD_TOO_LARGE
+    assert not records_to(batch, TOPICS.events) and path.ended[0]["gone"].last_seq == 3
+
+
+def test_a_submission_older_than_the_eviction_horizon_is_refused_not_run_again() -> None:
+    path = new_path()
+    path._submitted_after = lambda partition: AT  # what the processor derives from its watermark
+    batch = Batch()
+    path.handle(of_event(submit("replayed")), batch)  # at == AT: may be an evicted run's
+    fresh = RunSubmitted(run_id="fresh", event_id="f:submit", at=AT + 1, trace_id="t", goal="g")
+    path.handle(of_event(fresh, offset=1), batch)
+    (dead,) = records_to(batch, TOPICS.dlq)
+    assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "replayed"
+    assert set(path.slots[0]) == {"fresh"}
+
+
+def test_a_run_keeps_the_marks_of_the_producers_it_heard_from_last() -> None:
+    path, batch = new_path(), Batch()
+    path.handle(of_event(submit("many"), producer_id="api", producer_seq=1), batch)
+    for i in range(MAX_PRODUCER_MARKS + 5):
+        cancel = CancelRequested(run_id="many", event_id=f"c{i}", at=AT + i, trace_id="t")
+        path.handle(of_event(cancel, i + 1, producer_id=f"p{i}", producer_seq=1), batch)
+    marks = path.slots[0]["many"].producer_marks
+    assert len(marks) == MAX_PRODUCER_MARKS
+    assert "api" not in marks and f"p{MAX_PRODUCER_MARKS + 4}" in marks
