@@ -10,7 +10,8 @@ committer thread. What one transaction holds, in the order `_transact` writes it
 1. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
    (`results`) and dead letters (`dlq`) of the batch, in the order its inputs were applied;
 2. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
-   producer marks, recent input digests;
+   producer marks, recent input digests; then a tombstone (null value) per run evicted at this
+   seal, which ended `terminal_retention_ms` ago (`_evict`);
 3. the consumed inbox offsets (`send_offsets_to_transaction`);
 4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
    thread since the batch was sealed): nothing may reference an artifact before (R2);

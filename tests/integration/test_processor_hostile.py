@@ -15,7 +15,8 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 from connectors.artifacts import PostgresArtifactStore
 from processors.events import CancelRequested, GoalChanged, RunSubmitted
 from streams import dlq
-from streams.admin import ensure_topics
+from streams.admin import ensure_topics, record_limits
+from streams.inputs import RECORD_MARGIN
 from streams.partitioning import partition_for
 from streams.processor import Processor, ProcessorConfig
 from streams.records import parse_event_body
@@ -164,7 +165,13 @@ def test_a_batch_the_broker_keeps_refusing_is_isolated_and_its_poison_dead_lette
     config = _config(kafka_bootstrap, prefix, retry_backoff_ms=20)
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     with _processor(database_url, config) as proc:
-        _set_topic_config(kafka_bootstrap, topic_name(EVENTS, prefix), "max.message.bytes", 16384)
+        events = topic_name(EVENTS, prefix)
+        _set_topic_config(kafka_bootstrap, events, "max.message.bytes", 16384)
+        wait_for(
+            lambda: record_limits(kafka_bootstrap, [events]).get(events) == 16384,
+            timeout=30,
+            what="the lowered limit",
+        )
         good = [f"good-{i}" for i in range(6)]
         poison = submitted("poison")
         # random hex: lz4 cannot make it smaller than the topic's limit
@@ -294,3 +301,24 @@ def _last_state(bootstrap: str, prefix: str, run_id: str) -> bytes | None:
         raise AssertionError(f"reading {topic} did not reach the end")
     finally:
         consumer.close()
+
+
+def test_the_record_limit_of_each_topic_is_read_from_the_broker(
+    kafka_bootstrap: str, prefix: str
+) -> None:
+    events = topic_name(EVENTS, prefix)
+    _set_topic_config(kafka_bootstrap, events, "max.message.bytes", 50_000)
+    wait_for(  # a config change reaches the broker's answers a moment after it is accepted
+        lambda: record_limits(kafka_bootstrap, [events]).get(events) == 50_000,
+        timeout=30,
+        what="the new limit",
+    )
+    found = record_limits(kafka_bootstrap, [events, topic_name(STATE, prefix)])
+    assert found[""] > 50_000 and found[topic_name(STATE, prefix)] == found[""]
+    proc = Processor(_config(kafka_bootstrap, prefix), lambda artifacts: None)
+    try:
+        limits = proc._path.limits
+        assert limits.of(events) == 50_000 - RECORD_MARGIN
+        assert limits.of(topic_name(STATE, prefix)) == 1_000_000 - RECORD_MARGIN  # the producer's
+    finally:
+        proc.close()

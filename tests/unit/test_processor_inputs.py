@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from processors.events import CancelRequested, Event, GoalChanged, RunSubmitted, TimerFired
@@ -208,6 +208,9 @@ _valid = st.builds(
 )
 
 
+_sizes = st.one_of(st.integers(0, 100), st.sampled_from([LIMIT // 3, LIMIT, 3 * LIMIT]))
+
+
 def _hostile_body(record: dict[str, Any], body: str) -> dict[str, Any]:
     return dict(record, body=body)
 
@@ -221,7 +224,7 @@ _bodies = st.one_of(
             {"type": "GoalChanged", "run_id": "p0", "event_id": "x", "at": AT, "trace_id": "t"}
             | {"step": 1, "goal": "w" * n}
         ),
-        st.integers(0, 2 * LIMIT),
+        _sizes,
     ),
     st.builds(lambda d: "[" * d + "]" * d, st.integers(1, 5000)),
 )
@@ -229,8 +232,8 @@ _bodies = st.one_of(
 _records = st.one_of(
     _valid,
     st.builds(_hostile_body, _valid, _bodies),
-    st.builds(lambda r, n: dict(r, trace_id="t" * n), _valid, st.integers(0, 3 * LIMIT)),
-    st.builds(lambda r, n: dict(r, input_id="i" * n), _valid, st.integers(0, 3 * LIMIT)),
+    st.builds(lambda r, n: dict(r, trace_id="t" * n), _valid, _sizes),
+    st.builds(lambda r, n: dict(r, input_id="i" * n), _valid, _sizes),
     st.builds(lambda r, at: dict(r, at=at), _valid, st.integers(-(2**63), 2**63 - 1)),
     st.builds(lambda r, k: dict(r, kind=k), _valid, st.text(max_size=20)),
 )
@@ -258,6 +261,8 @@ _headers = st.lists(
 _keys = st.one_of(
     st.none(),
     st.just(b"right"),  # replaced by the record's own run_id
+    st.just(b"right"),
+    st.just(b"right"),
     st.binary(max_size=20),
     st.just(b"\xff\xfe"),
 )
@@ -285,7 +290,7 @@ def _inputs(draw: st.DrawFn) -> tuple[bytes | None, bytes | None, list[Any]]:
 
 
 @settings(
-    max_examples=150,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -295,7 +300,8 @@ def test_every_input_ends_applied_rejected_refused_or_dead_lettered(
 ) -> None:
     path, batch = new_path(), Batch()
     path.ended[0] = {"p2": Ended("SUCCEEDED", 5)}  # evicted after its end
-    for offset, (value, key, headers) in enumerate(inputs):
+    live = [(encode("Input", input_record(submit(run))), run.encode(), []) for run in _RUNS[:2]]
+    for offset, (value, key, headers) in enumerate([*live, *inputs]):
         before = len(batch.records)
         stats = (path.stats.duplicates, path.stats.buffered, path.stats.stale_timers)
         path.handle(inbound(value, key=key, offset=offset, headers=headers), batch)
@@ -304,6 +310,8 @@ def test_every_input_ends_applied_rejected_refused_or_dead_lettered(
         dead = records_to(batch, TOPICS.dlq, before)
         held = (path.stats.duplicates, path.stats.buffered, path.stats.stale_timers) != stats
         assert events or dead or held, f"input {offset} left no trace"
+        for outcome in [*(e["disposition"] for e in events), *(d["error_class"] for d in dead)]:
+            event(outcome)  # what the generated inputs reach: --hypothesis-show-statistics
         assert all(e["disposition"] in {"APPLIED", "REJECTED", "DUPLICATE", "LATE"} for e in events)
         assert all(record_size(r) <= LIMIT for r in new)
         assert batch.positions[0] == offset + 1
