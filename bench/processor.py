@@ -9,6 +9,10 @@ from the produce call to the moment the run's snapshot is readable (read_committ
 `--warmup` seconds at that rate are not counted: they measure this bench's new producer and
 reader connecting (the first inputs waited ~0.7 s for them), not the processor.
 Prints one JSON object last: transitions/s, latency p50/p99, commit latency, processor RSS.
+
+With `--restore`: N runs are processed to their end, the processor is stopped, and a second one
+is timed restoring the state topic (its restore time, as it logs it, and its RSS after it),
+ended runs evicted after `--terminal-retention-ms` (0 by default; -1 keeps them).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -307,6 +312,111 @@ def _per_item(machine: dict[str, float | None], items: int) -> dict[str, float |
     return {**machine, "cpu_us_per_item": cpu_us}
 
 
+def _spawn_processor(
+    env: dict[str, str], prefix: str, log: Path, retention_ms: int | None, *extra: str
+) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as err:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "connectors.processor_service",
+                "--prefix",
+                prefix,
+                "--terminal-retention-ms",
+                str(-1 if retention_ms is None else retention_ms),
+                "--log-level",
+                "INFO",
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+_RESTORED = re.compile(r"restored (\d+) runs in ([0-9.]+)s")
+
+
+def _restores(log: Path) -> list[tuple[int, float]]:
+    """(runs, seconds) of each restore a processor logged."""
+    return [(int(n), float(s)) for n, s in _RESTORED.findall(log.read_text(errors="replace"))]
+
+
+def restore_figures(
+    bootstrap: str,
+    database_url: str,
+    prefix: str,
+    *,
+    runs: int,
+    partitions: int,
+    retention_ms: int | None,
+    timeout_s: float = 600,
+) -> dict[str, Any]:
+    """Restore with many ended runs: `runs` runs are processed to their end by one processor
+    (ended runs evicted after `retention_ms`, None: kept), which is then stopped; a second
+    one is started on the same topics and timed until it restored its partitions. Topics
+    `prefix` must exist and be empty."""
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
+    total = _preload(bootstrap, prefix, runs, partitions)
+    logs = [Path(tempfile.gettempdir()) / f"{prefix}-restore-{i}.log" for i in (0, 1)]
+    first = _spawn_processor(env, prefix, logs[0], retention_ms)
+    try:
+        _count_events(bootstrap, topic_name(EVENTS, prefix), total, timeout_s)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    began = time.monotonic()
+    second = _spawn_processor(env, prefix, logs[1], retention_ms)
+    try:
+        deadline = began + timeout_s
+        while not _restores(logs[1]):
+            if time.monotonic() > deadline or second.poll() is not None:
+                raise RuntimeError(f"the second processor did not restore; see {logs[1]}")
+            time.sleep(0.05)
+        ready = time.monotonic() - began
+        rss = _rss_kib(second.pid)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=60)
+    restores = _restores(logs[1])
+    return {
+        "runs": runs,
+        "terminal_retention_ms": retention_ms,
+        "restored_runs": sum(n for n, _ in restores),
+        "restore_s": round(sum(seconds for _, seconds in restores), 3),
+        # from the process start to its first restore logged (imports and clients included)
+        "ready_s": round(ready, 3),
+        "processor_rss_mib_after_restore": round(rss.get("VmRSS", 0) / 1024, 1),
+    }
+
+
+def _restore_main(args: argparse.Namespace) -> int:
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    retention = None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+    with ServiceStack(ephemeral=True) as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        from connectors.db import migrate
+
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
+        print(f"{args.runs} runs to their end, then a restore", file=sys.stderr, flush=True)
+        figures = {
+            "bench": "processor-restore",
+            **restore_figures(
+                ep.kafka_bootstrap,
+                ep.database_url,
+                prefix,
+                runs=args.runs,
+                partitions=args.partitions,
+                retention_ms=retention,
+            ),
+        }
+    print(json.dumps(figures))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns bench processor", description=__doc__)
     parser.add_argument("--runs", type=int, default=10_000)
@@ -323,7 +433,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the processor's --fetch-window-ms",
     )
     parser.add_argument("--out", default="bench/results/processor.json")
+    parser.add_argument(
+        "--restore",
+        action="store_true",
+        help="instead: time a restore after --runs runs ended (prints its figures only)",
+    )
+    parser.add_argument(
+        "--terminal-retention-ms",
+        type=int,
+        default=0,
+        help="with --restore: the processors' --terminal-retention-ms (-1: keep ended runs)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.restore:
+        return _restore_main(args)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:

@@ -56,6 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gap-timeout-ms", type=int, default=30_000)
     p.add_argument("--buffer-limit", type=int, default=64)
+    p.add_argument(
+        "--max-record-bytes",
+        type=int,
+        default=None,
+        help="the largest record written (key + value + headers); default: each output "
+        "topic's max.message.bytes as the broker reports it at start, less a margin. An input "
+        "whose records would be larger fails its run (invalid_input:record_too_large) or is "
+        "dead-lettered",
+    )
+    p.add_argument(
+        "--terminal-retention-ms",
+        type=int,
+        default=ProcessorConfig.terminal_retention_ms,
+        help="evict a run from memory and the state topic (a tombstone) this long after its "
+        "end, in event time; a negative value keeps ended runs",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
     p.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     return p
@@ -85,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch=args.max_batch,
             gap_timeout_ms=args.gap_timeout_ms,
             buffer_limit=args.buffer_limit,
+            max_record_bytes=args.max_record_bytes,
+            terminal_retention_ms=(
+                None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+            ),
         )
         tune_gc()
         tune_switch_interval()

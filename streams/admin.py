@@ -141,3 +141,29 @@ def describe_topics(bootstrap: str, *, prefix: str = DEFAULT_PREFIX) -> list[str
         shown = " ".join(f"{k}={configs[k].value}" for k in keys if k in configs)
         rows.append(f"{resource.name}  partitions={len(topics[resource.name].partitions)}  {shown}")
     return rows
+
+
+def record_limits(bootstrap: str, topics: list[str], timeout_s: float = 10.0) -> dict[str, int]:
+    """The largest record each of `topics` takes: its `max.message.bytes` (the topic's own, or
+    the broker's `message.max.bytes` it inherits). Topics whose config cannot be read are left
+    out; the broker's value, under the key "", stands for them when it could be read."""
+    admin = _admin(bootstrap)
+    limits: dict[str, int] = {}
+    try:
+        brokers = admin.list_topics(timeout=timeout_s).brokers
+        resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+        if brokers:
+            resources.append(ConfigResource(ResourceType.BROKER, str(min(brokers))))
+        futures = admin.describe_configs(resources)
+    except KafkaException:
+        return limits
+    for resource, future in futures.items():
+        name = "max.message.bytes" if resource.restype == ResourceType.TOPIC else None
+        try:
+            configs = future.result(timeout=timeout_s)
+        except KafkaException:
+            continue
+        entry = configs.get(name or "message.max.bytes")
+        if entry is not None and entry.value is not None and str(entry.value).isdigit():
+            limits[resource.name if name else ""] = int(entry.value)
+    return limits

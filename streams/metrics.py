@@ -21,6 +21,19 @@ DUPLICATES = Counter("agentruns_duplicate_inputs_total", "Exact duplicate inputs
 BUFFERED = Counter("agentruns_buffered_inputs_total", "Inputs held for a seq gap")
 DEAD_LETTERS = Counter("agentruns_dead_letters_total", "Inputs sent to the DLQ")
 ABORTS = Counter("agentruns_transaction_aborts_total", "Transactions aborted and rewound")
+RETRIES = Counter(
+    "agentruns_transaction_retries_total", "Rewinds retried after a back-off (one per abort)"
+)
+ISOLATIONS = Counter(
+    "agentruns_transaction_isolations_total",
+    "Times a repeatedly failing batch was retried one input per transaction",
+)
+REFUSED = Counter(
+    "agentruns_refused_inputs_total", "Inputs refused with InputRefused (their run failed)"
+)
+TOO_LARGE = Counter(
+    "agentruns_record_too_large_total", "Inputs whose records were over the record size limit"
+)
 BATCH_INPUTS = Histogram(
     "agentruns_batch_inputs",
     "Inputs per committed transaction",
@@ -38,6 +51,9 @@ COMMIT_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+EVICTED = Counter(
+    "agentruns_evicted_runs_total", "Ended runs evicted from memory and the state topic"
+)
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
 
 
@@ -48,6 +64,11 @@ _MIRRORED: dict[str, Counter] = {
     "buffered": BUFFERED,
     "dead_letters": DEAD_LETTERS,
     "aborts": ABORTS,
+    "retries": RETRIES,
+    "isolations": ISOLATIONS,
+    "refused": REFUSED,
+    "too_large": TOO_LARGE,
+    "evicted": EVICTED,
 }
 _BY_DISPOSITION = {"applied": "APPLIED", "late": "LATE", "rejected": "REJECTED"}
 
@@ -68,6 +89,11 @@ class ProcessorStats:
     dead_letters: int = 0
     stale_timers: int = 0
     aborts: int = 0
+    retries: int = 0
+    isolations: int = 0
+    refused: int = 0
+    too_large: int = 0
+    evicted: int = 0
     commits: int = 0
     inputs_committed: int = 0
     last_commit_s: float = 0.0
@@ -88,6 +114,29 @@ class ProcessorStats:
                 self.duplicates += 1
             case _:
                 self.rejected += 1
+
+    def counts(self) -> tuple[int, ...]:
+        """The per-input counters, to be put back by `recount` when an input is rolled back."""
+        return (
+            self.applied,
+            self.late,
+            self.duplicates,
+            self.rejected,
+            self.effects,
+            self.buffered,
+            self.stale_timers,
+        )
+
+    def recount(self, counts: tuple[int, ...]) -> None:
+        (
+            self.applied,
+            self.late,
+            self.duplicates,
+            self.rejected,
+            self.effects,
+            self.buffered,
+            self.stale_timers,
+        ) = counts
 
     def committed(self, inputs: int, seconds: float) -> None:
         """One transaction committed (the committer thread; `publish` is the loop's)."""

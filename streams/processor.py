@@ -2,14 +2,16 @@
 
 Consume-transform-produce with one transaction at a time per process and KIP-447 fencing
 (`send_offsets_to_transaction` with the consumer's group metadata). The loop thread applies
-inputs and collects the encoded records of a batch; sealing the batch adds one snapshot per run
-it touched and hands it to the committer thread. What one transaction holds, in the order
-`_transact` writes it down:
+inputs (`streams.inputs.InputPath`: one guard per input, so no input stops the loop; an input
+whose records would be over the broker's record limit is refused) and collects the encoded
+records of a batch; sealing the batch adds one snapshot per run it touched and hands it to the
+committer thread. What one transaction holds, in the order `_transact` writes it down:
 
 1. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
-   (`results`) and dead letters (`dlq`) of the batch;
+   (`results`) and dead letters (`dlq`) of the batch, in the order its inputs were applied;
 2. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
-   producer marks, recent input digests;
+   producer marks, recent input digests; then a tombstone (null value) per run evicted at this
+   seal, which ended `terminal_retention_ms` ago (`_evict`);
 3. the consumed inbox offsets (`send_offsets_to_transaction`);
 4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
    thread since the batch was sealed): nothing may reference an artifact before (R2);
@@ -23,13 +25,16 @@ Group commit: while one transaction commits, the loop applies the next inputs (i
 nothing of them is produced before the previous transaction ended), and seals them as soon as
 the committer is free. One transaction is in flight at a time. If it fails, the batch applied
 behind it is dropped with the in-memory state, and the loop rewinds to the committed offsets and
-snapshots, as for any abortable error.
+snapshots, as for any abortable error, after a back-off that doubles with each failure in a row.
+A batch that keeps failing is retried one input per transaction; an input whose own transaction
+keeps failing is dead-lettered with the broker's error (`_recover`, `_isolate`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import logging
 import threading
 import time
@@ -38,7 +43,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -49,13 +53,22 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from processors.effects import PublishResult, ScheduleTimer
-from processors.events import Event, GapTimedOut, TimerFired
-from processors.state import TimerPurpose
-from processors.transition import Artifact, Disposition, Transition, transition
-from streams import dlq, metrics
-from streams.codec import CodecError, decode, encode
+from processors.transition import Artifact
+from streams import admin, metrics
+from streams.codec import decode, encode
 from streams.errors import AgentrunsKafkaError, FatalConsumerError
+from streams.inputs import (
+    DEFAULT_RECORD_LIMIT,
+    RECORD_MARGIN,
+    Batch,
+    Ended,
+    Inbound,
+    InputPath,
+    PathSettings,
+    Record,
+    RecordLimits,
+    Topics,
+)
 from streams.kafka_defaults import (
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
@@ -64,24 +77,15 @@ from streams.kafka_defaults import (
     fetch_settings,
     partition_count,
 )
-from streams.partitioning import event_key
 from streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
-from streams.records import (
-    EFFECT_TOPIC_KIND,
-    RunSlot,
-    effect_record,
-    event_record,
-    input_digest,
-    parse_event_body,
-    result_record,
-)
+from streams.records import EFFECT_TOPIC_KIND, RunSlot
 from streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
 
 log = logging.getLogger("agentruns.processor")
 
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
-GAP_TIMER = ":gap:"
 SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
+EVICT_PER_SEAL = 1000  # ended runs evicted (tombstoned) per transaction at most
 
 
 @dataclass
@@ -108,6 +112,30 @@ class ProcessorConfig:
     max_log_events: int = 1000
     transaction_timeout_ms: int = 10_000
     session_timeout_ms: int = 6000
+    # The largest record (key + value + headers, bytes) the processor writes to any topic.
+    # None: derived once at start from each output topic's `max.message.bytes` (the broker's
+    # `message.max.bytes` when a topic's cannot be read, else 1 MiB) and the producer's own
+    # `message.max.bytes`, less RECORD_MARGIN. An input whose records would be larger is
+    # refused (`invalid_input:record_too_large`) instead of failing every transaction.
+    max_record_bytes: int | None = None
+    # A failed transaction is retried (rewind, re-apply) after a back-off that doubles from
+    # retry_backoff_ms to retry_backoff_max_ms, back to the start after a commit. After
+    # isolate_after failures in a row, the inputs of the failing batch are retried one per
+    # transaction, and one whose own transaction fails isolate_after times is dead-lettered
+    # with the broker's error.
+    # (A retriable error, an outage of the broker or of the artifact store, is retried with
+    # the same back-off but never dead-letters an input.)
+    retry_backoff_ms: int = 100
+    retry_backoff_max_ms: int = 5000
+    isolate_after: int = 3
+    # A run that ended this long ago (event time: the latest `at` its partition has seen, at
+    # most the wall clock, against the run's last `at`) leaves memory and the state topic (a
+    # tombstone), so memory and restore scale with live runs. What is kept of it (status, last
+    # seq) answers a late input LATE until the process restarts; after that, the input is
+    # refused as for a run that does not exist. None: never evicted.
+    terminal_retention_ms: int | None = 600_000
+    # Evicted runs remembered per partition (the oldest forgotten first).
+    max_ended_runs: int = 100_000
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -115,27 +143,11 @@ class ProcessorConfig:
         self.group_id = self.group_id or f"{self.prefix}-processor"
 
 
-Headers = list[tuple[str, str | bytes | None]]
-# topic, key, value, partition (None: the producer's partitioner), headers
-_Record = tuple[str, bytes | None, bytes, int | None, Headers | None]
-
-
-@dataclass
-class _Batch:
-    started: float = 0.0
-    inputs: int = 0
-    artifacts: list[Artifact] = field(default_factory=list)
-    dirty: dict[str, tuple[int, RunSlot]] = field(default_factory=dict)
-    positions: dict[int, int] = field(default_factory=dict)
-    records: list[_Record] = field(default_factory=list)
-    model_partition: int | None = None  # where this batch's model effects go
-
-
 @dataclass
 class _Sealed:
     """A batch handed to the committer: everything its transaction writes, already encoded."""
 
-    records: list[_Record]
+    records: list[Record]
     offsets: list[TopicPartition]
     metadata: Any  # the consumer's group metadata when sealed (KIP-447 fencing)
     artifacts: Future[object] | None
@@ -157,18 +169,48 @@ class Processor:
         self.state_topic = topic_name(STATE, p)
         self.results = topic_name(RESULTS, p)
         self.dlq = topic_name(DLQ, p)
-        self._effect_topics = {
-            kind: topic_name(effect_suffix(kind), p) for kind in set(EFFECT_TOPIC_KIND.values())
-        }
-        self._slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
-        # Model effects partition count (read on first use) and the batches that had some.
-        self._model_partitions = 0
-        self._model_batches = 0
-        self._batch: _Batch | None = None
+        self.topics = Topics(
+            inbox=self.inbox,
+            events=self.events,
+            state=self.state_topic,
+            results=self.results,
+            dlq=self.dlq,
+            effects={
+                kind: topic_name(effect_suffix(kind), p)
+                for kind in sorted(set(EFFECT_TOPIC_KIND.values()))
+            },
+        )
+        self.stats = metrics.ProcessorStats()
+        self._model_partitions = 0  # of the model effects topic, read on first use
+        self._path = InputPath(
+            self.topics,
+            PathSettings(
+                buffer_limit=config.buffer_limit,
+                gap_timeout_ms=config.gap_timeout_ms,
+                max_log_events=config.max_log_events,
+            ),
+            self.stats,
+            limits=self._record_limits(),
+            model_partitions=self._model_partition_count,
+            submitted_after=self._submitted_after,
+        )
+        self._slots = self._path.slots  # partition -> run_id -> slot (the path's, shared)
+        self._batch: Batch | None = None
+        # Failed transactions since the last commit (the back-off grows with them); inbox
+        # partition -> end offset of the batch being retried one input per transaction.
+        self._failures = 0
+        self._isolating: dict[int, int] = {}
+        self._single_failures: dict[tuple[int, int], int] = {}
+        self._stop: threading.Event | None = None
+        # Eviction after the end (`_evict`): partition -> heap of (due at, run_id) of ended
+        # runs, and the latest event time applied on the partition.
+        self._expiring: dict[int, list[tuple[int, str]]] = {}
+        self._watermark: dict[int, int] = {}
         # The committer thread runs one transaction at a time (`_transact`); `_in_flight` is
         # the sealed batch it is committing, `_txn_open` whether a transaction is begun.
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self._in_flight: Future[None] | None = None
+        self._in_flight_batch: _Sealed | None = None
         self._txn_open = False
         self._consumer = self._new_consumer()
         self._producers = ProducerPair(self._new_producer)
@@ -176,7 +218,6 @@ class Processor:
         # Set when the consumer was fenced: from then on nothing applied is committed, and the
         # rebalance callbacks that closing the consumer runs only drop state.
         self._fenced = False
-        self.stats = metrics.ProcessorStats()
 
     # ------------------------------------------------------------------ clients
 
@@ -222,10 +263,36 @@ class Processor:
         producer.init_transactions(30)
         return producer
 
+    def _record_limits(self) -> RecordLimits:
+        """Each output topic's record limit, read from the broker once (see max_record_bytes)."""
+        c = self.config
+        if c.max_record_bytes is not None:
+            return RecordLimits(default=c.max_record_bytes)
+        producer_max = int(c.extra_producer.get("message.max.bytes", 1_000_000))
+        found = admin.record_limits(c.bootstrap, self.topics.outputs())
+        fallback = found.get("", DEFAULT_RECORD_LIMIT)
+        if not found:
+            log.warning("the broker's record limits cannot be read; assuming %d bytes", fallback)
+
+        def usable(limit: int) -> int:
+            return min(limit, producer_max) - RECORD_MARGIN
+
+        return RecordLimits(
+            by_topic={t: usable(found.get(t, fallback)) for t in self.topics.outputs()},
+            default=usable(fallback),
+        )
+
+    def _model_partition_count(self) -> int:
+        if not self._model_partitions:
+            self._model_partitions = partition_count(self._consumer, self.topics.effects["model"])
+        return self._model_partitions
+
     # ------------------------------------------------------------------ lifecycle
 
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set; then commit what is pending and leave the group."""
+        self._stop = stop
+        self._model_partition_count()  # read here: the per-input path does no I/O
         self._consumer.subscribe(
             [self.inbox],
             on_assign=self._on_assign,
@@ -233,9 +300,10 @@ class Processor:
             on_lost=self._on_lost,
         )
         interval = self.config.commit_interval_ms / 1000
-        limit = self.config.max_batch
         try:
             while not stop.is_set():
+                # One input per transaction while a failing batch is isolated (`_recover`).
+                limit = 1 if self._isolating else self.config.max_batch
                 # With a batch open, only look for what has already arrived. A batch is sealed
                 # when the committer is free and the inbox is drained (low latency when lightly
                 # loaded) or the batch is `interval` old; while a transaction commits, inputs
@@ -364,12 +432,19 @@ class Processor:
     def _drop(self, partitions: set[int]) -> None:
         for p in partitions:
             self._slots.pop(p, None)
+            self._path.ended.pop(p, None)
+            self._expiring.pop(p, None)
+            self._watermark.pop(p, None)
+            self._isolating.pop(p, None)
             self._assigned.discard(p)
 
     def _restore(self, partitions: set[int]) -> int:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
         for p in partitions:
             self._slots[p] = {}
+            self._path.ended[p] = {}
+            self._expiring[p] = []
+            self._watermark[p] = 0
         if not partitions:
             return 0
         reader = Consumer(
@@ -388,7 +463,6 @@ class Processor:
                 [TopicPartition(self.state_topic, p, OFFSET_BEGINNING) for p in partitions]
             )
             pending = set(partitions)
-            count = 0
             deadline = time.monotonic() + 120
             while pending:
                 if time.monotonic() > deadline:
@@ -403,33 +477,34 @@ class Processor:
                             continue
                         raise KafkaException(error)
                     value = message.value()
-                    if value is None:
+                    partition = message.partition() or 0
+                    runs = self._slots[partition]
+                    if value is None:  # a tombstone: the run was evicted after its end
+                        key = message.key()
+                        if key is not None:
+                            runs.pop(key.decode("utf-8", "replace"), None)
+                        # written once event time was past the run's end plus the retention:
+                        # its time keeps a replayed submission of the run refused
+                        written = message.timestamp()[1]
+                        if written > self._watermark.get(partition, 0):
+                            self._watermark[partition] = written
                         continue
-                    runs = self._slots[message.partition() or 0]
                     slot = RunSlot.from_record(decode(value, expected_name="Snapshot").record)
-                    count += slot.run_id not in runs
+                    slot.size_estimate = len(value) + len(slot.run_id)
                     runs[slot.run_id] = slot
-            return count
+            for p in partitions:
+                for slot in self._slots[p].values():
+                    self._track(p, slot)
+            return sum(len(self._slots[p]) for p in partitions)
         finally:
             reader.close()
 
     # ------------------------------------------------------------------ applying inputs
 
-    def _open_batch(self) -> _Batch:
+    def _open_batch(self) -> Batch:
         if self._batch is None:
-            self._batch = _Batch(started=time.monotonic())
+            self._batch = Batch(started=time.monotonic())
         return self._batch
-
-    def _emit(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes,
-        partition: int | None = None,
-        headers: Headers | None = None,
-    ) -> None:
-        """A record of the open batch (produced by the committer, in this order)."""
-        self._open_batch().records.append((topic, key, value, partition, headers))
 
     def _handle(self, message: Message) -> None:
         error = message.error()
@@ -437,304 +512,7 @@ class Processor:
             if error.code() != KafkaError._PARTITION_EOF:
                 log.warning("consume error: %s", error)
             return
-        batch = self._open_batch()
-        partition = message.partition()
-        offset = message.offset()
-        assert partition is not None and offset is not None
-        batch.positions[partition] = offset + 1
-        batch.inputs += 1
-        value = message.value()
-        key = message.key()
-        try:
-            if value is None:
-                raise _Reject("null value", dlq.INVALID_EVENT)
-            record = decode(value, expected_name="Input").record
-            if key is not None and key != record["run_id"].encode():
-                raise _Reject(f"record key {key!r} is not the run_id", dlq.INVALID_EVENT)
-        except CodecError as exc:
-            self._dead_letter(_Original.of(message), str(exc), exc.error_class)
-            return
-        except _Reject as exc:
-            self._dead_letter(_Original.of(message), exc.reason, exc.error_class)
-            return
-        run_id = record["run_id"]
-        slots = self._slots.setdefault(partition, {})
-        slot = slots.get(run_id) or RunSlot(run_id)
-        try:
-            self._accept(partition, slot, record, message)
-        except _Reject as exc:
-            self._dead_letter(_Original.of(message), exc.reason, exc.error_class, run_id=run_id)
-        if slot.state is not None or slot.buffer:
-            slots[run_id] = slot
-
-    def _accept(
-        self, partition: int, slot: RunSlot, record: dict[str, Any], message: Message
-    ) -> None:
-        """The seq protocol (R5): dedupe, order per producer, buffer gaps, then apply."""
-        digest = input_digest(record["kind"], record["body"])
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        if pid is None or pseq is None:
-            key = f"i:{record['input_id']}"
-            known = slot.recalled(key)
-            if known is not None:
-                self._duplicate(known, digest, key)
-                return
-            event = self._parse(record)
-            if isinstance(event, TimerFired) and GAP_TIMER in event.timer_id:
-                self._gap_timer_fired(partition, slot, event)
-                return
-            self._apply(partition, slot, event, record["input_id"])
-            slot.remember(key, digest)
-            return
-        mark = slot.producer_marks.get(pid, 0)
-        if pseq <= mark:
-            # Older than the window of remembered digests: cannot be compared, so it is
-            # treated as the duplicate it almost surely is (and counted).
-            key = f"p:{pid}:{pseq}"
-            self._duplicate(slot.recalled(key) or digest, digest, key)
-            return
-        if pseq > mark + 1:
-            self._buffer(partition, slot, record, digest)
-            return
-        self._apply_numbered(partition, slot, record, _Original.of(message))
-        self._drain(partition, slot)
-
-    def _apply_numbered(
-        self, partition: int, slot: RunSlot, record: dict[str, Any], original: _Original
-    ) -> None:
-        """Apply the next input of a producer. Its seq is used up even if it is refused (to
-        the DLQ), so a bad input never blocks the ones behind it."""
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        slot.producer_marks[pid] = pseq
-        slot.remember(f"p:{pid}:{pseq}", input_digest(record["kind"], record["body"]))
-        self._touch(partition, slot)
-        try:
-            self._apply(partition, slot, self._parse(record), record["input_id"])
-        except _Reject as exc:
-            self._dead_letter(original, exc.reason, exc.error_class, run_id=slot.run_id)
-
-    def _parse(self, record: dict[str, Any]) -> Event:
-        try:
-            event = parse_event_body(record["body"])
-        except msgspec.DecodeError as exc:
-            raise _Reject(f"invalid {record['kind']}: {exc}", dlq.INVALID_EVENT) from exc
-        if event.type != record["kind"] or event.run_id != record["run_id"]:
-            raise _Reject(
-                f"envelope says {record['kind']} for {record['run_id']}, body is "
-                f"{event.type} for {event.run_id}",
-                dlq.INVALID_EVENT,
-            )
-        return event
-
-    def _duplicate(self, known: str, digest: str, key: str) -> None:
-        if known != digest:
-            raise _Reject(
-                f"conflicting duplicate: input {key} was applied with other content",
-                dlq.CONFLICTING_DUPLICATE,
-            )
-        self.stats.duplicates += 1
-
-    def _buffer(self, partition: int, slot: RunSlot, record: dict[str, Any], digest: str) -> None:
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        for held in slot.buffer:
-            if held["producer_id"] == pid and held["producer_seq"] == pseq:
-                self._duplicate(input_digest(held["kind"], held["body"]), digest, f"p:{pid}:{pseq}")
-                return
-        if len(slot.buffer) >= self.config.buffer_limit:
-            raise _Reject(
-                f"out-of-order buffer of run {slot.run_id} is full "
-                f"({self.config.buffer_limit} inputs waiting for a gap to fill)",
-                "BUFFER_FULL",
-            )
-        slot.buffer.append(dict(record))
-        if slot.gap_since is None:
-            slot.gap_since = record["at"]
-            expected = slot.producer_marks.get(pid, 0) + 1
-            self._schedule_gap_timer(partition, slot, record, expected)
-        self._touch(partition, slot)
-        self.stats.buffered += 1
-
-    def _drain(self, partition: int, slot: RunSlot) -> None:
-        """Apply buffered inputs whose turn has come, in producer order."""
-        progressed = True
-        while progressed and slot.buffer:
-            progressed = False
-            for held in list(slot.buffer):
-                if held["producer_seq"] == slot.producer_marks.get(held["producer_id"], 0) + 1:
-                    slot.buffer.remove(held)
-                    original = _Original.of_record(self.inbox, partition, held)
-                    self._apply_numbered(partition, slot, held, original)
-                    progressed = True
-        slot.gap_since = min((h["at"] for h in slot.buffer), default=None)
-        self._touch(partition, slot)
-
-    def _schedule_gap_timer(
-        self, partition: int, slot: RunSlot, record: dict[str, Any], expected: int
-    ) -> None:
-        state = slot.state
-        timer_id = f"{slot.run_id}{GAP_TIMER}{record['producer_id']}:{expected}"
-        effect = ScheduleTimer(
-            idempotency_key=f"{timer_id}:schedule",
-            run_id=slot.run_id,
-            step=0 if state is None else state.step,
-            attempt=0 if state is None else state.attempt,
-            trace_id=record["trace_id"] if state is None else state.trace_id,
-            timer_id=timer_id,
-            due_at=record["at"] + self.config.gap_timeout_ms,
-            purpose=TimerPurpose.GAP_TIMEOUT,
-        )
-        self._produce_effect(partition, effect, seq=slot.last_seq, at=record["at"])
-
-    def _gap_timer_fired(self, partition: int, slot: RunSlot, fired: TimerFired) -> None:
-        """The gap did not fill in time: record a diagnosis, skip the gap, apply what waits."""
-        _, _, rest = fired.timer_id.partition(GAP_TIMER)
-        pid, _, expected_text = rest.rpartition(":")
-        expected = int(expected_text)
-        waiting = sorted(
-            (h for h in slot.buffer if h["producer_id"] == pid), key=lambda h: h["producer_seq"]
-        )
-        if slot.producer_marks.get(pid, 0) >= expected or not waiting:
-            self.stats.stale_timers += 1
-            return  # the gap filled before the timer fired
-        first = waiting[0]["producer_seq"]
-        diagnosis = (
-            f"inputs {expected}..{first - 1} of producer {pid} did not arrive within "
-            f"{self.config.gap_timeout_ms} ms; {len(waiting)} later inputs applied after the gap"
-        )
-        if slot.state is not None:
-            event = GapTimedOut(
-                run_id=slot.run_id,
-                event_id=f"{fired.timer_id}:fired",
-                at=fired.at,
-                trace_id=slot.state.trace_id,
-                expected_seq=expected,
-                diagnosis=diagnosis,
-            )
-            self._apply(partition, slot, event, fired.event_id)
-        log.warning("run %s: %s", slot.run_id, diagnosis, extra={"run_id": slot.run_id})
-        slot.producer_marks[pid] = first - 1
-        self._drain(partition, slot)
-
-    def _apply(self, partition: int, slot: RunSlot, event: Event, input_id: str | None) -> None:
-        if slot.last_seq >= self.config.max_log_events:
-            raise _Reject(
-                f"run {slot.run_id} has {slot.last_seq} events, the log cap is "
-                f"{self.config.max_log_events}",
-                "EVENT_CAP",
-            )
-        result = transition(slot.state, event)
-        if slot.state is None and result.state is None:
-            # Nothing to log for a run that does not exist: the input is refused as a whole.
-            raise _Reject(result.reason or "no such run", dlq.INVALID_EVENT)
-        seq = slot.last_seq + 1
-        self._produce_event(partition, slot.run_id, seq, event, result, input_id)
-        batch = self._open_batch()
-        batch.artifacts.extend(result.artifacts)
-        for effect in result.effects:
-            if isinstance(effect, PublishResult):
-                value = encode("Result", result_record(effect, seq=seq, at=event.at))
-                self._emit(
-                    self.results,
-                    slot.run_id.encode(),
-                    value,
-                    partition,
-                    _headers(effect.trace_id, slot.run_id, effect.step, effect.attempt),
-                )
-            else:
-                self._produce_effect(partition, effect, seq=seq, at=event.at)
-        slot.state = result.state
-        slot.last_seq = seq
-        slot.updated_at = max(slot.updated_at, event.at)
-        self._touch(partition, slot)
-        self.stats.count(result.disposition, len(result.effects))
-
-    def _produce_event(
-        self,
-        partition: int,
-        run_id: str,
-        seq: int,
-        event: Event,
-        result: Transition,
-        input_id: str | None,
-    ) -> None:
-        record = event_record(run_id, seq, event, result, input_id=input_id)
-        self._emit(
-            self.events,
-            event_key(run_id, seq),
-            encode("Event", record),
-            partition,
-            _headers(event.trace_id, run_id, record["step"], record["attempt"]),
-        )
-        if result.disposition is not Disposition.APPLIED:
-            log.info(
-                "run %s seq %d %s %s: %s",
-                run_id,
-                seq,
-                event.type,
-                result.disposition,
-                result.reason,
-                extra={"run_id": run_id, "seq": seq, "trace_id": event.trace_id},
-            )
-
-    def _produce_effect(self, partition: int, effect: Any, *, seq: int, at: int) -> None:
-        kind = EFFECT_TOPIC_KIND[effect.type]
-        topic = self._effect_topics[kind]
-        if kind == "model":
-            partition = self._model_partition(topic)
-        self._emit(
-            topic,
-            effect.run_id.encode(),
-            encode("Effect", effect_record(effect, seq=seq, at=at)),
-            partition,
-            [
-                *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
-                ("idempotency_key", effect.idempotency_key.encode()),
-            ],
-        )
-
-    def _model_partition(self, topic: str) -> int:
-        """One partition for all of a batch's model effects, the next one for the next batch.
-
-        Every partition a transaction writes is one more produce request (librdkafka sends one
-        partition per request) and one more commit marker, and the broker serves a connection's
-        requests one at a time. With run partitions, a batch of new runs writes its model
-        effects to every partition; on one, a transaction has 13 produce requests instead of 18
-        at 1,000 new runs/s (flush 8-10 against 12-15 ms, latency p99 lower in 4 of 5 pairs).
-        Over batches the partitions take turns, so the executors share the load as before.
-        Model effects need no order per run: a run has one model call open at a time and emits
-        the next only after the result of the last (a retry too: it follows a failed result or
-        that failure's back-off timer). Tool and timer effects stay on the run's partition: a
-        CancelTool or CancelTimer must not overtake the effect it cancels."""
-        batch = self._open_batch()
-        if batch.model_partition is None:
-            if not self._model_partitions:
-                self._model_partitions = partition_count(self._consumer, topic)
-            batch.model_partition = self._model_batches % self._model_partitions
-            self._model_batches += 1
-        return batch.model_partition
-
-    def _touch(self, partition: int, slot: RunSlot) -> None:
-        self._open_batch().dirty[slot.run_id] = (partition, slot)
-
-    def _dead_letter(
-        self, original: _Original, reason: str, error_class: str, *, run_id: str | None = None
-    ) -> None:
-        record = dlq.dead_letter(
-            reason=reason,
-            error_class=error_class,
-            topic=original.topic,
-            partition=original.partition,
-            offset=original.offset,
-            key=original.key,
-            value=original.value,
-            headers=original.headers,
-            at=int(time.time() * 1000),
-            original_timestamp=original.timestamp,
-            run_id=run_id,
-        )
-        self._emit(self.dlq, original.key, encode("DeadLetter", record))
-        self.stats.dead_letters += 1
-        log.warning("dead letter (%s): %s", error_class, reason, extra={"run_id": run_id})
+        self._path.handle(Inbound.of(message), self._open_batch())
 
     # ------------------------------------------------------------------ committing
 
@@ -745,7 +523,23 @@ class Processor:
         """Wait for the transaction in flight; re-raise its error (then no longer in flight)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.result()
+            in_flight.result()  # on an error, `_in_flight_batch` stays for `_recover`
+            batch, self._in_flight_batch = self._in_flight_batch, None
+            self._committed(batch)
+
+    def _committed(self, batch: _Sealed | None) -> None:
+        """A transaction committed: the back-off starts over; a batch retried one input per
+        transaction is isolated once the transactions passed its end."""
+        self._failures = 0
+        if batch is None or not self._isolating:
+            return
+        for tp in batch.offsets:
+            end = self._isolating.get(tp.partition)
+            if end is not None and tp.offset >= end:
+                del self._isolating[tp.partition]
+        if not self._isolating:
+            self._single_failures.clear()
+            log.info("the failing batch is isolated; back to batches")
 
     def _check_in_flight(self) -> None:
         """Raise the error of the in-flight transaction if it ended in one (for `_recover`)."""
@@ -760,12 +554,14 @@ class Processor:
         batch = self._batch
         if batch is not None:
             self._batch = None
-            self._in_flight = self._committer.submit(self._transact, self._seal(batch))
+            sealed = self._seal(batch)
+            self._in_flight_batch = sealed
+            self._in_flight = self._committer.submit(self._transact, sealed)
         self.stats.stage("wait", time.monotonic() - began)
         if wait:
             self._wait_in_flight()
 
-    def _seal(self, batch: _Batch) -> _Sealed:
+    def _seal(self, batch: Batch) -> _Sealed:
         """Everything the batch's transaction writes, encoded now: the slots move on."""
         began = time.monotonic()
         # Artifacts must be durable before the transaction commits (no read_committed reader
@@ -781,7 +577,11 @@ class Processor:
                 continue  # refused inputs of a run that does not exist leave no snapshot
             slot.version += 1
             value = encode("Snapshot", slot.to_record())
-            batch.records.append((self.state_topic, run_id.encode(), value, partition, None))
+            key = run_id.encode()
+            slot.size_estimate = len(key) + len(value)
+            batch.records.append((self.state_topic, key, value, partition, None))
+            self._track(partition, slot)
+        self._evict(batch)
         offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
         self.stats.publish(sum(len(slots) for slots in self._slots.values()))
         sealed = time.monotonic()
@@ -796,6 +596,51 @@ class Processor:
             started=batch.started,
             sealed=sealed,
         )
+
+    def _track(self, partition: int, slot: RunSlot) -> None:
+        """Note the event time a slot reached and, if it ended, when it may be evicted."""
+        if slot.updated_at > self._watermark.get(partition, 0):
+            self._watermark[partition] = slot.updated_at
+        retention = self.config.terminal_retention_ms
+        if retention is not None and slot.state is not None and slot.state.terminal:
+            heap = self._expiring.setdefault(partition, [])
+            heapq.heappush(heap, (slot.updated_at + retention, slot.run_id))
+
+    def _submitted_after(self, partition: int) -> int | None:
+        """A run is evicted once its partition's event time (capped by the clock) is
+        `terminal_retention_ms` past the run's last `at`, so a submission at or before that
+        horizon less the retention may be the replay of an evicted run: refused."""
+        retention = self.config.terminal_retention_ms
+        horizon = min(self._watermark.get(partition, 0), int(time.time() * 1000))
+        return None if retention is None or horizon <= 0 else horizon - retention
+
+    def _evict(self, batch: Batch) -> None:
+        """Runs that ended `terminal_retention_ms` ago leave memory, and the state topic with a
+        tombstone after their last snapshot (the event log keeps them). At most EVICT_PER_SEAL a
+        seal keeps transactions small after a restore with many of them."""
+        retention = self.config.terminal_retention_ms
+        if retention is None:
+            return
+        now = int(time.time() * 1000)
+        evicted = 0
+        for partition, heap in self._expiring.items():
+            horizon = min(self._watermark.get(partition, 0), now)
+            runs = self._slots.get(partition, {})
+            ended = self._path.ended.setdefault(partition, {})
+            while heap and heap[0][0] <= horizon and evicted < EVICT_PER_SEAL:
+                _, run_id = heapq.heappop(heap)
+                slot = runs.get(run_id)
+                if slot is None or slot.state is None or not slot.state.terminal:
+                    continue
+                if slot.buffer or slot.updated_at + retention > horizon:
+                    continue  # touched since: pushed again with its new time
+                del runs[run_id]
+                ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
+                if len(ended) > self.config.max_ended_runs:
+                    del ended[next(iter(ended))]
+                batch.records.append((self.state_topic, run_id.encode(), None, partition, None))
+                evicted += 1
+        self.stats.evicted += evicted
 
     def _transact(self, batch: _Sealed) -> None:
         """The committer thread: one transaction for one sealed batch."""
@@ -813,7 +658,17 @@ class Processor:
         producer.send_offsets_to_transaction(batch.offsets, batch.metadata, 30)
         sent = time.monotonic()
         if batch.artifacts is not None:
-            batch.artifacts.result()  # re-raises the store's error: nothing is committed then
+            try:
+                batch.artifacts.result()
+            except Exception as exc:  # the store's error: nothing is committed, retried
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError._FAIL,
+                        f"artifact store: {type(exc).__name__}: {exc}",
+                        retriable=True,
+                        txn_requires_abort=True,
+                    )
+                ) from exc
         wrote = time.monotonic()
         flushed = commit_timed(producer, 30)
         self._txn_open = False
@@ -854,9 +709,12 @@ class Processor:
         """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state.
 
         The batch applied behind the failed transaction is dropped with it: the rewind to the
-        committed offsets and snapshots brings its inputs back."""
+        committed offsets and snapshots brings its inputs back. Each retry waits a back-off
+        that doubles with the failures in a row; after `isolate_after` of them the failing
+        batch is retried one input per transaction (`_isolate`)."""
         with contextlib.suppress(KafkaException):
             self._wait_in_flight()  # the committer is idle from here on
+        failed, self._in_flight_batch = self._in_flight_batch, None
         self._batch = None
         error = exc.args[0] if exc.args else None
         fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
@@ -867,7 +725,50 @@ class Processor:
             self._producers.replace_current()
         else:
             self._abort_quietly()
+            self._failures += 1
+            if failed is not None:
+                self._isolate(failed, exc)
+        if rewind is None:  # not in a rebalance callback, which must not stall
+            self._back_off()
+        self.stats.retries += 1
         self._rewind(set(self._assigned) if rewind is None else rewind)
+
+    def _back_off(self) -> None:
+        c = self.config
+        if self._failures <= 0:
+            return
+        delay = min(c.retry_backoff_max_ms, c.retry_backoff_ms * 2 ** (self._failures - 1))
+        if self._stop is not None:
+            self._stop.wait(delay / 1000)
+        else:
+            time.sleep(delay / 1000)
+
+    def _isolate(self, failed: _Sealed, exc: KafkaException) -> None:
+        """Find the input a batch keeps failing on (one the size checks let through, a record
+        the broker refuses for a reason of its own): retry the batch's inputs one per
+        transaction; one whose own transaction keeps failing is dead-lettered with the error."""
+        error = exc.args[0] if exc.args else None
+        if isinstance(error, KafkaError) and error.retriable():
+            return  # an outage (of the broker, of the store), not an input's fault: retried
+        if self._isolating and failed.inputs == 1 and len(failed.offsets) == 1:
+            tp = failed.offsets[0]
+            where = (tp.partition, tp.offset - 1)
+            count = self._single_failures.get(where, 0) + 1
+            self._single_failures[where] = count
+            if count >= self.config.isolate_after:
+                reason = f"its transaction failed {count} times on its own: {exc}"
+                self._path.poisoned[where] = reason[:2000]
+                log.error("inbox %d@%d is dead-lettered: %s", *where, reason)
+            return
+        if self._failures >= self.config.isolate_after and failed.offsets:
+            for tp in failed.offsets:
+                self._isolating[tp.partition] = max(tp.offset, self._isolating.get(tp.partition, 0))
+            self.stats.isolations += 1
+            log.warning(
+                "a batch of %d inputs failed %d times: retrying them one per transaction",
+                failed.inputs,
+                self._failures,
+            )
 
     def _rewind(self, partitions: set[int]) -> None:
         """Drop in-memory state and seek back to the committed offsets of `partitions`."""
@@ -886,68 +787,6 @@ class Processor:
     def slots(self) -> Iterable[RunSlot]:
         for runs in self._slots.values():
             yield from runs.values()
-
-
-@dataclass(frozen=True)
-class _Original:
-    """Where a refused input came from, and its bytes, for its dead-letter record (R30)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: Headers
-    timestamp: int | None
-
-    @classmethod
-    def of(cls, message: Message) -> _Original:
-        partition, offset = message.partition(), message.offset()
-        return cls(
-            topic=message.topic() or "",
-            partition=-1 if partition is None else partition,
-            offset=-1 if offset is None else offset,
-            key=message.key(),
-            value=message.value(),
-            headers=list(_header_pairs(message)),
-            timestamp=message.timestamp()[1],
-        )
-
-    @classmethod
-    def of_record(cls, topic: str, partition: int, record: dict[str, Any]) -> _Original:
-        """A buffered input: its offset was committed long ago, its content is the record."""
-        return cls(
-            topic=topic,
-            partition=partition,
-            offset=-1,
-            key=record["run_id"].encode(),
-            value=encode("Input", record),
-            headers=[],
-            timestamp=record["at"],
-        )
-
-
-def _header_pairs(message: Message) -> Iterable[tuple[str, str | bytes | None]]:
-    headers = message.headers()
-    if isinstance(headers, dict):
-        return headers.items()
-    return headers or []
-
-
-class _Reject(Exception):
-    def __init__(self, reason: str, error_class: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error_class = error_class
-
-
-def _headers(trace_id: str, run_id: str, step: int, attempt: int) -> Headers:
-    return [
-        ("trace_id", trace_id.encode()),
-        ("run_id", run_id.encode()),
-        ("step", str(step).encode()),
-        ("attempt", str(attempt).encode()),
-    ]
 
 
 __all__ = ["Processor", "ProcessorConfig"]

@@ -146,6 +146,24 @@ class RunSlot:
     producer_marks: dict[str, int] = field(default_factory=dict)
     recent: list[tuple[str, str]] = field(default_factory=list)
     updated_at: int = 0
+    # Not serialized: an upper estimate of the encoded snapshot (exact after each seal), so
+    # the processor measures a snapshot only when it may be near the record limit.
+    size_estimate: int = 0
+
+    def copy(self) -> RunSlot:
+        """A copy one input can change without touching this slot (the state is immutable)."""
+        return RunSlot(
+            self.run_id,
+            self.state,
+            self.last_seq,
+            self.version,
+            list(self.buffer),
+            self.gap_since,
+            dict(self.producer_marks),
+            list(self.recent),
+            self.updated_at,
+            self.size_estimate,
+        )
 
     def remember(self, key: str, digest: str) -> None:
         self.recent.append((key, digest))

@@ -1,0 +1,324 @@
+"""Hostile inputs against the real broker: no input wedges the processor."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+from connectors.artifacts import PostgresArtifactStore
+from processors.events import CancelRequested, GoalChanged, RunSubmitted
+from streams import dlq
+from streams.admin import ensure_topics, record_limits
+from streams.inputs import RECORD_MARGIN
+from streams.partitioning import partition_for
+from streams.processor import Processor, ProcessorConfig
+from streams.records import parse_event_body
+from streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
+from tests.integration.pipeline import (
+    ExecutorDouble,
+    Inbox,
+    input_record,
+    now_ms,
+    read_all,
+    running_on_thread,
+    submitted,
+    wait_for,
+)
+
+PARTITIONS = 3
+
+
+@pytest.fixture
+def prefix(kafka_bootstrap: str, unique_name: str) -> str:
+    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
+    return unique_name
+
+
+@contextlib.contextmanager
+def _processor(database_url: str, config: ProcessorConfig) -> Iterator[Processor]:
+    store = PostgresArtifactStore(database_url)
+    proc = Processor(config, store.put_many)
+    try:
+        with running_on_thread(proc.run, "processor"):
+            yield proc
+    finally:
+        store.close()
+
+
+def _config(bootstrap: str, prefix: str, **options: Any) -> ProcessorConfig:
+    return ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc", **options)
+
+
+def _results(bootstrap: str, prefix: str) -> dict[str, str]:
+    return {
+        r.value["run_id"]: r.value["status"]
+        for r in read_all(bootstrap, topic_name(RESULTS, prefix), "Result")
+    }
+
+
+def _log(bootstrap: str, prefix: str, run_id: str) -> list[dict[str, object]]:
+    events = read_all(bootstrap, topic_name(EVENTS, prefix), "Event")
+    return [r.value for r in events if r.value["run_id"] == run_id]
+
+
+def _dead(bootstrap: str, prefix: str) -> list[dict[str, object]]:
+    return [r.value for r in read_all(bootstrap, topic_name(DLQ, prefix), "DeadLetter")]
+
+
+def test_a_task_with_a_400_kb_trace_id_is_dead_lettered_and_the_next_run_succeeds(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """Its event and effects would be over the broker's record limit: before, every
+    transaction failed with MSG_SIZE_TOO_LARGE and was retried forever."""
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    huge = submitted("huge-trace")
+    huge = RunSubmitted(**{**_fields(huge), "trace_id": "t" * (400 << 10)})
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
+    double.start()
+    try:
+        with _processor(database_url, _config(kafka_bootstrap, prefix)) as proc:
+            inbox.send(input_record(huge))
+            inbox.flush()
+            wait_for(lambda: proc.stats.too_large >= 1, timeout=60, what="the refusal")
+            inbox.send(input_record(submitted("after-huge")))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("after-huge") == "SUCCEEDED",
+                timeout=60,
+                what="the run submitted after it",
+            )
+    finally:
+        double.close()
+        inbox.close()
+    (dead,) = _dead(kafka_bootstrap, prefix)
+    assert dead["error_class"] == dlq.RECORD_TOO_LARGE and dead["run_id"] == "huge-trace"
+    assert str(dead["reason"]).startswith("invalid_input:record_too_large: ")
+    assert _log(kafka_bootstrap, prefix, "huge-trace") == []
+    assert proc.stats.aborts == 0
+
+
+def test_a_goal_over_the_record_limit_fails_its_run_and_the_next_run_succeeds(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    config = _config(kafka_bootstrap, prefix, max_record_bytes=64 << 10)
+    with _processor(database_url, config) as proc:
+        first = submitted("big-goal")
+        inbox.send(input_record(first))
+        inbox.flush()
+        wait_for(
+            lambda: len(_log(kafka_bootstrap, prefix, "big-goal")) == 1,
+            timeout=60,
+            what="the run's submission",
+        )
+        goal = GoalChanged(
+            run_id="big-goal",
+            event_id="big-goal:goal",
+            at=first.at + 1,
+            trace_id=first.trace_id,
+            step=1,
+            goal="g" * (100 << 10),
+        )
+        inbox.send(input_record(goal))
+        inbox.flush()
+        wait_for(
+            lambda: _results(kafka_bootstrap, prefix).get("big-goal") == "FAILED",
+            timeout=60,
+            what="the run failed by the refusal",
+        )
+        double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
+        double.start()
+        try:
+            inbox.send(input_record(submitted("after-goal")))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("after-goal") == "SUCCEEDED",
+                timeout=60,
+                what="the run submitted after it",
+            )
+        finally:
+            double.close()
+            inbox.close()
+    log = _log(kafka_bootstrap, prefix, "big-goal")
+    assert [e["type"] for e in log[:2]] == ["RunSubmitted", "InputRefused"]
+    assert all(e["disposition"] == "LATE" for e in log[2:])  # the model's late answer
+    refused = parse_event_body(str(log[1]["body"]))
+    assert refused.reason.startswith(  # type: ignore[union-attr]
+        f"invalid_input:record_too_large: {topic_name(EVENTS, prefix)} record of "
+    )
+    assert proc.stats.refused == 1 and proc.stats.aborts == 0
+
+
+def test_a_batch_the_broker_keeps_refusing_is_isolated_and_its_poison_dead_lettered(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """A record under the limit the processor read at start, over the one the events topic has
+    now: the broker refuses the batch. After three failures the inputs go one per transaction;
+    the one that fails alone is dead-lettered with the broker's error, the rest commit."""
+    config = _config(kafka_bootstrap, prefix, retry_backoff_ms=20)
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    with _processor(database_url, config) as proc:
+        events = topic_name(EVENTS, prefix)
+        _set_topic_config(kafka_bootstrap, events, "max.message.bytes", 16384)
+        wait_for(
+            lambda: record_limits(kafka_bootstrap, [events]).get(events) == 16384,
+            timeout=30,
+            what="the lowered limit",
+        )
+        good = [f"good-{i}" for i in range(6)]
+        poison = submitted("poison")
+        # random hex: lz4 cannot make it smaller than the topic's limit
+        poison = RunSubmitted(**{**_fields(poison), "goal": secrets.token_hex(20 << 10)})
+        for run_id in good[:3]:
+            inbox.send(input_record(submitted(run_id)))
+        inbox.send(input_record(poison))
+        for run_id in good[3:]:
+            inbox.send(input_record(submitted(run_id)))
+        inbox.flush()
+        wait_for(
+            lambda: any(d["run_id"] == "poison" for d in _dead(kafka_bootstrap, prefix)),
+            timeout=120,
+            what="the poison's dead letter",
+        )
+        wait_for(
+            lambda: all(_log(kafka_bootstrap, prefix, run_id) for run_id in good),
+            timeout=60,
+            what="every good run's submission",
+        )
+    inbox.close()
+    (dead,) = _dead(kafka_bootstrap, prefix)
+    assert dead["error_class"] == dlq.TRANSACTION_FAILED
+    assert "transaction failed" in str(dead["reason"])
+    assert _log(kafka_bootstrap, prefix, "poison") == []
+    assert proc.stats.isolations >= 1 and proc.stats.aborts >= 3
+    assert proc.stats.retries == proc.stats.aborts
+
+
+def _fields(event: RunSubmitted) -> dict[str, object]:
+    return {f: getattr(event, f) for f in event.__struct_fields__}
+
+
+def _set_topic_config(bootstrap: str, topic: str, name: str, value: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resource = ConfigResource(
+        "TOPIC",
+        topic,
+        incremental_configs=[
+            ConfigEntry(name, str(value), incremental_operation=AlterConfigOpType.SET)
+        ],
+    )
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=30)
+
+
+def test_an_ended_run_is_evicted_answered_late_and_not_restored(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    config = _config(kafka_bootstrap, prefix, terminal_retention_ms=1000)
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
+    double.start()
+    first = submitted("ends")
+    try:
+        with _processor(database_url, config) as proc:
+            inbox.send(input_record(first))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("ends") == "SUCCEEDED",
+                timeout=60,
+                what="the run's end",
+            )
+            time.sleep(1.2)  # event time moves past its end plus the retention
+            inbox.send(input_record(submitted("later")))
+            inbox.flush()
+            wait_for(lambda: proc.stats.evicted >= 1, timeout=60, what="the eviction")
+            assert "ends" not in {slot.run_id for slot in proc.slots()}
+            ended = len(_log(kafka_bootstrap, prefix, "ends"))
+            cancel = CancelRequested(run_id="ends", event_id="late", at=now_ms(), trace_id="t")
+            inbox.send(input_record(cancel))
+            inbox.flush()
+            wait_for(
+                lambda: len(_log(kafka_bootstrap, prefix, "ends")) == ended + 1,
+                timeout=60,
+                what="the late answer",
+            )
+        assert _last_state(kafka_bootstrap, prefix, "ends") is None  # a tombstone
+        with _processor(database_url, config) as proc:
+            wait_for(lambda: bool(proc._assigned), timeout=60, what="the restore")
+            assert "ends" not in {slot.run_id for slot in proc.slots()}
+            inbox.send(input_record(first))  # its submission again: not a new run
+            inbox.send(input_record(submitted("after-restore")))
+            inbox.flush()
+            wait_for(
+                lambda: _results(kafka_bootstrap, prefix).get("after-restore") == "SUCCEEDED",
+                timeout=60,
+                what="a run after the restore",
+            )
+            wait_for(lambda: bool(_dead(kafka_bootstrap, prefix)), timeout=30, what="refusal")
+    finally:
+        double.close()
+        inbox.close()
+    log = _log(kafka_bootstrap, prefix, "ends")
+    assert log[-1]["type"] == "CancelRequested" and log[-1]["disposition"] == "LATE"
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    (dead,) = _dead(kafka_bootstrap, prefix)
+    assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "ends"
+
+
+def _last_state(bootstrap: str, prefix: str, run_id: str) -> bytes | None:
+    """The value of the last committed state record of `run_id` (None: a tombstone)."""
+    topic = topic_name(STATE, prefix)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"state-{secrets.token_hex(4)}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "log_level": 3,
+        }
+    )
+    try:
+        partition = partition_for(run_id, PARTITIONS)
+        consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        found: list[bytes | None] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for message in consumer.consume(500, 0.5):
+                error = message.error()
+                if error is not None:
+                    assert error.code() == KafkaError._PARTITION_EOF, error
+                    assert found, f"no state record of {run_id}"
+                    return found[-1]
+                if message.key() == run_id.encode():
+                    found.append(message.value())
+        raise AssertionError(f"reading {topic} did not reach the end")
+    finally:
+        consumer.close()
+
+
+def test_the_record_limit_of_each_topic_is_read_from_the_broker(
+    kafka_bootstrap: str, prefix: str
+) -> None:
+    events = topic_name(EVENTS, prefix)
+    _set_topic_config(kafka_bootstrap, events, "max.message.bytes", 50_000)
+    wait_for(  # a config change reaches the broker's answers a moment after it is accepted
+        lambda: record_limits(kafka_bootstrap, [events]).get(events) == 50_000,
+        timeout=30,
+        what="the new limit",
+    )
+    found = record_limits(kafka_bootstrap, [events, topic_name(STATE, prefix)])
+    assert found[""] > 50_000 and found[topic_name(STATE, prefix)] == found[""]
+    proc = Processor(_config(kafka_bootstrap, prefix), lambda artifacts: None)
+    try:
+        limits = proc._path.limits
+        assert limits.of(events) == 50_000 - RECORD_MARGIN
+        assert limits.of(topic_name(STATE, prefix)) == 1_000_000 - RECORD_MARGIN  # the producer's
+    finally:
+        proc.close()

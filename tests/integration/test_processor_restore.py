@@ -1,0 +1,32 @@
+"""The restore bench's measurement at a small scale: ended runs are evicted and not restored."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.processor import restore_figures
+from streams.admin import ensure_topics
+
+PARTITIONS = 3
+
+
+@pytest.mark.parametrize(("retention_ms", "restored"), [(0, 0), (None, 40)])
+def test_a_restore_after_many_ended_runs_reads_only_the_runs_still_held(
+    kafka_bootstrap: str,
+    database_url: str,
+    unique_name: str,
+    retention_ms: int | None,
+    restored: int,
+) -> None:
+    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
+    figures = restore_figures(
+        kafka_bootstrap,
+        database_url,
+        unique_name,
+        runs=40,
+        partitions=PARTITIONS,
+        retention_ms=retention_ms,
+        timeout_s=120,
+    )
+    assert figures["restored_runs"] == restored
+    assert figures["processor_rss_mib_after_restore"] > 0
