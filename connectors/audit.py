@@ -96,6 +96,23 @@ def read_topic(
     timeout_s: float = 120.0,
 ) -> Iterator[dict[str, Any]]:
     """Every committed record of `topic` (or of some partitions), up to the current end."""
+    for _, record in read_keyed(
+        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s
+    ):
+        if record is not None:
+            yield record
+
+
+def read_keyed(
+    bootstrap: str,
+    topic: str,
+    expected_name: str,
+    *,
+    partitions: Sequence[int] | None = None,
+    timeout_s: float = 120.0,
+) -> Iterator[tuple[bytes | None, dict[str, Any] | None]]:
+    """Every committed record of `topic` with its key, tombstones (None) included, in each
+    partition's order, up to the current end."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -129,9 +146,10 @@ def read_topic(
                     raise AgentrunsKafkaError(f"reading {topic}: {error}")
                 value = message.value()
                 if value is None:
+                    yield message.key(), None
                     continue
                 try:
-                    yield decode(value, expected_name=expected_name).record
+                    yield message.key(), decode(value, expected_name=expected_name).record
                 except CodecError as exc:
                     log.error("undecodable record in %s: %s", topic, exc)
     except KafkaException as exc:
@@ -170,10 +188,15 @@ def read_log(
     return dict(logs)
 
 
-def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any]]:
-    """The latest Snapshot record per run (highest version)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for record in read_topic(bootstrap, topic_name(STATE, prefix), "Snapshot"):
+def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | None]:
+    """The latest Snapshot record per run (highest version); None for a run whose last state
+    record is a tombstone: the processor evicted it after it ended (its log stays whole)."""
+    latest: dict[str, dict[str, Any] | None] = {}
+    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot"):
+        if record is None:
+            if key is not None:
+                latest[key.decode("utf-8", "replace")] = None
+            continue
         held = latest.get(record["run_id"])
         if held is None or held["version"] <= record["version"]:
             latest[record["run_id"]] = record
@@ -618,9 +641,13 @@ def audit(
     for run_id in chosen:
         exp = expected_projection(run_id, logs[run_id])
         differences.extend(exp.divergences)
-        differences.extend(
-            compare_snapshot(run_id, exp, snapshots.get(run_id), tolerate_ahead=live)
-        )
+        evicted = run_id in snapshots and snapshots[run_id] is None
+        if evicted and exp.state is not None and exp.state.terminal:
+            pass  # evicted after it ended: the log and Postgres still say all there is
+        else:
+            differences.extend(
+                compare_snapshot(run_id, exp, snapshots.get(run_id), tolerate_ahead=live)
+            )
         if rows is not None:
             found, lag = compare_postgres(run_id, exp, rows, tolerate_lag=live)
             differences.extend(found)
