@@ -31,6 +31,7 @@ from processors.events import (
     ModelOutcome,
     ToolCallRequest,
 )
+from processors.limits import MAX_DURATION_MS, MAX_TIME_MS
 from processors.state import Policy
 from processors.transition import fold, transition
 from streams.codec import decode, encode
@@ -238,10 +239,10 @@ def test_postgres_restart_while_sinking_retries_and_loses_nothing(
     assert report.differences == [], [d.line() for d in report.differences[:20]]
 
 
-def _asking(run_id: str, user_wait_ms: int) -> list[Event]:
+def _asking(run_id: str, user_wait_ms: int, at: int | None = None) -> list[Event]:
     """A run whose model asks for a tool that needs approval: it waits for the user, with a
     question that expires `user_wait_ms` after the model's answer."""
-    at = now_ms()
+    at = now_ms() if at is None else at
     guarded = SEARCH.model_copy(update={"permission": "write"})
     policy = Policy(approval_required=("write",), user_wait_ms=user_wait_ms)
     sub = submitted(run_id, at=at).model_copy(update={"tools": (guarded,), "policy": policy})
@@ -285,8 +286,9 @@ def test_records_the_sink_cannot_project_are_dead_lettered_and_the_next_runs_are
     prefix = unique_name
     events_topic = topic_name(EVENTS, prefix)
     writer = new_log(kafka_bootstrap, None, prefix)
-    # a question that expires past year 9999: Python's datetime cannot hold it
-    writer.send(writer.plan(_asking(f"{prefix}-wait", 300_000_000_000_000)))
+    # a question that would expire past year 9999 (the last valid time and the longest wait):
+    # the core caps it, the sink clamps what Python's datetime cannot hold
+    writer.send(writer.plan(_asking(f"{prefix}-wait", MAX_DURATION_MS, at=MAX_TIME_MS - 10)))
     # a goal with a NUL character: Postgres text (and jsonb) refuse it, the batch's SQL fails
     writer.send(writer.plan([submitted(f"{prefix}-nul").model_copy(update={"goal": "a\x00b"})]))
     garbage = b"\x00not an event"

@@ -237,8 +237,12 @@ def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_sti
         d.value["original_value"]: d.value for d in read_all(kafka_bootstrap, dlq, "DeadLetter")
     }
     assert set(dead) == {value for _, value in records[:5]}
-    assert dead[too_late]["reason"] == DUE_AT_OUT_OF_RANGE
-    assert dead[negative]["reason"] == DUE_AT_OUT_OF_RANGE
+    # the core's bound on due_at refuses them at decode; the timer's own range check stays
+    # behind it for effects written by another version
+    for out_of_range in (too_late, negative):
+        reason = dead[out_of_range]["reason"]
+        assert reason.startswith(("invalid_input:effect_body", DUE_AT_OUT_OF_RANGE)), reason
+        assert "due_at" in reason
     assert dead[encode("Effect", bad_body_record)]["reason"].startswith("invalid_input:effect_body")
     assert dead[nul]["reason"].startswith("invalid_input:unstorable")
     assert dead[garbage]["error_class"] != "INVALID_EVENT" and dead[garbage]["reason"]
