@@ -286,19 +286,21 @@ TARGETS = (
 )
 
 
-def _preload(bootstrap: str, prefix: str, runs: int, partitions: int) -> int:
-    """Write every input of `runs` runs to the inbox; how many. The producer is released on
-    return: one left alive past the stack's stop logs a screenful of connection errors."""
+def _preload(bootstrap: str, prefix: str, runs: int, partitions: int, live: int = 0) -> int:
+    """Write every input of `runs` runs to the inbox, and the submission alone of `live` more
+    (they stay waiting for their model call); how many. The producer is released on return:
+    one left alive past the stack's stop logs a screenful of connection errors."""
     producer = Producer(
         {"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True}
     )
     inbox = topic_name(INBOX, prefix)
     total = 0
     at = int(time.time() * 1000)
-    for i in range(runs):
-        run_id = f"run-{i:06d}"
+    for i in range(runs + live):
+        run_id = f"run-{i:07d}"
         part = partition_for(run_id, partitions)
-        for event in run_inputs(run_id, at):
+        inputs = run_inputs(run_id, at)
+        for event in inputs if i < runs else inputs[:1]:
             producer.produce(inbox, key=run_id.encode(), value=_record(event), partition=part)
             total += 1
         producer.poll(0)
@@ -351,6 +353,7 @@ def restore_figures(
     runs: int,
     partitions: int,
     retention_ms: int | None,
+    live: int = 0,
     timeout_s: float = 600,
 ) -> dict[str, Any]:
     """Restore with many ended runs: `runs` runs are processed to their end by one processor
@@ -358,7 +361,7 @@ def restore_figures(
     one is started on the same topics and timed until it restored its partitions. Topics
     `prefix` must exist and be empty."""
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
-    total = _preload(bootstrap, prefix, runs, partitions)
+    total = _preload(bootstrap, prefix, runs, partitions, live)
     logs = [Path(tempfile.gettempdir()) / f"{prefix}-restore-{i}.log" for i in (0, 1)]
     first = _spawn_processor(env, prefix, logs[0], retention_ms)
     try:
@@ -382,6 +385,7 @@ def restore_figures(
     restores = _restores(logs[1])
     return {
         "runs": runs,
+        "live_runs": live,
         "terminal_retention_ms": retention_ms,
         "restored_runs": sum(n for n, _ in restores),
         "restore_s": round(sum(seconds for _, seconds in restores), 3),
@@ -411,6 +415,8 @@ def _restore_main(args: argparse.Namespace) -> int:
                 runs=args.runs,
                 partitions=args.partitions,
                 retention_ms=retention,
+                live=args.live,
+                timeout_s=args.timeout,
             ),
         }
     print(json.dumps(figures))
@@ -437,6 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--restore",
         action="store_true",
         help="instead: time a restore after --runs runs ended (prints its figures only)",
+    )
+    parser.add_argument(
+        "--live", type=int, default=0, help="with --restore: runs left waiting (submitted only)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="with --restore: seconds to process them"
     )
     parser.add_argument(
         "--terminal-retention-ms",
