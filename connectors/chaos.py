@@ -22,6 +22,7 @@ only when every check holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -186,6 +187,7 @@ def run_chaos(
         with (
             model_server.serve("127.0.0.1", 0) as models,
             tool_server.serve("127.0.0.1", 0, report_delay_ms=500) as tools,
+            contextlib.ExitStack() as cleanup,
         ):
             env = {
                 **os.environ,
@@ -231,6 +233,7 @@ def run_chaos(
                 sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
                 sup.add("api", "connectors.cli", "api", *common, "--port", str(api_port))
             sup.start_all()
+            cleanup.callback(sup.stop_all)  # whatever fails below, no component outlives us
             producer = Producer(
                 {"bootstrap.servers": ep.kafka_bootstrap, "enable.idempotence": True}
             )
@@ -246,6 +249,7 @@ def run_chaos(
                 api_url=api_url,
                 api_token=api_token if hostile else None,
             )
+            cleanup.callback(doors.close)
             bad_inputs = (
                 hostile_cases.cases(api=True)
                 if hostile
@@ -406,8 +410,6 @@ def run_chaos(
                 if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
             }
             crashes += sum(1 for name in sup.components if not sup.alive(name))
-            sup.stop_all()
-            doors.close()
         restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
