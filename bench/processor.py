@@ -12,7 +12,8 @@ Prints one JSON object last: transitions/s, latency p50/p99, commit latency, pro
 
 With `--restore`: N runs are processed to their end, the processor is stopped, and a second one
 is timed restoring the state topic (its restore time, as it logs it, and its RSS after it),
-ended runs evicted after `--terminal-retention-ms` (0 by default; -1 keeps them).
+ended runs evicted after `--terminal-retention-ms` (1 s of event time by default; -1 keeps
+them), and `--live` runs left waiting beside them.
 """
 
 from __future__ import annotations
@@ -286,20 +287,27 @@ TARGETS = (
 )
 
 
-def _preload(bootstrap: str, prefix: str, runs: int, partitions: int, live: int = 0) -> int:
+def _preload(
+    bootstrap: str, prefix: str, runs: int, partitions: int, live: int = 0, spread_ms: int = 0
+) -> int:
     """Write every input of `runs` runs to the inbox, and the submission alone of `live` more
-    (they stay waiting for their model call); how many. The producer is released on return:
-    one left alive past the stack's stop logs a screenful of connection errors."""
+    (they stay waiting for their model call); how many. Run i starts `i * spread_ms` after the
+    first (event time: runs end one after another, as eviction expects; 10 ms leaves each run's
+    inputs, 1-3 ms apart, behind the next submission). The producer is
+    released on return: one left alive past the stack's stop logs a screenful of connection
+    errors."""
     producer = Producer(
         {"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True}
     )
     inbox = topic_name(INBOX, prefix)
     total = 0
-    at = int(time.time() * 1000)
+    # spread runs start in the past, so none is ahead of the wall clock (event time is capped
+    # by it) when they are applied
+    at = int(time.time() * 1000) - (runs + live) * spread_ms
     for i in range(runs + live):
         run_id = f"run-{i:07d}"
         part = partition_for(run_id, partitions)
-        inputs = run_inputs(run_id, at)
+        inputs = run_inputs(run_id, at + i * spread_ms)
         for event in inputs if i < runs else inputs[:1]:
             producer.produce(inbox, key=run_id.encode(), value=_record(event), partition=part)
             total += 1
@@ -361,7 +369,7 @@ def restore_figures(
     one is started on the same topics and timed until it restored its partitions. Topics
     `prefix` must exist and be empty."""
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
-    total = _preload(bootstrap, prefix, runs, partitions, live)
+    total = _preload(bootstrap, prefix, runs, partitions, live, spread_ms=10)
     logs = [Path(tempfile.gettempdir()) / f"{prefix}-restore-{i}.log" for i in (0, 1)]
     first = _spawn_processor(env, prefix, logs[0], retention_ms)
     try:
@@ -453,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--terminal-retention-ms",
         type=int,
-        default=0,
+        default=1000,
         help="with --restore: the processors' --terminal-retention-ms (-1: keep ended runs)",
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
