@@ -9,7 +9,7 @@ produced; the processor refuses the same through Kafka. Record sizes depend on t
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -48,20 +48,21 @@ Ids = Annotated[tuple[Id, ...], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
 def json_depth(value: object, limit: int = MAX_JSON_DEPTH) -> int:
-    """The nesting depth of a parsed JSON value, counted without recursion; stops at
-    ``limit + 1`` (so a hostile document costs at most its size)."""
-    deepest = 0
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: list[object] = list(item.values())
-        elif isinstance(item, list | tuple):
-            children = list(item)
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
+    """The nesting depth of a parsed JSON value (a scalar 0, ``{}`` 1); stops at ``limit + 1``,
+    so a hostile document costs at most its size and the recursion never goes deeper than
+    ``limit + 1`` frames (far below the interpreter's limit)."""
+    return _depth(value, 1, limit) if isinstance(value, dict | list | tuple) else 0
+
+
+def _depth(item: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int, limit: int) -> int:
+    if depth > limit:
+        return depth
+    deepest = depth
+    for child in item.values() if isinstance(item, dict) else item:
+        if isinstance(child, dict | list | tuple):
+            found = _depth(child, depth + 1, limit)
+            if found > deepest:
+                deepest = found
+                if deepest > limit:
+                    break
     return deepest

@@ -401,11 +401,24 @@ def task_problem(submitted: RunSubmitted) -> str | None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         return f"invalid_input:duplicate_tool: {', '.join(repeated)}"
+    for spec in submitted.tools:  # before the schemas are written out as text
+        if json_depth(spec.parameters) > MAX_JSON_DEPTH:
+            return f"invalid_input:tool_schema: {spec.name}: nested deeper than {MAX_JSON_DEPTH}"
+    if not submitted.tools:
+        return None
+    return _tools_problem(canonical_json([[t.name, t.parameters] for t in submitted.tools]))
+
+
+@functools.lru_cache(maxsize=256)
+def _tools_problem(tools_json: str) -> str | None:
+    """`task_problem` of a list of [name, schema]: memoized (a pure function of its text),
+    since most tasks carry the same few tool lists and checking a schema against the
+    metaschema costs ~0.4 ms per task."""
     with shared_budget():  # the trial evaluations of all the tools share one budget
-        for spec in submitted.tools:
-            problem = _tool_schema_problem(spec.parameters)
+        for name, schema in json.loads(tools_json):
+            problem = _tool_schema_problem(schema)
             if problem is not None:
-                return f"invalid_input:tool_schema: {spec.name}: {problem}"[:300]
+                return f"invalid_input:tool_schema: {name}: {problem}"[:300]
     return None
 
 
