@@ -16,8 +16,8 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from bench.targets import Target, evaluate
-from processors.effects import (
+from agentruns.bench.targets import Target, evaluate
+from agentruns.processors.effects import (
     AskUser,
     CallModel,
     CallTool,
@@ -29,7 +29,7 @@ from processors.effects import (
     Reconcile,
     ScheduleTimer,
 )
-from processors.events import (
+from agentruns.processors.events import (
     CancelConfirmed,
     CancelRequested,
     CancelUnconfirmed,
@@ -56,8 +56,8 @@ from processors.events import (
     ToolStatusReported,
     UserReplied,
 )
-from processors.ids import content_ref
-from processors.state import (
+from agentruns.processors.ids import content_ref
+from agentruns.processors.state import (
     Budgets,
     ErrorClass,
     LoopLimits,
@@ -67,8 +67,8 @@ from processors.state import (
     RunStatus,
     ToolSpec,
 )
-from processors.summary import summarize
-from processors.transition import transition
+from agentruns.processors.summary import summarize
+from agentruns.processors.transition import transition
 
 START_AT = 1_767_225_600_000  # 2026-01-01T00:00:00Z, only as data
 

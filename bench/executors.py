@@ -1,6 +1,7 @@
 """``agentruns bench executors``: tool-call effects through the real broker to the tool server.
 
-One tool executor process (``python -m connectors.tool_executor``) and the example tool server
+One tool executor process (``python -m agentruns.connectors.executors.tool``) and the example tool
+server
 (its own process, zero tool latency) against a real Kafka and Postgres (``ServiceStack``:
 ``KAFKA_BOOTSTRAP_SERVERS``/``DATABASE_URL`` when set, else an ephemeral local stack started
 and stopped here). This process plays the processor: it produces ``CallTool`` effect records
@@ -40,16 +41,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.broker import broker_settings
-from bench.core import host_speed
-from bench.latency import p99_by_second, percentile
-from bench.machine import MachineCpu, process_cpu_seconds
-from bench.targets import Target, evaluate
-from connectors.executor_base import ExecutorConfig
-from streams.kafka_defaults import LONG_POLL_MS
-
-REPO = Path(__file__).resolve().parents[1]
-
+from agentruns.bench.broker import broker_settings
+from agentruns.bench.core import host_speed
+from agentruns.bench.latency import p99_by_second, percentile
+from agentruns.bench.machine import MachineCpu, process_cpu_seconds
+from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.testing import tool_server
+from agentruns.streams.kafka_defaults import LONG_POLL_MS
 
 #: issue 5: per executor process; p99 added latency at 200 calls/s
 TARGETS = (Target("calls_per_s", 1_000), Target("added_latency_ms.p99", 50, at_most=True))
@@ -68,7 +67,6 @@ def _process(
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc = subprocess.Popen(
         command,
-        cwd=REPO,
         stdout=subprocess.PIPE if banner else subprocess.DEVNULL,
         stderr=stderr,
         text=True,
@@ -114,8 +112,8 @@ class Collector:
         self.thread.start()
 
     def _run(self) -> None:
-        from streams.codec import decode
-        from streams.polling import poll_batch
+        from agentruns.streams.codec import decode
+        from agentruns.streams.polling import poll_batch
 
         while not self.stop.is_set():
             # consume(n, timeout) would hold what arrived until n records or the timeout and
@@ -147,10 +145,10 @@ class Collector:
 
 def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]]:
     """(input id of the answer, encoded Effect record, run_id) for ``count`` CallTools."""
-    from processors.effects import CallTool, OperationSpec
-    from processors.ids import canonical_json
-    from streams.codec import encode
-    from streams.records import effect_record
+    from agentruns.processors.effects import CallTool, OperationSpec
+    from agentruns.processors.ids import canonical_json
+    from agentruns.streams.codec import encode
+    from agentruns.streams.records import effect_record
 
     out = []
     now = int(time.time() * 1000)
@@ -178,28 +176,27 @@ def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]
 
 
 def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str, Any]:
+    from agentruns.connectors.postgres.migrate import migrate
+    from agentruns.streams.admin import ensure_topics
+    from agentruns.streams.topics import INBOX, effect_suffix, topic_name
     from confluent_kafka import Producer
-
-    from connectors.db import migrate
-    from streams.admin import ensure_topics
-    from streams.topics import INBOX, effect_suffix, topic_name
 
     migrate(database_url)
     prefix = f"bench{uuid.uuid4().hex[:8]}"
     ensure_topics(bootstrap, prefix=prefix, partitions=args.partitions)
     effects_topic = topic_name(effect_suffix("tool"), prefix)
-    server_cmd = [sys.executable, "-m", "connectors.tool_server", "--port", "0"]
+    server_cmd = [sys.executable, "-m", "agentruns.connectors.testing.tool_server", "--port", "0"]
     with (
         tempfile.TemporaryDirectory() as tmp,
         _process(server_cmd, banner=True) as (server, banner),
     ):
         url = banner.split("listening on ", 1)[1].split()[0]
-        registry = json.loads((REPO / "connectors" / "tools.example.json").read_text())
+        registry = json.loads(tool_server.DEFAULT_REGISTRY.read_text())
         registry["base_url"] = url
         registry_path = Path(tmp) / "tools.json"
         registry_path.write_text(json.dumps(registry))
         executor_cmd = [
-            sys.executable, "-m", "connectors.tool_executor",
+            sys.executable, "-m", "agentruns.connectors.executors.tool",
             "--bootstrap", bootstrap, "--database-url", database_url, "--prefix", prefix,
             "--registry", str(registry_path), "--workers", str(args.workers),
             "--max-batch", str(args.max_batch), "--log-level", "INFO",
@@ -350,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    from connectors.services import ServiceStack
+    from agentruns.connectors.devstack.services import ServiceStack
 
     speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:

@@ -24,23 +24,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentruns.bench.latency import percentile
+from agentruns.connectors.demo.run import registry_tools
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.processors.events import Message, RunSubmitted
+from agentruns.processors.state import Budgets
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.kafka_defaults import LONG_POLL_MS
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.records import input_record
+from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
-
-from bench.latency import percentile
-from connectors.db import migrate
-from connectors.demo import registry_tools
-from connectors.executor_base import ExecutorConfig
-from connectors.procs import free_port_block
-from connectors.services import ServiceStack
-from connectors.supervisor import Supervisor
-from processors.events import Message, RunSubmitted
-from processors.state import Budgets
-from streams.admin import ensure_topics
-from streams.codec import decode, encode
-from streams.kafka_defaults import LONG_POLL_MS
-from streams.partitioning import partition_for
-from streams.records import input_record
-from streams.topics import INBOX, RESULTS, STATE, topic_name
 
 STEPS = 10
 
@@ -228,12 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         sup = Supervisor(Path(tempfile.gettempdir()) / f"{prefix}-logs", env)
         common = ("--prefix", prefix)
-        sup.add("model-server", "connectors.model_server", "--port", str(model_port))
-        sup.add("tool-server", "connectors.tool_server", "--port", str(tool_port))
-        sup.add("processor", "connectors.processor_service", *common, "--log-level", "WARNING")
+        sup.add(
+            "model-server", "agentruns.connectors.testing.model_server", "--port", str(model_port)
+        )
+        sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
+        sup.add(
+            "processor", "agentruns.connectors.runtime.processor", *common, "--log-level", "WARNING"
+        )
         sup.add(
             "model-executor",
-            "connectors.model_executor",
+            "agentruns.connectors.executors.model",
             *common,
             "--base-url",
             f"http://127.0.0.1:{model_port}",
@@ -242,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         sup.add(
             "tool-executor",
-            "connectors.tool_executor",
+            "agentruns.connectors.executors.tool",
             *common,
             "--base-url",
             f"http://127.0.0.1:{tool_port}",

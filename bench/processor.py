@@ -33,17 +33,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
-
-from bench.broker import broker_settings
-from bench.core import host_speed
-from bench.latency import p99_by_second, percentile
-from bench.machine import MachineCpu, metrics_text, scrape
-from bench.targets import Target, evaluate
-from connectors.procs import free_port_block
-from connectors.services import ServiceStack
-from processors.effects import CallModel, CallTool
-from processors.events import (
+from agentruns.bench.broker import broker_settings
+from agentruns.bench.core import host_speed
+from agentruns.bench.latency import p99_by_second, percentile
+from agentruns.bench.machine import MachineCpu, metrics_text, scrape
+from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.processors.effects import CallModel, CallTool
+from agentruns.processors.events import (
     Candidate,
     Event,
     ModelCallCompleted,
@@ -52,16 +50,17 @@ from processors.events import (
     ToolCallRequest,
     ToolCallSucceeded,
 )
-from processors.state import Budgets, ToolSpec
-from processors.transition import transition
-from streams.admin import ensure_topics
-from streams.codec import encode
-from streams.kafka_defaults import LONG_POLL_MS
-from streams.partitioning import partition_for
-from streams.polling import poll_batch
-from streams.processor import ProcessorConfig
-from streams.records import input_record
-from streams.topics import EVENTS, INBOX, STATE, topic_name
+from agentruns.processors.state import Budgets, ToolSpec
+from agentruns.processors.transition import transition
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import encode
+from agentruns.streams.kafka_defaults import LONG_POLL_MS
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.polling import poll_batch
+from agentruns.streams.processor import ProcessorConfig
+from agentruns.streams.records import input_record
+from agentruns.streams.topics import EVENTS, INBOX, STATE, topic_name
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 TOOL = ToolSpec(
     name="search_docs",
@@ -330,7 +329,7 @@ def _spawn_processor(
             [
                 sys.executable,
                 "-m",
-                "connectors.processor_service",
+                "agentruns.connectors.runtime.processor",
                 "--prefix",
                 prefix,
                 "--terminal-retention-ms",
@@ -409,7 +408,7 @@ def _restore_main(args: argparse.Namespace) -> int:
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
-        from connectors.db import migrate
+        from agentruns.connectors.postgres.migrate import migrate
 
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
@@ -472,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
-        from connectors.db import migrate
+        from agentruns.connectors.postgres.migrate import migrate
 
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
@@ -491,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "connectors.processor_service",
+                    "agentruns.connectors.runtime.processor",
                     "--prefix",
                     prefix,
                     "--metrics-port",

@@ -16,7 +16,8 @@ trials reported (nested objects too; lists and strings are left out), the bench'
 judged on the median (``median_checks``, ``median_meets_targets``; see ``bench/targets.py``), how
 many trials met all of them on their own, and ``trials``: each trial's whole JSON, in order.
 
-``--contend N`` runs N busy-loop processes beside each trial (``bench.machine.neighbours``), each
+``--contend N`` runs N busy-loop processes beside each trial
+(``agentruns.bench.machine.neighbours``), each
 taking a core's worth of CPU at normal priority: a noisy neighbour made reproducible, so a change
 meant for a busy host can be judged against the same load twice.
 """
@@ -32,8 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.machine import neighbours
-from bench.targets import evaluate, figure, targets_of
+from agentruns.bench.machine import neighbours
+from agentruns.bench.targets import evaluate, figure, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "loop")
 
@@ -69,7 +70,7 @@ def last_json_line(stdout: str) -> Json:
 
 def run_trial(bench: str, args: Sequence[str]) -> Json:
     """One run of ``agentruns bench BENCH ARGS`` in a subprocess (its stderr passes through)."""
-    cmd = [sys.executable, "-m", "connectors.cli", "bench", bench, *args]
+    cmd = [sys.executable, "-m", "agentruns.connectors.cli", "bench", bench, *args]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"trial failed (exit {done.returncode}): {' '.join(cmd)}")

@@ -1,10 +1,13 @@
 """``agentruns bench sink``: how fast the Postgres projection keeps up with the run log.
 
-Run logs are produced the way the processor produces them: realistic runs (``bench.core``'s
-simulated world) are folded with the real core and written with ``streams.records`` as Event,
+Run logs are produced the way the processor produces them: realistic runs
+(``agentruns.bench.core``'s
+simulated world) are folded with the real core and written with ``agentruns.streams.records`` as
+Event,
 Snapshot and Result records in Kafka transactions (:class:`LogWriter`, also used by the tests).
 
-Three phases; the first two with one sink (``connectors.sink.Sink``, in a thread):
+Three phases; the first two with one sink (``agentruns.connectors.projection.sink.Sink``, in a
+thread):
 
 * throughput: a backlog of ``--events`` events is written first; the sink projects it from
   scratch; events/s = events / time to the last commit;
@@ -43,25 +46,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient
-
-from bench.broker import broker_settings
-from bench.core import host_speed, simulate
-from bench.latency import percentile
-from bench.machine import MachineCpu, process_cpu_seconds, scrape
-from bench.targets import Target, evaluate
-from connectors.procs import free_port_block
-from processors.effects import PublishResult
-from processors.events import Event
-from processors.state import RunState
-from processors.transition import Artifact, transition
-from streams.admin import ensure_topics
-from streams.codec import encode
-from streams.interpreter import tune_gc
-from streams.kafka_defaults import TRANSACTIONAL_PRODUCER
-from streams.partitioning import event_key, partition_for, run_key
-from streams.records import (
+from agentruns.bench.broker import broker_settings
+from agentruns.bench.core import host_speed, simulate
+from agentruns.bench.latency import percentile
+from agentruns.bench.machine import MachineCpu, process_cpu_seconds, scrape
+from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.processors.effects import PublishResult
+from agentruns.processors.events import Event
+from agentruns.processors.state import RunState
+from agentruns.processors.transition import Artifact, transition
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import encode
+from agentruns.streams.interpreter import tune_gc
+from agentruns.streams.kafka_defaults import TRANSACTIONAL_PRODUCER
+from agentruns.streams.partitioning import event_key, partition_for, run_key
+from agentruns.streams.records import (
     RunSlot,
     event_body,
     event_record,
@@ -69,7 +69,9 @@ from streams.records import (
     parse_event_body,
     result_record,
 )
-from streams.topics import EVENTS, RESULTS, STATE, topic_name
+from agentruns.streams.topics import EVENTS, RESULTS, STATE, topic_name
+from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
 
 Record = tuple[str, bytes, bytes, int]  # topic, key, value, partition
 
@@ -291,7 +293,7 @@ def scale_out(
             [
                 sys.executable,
                 "-m",
-                "connectors.sink",
+                "agentruns.connectors.projection.sink",
                 *("--prefix", prefix, "--group", group, "--instance-id", f"bench-{i}"),
                 *("--metrics-port", str(base + i), "--log-level", "WARNING"),
             ],
@@ -367,8 +369,8 @@ def run_bench(
     batch_size: int,
     sinks: int,
 ) -> dict[str, Any]:
-    from connectors.db import migrate
-    from connectors.sink import CommitReport, Sink, SinkConfig
+    from agentruns.connectors.postgres.migrate import migrate
+    from agentruns.connectors.projection.sink import CommitReport, Sink, SinkConfig
 
     migrate(database_url)
     tune_gc()  # the GC setting `agentruns sink` runs with: the in-process sink is measured
@@ -511,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sinks", type=int, default=2, help="sink processes of the scale-out phase (1: none)"
     )
     args = parser.parse_args(argv)
-    from connectors.services import ServiceStack
+    from agentruns.connectors.devstack.services import ServiceStack
 
     speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:

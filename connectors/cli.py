@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from connectors.errors import AgentrunsError
+from agentruns.connectors.errors import AgentrunsError
 
 
 def _dev_up(args: argparse.Namespace) -> int:
-    from connectors.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory) or StackConfig.from_env()
@@ -29,7 +29,7 @@ def _dev_up(args: argparse.Namespace) -> int:
         config.brokers = args.brokers
     stack = LocalStack(directory, config)
     timings = stack.up()
-    from connectors.db import migrate
+    from agentruns.connectors.postgres.migrate import migrate
 
     applied = migrate(stack.postgres.url)
     print(f"kafka     {stack.kafka.bootstrap_servers}  (ready in {timings['kafka_ready_s']:.1f}s)")
@@ -42,7 +42,7 @@ def _dev_up(args: argparse.Namespace) -> int:
 
 
 def _dev_down(args: argparse.Namespace) -> int:
-    from connectors.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory)
@@ -55,7 +55,7 @@ def _dev_down(args: argparse.Namespace) -> int:
 
 
 def _dev_status(args: argparse.Namespace) -> int:
-    from connectors.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory)
@@ -77,31 +77,58 @@ def _dev_status(args: argparse.Namespace) -> int:
 # Commands whose module parses its own arguments: `agentruns <words...> [args]` runs
 # `module.main(args)`. They are listed in the parser too, for `agentruns --help`.
 FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
-    ("run",): ("connectors.monolith", "every layer in one process (development)"),
-    ("processor",): ("connectors.processor_service", "run a processor process"),
-    ("executor", "model"): ("connectors.model_executor", "run a model executor process"),
-    ("executor", "tool"): ("connectors.tool_executor", "run a tool executor process"),
-    ("timer",): ("connectors.timer_service", "run the timer service (time enters as events)"),
-    ("sink",): ("connectors.sink", "project the topics into Postgres"),
-    ("scan",): ("connectors.scanner", "find and diagnose runs without progress"),
-    ("api",): ("connectors.api", "the HTTP API"),
-    ("submit",): ("connectors.client:main_submit", "submit a task (upstream producer)"),
-    ("results",): ("connectors.client:main_results", "print terminal results (--follow)"),
-    ("reply",): ("connectors.client:main_reply", "answer a run's question"),
-    ("cancel",): ("connectors.client:main_cancel", "cancel a run"),
-    ("replay",): ("connectors.audit:replay_main", "print a run's timeline from the log"),
-    ("audit",): ("connectors.audit:main", "fold the log, compare with snapshots and Postgres"),
-    ("revalidate",): ("connectors.audit:revalidate_main", "re-run validators over candidates"),
-    ("demo",): ("connectors.demo", "start what is needed and run the demo scenarios"),
-    ("chaos",): ("connectors.chaos", "mixed runs while components are killed"),
-    ("dev", "model-server"): ("connectors.model_server", "run the scripted model server"),
-    ("dev", "tool-server"): ("connectors.tool_server", "run the example tool server"),
-    ("bench", "core"): ("bench.core", "fold events through the pure core"),
-    ("bench", "processor"): ("bench.processor", "the processor against the real broker"),
-    ("bench", "executors"): ("bench.executors", "tool calls through the tool executor"),
-    ("bench", "sink"): ("bench.sink", "projection rate and lag"),
-    ("bench", "loop"): ("bench.loop", "N concurrent 10-step agent loops end to end"),
-    ("bench", "repeat"): ("bench.repeat", "run a bench N times: median, min, max, targets"),
+    ("run",): ("agentruns.connectors.runtime.monolith", "every layer in one process (development)"),
+    ("processor",): ("agentruns.connectors.runtime.processor", "run a processor process"),
+    ("executor", "model"): ("agentruns.connectors.executors.model", "run a model executor process"),
+    ("executor", "tool"): ("agentruns.connectors.executors.tool", "run a tool executor process"),
+    ("timer",): (
+        "agentruns.connectors.runtime.timers",
+        "run the timer service (time enters as events)",
+    ),
+    ("sink",): ("agentruns.connectors.projection.sink", "project the topics into Postgres"),
+    ("scan",): ("agentruns.connectors.runtime.scanner", "find and diagnose runs without progress"),
+    ("api",): ("agentruns.connectors.api.service", "the HTTP API"),
+    ("submit",): (
+        "agentruns.connectors.api.client:main_submit",
+        "submit a task (upstream producer)",
+    ),
+    ("results",): (
+        "agentruns.connectors.api.client:main_results",
+        "print terminal results (--follow)",
+    ),
+    ("reply",): ("agentruns.connectors.api.client:main_reply", "answer a run's question"),
+    ("cancel",): ("agentruns.connectors.api.client:main_cancel", "cancel a run"),
+    ("replay",): (
+        "agentruns.connectors.projection.audit:replay_main",
+        "print a run's timeline from the log",
+    ),
+    ("audit",): (
+        "agentruns.connectors.projection.audit:main",
+        "fold the log, compare with snapshots and Postgres",
+    ),
+    ("revalidate",): (
+        "agentruns.connectors.projection.audit:revalidate_main",
+        "re-run validators over candidates",
+    ),
+    ("demo",): ("agentruns.connectors.demo.run", "start what is needed and run the demo scenarios"),
+    ("chaos",): ("agentruns.connectors.demo.chaos", "mixed runs while components are killed"),
+    ("dev", "model-server"): (
+        "agentruns.connectors.testing.model_server",
+        "run the scripted model server",
+    ),
+    ("dev", "tool-server"): (
+        "agentruns.connectors.testing.tool_server",
+        "run the example tool server",
+    ),
+    ("bench", "core"): ("agentruns.bench.core", "fold events through the pure core"),
+    ("bench", "processor"): ("agentruns.bench.processor", "the processor against the real broker"),
+    ("bench", "executors"): ("agentruns.bench.executors", "tool calls through the tool executor"),
+    ("bench", "sink"): ("agentruns.bench.sink", "projection rate and lag"),
+    ("bench", "loop"): ("agentruns.bench.loop", "N concurrent 10-step agent loops end to end"),
+    ("bench", "repeat"): (
+        "agentruns.bench.repeat",
+        "run a bench N times: median, min, max, targets",
+    ),
 }
 
 
@@ -113,8 +140,8 @@ def _forwarded(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def _topics_create(args: argparse.Namespace) -> int:
-    from connectors.services import ServiceStack
-    from streams.admin import ensure_topics
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.streams.admin import ensure_topics
 
     with ServiceStack() as stack:
         assert stack.endpoints is not None
@@ -127,8 +154,8 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 
 def _topics_list(args: argparse.Namespace) -> int:
-    from connectors.services import ServiceStack
-    from streams.admin import describe_topics
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.streams.admin import describe_topics
 
     with ServiceStack() as stack:
         assert stack.endpoints is not None
@@ -138,8 +165,8 @@ def _topics_list(args: argparse.Namespace) -> int:
 
 
 def _db_migrate(args: argparse.Namespace) -> int:
-    from connectors.db import migrate
-    from connectors.services import ServiceStack
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.postgres.migrate import migrate
 
     with ServiceStack() as stack:
         assert stack.endpoints is not None

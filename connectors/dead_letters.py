@@ -1,5 +1,5 @@
 """Dead letters of the adapters that consume a topic outside a Kafka transaction (the timer
-service, the sink): a record built from the consumed message (streams.dlq), produced to
+service, the sink): a record built from the consumed message (agentruns.streams.dlq), produced to
 `<prefix>.dlq` and flushed BEFORE the consumer's position is committed, so a crash in between
 re-reads the record and writes its dead letter again (at least once), never loses it."""
 
@@ -9,10 +9,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from agentruns.streams import dlq
+from agentruns.streams.codec import encode
 from confluent_kafka import KafkaException, Message, Producer
-
-from streams import dlq
-from streams.codec import encode
 
 #: How long a flush of dead letters may wait for the broker before the caller retries.
 FLUSH_TIMEOUT_S = 30.0

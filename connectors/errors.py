@@ -6,7 +6,7 @@ Adapters convert outside exceptions at the edge (`raise ... from exc`); the CLI 
 
 from __future__ import annotations
 
-from streams.errors import AgentrunsError, AgentrunsKafkaError
+from agentruns.streams.errors import AgentrunsError, AgentrunsKafkaError
 
 __all__ = [
     "AgentrunsError",

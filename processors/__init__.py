@@ -1,5 +1,5 @@
 """The pure core of agentruns: run state, events, effects and the transition function."""
 
-from processors.transition import Disposition, Transition, fold, transition
+from agentruns.processors.transition import Disposition, Transition, fold, transition
 
 __all__ = ["Disposition", "Transition", "fold", "transition"]

@@ -1,7 +1,7 @@
 """Mermaid state diagram generated from the transition table.
 
-``python -m processors.diagram --write docs/design.md`` replaces the block between the
-markers; ``python -m processors.diagram`` prints it.
+``python -m agentruns.processors.diagram --write docs/design.md`` replaces the block between the
+markers; ``python -m agentruns.processors.diagram`` prints it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from processors.state import TERMINAL, TRANSIENT, RunStatus
-from processors.transition import PASS_THROUGH, RESTING, TABLE
+from agentruns.processors.state import TERMINAL, TRANSIENT, RunStatus
+from agentruns.processors.transition import PASS_THROUGH, RESTING, TABLE
 
 BEGIN = "<!-- BEGIN state-diagram (generated, do not edit) -->"
 END = "<!-- END state-diagram -->"
@@ -57,7 +57,7 @@ def render_into(document: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m processors.diagram")
+    parser = argparse.ArgumentParser(prog="python -m agentruns.processors.diagram")
     parser.add_argument("--write", metavar="DOC", help="replace the block in this document")
     args = parser.parse_args(argv)
     if args.write is None:

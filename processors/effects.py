@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import msgspec
-
-from processors.limits import Id, TimeMs
-from processors.state import Decoder, Frozen, RunStatus, TimerPurpose
+from agentruns.processors.limits import Id, TimeMs
+from agentruns.processors.state import Decoder, Frozen, RunStatus, TimerPurpose
 
 # Values an effect copies from the run's input keep their bounds (ids, times the core caps at
 # MAX_TIME_MS); counters the core increments (step, attempt, dispatch, poll) stay unbounded.

@@ -10,9 +10,8 @@ from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-
-from processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
-from processors.state import (
+from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
+from agentruns.processors.state import (
     CURRENT_VALIDATOR_VERSION,
     Budgets,
     Decoder,
@@ -24,7 +23,8 @@ from processors.state import (
     Tools,
 )
 
-# Every field an event brings from outside carries its bound (processors.limits, R30): a body
+# Every field an event brings from outside carries its bound (agentruns.processors.limits, R30): a
+# body
 # with a value out of range fails to decode, so the transition function never sees it.
 
 

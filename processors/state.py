@@ -10,8 +10,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 import msgspec
-
-from processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
+from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 
 CURRENT_VALIDATOR_VERSION = 2
 _T = TypeVar("_T")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from processors.events import OutputSummary
+from agentruns.processors.events import OutputSummary
 
 HEAD_CHARS = 1_000
 TAIL_CHARS = 1_000

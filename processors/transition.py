@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from msgspec.structs import replace
-
-from processors.effects import (
+from agentruns.processors.effects import (
     AskUser,
     CallModel,
     CallTool,
@@ -28,7 +26,7 @@ from processors.effects import (
     RepairNote,
     ScheduleTimer,
 )
-from processors.events import (
+from agentruns.processors.events import (
     CancelConfirmed,
     CancelRequested,
     CancelUnconfirmed,
@@ -54,7 +52,7 @@ from processors.events import (
     ToolStatusReported,
     UserReplied,
 )
-from processors.ids import (
+from agentruns.processors.ids import (
     canonical_json,
     content_ref,
     effect_key,
@@ -65,8 +63,8 @@ from processors.ids import (
     short_hash,
     timer_id,
 )
-from processors.limits import MAX_TIME_MS
-from processors.state import (
+from agentruns.processors.limits import MAX_TIME_MS
+from agentruns.processors.state import (
     IN_FLIGHT,
     NON_TERMINAL,
     TERMINAL,
@@ -86,7 +84,7 @@ from processors.state import (
     Usage,
     ValidationRecord,
 )
-from processors.validation import (
+from agentruns.processors.validation import (
     ASK_WHEN_EXHAUSTED,
     ValidatedCall,
     ValidationContext,
@@ -95,6 +93,7 @@ from processors.validation import (
     schema_problem,
     task_problem,
 )
+from msgspec.structs import replace
 
 RECENT_EVENT_IDS = 8
 RESULT_REFS_KEPT = 24

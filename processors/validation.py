@@ -12,14 +12,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-from jsonschema.protocols import Validator
-
-from processors.events import Candidate, RunSubmitted, ToolCallRequest
-from processors.ids import canonical_json, derive_key
-from processors.limits import MAX_JSON_DEPTH, json_depth
-from processors.linear_schema import (
+from agentruns.processors.events import Candidate, RunSubmitted, ToolCallRequest
+from agentruns.processors.ids import canonical_json, derive_key
+from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
+from agentruns.processors.linear_schema import (
     UNSUPPORTED_COMBINATION,
     TooMuchWork,
     compiles,
@@ -29,7 +25,10 @@ from processors.linear_schema import (
     shared_budget,
     validator_for,
 )
-from processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
+from agentruns.processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
 
 Action = Literal["dispatch", "approve", "finalize", "repair", "fail"]
 

@@ -1,4 +1,4 @@
-"""Create and describe the pipeline's topics from the one spec in `streams.topics`.
+"""Create and describe the pipeline's topics from the one spec in `agentruns.streams.topics`.
 
 Idempotent: an existing topic is left as it is when its partition count matches and its
 configs are brought to the spec with an incremental alter; a partition mismatch is an error
@@ -10,6 +10,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from agentruns.streams.errors import AgentrunsKafkaError
+from agentruns.streams.topics import (
+    DEFAULT_PARTITIONS,
+    DEFAULT_PREFIX,
+    INBOX,
+    TopicSpec,
+    topic_name,
+    topic_specs,
+)
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
     AdminClient,
@@ -18,16 +27,6 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewTopic,
     ResourceType,
-)
-
-from streams.errors import AgentrunsKafkaError
-from streams.topics import (
-    DEFAULT_PARTITIONS,
-    DEFAULT_PREFIX,
-    INBOX,
-    TopicSpec,
-    topic_name,
-    topic_specs,
 )
 
 TIMEOUT_S = 30.0

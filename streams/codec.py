@@ -11,14 +11,16 @@ name, so old records come back in today's shape (Avro schema resolution: fields 
 take their defaults).
 
 Records written with the current version are read by a reader compiled from the schema
-(:mod:`streams.avro_reader`): fastavro's ``schemaless_reader`` calls ``fo.read()`` on a BytesIO
+(:mod:`agentruns.streams.avro_reader`): fastavro's ``schemaless_reader`` calls ``fo.read()`` on a
+BytesIO
 for every primitive, byte by byte for varints, so ``decode`` took ~8 us for a ~500-byte
 ``Event`` and ~37 us for a ~6 KB ``Snapshot`` on our test host; compiled, ~4.9 and ~20 us.
 Records of an older writer version need schema resolution and still go through fastavro. A
 test checks that both return the same values.
 
 Every failure to decode raises a subclass of :class:`CodecError` whose ``error_class`` is the
-machine-readable reason a dead-letter record carries (see :mod:`streams.dlq`). Decoding never
+machine-readable reason a dead-letter record carries (see :mod:`agentruns.streams.dlq`). Decoding
+never
 raises anything else for any input bytes.
 """
 
@@ -29,11 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from agentruns.schemas import Registry, SchemaVersion, registry
+from agentruns.streams.avro_reader import Read, compile_reader
+from agentruns.streams.avro_writer import Write, compile_writer
 from fastavro import schemaless_reader
-
-from schemas import Registry, SchemaVersion, registry
-from streams.avro_reader import Read, compile_reader
-from streams.avro_writer import Write, compile_writer
 
 __all__ = [
     "HEADER_LEN",

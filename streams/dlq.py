@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from streams.codec import CodecError, encode
+from agentruns.streams.codec import CodecError, encode
 
 __all__ = [
     "CONFLICTING_DUPLICATE",
@@ -35,7 +35,7 @@ __all__ = [
 DEAD_LETTER_RECORD = "DeadLetter"
 
 #: error_class values for rejections that are not codec errors (the codec's own are the
-#: ``error_class`` attributes of the classes in :mod:`streams.codec`).
+#: ``error_class`` attributes of the classes in :mod:`agentruns.streams.codec`).
 INVALID_EVENT = "INVALID_EVENT"  # the envelope decodes but its body fails validation
 CONFLICTING_DUPLICATE = "CONFLICTING_DUPLICATE"  # same producer seq, other content (R5)
 RECORD_TOO_LARGE = "RECORD_TOO_LARGE"  # a record the input leads to is over the topic's limit

@@ -27,18 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from confluent_kafka import Message
-
-from processors.effects import PublishResult, ScheduleTimer
-from processors.events import Event, GapTimedOut, InputRefused, RunSubmitted, TimerFired
-from processors.ids import derive_key
-from processors.limits import MAX_ID_CHARS
-from processors.state import TimerPurpose
-from processors.transition import Artifact, Disposition, Transition, transition
-from streams import dlq, metrics
-from streams.codec import CodecError, decode, decode_fields, encode
-from streams.partitioning import event_key
-from streams.records import (
+from agentruns.processors.effects import PublishResult, ScheduleTimer
+from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted, TimerFired
+from agentruns.processors.ids import derive_key
+from agentruns.processors.limits import MAX_ID_CHARS
+from agentruns.processors.state import TimerPurpose
+from agentruns.processors.transition import Artifact, Disposition, Transition, transition
+from agentruns.streams import dlq, metrics
+from agentruns.streams.codec import CodecError, decode, decode_fields, encode
+from agentruns.streams.partitioning import event_key
+from agentruns.streams.records import (
     EFFECT_TOPIC_KIND,
     RunSlot,
     effect_record,
@@ -47,6 +45,7 @@ from streams.records import (
     parse_event_body,
     result_record,
 )
+from confluent_kafka import Message
 
 log = logging.getLogger("agentruns.processor")
 
@@ -165,7 +164,8 @@ class PathSettings:
     buffer_limit: int = 64  # out-of-order inputs held per run
     gap_timeout_ms: int = 30_000
     max_log_events: int = 1000
-    # The artifact store refuses larger artifacts (connectors.artifacts.MAX_ARTIFACT_BYTES);
+    # The artifact store refuses larger artifacts
+    # (agentruns.connectors.postgres.artifacts.MAX_ARTIFACT_BYTES);
     # refused at apply time, such an artifact cannot fail the batch's write.
     max_artifact_bytes: int = 16 << 20
 

@@ -7,9 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentruns.streams.errors import AgentrunsKafkaError
 from confluent_kafka import Consumer, Producer
-
-from streams.errors import AgentrunsKafkaError
 
 #: In every long-lived client of ours. librdkafka leaves Nagle's algorithm on (the Java client
 #: sets TCP_NODELAY on every connection), so a request written while an earlier one on the

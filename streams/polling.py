@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TypeGuard
 
+from agentruns.streams.errors import FatalConsumerError
 from confluent_kafka import Consumer, KafkaError, Message
-
-from streams.errors import FatalConsumerError
 
 
 def is_fatal(error: KafkaError | None) -> TypeGuard[KafkaError]:

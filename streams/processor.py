@@ -2,7 +2,8 @@
 
 Consume-transform-produce with one transaction at a time per process and KIP-447 fencing
 (`send_offsets_to_transaction` with the consumer's group metadata). The loop thread applies
-inputs (`streams.inputs.InputPath`: one guard per input, so no input stops the loop; an input
+inputs (`agentruns.streams.inputs.InputPath`: one guard per input, so no input stops the loop; an
+input
 whose records would be over the broker's record limit is refused) and collects the encoded
 records of a batch; sealing the batch adds one snapshot per run it touched and hands it to the
 committer thread. What one transaction holds, in the order `_transact` writes it down:
@@ -43,21 +44,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
-
-from processors.transition import Artifact
-from streams import admin, metrics
-from streams.codec import decode, encode
-from streams.errors import AgentrunsKafkaError, FatalConsumerError
-from streams.inputs import (
+from agentruns.processors.transition import Artifact
+from agentruns.streams import admin, metrics
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams.inputs import (
     DEFAULT_RECORD_LIMIT,
     RECORD_MARGIN,
     Batch,
@@ -69,7 +60,7 @@ from streams.inputs import (
     RecordLimits,
     Topics,
 )
-from streams.kafka_defaults import (
+from agentruns.streams.kafka_defaults import (
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
@@ -77,9 +68,18 @@ from streams.kafka_defaults import (
     fetch_settings,
     partition_count,
 )
-from streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
-from streams.records import EFFECT_TOPIC_KIND, RunSlot
-from streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
+from agentruns.streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
+from agentruns.streams.records import EFFECT_TOPIC_KIND, RunSlot
+from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 log = logging.getLogger("agentruns.processor")
 

@@ -11,10 +11,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from processors.effects import EFFECT_DECODER, Effect, PublishResult
-from processors.events import EVENT_DECODER, Event
-from processors.state import RunState
-from processors.transition import Transition
+from agentruns.processors.effects import EFFECT_DECODER, Effect, PublishResult
+from agentruns.processors.events import EVENT_DECODER, Event
+from agentruns.processors.state import RunState
+from agentruns.processors.transition import Transition
 
 EFFECT_TOPIC_KIND: dict[str, str] = {
     "CallModel": "model",

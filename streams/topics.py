@@ -6,7 +6,8 @@ A plain data module: :func:`topic_specs` returns one :class:`TopicSpec` per topi
 config=spec.kafka_configs())``). Nothing here talks to a broker.
 
 inbox, events and state are co-partitioned (same partition count, same run_id → partition
-function, :func:`streams.partitioning.partition_for`); the other topics use the same count so
+function, :func:`agentruns.streams.partitioning.partition_for`); the other topics use the same
+count so
 one number sizes the deployment.
 """
 

@@ -1,6 +1,7 @@
 """Session fixtures: one real Kafka broker and one real Postgres for the whole test run.
 
-Resolved like every command (connectors.services): KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL if
+Resolved like every command (agentruns.connectors.devstack.services): KAFKA_BOOTSTRAP_SERVERS /
+DATABASE_URL if
 set, testcontainers when Docker answers, else local processes started in a temporary directory
 on free ports and stopped at the end. Fixtures are lazy: unit tests never start anything.
 """
@@ -11,8 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
-from connectors.services import Endpoints, ServiceStack
+from agentruns.connectors.devstack.services import Endpoints, ServiceStack
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def kafka_bootstrap(services: Endpoints) -> str:
 
 @pytest.fixture(scope="session")
 def database_url(services: Endpoints) -> str:
-    from connectors.db import migrate
+    from agentruns.connectors.postgres.migrate import migrate
 
     migrate(services.database_url)
     return services.database_url

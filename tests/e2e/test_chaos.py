@@ -9,8 +9,7 @@ and Postgres in agreement, and the DLQ holds exactly the injected bad inputs.
 from __future__ import annotations
 
 import pytest
-
-from connectors.chaos import ok_figures, run_chaos
+from agentruns.connectors.demo.chaos import ok_figures, run_chaos
 
 
 @pytest.mark.timeout(900)

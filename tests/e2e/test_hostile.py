@@ -1,4 +1,5 @@
-"""The hostile-world suite: every hostile case of `connectors.hostile` goes in through its door
+"""The hostile-world suite: every hostile case of `agentruns.connectors.testing.hostile` goes in
+through its door
 (inbox, API, effect and event topics, model and tool servers) among good runs, against the real
 broker, Postgres and servers, with every component a process of its own and no fault injected.
 
@@ -10,9 +11,8 @@ its own, and every consumer group has consumed everything (no stalled partition)
 from __future__ import annotations
 
 import pytest
-
-from connectors.chaos import ok_figures, run_chaos
-from connectors.hostile import cases
+from agentruns.connectors.demo.chaos import ok_figures, run_chaos
+from agentruns.connectors.testing.hostile import cases
 
 
 @pytest.mark.timeout(900)

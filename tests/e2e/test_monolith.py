@@ -11,10 +11,9 @@ import uuid
 from pathlib import Path
 
 import httpx
-
-from connectors.client import ApiClient
-from connectors.demo import registry_tools
-from connectors.procs import free_port_block
+from agentruns.connectors.api.client import ApiClient
+from agentruns.connectors.demo.run import registry_tools
+from agentruns.connectors.devstack.procs import free_port_block
 
 
 def test_monolith_runs_a_task_submitted_over_http(
@@ -32,7 +31,8 @@ def test_monolith_runs_a_task_submitted_over_http(
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{unique_name}-monolith.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "connectors.monolith", "--dev-servers", "--prefix",
+            [sys.executable, "-m", "agentruns.connectors.runtime.monolith", "--dev-servers",
+            "--prefix",
              unique_name, "--partitions", "3", "--api-port", str(port), "--log-level", "WARNING"],
             env=env,
             stdout=out,

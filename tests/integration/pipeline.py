@@ -15,10 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-
-from processors.effects import CallModel, CallTool
-from processors.events import (
+from agentruns.processors.effects import CallModel, CallTool
+from agentruns.processors.events import (
     Candidate,
     Event,
     ModelCallCompleted,
@@ -27,12 +25,13 @@ from processors.events import (
     ToolCallRequest,
     ToolCallSucceeded,
 )
-from processors.state import Budgets, ToolSpec
-from streams.codec import decode, encode
-from streams.kafka_defaults import LONG_POLL_MS, release
-from streams.partitioning import partition_for
-from streams.records import input_record, parse_effect_body
-from streams.topics import INBOX, effect_suffix, topic_name
+from agentruns.processors.state import Budgets, ToolSpec
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, release
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.records import input_record, parse_effect_body
+from agentruns.streams.topics import INBOX, effect_suffix, topic_name
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 SEARCH = ToolSpec(
     name="search_docs",

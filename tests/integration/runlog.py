@@ -10,13 +10,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from agentruns.bench.core import simulate
+from agentruns.bench.sink import LogWriter, interleave
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.projection.sink import Sink, SinkConfig
+from agentruns.processors.events import Event
+from agentruns.streams.admin import ensure_topics
 
-from bench.core import simulate
-from bench.sink import LogWriter, interleave
-from connectors.artifacts import PostgresArtifactStore
-from connectors.sink import Sink, SinkConfig
-from processors.events import Event
-from streams.admin import ensure_topics
 from tests.integration.pipeline import running_on_thread
 
 PARTITIONS = 3

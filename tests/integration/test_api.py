@@ -1,5 +1,5 @@
 """`agentruns api` over real HTTP (uvicorn on a free port) against the real broker and Postgres,
-with the in-process processor, the sink (connectors/sink.py) and the executor double."""
+with the in-process processor, the sink (connectors/projection/sink.py) and the executor double."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import httpx
 import psycopg
 import pytest
 import uvicorn
-from confluent_kafka import Consumer, KafkaError, TopicPartition
-
-from connectors.api import (
+from agentruns.connectors.api.client import ResultsConsumer
+from agentruns.connectors.api.service import (
     MAX_BODY_BYTES,
     ApiConfig,
     callback_url,
@@ -29,10 +28,9 @@ from connectors.api import (
     sign_token,
     verify_token,
 )
-from connectors.artifacts import PostgresArtifactStore
-from connectors.client import ResultsConsumer
-from processors.effects import CallModel, CallTool, CancelTool
-from processors.events import (
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.processors.effects import CallModel, CallTool, CancelTool
+from agentruns.processors.events import (
     CancelConfirmed,
     Candidate,
     Event,
@@ -41,13 +39,15 @@ from processors.events import (
     ToolCallAccepted,
     ToolCallRequest,
 )
-from processors.limits import MAX_JSON_DEPTH
-from processors.state import ToolSpec
-from streams.admin import ensure_topics
-from streams.codec import decode
-from streams.partitioning import partition_for
-from streams.processor import Processor, ProcessorConfig
-from streams.topics import INBOX, RESULTS, topic_name
+from agentruns.processors.limits import MAX_JSON_DEPTH
+from agentruns.processors.state import ToolSpec
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import decode
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.topics import INBOX, RESULTS, topic_name
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
 from tests.integration.pipeline import SEARCH, ExecutorDouble, now_ms, read_all, wait_for
 from tests.integration.runlog import running_sink
 
@@ -401,7 +401,7 @@ def test_a_reply_after_expiry_is_rejected(stack: Stack) -> None:
 
 def _waiting_tool(stack: Stack) -> tuple[str, dict[str, Any]]:
     key = f"async-{uuid.uuid4().hex}"
-    from connectors.api import run_id_for_key
+    from agentruns.connectors.api.service import run_id_for_key
 
     stack.double.async_runs.add(run_id_for_key(key))
     run_id = stack.submit(key, tools=[SEARCH.model_dump(), REPORT.model_dump()])

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from agentruns.bench.core import START_AT, simulate, submitted
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.projection import audit as audit_cli
+from agentruns.connectors.projection.audit import (
+    RECONCILE_DIFFERENCES,
+    Reconciler,
+    read_log,
+    revalidate_runs,
+)
+from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
-from bench.core import START_AT, simulate, submitted
-from connectors import audit as audit_cli
-from connectors.artifacts import PostgresArtifactStore
-from connectors.audit import RECONCILE_DIFFERENCES, Reconciler, read_log, revalidate_runs
-from processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 from tests.integration.runlog import (
     new_log,
     projected_events,

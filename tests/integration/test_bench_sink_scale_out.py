@@ -4,10 +4,9 @@ the partitions and project a backlog written in one transaction, each event exac
 from __future__ import annotations
 
 import psycopg
-
-from bench.sink import scale_out
-from connectors.db import migrate
-from streams.partitioning import partition_for
+from agentruns.bench.sink import scale_out
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.streams.partitioning import partition_for
 
 
 def test_two_sink_processes_project_a_backlog_exactly_once(

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from agentruns.connectors.devstack.procs import free_port_block, pid_alive
 
-from connectors.procs import free_port_block, pid_alive
-
-AGENTRUNS = [sys.executable, "-m", "connectors.cli"]
+AGENTRUNS = [sys.executable, "-m", "agentruns.connectors.cli"]
 
 
 def _run(

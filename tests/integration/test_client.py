@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from connectors.api import run_id_for_key
-from connectors.client import (
+from agentruns.connectors.api.client import (
     ApiClient,
     ClientError,
     InvalidInputError,
@@ -23,8 +21,10 @@ from connectors.client import (
     main_results,
     main_submit,
 )
-from connectors.errors import AgentrunsError
-from streams.topics import DLQ, INBOX, topic_name
+from agentruns.connectors.api.service import run_id_for_key
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.streams.topics import DLQ, INBOX, topic_name
+
 from tests.integration.pipeline import SEARCH, now_ms, read_all
 from tests.integration.test_api import GUARDED, TOKEN, Stack, pipeline
 

@@ -19,15 +19,13 @@ import httpx
 import msgspec
 import psycopg
 import pytest
-from confluent_kafka import Consumer
-
-from connectors import model_server, tool_server
-from connectors.artifacts import PostgresArtifactStore
-from connectors.executor_base import ActionRecord, Executor, Outcome
-from connectors.model_executor import ModelHandler, RouteConfig, Routes
-from connectors.tool_executor import MAX_RETRY_AFTER_MS, ToolHandler, ToolRegistry
-from processors.effects import CallModel, CallTool, Effect
-from processors.events import (
+from agentruns.connectors.executors.base import ActionRecord, Executor, Outcome
+from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
+from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, ToolHandler, ToolRegistry
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.testing import model_server, tool_server
+from agentruns.processors.effects import CallModel, CallTool, Effect
+from agentruns.processors.events import (
     ModelCallCompleted,
     ModelOutcome,
     ReconcileCompleted,
@@ -36,9 +34,11 @@ from processors.events import (
     ToolCallSucceeded,
     ToolCallTimedOut,
 )
-from processors.state import ErrorClass
-from streams.codec import decode
-from streams.topics import DLQ, topic_name
+from agentruns.processors.state import ErrorClass
+from agentruns.streams.codec import decode
+from agentruns.streams.topics import DLQ, topic_name
+from confluent_kafka import Consumer
+
 from tests.integration.test_model_executor import ModelEnv
 from tests.integration.test_tool_executor import (
     TICKET,

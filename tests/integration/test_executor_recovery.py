@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.testing.model_server import Scenario
 
-from connectors.artifacts import PostgresArtifactStore
-from connectors.model_server import Scenario
 from tests.integration.test_model_executor import Pipeline, running_pipeline
 from tests.integration.test_tool_executor import wait_until
 

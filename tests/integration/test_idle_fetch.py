@@ -16,12 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from connectors.artifacts import PostgresArtifactStore
-from connectors.executor_base import ExecutorConfig
-from connectors.tool_executor import ToolExecutor
-from streams.admin import ensure_topics
-from streams.processor import Processor, ProcessorConfig
-from streams.records import input_record
+from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.tool import ToolExecutor
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.testing import tool_server
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.records import input_record
+
 from tests.integration.pipeline import Inbox, running_on_thread, submitted, wait_for
 from tests.integration.runlog import running_sink
 
@@ -123,7 +125,7 @@ def test_idle_executor_and_sink_poll_rarely(
         config = ExecutorConfig(
             kafka_bootstrap, database_url, "tool", prefix=prefix, extra_consumer=counter.config()
         )
-        tools = ToolExecutor(config, REPO / "connectors" / "tools.example.json")
+        tools = ToolExecutor(config, tool_server.DEFAULT_REGISTRY)
         with running_on_thread(tools.run, "tool executor"):
             yield
 

@@ -17,11 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from connectors import model_server
-from connectors._devserver import ServerHandle
-from connectors.artifacts import PostgresArtifactStore
-from connectors.model_executor import (
+from agentruns.connectors.executors.model import (
     ModelExecutor,
     RouteConfig,
     Routes,
@@ -29,9 +25,13 @@ from connectors.model_executor import (
     build_conversation,
     candidate_from_artifact,
 )
-from processors.effects import CallModel, RepairNote
-from processors.events import ModelCallCompleted, ModelOutcome
-from processors.ids import canonical_json
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.testing import model_server
+from agentruns.connectors.testing.httpserver import ServerHandle
+from agentruns.processors.effects import CallModel, RepairNote
+from agentruns.processors.events import ModelCallCompleted, ModelOutcome
+from agentruns.processors.ids import canonical_json
+
 from tests.integration.test_tool_executor import Harness, make_harness, release, wait_until
 
 TOOLS = [
@@ -333,7 +333,8 @@ class Pipeline:
     inbox: Any
 
     def submit(self, run_id: str, scenario: str = "multi_tool") -> None:
-        from processors.events import Message, RunSubmitted
+        from agentruns.processors.events import Message, RunSubmitted
+
         from tests.integration.pipeline import input_record
 
         submitted = RunSubmitted(
@@ -350,7 +351,8 @@ class Pipeline:
         self.inbox.flush()
 
     def _read(self, suffix: str, name: str, run_id: str) -> list[dict[str, Any]]:
-        from streams.topics import topic_name
+        from agentruns.streams.topics import topic_name
+
         from tests.integration.pipeline import read_all
 
         topic = topic_name(suffix, self.prefix)
@@ -365,7 +367,8 @@ class Pipeline:
 
     def results(self, run_ids: list[str], timeout: float = 90) -> dict[str, dict[str, Any]]:
         """The terminal results of every run in ``run_ids`` (one topic read per attempt)."""
-        from streams.topics import topic_name
+        from agentruns.streams.topics import topic_name
+
         from tests.integration.pipeline import read_all
 
         topic = topic_name("results", self.prefix)
@@ -384,7 +387,7 @@ class Pipeline:
 
     def effects(self, kind: str, run_id: str) -> list[dict[str, Any]]:
         """The bodies of the run's effects on ``effects.<kind>`` (model, tool, timer)."""
-        from streams.topics import effect_suffix
+        from agentruns.streams.topics import effect_suffix
 
         return [json.loads(r["body"]) for r in self._read(effect_suffix(kind), "Effect", run_id)]
 
@@ -417,13 +420,14 @@ def running_pipeline(
     timer service when ``timers`` (back-off and user-expiry timers fire)."""
     import threading
 
-    from connectors import tool_server
-    from connectors.executor_base import ExecutorConfig
-    from connectors.timer_service import TimerService
-    from connectors.tool_executor import ToolExecutor
-    from processors.state import ToolSpec
-    from streams.admin import ensure_topics
-    from streams.processor import Processor, ProcessorConfig
+    from agentruns.connectors.executors.base import ExecutorConfig
+    from agentruns.connectors.executors.tool import ToolExecutor
+    from agentruns.connectors.runtime.timers import TimerService
+    from agentruns.connectors.testing import tool_server
+    from agentruns.processors.state import ToolSpec
+    from agentruns.streams.admin import ensure_topics
+    from agentruns.streams.processor import Processor, ProcessorConfig
+
     from tests.integration.pipeline import Inbox
     from tests.integration.test_tool_executor import fast_registry
 
@@ -587,11 +591,12 @@ def test_e2e_kill_9_of_each_executor_during_runs(
     import sys
     import threading
 
-    from connectors import tool_server
-    from connectors.model_server import Scenario
-    from processors.state import ToolSpec
-    from streams.admin import ensure_topics
-    from streams.processor import Processor, ProcessorConfig
+    from agentruns.connectors.testing import tool_server
+    from agentruns.connectors.testing.model_server import Scenario
+    from agentruns.processors.state import ToolSpec
+    from agentruns.streams.admin import ensure_topics
+    from agentruns.streams.processor import Processor, ProcessorConfig
+
     from tests.integration.pipeline import Inbox
     from tests.integration.test_tool_executor import REPO, fast_registry
 
@@ -608,9 +613,9 @@ def test_e2e_kill_9_of_each_executor_during_runs(
     registry.write_text(json.dumps(spec))
     common = ["--bootstrap", kafka_bootstrap, "--database-url", database_url, "--prefix", prefix]
     commands = {
-        "model": [sys.executable, "-m", "connectors.model_executor", *common,
+        "model": [sys.executable, "-m", "agentruns.connectors.executors.model", *common,
                   "--base-url", models.url + "/v1", "--registry", str(registry)],
-        "tool": [sys.executable, "-m", "connectors.tool_executor", *common,
+        "tool": [sys.executable, "-m", "agentruns.connectors.executors.tool", *common,
                  "--registry", str(registry)],
     }  # fmt: skip
     procs = {kind: subprocess.Popen(cmd, cwd=REPO) for kind, cmd in commands.items()}

@@ -14,9 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-
-from connectors import model_server
-from connectors._devserver import ServerHandle
+from agentruns.connectors.testing import model_server
+from agentruns.connectors.testing.httpserver import ServerHandle
 
 SCENARIOS = Path(model_server.__file__).with_name("scenarios")
 REPO = Path(__file__).resolve().parents[2]
@@ -429,7 +428,7 @@ def test_fault_rules_by_scenario_and_turn(client: httpx.Client) -> None:
 
 def test_main_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "connectors.model_server", "--port", "0"],
+        [sys.executable, "-m", "agentruns.connectors.testing.model_server", "--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

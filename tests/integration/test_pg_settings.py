@@ -1,12 +1,12 @@
-"""`connectors.pg.prefer_lz4` against the real Postgres: the session setting sticks in both
+"""`agentruns.connectors.postgres.bulk.prefer_lz4` against the real Postgres: the session setting
+sticks in both
 connection modes the adapters use."""
 
 from __future__ import annotations
 
 import psycopg
 import pytest
-
-from connectors.pg import prefer_lz4
+from agentruns.connectors.postgres.bulk import prefer_lz4
 
 
 @pytest.mark.parametrize("autocommit", [True, False])

@@ -15,17 +15,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.processors.events import CancelRequested, GoalChanged, TimerFired
+from agentruns.processors.transition import Artifact, transition
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import encode
+from agentruns.streams.processor import ArtifactWriter, Processor, ProcessorConfig
+from agentruns.streams.records import parse_effect_body, parse_event_body, parse_state
+from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, effect_suffix, topic_name
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
-from connectors.artifacts import PostgresArtifactStore
-from processors.events import CancelRequested, GoalChanged, TimerFired
-from processors.transition import Artifact, transition
-from streams.admin import ensure_topics
-from streams.codec import encode
-from streams.processor import ArtifactWriter, Processor, ProcessorConfig
-from streams.records import parse_effect_body, parse_event_body, parse_state
-from streams.topics import DLQ, EVENTS, RESULTS, STATE, effect_suffix, topic_name
 from tests.integration.pipeline import (
     ExecutorDouble,
     Inbox,
@@ -206,7 +206,7 @@ def _spawn(env: dict[str, str], prefix: str, instance: str) -> subprocess.Popen[
             [
                 sys.executable,
                 "-m",
-                "connectors.processor_service",
+                "agentruns.connectors.runtime.processor",
                 "--prefix",
                 prefix,
                 "--group",

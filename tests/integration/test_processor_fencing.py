@@ -15,17 +15,17 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from agentruns.processors.transition import transition
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import encode
+from agentruns.streams.errors import FatalConsumerError
+from agentruns.streams.kafka_defaults import release
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.records import RunSlot
+from agentruns.streams.topics import INBOX, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from processors.transition import transition
-from streams.admin import ensure_topics
-from streams.codec import encode
-from streams.errors import FatalConsumerError
-from streams.kafka_defaults import release
-from streams.partitioning import partition_for
-from streams.processor import Processor, ProcessorConfig
-from streams.records import RunSlot
-from streams.topics import INBOX, STATE, topic_name
 from tests.integration.pipeline import submitted, wait_for
 
 PARTITIONS = 2

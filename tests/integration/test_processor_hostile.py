@@ -9,18 +9,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.processors.events import CancelRequested, GoalChanged, RunSubmitted
+from agentruns.streams import dlq
+from agentruns.streams.admin import ensure_topics, record_limits
+from agentruns.streams.inputs import RECORD_MARGIN
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.records import parse_event_body
+from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from connectors.artifacts import PostgresArtifactStore
-from processors.events import CancelRequested, GoalChanged, RunSubmitted
-from streams import dlq
-from streams.admin import ensure_topics, record_limits
-from streams.inputs import RECORD_MARGIN
-from streams.partitioning import partition_for
-from streams.processor import Processor, ProcessorConfig
-from streams.records import parse_event_body
-from streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
 from tests.integration.pipeline import (
     ExecutorDouble,
     Inbox,

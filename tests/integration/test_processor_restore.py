@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from bench.processor import restore_figures
-from streams.admin import ensure_topics
+from agentruns.bench.processor import restore_figures
+from agentruns.streams.admin import ensure_topics
 
 PARTITIONS = 3
 

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.runtime.scanner import scan
+from agentruns.processors.state import Budgets
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.topics import RESULTS, topic_name
 
-from connectors.artifacts import PostgresArtifactStore
-from connectors.scanner import scan
-from processors.state import Budgets
-from streams.admin import ensure_topics
-from streams.processor import Processor, ProcessorConfig
-from streams.topics import RESULTS, topic_name
 from tests.integration.pipeline import Inbox, input_record, now_ms, read_all, submitted, wait_for
 from tests.integration.runlog import running_sink
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import psycopg
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
+from agentruns.connectors.postgres.migrate import migrate
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-
-from connectors.artifacts import PostgresArtifactStore, StoredArtifact
-from connectors.db import migrate
 
 
 def _create(bootstrap: str, topic: str, partitions: int = 1) -> None:

@@ -16,27 +16,27 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from confluent_kafka import Producer
-
-from connectors.audit import audit
-from connectors.db import migrate
-from connectors.local_postgres import LocalPostgres
-from connectors.pg import prefer_lz4
-from connectors.procs import free_port_block
-from processors.effects import CallModel
-from processors.events import (
+from agentruns.connectors.devstack.local_postgres import LocalPostgres
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.postgres.bulk import prefer_lz4
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.projection.audit import audit
+from agentruns.processors.effects import CallModel
+from agentruns.processors.events import (
     Candidate,
     Event,
     ModelCallCompleted,
     ModelOutcome,
     ToolCallRequest,
 )
-from processors.limits import MAX_DURATION_MS, MAX_TIME_MS
-from processors.state import Policy
-from processors.transition import fold, transition
-from streams.codec import decode, encode
-from streams.records import event_record, parse_event_body
-from streams.topics import DLQ, EVENTS, topic_name
+from agentruns.processors.limits import MAX_DURATION_MS, MAX_TIME_MS
+from agentruns.processors.state import Policy
+from agentruns.processors.transition import fold, transition
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.records import event_record, parse_event_body
+from agentruns.streams.topics import DLQ, EVENTS, topic_name
+from confluent_kafka import Producer
+
 from tests.integration.pipeline import SEARCH, now_ms, read_all, submitted
 from tests.integration.runlog import (
     new_log,
@@ -103,7 +103,7 @@ def _start_sink(prefix: str, kafka_bootstrap: str, database_url: str) -> subproc
         [
             sys.executable,
             "-m",
-            "connectors.sink",
+            "agentruns.connectors.projection.sink",
             "--prefix",
             prefix,
             "--group",

@@ -14,20 +14,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agentruns.connectors.devstack.local_postgres import LocalPostgres
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
+from agentruns.processors.effects import CancelTimer, ScheduleTimer
+from agentruns.processors.state import Budgets, TimerPurpose
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import encode
+from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.records import effect_record, parse_event_body
+from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
 from confluent_kafka import Producer
 
-from connectors.artifacts import PostgresArtifactStore
-from connectors.db import migrate
-from connectors.local_postgres import LocalPostgres
-from connectors.procs import free_port_block
-from connectors.timer_service import DUE_AT_OUT_OF_RANGE, TimerService
-from processors.effects import CancelTimer, ScheduleTimer
-from processors.state import Budgets, TimerPurpose
-from streams.admin import ensure_topics
-from streams.codec import encode
-from streams.processor import Processor, ProcessorConfig
-from streams.records import effect_record, parse_event_body
-from streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
 from tests.integration.pipeline import (
     Inbox,
     input_record,
@@ -128,7 +128,7 @@ def _spawn(env: dict[str, str], prefix: str) -> subprocess.Popen[bytes]:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-timer.log"
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "connectors.timer_service", "--prefix", prefix,
+            [sys.executable, "-m", "agentruns.connectors.runtime.timers", "--prefix", prefix,
              "--group", f"{prefix}-timer", "--log-level", "WARNING"],
             env=env,
             stdout=subprocess.DEVNULL,

@@ -24,15 +24,20 @@ from typing import Any, TypeVar
 import httpx
 import psycopg
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
-
-from connectors import tool_server
-from connectors._devserver import ServerHandle
-from connectors.artifacts import PostgresArtifactStore
-from connectors.executor_base import Executor, ExecutorConfig
-from connectors.tool_executor import ToolExecutor
-from processors.effects import CallTool, CancelTool, Effect, OperationSpec, PollTool, Reconcile
-from processors.events import (
+from agentruns.connectors.executors.base import Executor, ExecutorConfig
+from agentruns.connectors.executors.tool import ToolExecutor
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.testing import tool_server
+from agentruns.connectors.testing.httpserver import ServerHandle
+from agentruns.processors.effects import (
+    CallTool,
+    CancelTool,
+    Effect,
+    OperationSpec,
+    PollTool,
+    Reconcile,
+)
+from agentruns.processors.events import (
     CancelConfirmed,
     CancelUnconfirmed,
     Event,
@@ -44,14 +49,15 @@ from processors.events import (
     ToolCallTimedOut,
     ToolStatusReported,
 )
-from processors.ids import canonical_json
-from processors.state import ErrorClass
-from streams.admin import ensure_topics
-from streams.codec import decode, encode
-from streams.kafka_defaults import LONG_POLL_MS
-from streams.partitioning import partition_for
-from streams.records import effect_record, parse_event_body
-from streams.topics import INBOX, effect_suffix, topic_name
+from agentruns.processors.ids import canonical_json
+from agentruns.processors.state import ErrorClass
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.kafka_defaults import LONG_POLL_MS
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.records import effect_record, parse_event_body
+from agentruns.streams.topics import INBOX, effect_suffix, topic_name
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 REPO = Path(__file__).resolve().parents[2]
 PARTITIONS = 2
@@ -273,7 +279,7 @@ class Ids:
 
 def fast_registry(tmp: Path, base_url: str) -> Path:
     """The example registry with short timeouts (a 'late' answer costs 0.4 s, not 5 s)."""
-    data = json.loads((REPO / "connectors" / "tools.example.json").read_text())
+    data = json.loads((tool_server.DEFAULT_REGISTRY).read_text())
     data["base_url"] = base_url
     for tool in data["tools"]:
         tool["timeout_ms"] = 400
@@ -689,10 +695,10 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
 
 
 def test_callback_url_is_per_operation_and_signed_like_the_api() -> None:
-    from connectors.api import callback_url
-    from connectors.tool_executor import ToolHandler, ToolRegistry
+    from agentruns.connectors.api.service import callback_url
+    from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
 
-    registry = ToolRegistry.load(REPO / "connectors" / "tools.example.json")
+    registry = ToolRegistry.load(tool_server.DEFAULT_REGISTRY)
     template = "http://api.test/operations/{key}/callback"
     handler = ToolHandler(registry, callback_url=template, callback_secret=b"secret")
     try:
@@ -710,7 +716,7 @@ def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
     env.fault(target="create_ticket", kind="slow", delay_ms=20, times=None)
     before = env.stats()["tool_calls"]
     command = [
-        sys.executable, "-m", "connectors.tool_executor",
+        sys.executable, "-m", "agentruns.connectors.executors.tool",
         "--bootstrap", env.harness.bootstrap, "--database-url", env.harness.database_url,
         "--prefix", env.harness.prefix, "--instance", "k9",
         "--registry", str(env.registry), "--workers", "16", "--max-batch", "50",

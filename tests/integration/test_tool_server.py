@@ -15,9 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-
-from connectors import tool_server
-from connectors._devserver import ServerHandle
+from agentruns.connectors.testing import tool_server
+from agentruns.connectors.testing.httpserver import ServerHandle
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +67,7 @@ TICKET = {"title": "Printer offline", "priority": "high"}
 
 
 def test_registry_matches_the_server() -> None:
-    registry = json.loads((REPO / "connectors" / "tools.example.json").read_text())
+    registry = json.loads((tool_server.DEFAULT_REGISTRY).read_text())
     assert registry["version"]
     names = {t["name"] for t in registry["tools"]}
     assert {"create_ticket", "update_record", "send_email", "search_docs", "run_report"} <= names
@@ -371,7 +370,7 @@ def test_reset_clears_everything(client: httpx.Client) -> None:
 
 def test_main_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "connectors.tool_server", "--port", "0"],
+        [sys.executable, "-m", "agentruns.connectors.testing.tool_server", "--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

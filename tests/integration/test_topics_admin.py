@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from agentruns.connectors.errors import AgentrunsKafkaError
+from agentruns.streams.admin import describe_topics, ensure_topics
+from agentruns.streams.topics import topic_specs
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
-
-from connectors.errors import AgentrunsKafkaError
-from streams.admin import describe_topics, ensure_topics
-from streams.topics import topic_specs
 
 
 def test_topics_created_with_their_configs_and_idempotent(

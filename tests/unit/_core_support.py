@@ -6,9 +6,9 @@ import itertools
 import json
 from typing import Any
 
-from bench.core import START_AT, TOOLS
-from processors.effects import CallModel, CallTool, Effect
-from processors.events import (
+from agentruns.bench.core import START_AT, TOOLS
+from agentruns.processors.effects import CallModel, CallTool, Effect
+from agentruns.processors.events import (
     Candidate,
     ModelCallCompleted,
     ModelOutcome,
@@ -17,9 +17,9 @@ from processors.events import (
     ToolCallRequest,
     ToolCallSucceeded,
 )
-from processors.ids import content_ref
-from processors.state import Budgets, LoopLimits, Policy, RunState
-from processors.transition import Disposition, Transition, transition
+from agentruns.processors.ids import content_ref
+from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState
+from agentruns.processors.transition import Disposition, Transition, transition
 
 RUN = "run-t"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.latency import by_second, p99_by_second, percentile
+from agentruns.bench.latency import by_second, p99_by_second, percentile
 
 
 def test_percentile_is_the_nearest_rank_of_unsorted_samples() -> None:

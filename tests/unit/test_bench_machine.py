@@ -1,4 +1,4 @@
-"""`bench.machine`: whose CPU a bench phase used, by process group."""
+"""`agentruns.bench.machine`: whose CPU a bench phase used, by process group."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import sys
 import time
 
 import pytest
-
-from bench.machine import GROUPS, MachineCpu, group_of
+from agentruns.bench.machine import GROUPS, MachineCpu, group_of
 
 
 def test_processes_are_grouped_by_label_then_by_what_they_run() -> None:
     labels = {4242: "processor"}
-    assert group_of(4242, "python", "python -m connectors.processor_service", labels) == "processor"
+    assert (
+        group_of(4242, "python", "python -m agentruns.connectors.runtime.processor", labels)
+        == "processor"
+    )
     assert group_of(os.getpid(), "python", "pytest", labels) == "bench"
     assert group_of(7, "java", "java -Xmx768m -cp x kafka.Kafka server.properties", {}) == "broker"
     assert group_of(8, "postgres", "/usr/lib/postgresql/15/bin/postgres -D d", {}) == "postgres"

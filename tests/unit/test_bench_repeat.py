@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from bench import machine, repeat, targets
+from agentruns.bench import machine, repeat, targets
 
 
 def test_combine_takes_numbers_at_every_depth_and_leaves_the_rest() -> None:

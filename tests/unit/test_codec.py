@@ -6,12 +6,9 @@ import contextlib
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from schemas import registry
-from streams import codec as codec_module
-from streams.codec import (
+from agentruns.schemas import registry
+from agentruns.streams import codec as codec_module
+from agentruns.streams.codec import (
     HEADER_LEN,
     MAGIC,
     Codec,
@@ -27,13 +24,15 @@ from streams.codec import (
     encode,
     fingerprint_of,
 )
-from streams.dlq import (
+from agentruns.streams.dlq import (
     CONFLICTING_DUPLICATE,
     DEAD_LETTER_RECORD,
     INVALID_EVENT,
     dead_letter,
     dead_letter_for_error,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BODY = '{"type":"ToolCallCompleted","run_id":"run-1","step":3,"attempt":1,"at":1733160000000}'
 

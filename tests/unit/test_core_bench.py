@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench import core
+from agentruns.bench import core
 
 
 def test_bench_core_prints_json_last_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from processors import diagram
-from processors.state import RunStatus
+from agentruns.processors import diagram
+from agentruns.processors.state import RunStatus
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
@@ -15,7 +15,7 @@ def test_design_doc_diagram_is_current() -> None:
     start = text.index(diagram.BEGIN) + len(diagram.BEGIN)
     stop = text.index(diagram.END)
     assert text[start:stop].strip() == diagram.mermaid().strip(), (
-        "stale: run python -m processors.diagram --write docs/design.md"
+        "stale: run python -m agentruns.processors.diagram --write docs/design.md"
     )
     assert diagram.render_into(text) == text
 

@@ -12,11 +12,10 @@ import random
 from pathlib import Path
 
 import pytest
-
-from bench.core import simulate
-from processors.events import Event, parse_event
-from processors.state import RunState
-from processors.transition import transition
+from agentruns.bench.core import simulate
+from agentruns.processors.events import Event, parse_event
+from agentruns.processors.state import RunState
+from agentruns.processors.transition import transition
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CASES = {

@@ -9,13 +9,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from jsonschema import Draft202012Validator
-
-from bench.core import TOOLS
-from processors.effects import EFFECT_DECODER, AskUser, ScheduleTimer
-from processors.events import (
+from agentruns.bench.core import TOOLS
+from agentruns.processors.effects import EFFECT_DECODER, AskUser, ScheduleTimer
+from agentruns.processors.events import (
     EVENT_TYPES,
     Candidate,
     ModelOutcome,
@@ -28,8 +24,8 @@ from processors.events import (
     UserReplied,
     parse_event,
 )
-from processors.ids import canonicalize_arguments
-from processors.limits import (
+from agentruns.processors.ids import canonicalize_arguments
+from agentruns.processors.limits import (
     MAX_AMOUNT,
     MAX_COUNT,
     MAX_DURATION_MS,
@@ -39,9 +35,18 @@ from processors.limits import (
     MAX_TEXT_CHARS,
     MAX_TIME_MS,
 )
-from processors.state import Budgets, LoopLimits, Policy, RunState, RunStatus, ToolSpec
-from processors.transition import TABLE, Disposition, load_candidate, transition
-from processors.validation import ValidationContext, revalidate, schema_problem, task_problem
+from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState, RunStatus, ToolSpec
+from agentruns.processors.transition import TABLE, Disposition, load_candidate, transition
+from agentruns.processors.validation import (
+    ValidationContext,
+    revalidate,
+    schema_problem,
+    task_problem,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
 from tests.unit._core_support import Driver, only, search
 
 CATASTROPHIC = "^(a+)+$"  # exponential in Python's backtracking re, linear in RE2

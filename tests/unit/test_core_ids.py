@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from processors.ids import (
+from agentruns.processors.ids import (
     canonical_json,
     canonicalize_arguments,
     content_ref,
@@ -16,7 +13,9 @@ from processors.ids import (
     operation_key,
     resume_token_id,
 )
-from processors.summary import summarize
+from agentruns.processors.summary import summarize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),

@@ -7,13 +7,10 @@ import json
 import random
 from collections.abc import Iterator
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from bench.core import simulate, submitted
-from processors import fold
-from processors.effects import EFFECT_DECODER, CallModel, CallTool
-from processors.events import (
+from agentruns.bench.core import simulate, submitted
+from agentruns.processors import fold
+from agentruns.processors.effects import EFFECT_DECODER, CallModel, CallTool
+from agentruns.processors.events import (
     Candidate,
     Event,
     ModelCallCompleted,
@@ -26,8 +23,8 @@ from processors.events import (
     ToolCallSucceeded,
     UserReplied,
 )
-from processors.ids import content_ref
-from processors.state import (
+from agentruns.processors.ids import content_ref
+from agentruns.processors.state import (
     TERMINAL,
     TRANSIENT,
     Budgets,
@@ -38,8 +35,10 @@ from processors.state import (
     RunState,
     RunStatus,
 )
-from processors.transition import PASS_THROUGH, TABLE, Disposition, Transition, transition
-from processors.validation import revalidate
+from agentruns.processors.transition import PASS_THROUGH, TABLE, Disposition, Transition, transition
+from agentruns.processors.validation import revalidate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SETTINGS = settings(
     max_examples=40,
@@ -96,7 +95,7 @@ def test_replay_is_deterministic(seed: int, chaos: float) -> None:
     assert RunState.from_json(final.to_json()) == final
     assert RunState.from_json(final.to_json()).to_json() == final.to_json()
     # the event log itself round-trips through JSON and replays to the same bytes
-    from processors.events import parse_event
+    from agentruns.processors.events import parse_event
 
     again = fold(parse_event(e.model_dump_json()) for e in events)
     assert again is not None and again.to_json() == final.to_json()

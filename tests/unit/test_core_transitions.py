@@ -6,8 +6,7 @@ import json
 from typing import Any
 
 import pytest
-
-from processors.effects import (
+from agentruns.processors.effects import (
     AskUser,
     CallModel,
     CallTool,
@@ -18,7 +17,7 @@ from processors.effects import (
     Reconcile,
     ScheduleTimer,
 )
-from processors.events import (
+from agentruns.processors.events import (
     CancelConfirmed,
     CancelRequested,
     CancelUnconfirmed,
@@ -27,6 +26,7 @@ from processors.events import (
     GoalChanged,
     InputRefused,
     KnowledgeRefreshed,
+    ModelCallCompleted,
     ModelOutcome,
     ModelUsage,
     OutputSummary,
@@ -41,8 +41,8 @@ from processors.events import (
     ToolStatusReported,
     UserReplied,
 )
-from processors.ids import content_ref
-from processors.state import (
+from agentruns.processors.ids import content_ref
+from agentruns.processors.state import (
     Budgets,
     ErrorClass,
     LoopLimits,
@@ -51,7 +51,8 @@ from processors.state import (
     RunStatus,
     TimerPurpose,
 )
-from processors.transition import TABLE, Disposition, transition
+from agentruns.processors.transition import TABLE, Disposition, transition
+
 from tests.unit._core_support import Driver, effects_of, only, search
 
 S = RunStatus
@@ -99,7 +100,7 @@ def test_first_event_must_be_submission(event_type: str, reason: str) -> None:
         d.make(CancelRequested)
         if event_type == "CancelRequested"
         else d.make(
-            __import__("processors.events", fromlist=["ModelCallCompleted"]).ModelCallCompleted,
+            ModelCallCompleted,
             step=1,
             attempt=1,
             outcome=ModelOutcome.FINISHED,
@@ -266,7 +267,7 @@ def test_invalid_candidate_gets_bounded_repair(call: tuple[str, dict[str, Any]],
 
 
 def test_invalid_arguments_json_repairs() -> None:
-    from processors.events import ToolCallRequest
+    from agentruns.processors.events import ToolCallRequest
 
     d = started()
     bad = Candidate(tool_calls=(ToolCallRequest(id="a", name="search", arguments_json="[1"),))

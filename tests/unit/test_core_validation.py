@@ -6,21 +6,21 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jsonschema import Draft202012Validator
-
-from bench.core import TOOLS
-from processors.events import Candidate, ToolCallRequest
-from processors.ids import content_ref
-from processors.state import CURRENT_VALIDATOR_VERSION, Policy
-from processors.transition import load_candidate
-from processors.validation import (
+from agentruns.bench.core import TOOLS
+from agentruns.processors.events import Candidate, ToolCallRequest
+from agentruns.processors.ids import content_ref
+from agentruns.processors.state import CURRENT_VALIDATOR_VERSION, Policy
+from agentruns.processors.transition import load_candidate
+from agentruns.processors.validation import (
     ValidationContext,
     fast_valid,
     revalidate,
     schema_problem,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
 from tests.unit._core_support import Driver
 
 CTX = ValidationContext(
@@ -176,10 +176,10 @@ def test_fast_path_edges() -> None:
 
 
 def test_a_task_with_an_invalid_tool_schema_fails_its_run_with_the_reason() -> None:
-    from processors.events import RunSubmitted
-    from processors.state import RunStatus, ToolSpec
-    from processors.transition import transition
-    from processors.validation import task_problem
+    from agentruns.processors.events import RunSubmitted
+    from agentruns.processors.state import RunStatus, ToolSpec
+    from agentruns.processors.transition import transition
+    from agentruns.processors.validation import task_problem
 
     def task(*tools: ToolSpec) -> RunSubmitted:
         return RunSubmitted(

@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-
-from connectors.api import (
+from agentruns.connectors.api.service import (
     MAX_BODY_DEPTH,
     ApiError,
     InvalidInputError,
@@ -17,10 +16,10 @@ from connectors.api import (
     encoded_input,
     submitted_task,
 )
-from connectors.pg import MAX_STORED_MS, MIN_STORED_MS, clamp_ms
-from connectors.sink import ms_time
-from processors.limits import MAX_TIME_MS
-from streams.records import input_record
+from agentruns.connectors.postgres.bulk import MAX_STORED_MS, MIN_STORED_MS, clamp_ms
+from agentruns.connectors.projection.sink import ms_time
+from agentruns.processors.limits import MAX_TIME_MS
+from agentruns.streams.records import input_record
 
 IDS = {"run_id": "r", "event_id": "r:submit", "at": 1, "trace_id": "t"}
 TOOL = {"name": "search", "parameters": {"type": "object"}}

@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from connectors.executor_base import clean_text, decode_json
-from connectors.model_executor import MalformedChunkError, Routes, StreamAssembler
-from connectors.tool_executor import (
+from agentruns.connectors.executors.base import clean_text, decode_json
+from agentruns.connectors.executors.model import MalformedChunkError, Routes, StreamAssembler
+from agentruns.connectors.executors.tool import (
     MAX_RETRY_AFTER_MS,
     BodyTooLargeError,
     HTTPWireError,
@@ -21,8 +20,8 @@ from connectors.tool_executor import (
     _read_response,
     retry_after_ms,
 )
-from processors.events import ModelOutcome
-from processors.limits import MAX_AMOUNT, MAX_JSON_DEPTH
+from agentruns.processors.events import ModelOutcome
+from agentruns.processors.limits import MAX_AMOUNT, MAX_JSON_DEPTH
 
 
 @pytest.mark.parametrize(

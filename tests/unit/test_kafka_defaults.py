@@ -7,15 +7,14 @@ import time
 from typing import Any, cast
 
 import pytest
-from confluent_kafka import Producer
-
-from streams.kafka_defaults import (
+from agentruns.streams.kafka_defaults import (
     FETCH_WINDOW_BYTES,
     LONG_POLL_MS,
     commit_timed,
     fetch_settings,
     release,
 )
+from confluent_kafka import Producer
 
 
 class _Recorder:

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
+from agentruns.streams.errors import FatalConsumerError
+from agentruns.streams.polling import check_fatal, poll_batch
 from confluent_kafka import Consumer, KafkaError
-
-from streams.errors import FatalConsumerError
-from streams.polling import check_fatal, poll_batch
 
 
 @dataclass(frozen=True)

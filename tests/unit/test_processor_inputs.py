@@ -7,14 +7,17 @@ import hashlib
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
-from processors.events import CancelRequested, Event, GoalChanged, RunSubmitted, TimerFired
-from processors.state import RunStatus
-from streams import dlq
-from streams.codec import decode, encode
-from streams.inputs import (
+from agentruns.processors.events import (
+    CancelRequested,
+    Event,
+    GoalChanged,
+    RunSubmitted,
+    TimerFired,
+)
+from agentruns.processors.state import RunStatus
+from agentruns.streams import dlq
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.inputs import (
     MAX_PRODUCER_MARKS,
     Batch,
     Ended,
@@ -25,8 +28,10 @@ from streams.inputs import (
     Topics,
     record_size,
 )
-from streams.metrics import ProcessorStats
-from streams.records import input_record
+from agentruns.streams.metrics import ProcessorStats
+from agentruns.streams.records import input_record
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 LIMIT = 32 << 10
 AT = 1_700_000_000_000

@@ -7,8 +7,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-
-from connectors.procs import stop_on_signals
+from agentruns.connectors.lifecycle import stop_on_signals
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ from typing import Any
 
 import fastavro
 import pytest
+from agentruns.schemas import SchemaError, fingerprint_of, load_registry, registry
+from agentruns.streams.codec import Codec
 
-import schemas
-from schemas import SchemaError, fingerprint_of, load_registry, registry
-from streams.codec import Codec
+from agentruns import schemas
 
 # Deterministic sample records for any Avro schema, and what schema resolution should
 # make of them for a given reader schema (fields it lacks dropped, new ones defaulted).
@@ -105,7 +105,9 @@ def test_at_least_one_record_has_evolved() -> None:
 
 
 def test_every_avsc_in_the_package_is_loaded() -> None:
-    files = sorted(p.name for p in resources.files("schemas").iterdir() if p.name.endswith(".avsc"))
+    files = sorted(
+        p.name for p in resources.files("agentruns.schemas").iterdir() if p.name.endswith(".avsc")
+    )
     assert sorted(sv.file_name for sv in ALL_VERSIONS) == files
 
 

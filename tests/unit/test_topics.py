@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from schemas import registry
-from streams.partitioning import (
+from agentruns.schemas import registry
+from agentruns.streams.partitioning import (
     SEQ_WIDTH,
     event_key,
     murmur2,
@@ -16,7 +13,7 @@ from streams.partitioning import (
     run_key,
     to_positive,
 )
-from streams.topics import (
+from agentruns.streams.topics import (
     CO_PARTITIONED,
     DEFAULT_PARTITIONS,
     EFFECT_KINDS,
@@ -27,6 +24,8 @@ from streams.topics import (
     topic_name,
     topic_specs,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 # apache/kafka clients/src/test/java/org/apache/kafka/common/utils/UtilsTest.java, testMurmur2
 KAFKA_MURMUR2_VECTORS = {

@@ -1,0 +1,1 @@
+"""The upstream doors: the HTTP API service and the Kafka client (RunsProducer)."""

@@ -1,0 +1,595 @@
+"""The users' Python API and the `agentruns submit | results | reply | cancel` commands.
+
+Upstream (`RunsProducer`): idempotent task submission straight to `<prefix>.inbox`.
+Downstream (`ResultsConsumer`): terminal results from `<prefix>.results`, read_committed, with
+committed consumer-group offsets. Over HTTP (`ApiClient`): submit, read, reply, cancel through
+`agentruns api` (replies always go through the API: it verifies the signed resume token).
+
+Numbering rule of `RunsProducer` (documented in docs/api.md): `producer_seq` is gapless per
+(run_id, producer_id), starting at 1, so nothing needs to be stored to continue after a restart:
+
+- a task's `RunSubmitted` is input 1 of its producer for its run (run_id derives from the
+  idempotency key, event id ``<run_id>:submit``), so re-submitting the same key after a crash
+  is dropped by the processor (seq already seen) and by the core (same event id);
+- a follow-up input for a run the producer submitted (`cancel`) is numbered
+  ``producer_seq = n`` by the caller, who knows how many it sent (2 for the first cancel).
+  Inputs the producer does not number (producer_seq=None) are deduplicated by input_id.
+
+Pass the same `at` when re-submitting the same task to make the retry byte-identical; with a new
+`at` the processor still drops it, and records the difference as a conflicting duplicate on the
+dead-letter topic (R5).
+
+`RunsProducer` refuses what the API refuses, before anything is produced: a task the core would
+fail (its decode bounds, `agentruns.processors.validation.task_problem`) and a record over
+`max_record_bytes` raise `InvalidInputError` with the reason `invalid_input:<what>: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from agentruns.connectors.api.service import (
+    MAX_RECORD_BYTES,
+    InvalidInputError,
+    encoded_input,
+    now_ms,
+    run_id_for_key,
+    submit_event_id,
+    submitted_task,
+    trace_id_for,
+)
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.processors.events import CancelRequested
+from agentruns.processors.state import TERMINAL, RunStatus
+from agentruns.streams.codec import CodecError, decode
+from agentruns.streams.errors import AgentrunsKafkaError
+from agentruns.streams.kafka_defaults import NO_DELAY, partition_count, release
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.records import input_record
+from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+log = logging.getLogger("agentruns.client")
+
+__all__ = [
+    "ApiClient",
+    "ClientError",
+    "InvalidInputError",
+    "ResultsConsumer",
+    "RunResult",
+    "RunsProducer",
+    "Submission",
+    "main_cancel",
+    "main_reply",
+    "main_results",
+    "main_submit",
+]
+
+
+class ClientError(AgentrunsError):
+    """A call through the client failed; `status` is the HTTP status when there was one."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        reason: str | None = None,
+    ):
+        super().__init__(message, retryable=status is None or status >= 500)
+        self.status = status
+        self.code = code
+        self.reason = reason  # `invalid_input:<what>: ...` when the API refused the input
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    run_id: str
+    trace_id: str
+    input_id: str
+
+
+# --------------------------------------------------------------------------- upstream
+
+
+class RunsProducer:
+    """Submits tasks to the inbox: idempotent, numbered with producer_id / producer_seq."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        producer_id: str,
+        prefix: str = DEFAULT_PREFIX,
+        partitions: int | None = None,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not producer_id:
+            raise ValueError("producer_id must be a stable, non-empty name")
+        self.producer_id = producer_id
+        self.max_record_bytes = max_record_bytes
+        self.topic = topic_name(INBOX, prefix)
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                **NO_DELAY,
+                "log_level": 3,
+                **(extra or {}),
+            }
+        )
+        self.partitions = partitions or partition_count(self._producer, self.topic)
+        self._errors: list[KafkaError] = []
+
+    def submit(
+        self,
+        task: Mapping[str, Any],
+        *,
+        idempotency_key: str,
+        at: int | None = None,
+        trace_id: str | None = None,
+    ) -> Submission:
+        """Queue a task (the RunSubmitted fields but ids and time); `flush()` to wait for it.
+
+        Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
+        record is over `max_record_bytes`."""
+        run_id = run_id_for_key(idempotency_key)
+        event = submitted_task(
+            task,
+            run_id=run_id,
+            event_id=submit_event_id(run_id),
+            at=now_ms() if at is None else at,
+            trace_id=trace_id or trace_id_for(run_id),
+        )
+        record = input_record(
+            event, input_id=event.event_id, producer_id=self.producer_id, producer_seq=1
+        )
+        self._send(record)
+        return Submission(run_id, event.trace_id, event.event_id)
+
+    def cancel(
+        self,
+        run_id: str,
+        *,
+        producer_seq: int | None = None,
+        reason: str = "requested",
+        trace_id: str | None = None,
+        at: int | None = None,
+    ) -> Submission:
+        """Queue a CancelRequested for a run (numbered if `producer_seq` is given)."""
+        tag = producer_seq if producer_seq is not None else "x"
+        input_id = f"cancel:{run_id}:{self.producer_id}:{tag}"
+        event = CancelRequested(
+            run_id=run_id,
+            event_id=input_id,
+            at=now_ms() if at is None else at,
+            trace_id=trace_id or trace_id_for(run_id),
+            reason=reason,
+        )
+        pid = self.producer_id if producer_seq is not None else None
+        record = input_record(event, input_id=input_id, producer_id=pid, producer_seq=producer_seq)
+        self._send(record)
+        return Submission(run_id, event.trace_id, input_id)
+
+    def _send(self, record: dict[str, Any]) -> None:
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                self._errors.append(err)
+
+        run_id = record["run_id"]
+        value = encoded_input(record, self.max_record_bytes)
+        try:
+            self._producer.produce(
+                self.topic,
+                key=run_id.encode(),
+                value=value,
+                partition=partition_for(run_id, self.partitions),
+                on_delivery=delivered,
+            )
+        except (KafkaException, BufferError) as exc:
+            raise AgentrunsKafkaError(f"producing to {self.topic}: {exc}", retryable=True) from exc
+        self._producer.poll(0)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued input is acknowledged; raise if any was not."""
+        left = self._producer.flush(timeout_s)
+        if left:
+            raise AgentrunsKafkaError(f"{left} inputs not acknowledged in time", retryable=True)
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise AgentrunsKafkaError(f"an input was not delivered: {first}", retryable=True)
+
+    def close(self) -> None:
+        """Wait for every queued input (raising as :meth:`flush` does), then release the
+        client; inputs still unacknowledged when it raised are dropped, never sent later."""
+        try:
+            self.flush()
+        finally:
+            release(self._producer, 0)
+
+    def __enter__(self) -> RunsProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- downstream
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    run_id: str
+    status: RunStatus
+    version: int
+    seq: int
+    result_ref: str | None
+    summary: str | None
+    trace_id: str
+    at: int
+    body: dict[str, Any]
+    partition: int
+    offset: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "status": self.status.value,
+            "version": self.version,
+            "seq": self.seq,
+            "result_ref": self.result_ref,
+            "summary": self.summary,
+            "trace_id": self.trace_id,
+            "at": self.at,
+        }
+
+
+class ResultsConsumer:
+    """Yields terminal results from `<prefix>.results` (read_committed).
+
+    Offsets are committed for the group: a result's offset is stored once the caller asks for
+    the next one (it has handled this one), and committed every `commit_interval_ms` and at
+    `close()`. So a restarted consumer resumes after the last handled result: at least once,
+    never a result that was not committed by the processor's transaction.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        group_id: str,
+        prefix: str = DEFAULT_PREFIX,
+        from_beginning: bool = True,
+        commit_interval_ms: int = 1000,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic_name(RESULTS, prefix)
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group_id,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest" if from_beginning else "latest",
+                "enable.auto.commit": True,
+                "auto.commit.interval.ms": commit_interval_ms,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": True,
+                **NO_DELAY,
+                "log_level": 3,
+                **(extra or {}),
+            }
+        )
+        self._assigned: set[int] = set()
+        self._at_end: set[int] = set()
+        self._lock = threading.Lock()
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self.skipped = 0
+
+    def _on_assign(self, _c: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            self._assigned |= {p.partition for p in partitions}
+
+    def _on_revoke(self, _c: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            gone = {p.partition for p in partitions}
+            self._assigned -= gone
+            self._at_end -= gone
+
+    def results(self, *, follow: bool = False, idle_timeout_s: float = 30.0) -> Iterator[RunResult]:
+        """Terminal results in partition order. `follow=False` stops at the end of every
+        assigned partition (or after `idle_timeout_s` with no assignment); `follow=True`
+        waits for new results until the consumer is closed or the caller stops iterating."""
+        idle_since = time.monotonic()
+        while True:
+            msg = self._consumer.poll(0.2)
+            if msg is None:
+                with self._lock:
+                    done = bool(self._assigned) and self._assigned <= self._at_end
+                if not follow and (done or time.monotonic() - idle_since > idle_timeout_s):
+                    return
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    with self._lock:
+                        self._at_end.add(msg.partition() or 0)
+                    continue
+                raise AgentrunsKafkaError(f"consuming {self.topic}: {err}", retryable=True)
+            idle_since = time.monotonic()
+            with self._lock:
+                self._at_end.discard(msg.partition())
+            value = msg.value()
+            try:
+                record = decode(value or b"", "Result").record
+                result = RunResult(
+                    run_id=record["run_id"],
+                    status=RunStatus(record["status"]),
+                    version=record["version"],
+                    seq=record["seq"],
+                    result_ref=record["result_ref"],
+                    summary=record["summary"],
+                    trace_id=record["trace_id"],
+                    at=record["at"],
+                    body=json.loads(record["body"]),
+                    partition=msg.partition() or 0,
+                    offset=msg.offset() or 0,
+                )
+            except (CodecError, ValueError) as exc:
+                # Never lost, never fatal (R30): the bytes stay on the topic; report and go on.
+                self.skipped += 1
+                log.error(
+                    "undecodable result at %s[%s]@%s: %s",
+                    self.topic,
+                    msg.partition(),
+                    msg.offset(),
+                    exc,
+                )
+                self._consumer.store_offsets(msg)
+                continue
+            yield result
+            self._consumer.store_offsets(msg)
+
+    def ack(self, result: RunResult) -> None:
+        """Mark `result` handled now (e.g. before breaking out of the loop on it; otherwise
+        the result a loop stops on is delivered again to the group: at least once)."""
+        tp = TopicPartition(self.topic, result.partition, result.offset + 1)
+        self._consumer.store_offsets(offsets=[tp])
+
+    def commit(self) -> None:
+        """Commit the stored offsets now (also done periodically and at close)."""
+        try:
+            self._consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError._NO_OFFSET:
+                raise AgentrunsKafkaError(f"committing offsets: {exc}", retryable=True) from exc
+
+    def close(self) -> None:
+        try:
+            self.commit()
+        finally:
+            self._consumer.close()
+
+    def __enter__(self) -> ResultsConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+class ApiClient:
+    """A small synchronous client of `agentruns api` (httpx)."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0) -> None:
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+        )
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ClientError(f"{method} {path}: {exc}") from exc
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = {"detail": response.text}
+        if not isinstance(payload, dict):
+            payload = {"detail": response.text}
+        if response.status_code >= 400:
+            raise ClientError(
+                f"{method} {path}: HTTP {response.status_code} "
+                f"{payload.get('error', '')}: {payload.get('detail', '')}",
+                status=response.status_code,
+                code=payload.get("error"),
+                reason=payload.get("reason"),
+            )
+        return dict(payload)
+
+    def submit(self, task: Mapping[str, Any], *, idempotency_key: str) -> dict[str, Any]:
+        return self._call(
+            "POST", "/runs", json=dict(task), headers={"Idempotency-Key": idempotency_key}
+        )
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/runs/{run_id}")
+
+    def events(self, run_id: str, *, after_seq: int = 0) -> dict[str, Any]:
+        return self._call("GET", f"/runs/{run_id}/events", params={"after_seq": after_seq})
+
+    def reply(self, run_id: str, resume_token: str, response: Mapping[str, Any]) -> dict[str, Any]:
+        body = {"resume_token": resume_token, "response": dict(response)}
+        return self._call("POST", f"/runs/{run_id}/replies", json=body)
+
+    def cancel(self, run_id: str, *, reason: str = "requested") -> dict[str, Any]:
+        return self._call("POST", f"/runs/{run_id}/cancel", json={"reason": reason})
+
+    def wait(
+        self, run_id: str, *, timeout_s: float = 60.0, every_s: float = 0.25
+    ) -> dict[str, Any]:
+        """Poll until the run is terminal (as committed) and return it."""
+        deadline = time.monotonic() + timeout_s
+        terminal = {s.value for s in TERMINAL}
+        while True:
+            try:
+                run = self.get(run_id)
+                if run.get("status") in terminal:
+                    return run
+            except ClientError as exc:
+                if exc.status != 404:
+                    raise
+            if time.monotonic() > deadline:
+                raise ClientError(f"run {run_id} not terminal after {timeout_s:.0f}s")
+            time.sleep(every_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _api_client(args: argparse.Namespace) -> ApiClient | None:
+    if not args.api_url:
+        return None
+    token = os.environ.get("AGENTRUNS_API_TOKEN", "")
+    if not token:
+        raise ClientError("AGENTRUNS_API_TOKEN is not set", status=401)
+    return ApiClient(args.api_url, token)
+
+
+def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
+    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    if api:
+        parser.add_argument(
+            "--api-url",
+            default=os.environ.get("AGENTRUNS_API_URL"),
+            help="use the HTTP API (token from AGENTRUNS_API_TOKEN) instead of Kafka",
+        )
+
+
+def _bootstrap() -> str:
+    from agentruns.connectors.devstack.services import ServiceStack
+
+    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if explicit:
+        return explicit
+    with ServiceStack() as stack:  # the running dev stack, else an error with a hint
+        assert stack.endpoints is not None
+        return stack.endpoints.kafka_bootstrap
+
+
+def _print(value: Any) -> None:
+    print(json.dumps(value, sort_keys=True, default=str), flush=True)
+
+
+def main_submit(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns submit", description="Submit a task.")
+    parser.add_argument("--key", required=True, help="idempotency key (same key -> same run)")
+    parser.add_argument("--goal", help="the task's goal (or give --task)")
+    parser.add_argument("--task", help="a JSON file with the task (RunSubmitted fields); - = stdin")
+    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    _common(parser, api=True)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    task: dict[str, Any] = {}
+    if args.task:
+        text = sys.stdin.read() if args.task == "-" else Path(args.task).read_text()
+        task = json.loads(text)
+    if args.goal:
+        task["goal"] = args.goal
+    if "goal" not in task:
+        parser.error("give --goal or a --task with a goal")
+    client = _api_client(args)
+    if client is not None:
+        try:
+            _print(client.submit(task, idempotency_key=args.key))
+        finally:
+            client.close()
+        return 0
+    with RunsProducer(_bootstrap(), producer_id=args.producer_id, prefix=args.prefix) as p:
+        sub = p.submit(task, idempotency_key=args.key)
+    _print({"run_id": sub.run_id, "trace_id": sub.trace_id, "input_id": sub.input_id})
+    return 0
+
+
+def main_results(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentruns results", description="Print terminal results, one JSON line each."
+    )
+    parser.add_argument("--follow", action="store_true", help="keep waiting for new results")
+    parser.add_argument("--group", default=f"agentruns-results-{uuid.uuid4().hex[:8]}")
+    _common(parser, api=False)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    with ResultsConsumer(_bootstrap(), group_id=args.group, prefix=args.prefix) as consumer:
+        try:
+            for result in consumer.results(follow=args.follow):
+                _print(result.as_json())
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def main_reply(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentruns reply", description="Answer a run's open question (through the API)."
+    )
+    parser.add_argument("run_id")
+    parser.add_argument("--token", help="the resume token (default: read it from the run)")
+    parser.add_argument(
+        "--response", required=True, help="JSON object, e.g. '{\"approved\": true}'"
+    )
+    _common(parser, api=True)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    client = _api_client(args)
+    if client is None:
+        parser.error("replies go through the API: set --api-url or AGENTRUNS_API_URL")
+    try:
+        token = args.token
+        if token is None:
+            question = client.get(args.run_id).get("question") or {}
+            token = question.get("resume_token")
+            if not token:
+                raise ClientError(f"run {args.run_id} has no open question")
+        _print(client.reply(args.run_id, token, json.loads(args.response)))
+    finally:
+        client.close()
+    return 0
+
+
+def main_cancel(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns cancel", description="Cancel a run.")
+    parser.add_argument("run_id")
+    parser.add_argument("--reason", default="requested")
+    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    _common(parser, api=True)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    client = _api_client(args)
+    if client is not None:
+        try:
+            _print(client.cancel(args.run_id, reason=args.reason))
+        finally:
+            client.close()
+        return 0
+    with RunsProducer(_bootstrap(), producer_id=args.producer_id, prefix=args.prefix) as p:
+        sub = p.cancel(args.run_id, reason=args.reason)
+    _print({"run_id": sub.run_id, "input_id": sub.input_id})
+    return 0

@@ -1,0 +1,1 @@
+"""`agentruns demo` and `agentruns chaos`."""

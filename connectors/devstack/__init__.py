@@ -1,0 +1,1 @@
+"""The local development stack: Kafka and Postgres processes, service resolution, supervision."""

@@ -1,0 +1,364 @@
+"""Run a real Apache Kafka 4.x broker (KRaft) from Maven Central jars, without Docker.
+
+The jars are resolved once by `connectors/devstack/kafka/pom.xml` (`mvn
+dependency:copy-dependencies`)
+into a cache outside the repo (`~/.cache/agentruns/kafka-<version>/libs`, or
+`$AGENTRUNS_KAFKA_HOME`). A cluster is one or more combined broker+controller nodes on
+127.0.0.1, each with its own KRaft storage formatted by `kafka.tools.StorageTool`, started as
+`java -cp … kafka.Kafka server.properties` in its own session with a pid file, so `stop()` (and
+`agentruns dev down` from another process) can end exactly what was started.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from agentruns.connectors.devstack.procs import (
+    ensure_ports_free,
+    pid_alive,
+    read_pid,
+    stop_pid,
+    tail,
+)
+from agentruns.connectors.errors import MissingToolError, ServiceStartError
+
+KAFKA_VERSION = "4.1.2"
+DEFAULT_HEAP = "-Xms256m -Xmx768m"
+POM = "pom.xml"
+
+
+def kafka_home() -> Path:
+    """Where the broker jars live (downloaded once, shared by every checkout)."""
+    env = os.environ.get("AGENTRUNS_KAFKA_HOME")
+    if env:
+        return Path(env)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "agentruns" / f"kafka-{KAFKA_VERSION}"
+
+
+def _pom_path() -> Path:
+    return Path(str(resources.files("agentruns.connectors.devstack") / "kafka" / POM))
+
+
+def ensure_jars(home: Path | None = None, *, quiet: bool = True) -> Path:
+    """Resolve the broker jars with Maven unless already cached; return the libs directory."""
+    libs = (home or kafka_home()) / "libs"
+    if any(libs.glob("kafka_2.13-*.jar")) and any(libs.glob("log4j-core-*.jar")):
+        return libs
+    if shutil.which("java") is None:
+        raise MissingToolError(
+            "java is not installed", hint="install a JDK 17+ (e.g. apt-get install openjdk-17-jre)"
+        )
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise MissingToolError(
+            f"the Kafka jars are not cached in {libs} and mvn is not installed",
+            hint="install Maven (apt-get install maven) or set AGENTRUNS_KAFKA_HOME to a cache",
+        )
+    libs.parent.mkdir(parents=True, exist_ok=True)
+    tmp = libs.with_name("libs.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [
+        mvn,
+        "-B",
+        *(["-q"] if quiet else []),
+        "-f",
+        str(_pom_path()),
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={tmp}",
+        "-DincludeScope=runtime",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise ServiceStartError(
+            "mvn could not resolve the Kafka broker jars",
+            hint=f"run `{' '.join(cmd)}` to see why; last output: {tail(proc.stdout, 5)}",
+        )
+    # Rename into place only when complete, so an interrupted download is never taken as a cache.
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    return libs
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as Kafka makes).
+
+    Like Kafka's own Uuid.randomUuid, never one starting with "-": a command line would take
+    it for an option."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+@dataclass(frozen=True)
+class KafkaNode:
+    node_id: int
+    port: int
+    controller_port: int
+    directory: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.directory / "kafka.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.directory / "server.out"
+
+
+def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
+    """The broker+controller config of one node; internal topics sized for a local cluster."""
+    min_isr = 1 if replicas == 1 else 2
+    lines = {
+        "process.roles": "broker,controller",
+        "node.id": str(node.node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(node.directory / "data"),
+        "num.partitions": "1",
+        "default.replication.factor": str(replicas),
+        "min.insync.replicas": str(min_isr),
+        "auto.create.topics.enable": "false",
+        "offsets.topic.replication.factor": str(replicas),
+        "offsets.topic.num.partitions": "8",
+        "transaction.state.log.replication.factor": str(replicas),
+        "transaction.state.log.min.isr": str(min_isr),
+        "transaction.state.log.num.partitions": "8",
+        "share.coordinator.state.topic.replication.factor": str(replicas),
+        "share.coordinator.state.topic.min.isr": str(min_isr),
+        "group.initial.rebalance.delay.ms": "0",
+        # Compaction of the run log and snapshots must actually run on a small local broker.
+        "log.cleaner.enable": "true",
+        "log.cleaner.threads": "1",
+        "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
+        # KIP-890 part 1: before appending a transactional produce, the partition leader asks
+        # the transaction coordinator whether the partition is in an ongoing transaction. The
+        # broker handles one request per connection at a time and librdkafka sends one
+        # ProduceRequest per partition, so these round trips queue up: a processor transaction
+        # of ~20 partitions took 2x as long (commit mean 102 -> 50 ms; 4 partitions idle:
+        # 30 -> 7 ms). What it guards against (a produce request delayed past the end of its
+        # transaction opening a "hanging" one) needs a request stuck on the wire; on loopback
+        # we take the speed. AGENTRUNS_KAFKA_TXN_VERIFICATION=true restores Kafka's default.
+        # See docs/design.md, "Broker settings".
+        "transaction.partition.verification.enable": os.environ.get(
+            "AGENTRUNS_KAFKA_TXN_VERIFICATION", "false"
+        ),
+    }
+    return "".join(f"{k}={v}\n" for k, v in lines.items())
+
+
+class LocalKafka:
+    """A local KRaft cluster of `brokers` combined nodes under `directory`."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int = 19092,
+        brokers: int = 1,
+        heap: str = DEFAULT_HEAP,
+        libs: Path | None = None,
+    ) -> None:
+        self.directory = directory
+        self.brokers = brokers
+        self.heap = heap
+        self._libs = libs
+        # Popen handles of the nodes this object started: kept so they are reaped on stop
+        # (and no "subprocess still running" warning fires while the broker is meant to run).
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        # Node i listens on port+2i (clients) and port+2i+1 (controller quorum).
+        self.nodes = [
+            KafkaNode(i + 1, port + 2 * i, port + 2 * i + 1, directory / f"node-{i + 1}")
+            for i in range(brokers)
+        ]
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def running(self) -> list[int]:
+        """The pids of this cluster's live broker processes."""
+        return [pid for n in self.nodes if (pid := read_pid(n.pid_file)) and pid_alive(pid)]
+
+    def start(self, *, timeout: float = 60.0) -> float:
+        """Format (first time only) and start every node; wait until ready. Returns seconds."""
+        began = time.monotonic()
+        if self.running():
+            self.wait_ready(timeout)
+            return time.monotonic() - began
+        libs = self._libs or ensure_jars()
+        ensure_ports_free(
+            [p for n in self.nodes for p in (n.port, n.controller_port)],
+            what="Kafka",
+            hint="stop the other process, or pick other ports with --kafka-port / "
+            "AGENTRUNS_KAFKA_PORT",
+        )
+        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        replicas = min(self.brokers, 3)
+        cluster_file = self.directory / "cluster.id"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not cluster_file.exists():
+            cluster_file.write_text(new_cluster_id())
+        cluster_id = cluster_file.read_text().strip()
+        log4j = self.directory / "log4j2.properties"
+        log4j.write_text(
+            (
+                resources.files("agentruns.connectors.devstack") / "kafka" / "log4j2.properties"
+            ).read_text()
+        )
+        classpath = f"{libs}/*"
+        for node in self.nodes:
+            node.directory.mkdir(parents=True, exist_ok=True)
+            props = node.directory / "server.properties"
+            props.write_text(server_properties(node, voters, replicas))
+            if not (node.directory / "data" / "meta.properties").exists():
+                self._format(classpath, cluster_id, props, log4j, node)
+        for node in self.nodes:
+            self._spawn(classpath, node, log4j)
+        try:
+            self.wait_ready(timeout - (time.monotonic() - began))
+        except ServiceStartError:
+            self.stop()
+            raise
+        return time.monotonic() - began
+
+    def _java(self, classpath: str, log4j: Path) -> list[str]:
+        java = shutil.which("java")
+        if java is None:
+            raise MissingToolError(
+                "java is not installed", hint="install a JDK 17+ (apt-get install openjdk-17-jre)"
+            )
+        return [
+            java,
+            *self.heap.split(),
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            # C1 only by default: C2's compilations went on for minutes after start and took a
+            # core from the processes the broker serves (2-core box). processor bench, latency
+            # phase, two A/B pairs: p99 147-184 ms vs 299-746 ms. But C2's code is faster once
+            # compiled: the loop bench at 64 concurrent runs (minutes of full load) 115-136 vs
+            # 147 steps/s. Long-running or heavily loaded local brokers: AGENTRUNS_KAFKA_JIT=c2.
+            *([] if os.environ.get("AGENTRUNS_KAFKA_JIT") == "c2" else ["-XX:TieredStopAtLevel=1"]),
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={log4j}",
+            "-cp",
+            classpath,
+        ]
+
+    def _format(
+        self, classpath: str, cluster_id: str, props: Path, log4j: Path, node: KafkaNode
+    ) -> None:
+        cmd = [
+            *self._java(classpath, log4j),
+            "kafka.tools.StorageTool",
+            "format",
+            "--cluster-id",
+            cluster_id,
+            "--config",
+            str(props),
+            "--ignore-formatted",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise ServiceStartError(
+                f"formatting KRaft storage in {node.directory / 'data'} failed: "
+                f"{tail(proc.stdout + proc.stderr, 3)}",
+                hint="a stale data directory? remove it with `agentruns dev down --wipe`",
+            )
+
+    def _spawn(self, classpath: str, node: KafkaNode, log4j: Path) -> None:
+        cmd = [
+            *self._java(classpath, log4j),
+            "kafka.Kafka",
+            str(node.directory / "server.properties"),
+        ]
+        with open(node.log_file, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # survives the CLI that started it; own process group
+            )
+        node.pid_file.write_text(str(proc.pid))
+        self._procs[node.node_id] = proc
+
+    def wait_ready(self, timeout: float) -> None:
+        """Ready = every node alive and an AdminClient sees all brokers in the metadata."""
+        from confluent_kafka.admin import AdminClient
+
+        deadline = time.monotonic() + max(timeout, 1.0)
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        last_error = "no answer"
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                pid = read_pid(node.pid_file)
+                if pid is None or not pid_alive(pid):
+                    raise ServiceStartError(
+                        f"Kafka node {node.node_id} exited during start-up: "
+                        f"{tail(node.log_file.read_text(errors='replace'), 4)}",
+                        hint=f"full log: {node.log_file}",
+                    )
+            try:
+                meta = admin.list_topics(timeout=2.0)
+                if len(meta.brokers) >= len(self.nodes):
+                    return
+                last_error = f"{len(meta.brokers)} of {len(self.nodes)} brokers registered"
+            except Exception as exc:  # librdkafka raises KafkaException while it cannot connect
+                last_error = str(exc)
+            time.sleep(0.2)
+        raise ServiceStartError(
+            f"Kafka at {self.bootstrap_servers} was not ready within {timeout:.0f}s ({last_error})",
+            hint=f"see {self.nodes[0].log_file}",
+        )
+
+    def stop(self, *, timeout: float = 30.0) -> None:
+        """SIGTERM every node (controlled shutdown), SIGKILL what is left after `timeout`."""
+        for node in self.nodes:
+            stop_pid(node.pid_file, sig=signal.SIGTERM, timeout=timeout)
+            self._reap(node)
+
+    def _reap(self, node: KafkaNode) -> None:
+        proc = self._procs.pop(node.node_id, None)
+        if proc is not None:
+            proc.wait(timeout=10)
+
+    def kill(self, node_ids: Sequence[int] | None = None) -> None:
+        """SIGKILL nodes (fault tests)."""
+        for node in self.nodes:
+            if node_ids is None or node.node_id in node_ids:
+                stop_pid(node.pid_file, sig=signal.SIGKILL, timeout=10.0)
+                self._reap(node)
+
+    def pause(self) -> None:
+        """SIGSTOP every node (fault tests): a broker that stands still, connections open, as in
+        a long GC pause or a stalled disk."""
+        for pid in self.running():
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self.running():
+            os.kill(pid, signal.SIGCONT)
+
+    def restart(self, *, timeout: float = 60.0) -> float:
+        self.stop()
+        return self.start(timeout=timeout)
+
+    def wipe(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

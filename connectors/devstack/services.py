@@ -1,0 +1,299 @@
+"""Where Kafka and Postgres come from, in one resolution order for every command and test.
+
+1. `KAFKA_BOOTSTRAP_SERVERS` / `DATABASE_URL` when set (checked: an unreachable one is an error,
+   never a silent fallback);
+2. testcontainers, when a Docker daemon answers a ping;
+3. the local processes of `agentruns.connectors.devstack.local_kafka` /
+`agentruns.connectors.devstack.local_postgres`: the running
+   `agentruns dev up` stack if there is one, otherwise a new one.
+
+`ServiceStack` remembers what it started and `close()` stops exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from contextlib import AbstractContextManager, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from agentruns.connectors.devstack.local_kafka import LocalKafka
+from agentruns.connectors.devstack.local_postgres import LocalPostgres
+from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.errors import ServiceUnreachableError
+
+# testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
+KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
+POSTGRES_IMAGE = "postgres:16-alpine"
+
+
+def state_dir() -> Path:
+    """The `agentruns dev up` state directory (data, logs, pid files)."""
+    env = os.environ.get("AGENTRUNS_STATE_DIR")
+    if env:
+        return Path(env)
+    return Path(tempfile.gettempdir()) / f"agentruns-{os.geteuid()}"
+
+
+@dataclass
+class StackConfig:
+    """What `dev up` started, saved as stack.json so `dev down`/`dev status` find it."""
+
+    kafka_port: int = 19092
+    pg_port: int = 15432
+    brokers: int = 1
+    durable: bool = True
+
+    @classmethod
+    def from_env(cls) -> StackConfig:
+        return cls(
+            kafka_port=int(os.environ.get("AGENTRUNS_KAFKA_PORT", "19092")),
+            pg_port=int(os.environ.get("AGENTRUNS_PG_PORT", "15432")),
+            brokers=int(os.environ.get("AGENTRUNS_KAFKA_BROKERS", "1")),
+        )
+
+    @classmethod
+    def load(cls, directory: Path) -> StackConfig | None:
+        try:
+            return cls(**json.loads((directory / "stack.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "stack.json").write_text(json.dumps(asdict(self)))
+
+
+@dataclass
+class LocalStack:
+    """The local broker(s) and Postgres under one state directory."""
+
+    directory: Path
+    config: StackConfig
+    kafka: LocalKafka = field(init=False)
+    postgres: LocalPostgres = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.kafka = LocalKafka(self.directory / "kafka", port=c.kafka_port, brokers=c.brokers)
+        self.postgres = LocalPostgres(
+            self.directory / "postgres", port=c.pg_port, durable=c.durable
+        )
+
+    def up(self) -> dict[str, float]:
+        self.config.save(self.directory)
+        timings = {"kafka_ready_s": self.kafka.start()}
+        try:
+            timings["postgres_ready_s"] = self.postgres.start()
+        except Exception:
+            self.kafka.stop()
+            raise
+        return timings
+
+    def down(self, *, wipe: bool = False) -> None:
+        self.kafka.stop()
+        self.postgres.stop()
+        if wipe:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state_dir": str(self.directory),
+            "kafka": {
+                "bootstrap_servers": self.kafka.bootstrap_servers,
+                "pids": self.kafka.running(),
+                "logs": [str(n.log_file) for n in self.kafka.nodes],
+            },
+            "postgres": {
+                "url": self.postgres.url,
+                "running": self.postgres.running(),
+                "log": str(self.postgres.log_file),
+            },
+        }
+
+
+def running_dev_stack() -> LocalStack | None:
+    """The `agentruns dev up` stack, if its broker and database are both running."""
+    directory = state_dir()
+    config = StackConfig.load(directory)
+    if config is None:
+        return None
+    stack = LocalStack(directory, config)
+    if stack.kafka.running() and stack.postgres.running():
+        return stack
+    return None
+
+
+def docker_available() -> bool:
+    """True when a Docker daemon answers `GET /_ping` (testcontainers can then run services).
+
+    Pinged with a plain socket: cheap, and no client library left holding a socket open.
+    """
+    if os.environ.get("AGENTRUNS_NO_DOCKER"):
+        return False
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        if host.startswith("unix://"):
+            path = host.removeprefix("unix://")
+            if not os.path.exists(path):
+                return False
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: Any = path
+        elif host.startswith("tcp://"):
+            name, _, port = host.removeprefix("tcp://").partition(":")
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            address = (name, int(port or 2375))
+        else:
+            return False
+        with sock:
+            sock.settimeout(2)
+            sock.connect(address)
+            sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            head = sock.recv(64)
+        return head.startswith(b"HTTP/1.") and b" 200 " in head
+    except OSError:
+        return False
+
+
+def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout)
+    except Exception as exc:
+        raise ServiceUnreachableError(
+            f"Kafka at {bootstrap} does not answer ({exc})",
+            hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
+        ) from exc
+
+
+def check_postgres(url: str, timeout: float = 10.0) -> None:
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=int(timeout)) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        raise ServiceUnreachableError(
+            f"Postgres at {url} does not answer ({str(exc).strip().splitlines()[0]})",
+            hint="check DATABASE_URL, or unset it to use a local server",
+        ) from exc
+
+
+@dataclass
+class Endpoints:
+    kafka_bootstrap: str
+    database_url: str
+    kafka_source: str
+    postgres_source: str
+
+
+class ServiceStack(AbstractContextManager["ServiceStack"]):
+    """Resolve Kafka and Postgres; stop on close only what this object started.
+
+    `ephemeral=True` (tests, benchmarks) never reuses the `dev up` stack: it starts its own in a
+    temporary directory on free ports, throw-away and fast (fsync off).
+    """
+
+    def __init__(self, *, ephemeral: bool = False, brokers: int = 1) -> None:
+        self.ephemeral = ephemeral
+        self.brokers = brokers
+        self._started: list[Any] = []
+        self._tmp: Path | None = None
+        self.local: LocalStack | None = None
+        self.endpoints: Endpoints | None = None
+
+    def __enter__(self) -> ServiceStack:
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # never leave a half-started system behind
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start(self) -> Endpoints:
+        kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+        database = os.environ.get("DATABASE_URL")
+        ksrc, psrc = "env", "env"
+        if kafka:
+            check_kafka(kafka)
+        if database:
+            check_postgres(database)
+        if (kafka is None or database is None) and docker_available():
+            if kafka is None:
+                kafka, ksrc = self._kafka_container(), "testcontainers"
+            if database is None:
+                database, psrc = self._postgres_container(), "testcontainers"
+        if kafka is None or database is None:
+            running = None if self.ephemeral else running_dev_stack()
+            # A running `dev up` stack is used as is: its services are not ours to stop.
+            local = running or self._new_local_stack()
+            self.local = local
+            where = f"local ({local.directory})"
+            if kafka is None:
+                if running is None:
+                    self._started.append(local.kafka)
+                    local.kafka.start()
+                kafka, ksrc = local.kafka.bootstrap_servers, where
+            if database is None:
+                if running is None:
+                    self._started.append(local.postgres)
+                    local.postgres.start()
+                database, psrc = local.postgres.url, where
+        self.endpoints = Endpoints(kafka, database, ksrc, psrc)
+        return self.endpoints
+
+    def _new_local_stack(self) -> LocalStack:
+        if not self.ephemeral:
+            directory = state_dir()
+            return LocalStack(directory, StackConfig.load(directory) or StackConfig.from_env())
+        self._tmp = Path(tempfile.mkdtemp(prefix="agentruns-run-"))
+        self._tmp.chmod(0o755)  # the postgres user (when we are root) must traverse it
+        kafka_port = free_port_block(2 * self.brokers)
+        pg_port = free_port_block(1, start=kafka_port + 2 * self.brokers)
+        config = StackConfig(
+            kafka_port=kafka_port, pg_port=pg_port, brokers=self.brokers, durable=False
+        )
+        return LocalStack(self._tmp, config)
+
+    def _kafka_container(self) -> str:
+        from testcontainers.community.kafka import KafkaContainer
+
+        container = KafkaContainer(KAFKA_IMAGE).with_kraft()
+        container.with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+        container.with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+        container.start()
+        self._started.append(container)
+        return str(container.get_bootstrap_server())
+
+    def _postgres_container(self) -> str:
+        from testcontainers.community.postgres import PostgresContainer
+
+        container = PostgresContainer(POSTGRES_IMAGE, driver=None)
+        container.start()
+        self._started.append(container)
+        return str(container.get_connection_url())
+
+    def close(self) -> None:
+        while self._started:
+            service = self._started.pop()
+            with suppress(Exception):
+                service.stop()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

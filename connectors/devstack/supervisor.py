@@ -1,0 +1,113 @@
+"""Run pipeline components as separate processes (production mode), for the demo, chaos tests
+and benchmarks: start, kill -9, pause, restart and stop them by name, with their logs in one
+folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentruns.connectors.devstack.procs import pid_alive
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]  # after `python -m`
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    kills: int = 0
+
+
+@dataclass
+class Supervisor:
+    log_dir: Path
+    env: dict[str, str]
+    components: dict[str, Component] = field(default_factory=dict)
+
+    def add(self, name: str, *argv: str) -> Component:
+        component = Component(name, list(argv))
+        self.components[name] = component
+        return component
+
+    def start(self, name: str) -> None:
+        c = self.components[name]
+        if c.process is not None and c.process.poll() is None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            c.process = subprocess.Popen(
+                [sys.executable, "-m", *c.argv],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        c.starts += 1
+
+    def start_all(self) -> None:
+        for name in self.components:
+            self.start(name)
+
+    def alive(self, name: str) -> bool:
+        process = self.components[name].process
+        return process is not None and process.poll() is None and pid_alive(process.pid)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no cleanup, no commit, no goodbye to the group."""
+        c = self.components[name]
+        if c.process is not None and c.process.poll() is None:
+            os.killpg(c.process.pid, signal.SIGKILL)
+            c.process.wait()
+            c.kills += 1
+
+    def pause(self, name: str) -> bool:
+        """SIGSTOP the component's process group: a process that stops answering without dying
+        (a long GC pause, a stalled VM) and comes back as a zombie when `resume`d. False when
+        it was not running."""
+        c = self.components[name]
+        if c.process is None or c.process.poll() is not None:
+            return False
+        os.killpg(c.process.pid, signal.SIGSTOP)
+        return True
+
+    def resume(self, name: str) -> None:
+        c = self.components[name]
+        if c.process is not None and c.process.poll() is None:
+            os.killpg(c.process.pid, signal.SIGCONT)
+
+    def restart(self, name: str) -> None:
+        self.kill(name)
+        self.start(name)
+
+    def stop(self, name: str, timeout: float = 30.0) -> None:
+        c = self.components[name]
+        if c.process is None:
+            return
+        if c.process.poll() is None:
+            c.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.process.pid, signal.SIGCONT)  # a paused one handles it only then
+            try:
+                c.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(c.process.pid, signal.SIGKILL)
+                c.process.wait()
+        c.process = None
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.components)):
+            self.stop(name)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

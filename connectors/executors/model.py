@@ -1,0 +1,881 @@
+"""The model executor (`agentruns executor model`): streamed chat completions into candidates.
+
+Consumes ``agentruns.effects.model`` (CallModel) and answers each effect with one
+ModelCallCompleted on the inbox (loop, records and transaction:
+:mod:`agentruns.connectors.executors.base`).
+
+For one effect (R7, R9):
+
+1. the frozen context artifact chain is loaded (``previous_context`` links back to the first
+   context) and the conversation rebuilt: the initial messages, then per earlier step the
+   assistant message of its candidate artifact and one ``tool`` message per tool call (matched
+   to the tool result artifacts in the next context's ``inputs``); a repair note becomes a
+   final user message;
+2. ``POST {base_url}/chat/completions`` with ``stream: true`` (OpenAI protocol), the run's
+   tools (from its registry artifact, descriptions from the registry file), ``user`` = run id;
+3. the SSE stream is assembled by :class:`StreamAssembler` (pure) and classified:
+   ``stop``/``tool_calls`` = finished; ``length`` = truncated; ``content_filter`` = blocked;
+   ended without a finish, connection lost, or deadline passed = incomplete; 429 =
+   rate_limited (Retry-After, clamped); 5xx, other statuses and transport errors before the
+   response = transport_error. A stream that cannot be trusted is incomplete too: a chunk of
+   an unexpected shape, not JSON, nested deeper than ``MAX_JSON_DEPTH`` or not UTF-8, a line
+   over ``max_line_bytes``, more than ``max_stream_bytes`` in all, or still going at
+   ``total_timeout_s`` after the request (keep-alive comments and a byte-by-byte drip count
+   against it like any other bytes). Tool calls are passed on only from a finished stream: a
+   tool never starts on half-streamed arguments;
+4. the candidate artifact (the assistant message in OpenAI form plus finish_reason, outcome,
+   usage: :func:`candidate_artifact`) is written, then the input (by the loop).
+
+A redelivered effect whose record is completed is answered from the record: no second call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from agentruns.connectors.executors.base import (
+    ActionRecord,
+    Executor,
+    ExecutorConfig,
+    ExecutorError,
+    Outcome,
+    add_common_arguments,
+    config_from_args,
+    decode_json,
+    event_identity,
+    run_until_signal,
+)
+from agentruns.connectors.executors.tool import DEFAULT_REGISTRY, ToolRegistry, retry_after_ms
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
+from agentruns.processors.effects import CallModel, Effect
+from agentruns.processors.events import (
+    Candidate,
+    ModelCallCompleted,
+    ModelOutcome,
+    ModelUsage,
+    ToolCallRequest,
+)
+from agentruns.processors.ids import canonical_json
+from agentruns.processors.limits import MAX_AMOUNT, MAX_ID_CHARS, MAX_ITEMS
+
+log = logging.getLogger("agentruns.executor.model")
+
+CANDIDATE_MEDIA_TYPE = "application/vnd.agentruns.candidate+json"
+DEFAULT_BASE_URL = "http://127.0.0.1:8700/v1"
+# Bounds on one model answer (per route, RouteConfig): the SSE bytes of a whole stream (or a
+# JSON body), one SSE line (real chunks carry a few tokens), and an error body kept for the
+# record (only its start is used).
+DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_LINE_BYTES = 256 * 1024
+ERROR_BODY_BYTES = 64 * 1024
+
+
+# --------------------------------------------------------------------------- routes
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """How one model route is called. ``model`` defaults to the route name."""
+
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str | None = None
+    model: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0  # between two chunks
+    # The whole call, from the request: whatever arrives (keep-alive comments, a drip), the
+    # stream is cut at this point (at the first read after it; reads wait at most this long).
+    total_timeout_s: float = 120.0
+    max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_tokens: int | None = None
+    temperature: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    input_cost_micros_per_1k: int = 0
+    output_cost_micros_per_1k: int = 0
+
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Per-route configs (a JSON file ``{"route": {...}}``; ``"*"`` = every other route)."""
+
+    routes: Mapping[str, RouteConfig]
+    fallback: RouteConfig
+
+    @classmethod
+    def from_env(cls, path: str | None = None, base_url: str | None = None) -> Routes:
+        env_base = base_url or os.environ.get("AGENTRUNS_MODEL_BASE_URL") or DEFAULT_BASE_URL
+        if not env_base.rstrip("/").endswith("/v1"):
+            env_base = env_base.rstrip("/") + "/v1"
+        fallback = RouteConfig(base_url=env_base, api_key=os.environ.get("AGENTRUNS_MODEL_API_KEY"))
+        routes: dict[str, RouteConfig] = {}
+        if path:
+            try:
+                data = json.loads(Path(path).read_text())
+                for name, raw in data.items():
+                    values = {"base_url": env_base, "api_key": fallback.api_key, **raw}
+                    if "api_key_env" in values:
+                        values["api_key"] = os.environ.get(values.pop("api_key_env"))
+                    routes[name] = RouteConfig(**values)
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                raise ExecutorError(f"invalid model routes file {path}: {exc}") from exc
+        return cls(routes, fallback)
+
+    def get(self, route: str) -> RouteConfig:
+        return self.routes.get(route) or self.routes.get("*") or self.fallback
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A classified generation: what the stream said, and whether it can be trusted."""
+
+    outcome: ModelOutcome
+    finish_reason: str | None
+    content: str
+    tool_calls: tuple[dict[str, Any], ...]  # OpenAI form; empty unless finished
+    usage: Mapping[str, int]
+    completion_id: str | None
+    model: str | None
+    detail: str = ""
+    retry_after_ms: int | None = None
+
+
+FINISHED = frozenset({"stop", "tool_calls", "function_call"})
+
+
+class MalformedChunkError(ValueError):
+    """A chunk is valid JSON of a shape the protocol does not have."""
+
+
+def _optional_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise MalformedChunkError(f"{what} is a {type(value).__name__}, not a string")
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise MalformedChunkError(f"{what} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise MalformedChunkError(f"{what} is a {type(value).__name__}, not an object")
+    return value
+
+
+class StreamAssembler:
+    """Folds ``chat.completion.chunk`` objects into one generation (pure: no I/O).
+
+    Tool-call deltas are merged by ``index``; arguments pieces are concatenated. Only
+    :meth:`result` decides whether the tool calls are complete (a trusted finish). A chunk of
+    a shape the protocol does not have raises :class:`MalformedChunkError` (the caller ends
+    the call: an untrusted stream is incomplete)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] = {}
+        self.completion_id: str | None = None
+        self.model: str | None = None
+        self.done = False
+        self.chunks = 0
+
+    def feed(self, chunk: Any) -> None:
+        chunk = _object(chunk, "a chunk")
+        self.chunks += 1
+        completion_id = _optional_str(chunk.get("id"), "id")
+        self.completion_id = self.completion_id or (completion_id or "")[:MAX_ID_CHARS] or None
+        model = _optional_str(chunk.get("model"), "model")
+        self.model = self.model or (model or "")[:MAX_ID_CHARS] or None
+        usage = chunk.get("usage")
+        if isinstance(usage, Mapping):
+            self.usage = {
+                str(k)[:64]: min(max(v, 0), MAX_AMOUNT)
+                for k, v in usage.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+        for choice in _list(chunk.get("choices"), "choices"):
+            choice = _object(choice, "a choice")
+            if choice.get("index", 0) != 0:
+                continue
+            streamed = "delta" in choice
+            delta = choice.get("delta") if streamed else choice.get("message")
+            delta = _object(delta or {}, "delta" if streamed else "message")
+            content = _optional_str(delta.get("content"), "content")
+            if content:
+                self.content.append(content)
+            for position, call in enumerate(_list(delta.get("tool_calls"), "tool_calls")):
+                self._feed_call(_object(call, "a tool call"), None if streamed else position)
+            finish = _optional_str(choice.get("finish_reason"), "finish_reason")
+            if finish:
+                self.finish_reason = finish[:100]
+
+    def _feed_call(self, call: Mapping[str, Any], position: int | None) -> None:
+        """One tool-call delta (``position``: its place in a non-streamed message, where the
+        calls carry no ``index``)."""
+        index = call.get("index", position)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_ITEMS:
+            raise MalformedChunkError(f"a tool call delta has no valid index ({index!r:.40})")
+        slot = self.calls.setdefault(index, {"id": None, "name": "", "arguments": []})
+        slot["id"] = _optional_str(call.get("id"), "a tool call id") or slot["id"]
+        function = _object(call.get("function") or {}, "a tool call function")
+        name = _optional_str(function.get("name"), "a tool name")
+        if name:
+            slot["name"] = name
+        arguments = _optional_str(function.get("arguments"), "tool call arguments")
+        if arguments is not None:
+            slot["arguments"].append(arguments)
+
+    def result(self, *, interrupted: str | None = None, untrusted: str | None = None) -> Assembled:
+        """Classify. ``interrupted``: why the stream stopped early (connection lost, deadline);
+        ``untrusted``: why nothing it said can be used (incomplete, even after a finish)."""
+        reason = self.finish_reason
+        if untrusted is not None:
+            outcome, detail = ModelOutcome.INCOMPLETE, untrusted
+        elif interrupted is not None and reason is None:
+            outcome, detail = ModelOutcome.INCOMPLETE, interrupted
+        elif reason is None:
+            outcome, detail = ModelOutcome.INCOMPLETE, "stream ended without a finish_reason"
+        elif reason in FINISHED:
+            outcome, detail = ModelOutcome.FINISHED, ""
+        elif reason == "length":
+            outcome, detail = ModelOutcome.TRUNCATED, "finish_reason=length"
+        elif reason == "content_filter":
+            outcome, detail = ModelOutcome.BLOCKED, "finish_reason=content_filter"
+        else:
+            outcome, detail = ModelOutcome.INCOMPLETE, f"unknown finish_reason {reason!r}"
+        calls: tuple[dict[str, Any], ...] = ()
+        if outcome is ModelOutcome.FINISHED:
+            calls = tuple(
+                {
+                    "id": slot["id"] or f"call_{self.completion_id or 'x'}_{index}",
+                    "type": "function",
+                    "function": {"name": slot["name"], "arguments": "".join(slot["arguments"])},
+                }
+                for index, slot in sorted(self.calls.items())
+            )
+        return Assembled(
+            outcome=outcome,
+            finish_reason=reason,
+            content="".join(self.content),
+            tool_calls=calls,
+            usage=dict(self.usage),
+            completion_id=self.completion_id,
+            model=self.model,
+            detail=detail,
+        )
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream (one per event)."""
+    for line in lines:
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def candidate_artifact(
+    assembled: Assembled, effect: CallModel, route: str
+) -> tuple[StoredArtifact, dict[str, Any]]:
+    """The candidate artifact: the assistant message in OpenAI form + finish/outcome/usage."""
+    message: dict[str, Any] = {"role": "assistant", "content": assembled.content}
+    if assembled.tool_calls:
+        message["tool_calls"] = list(assembled.tool_calls)
+    body = {
+        "type": "candidate",
+        "run_id": effect.run_id,
+        "step": effect.step,
+        "attempt": effect.attempt,
+        "context_ref": effect.context_ref,
+        "model_route": route,
+        "model": assembled.model,
+        "completion_id": assembled.completion_id,
+        "message": message,
+        "finish_reason": assembled.finish_reason,
+        "outcome": assembled.outcome.value,
+        "usage": dict(assembled.usage),
+    }
+    return StoredArtifact.of(canonical_json(body), CANDIDATE_MEDIA_TYPE), message
+
+
+def assistant_message(candidate: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant message of a stored candidate (this module's format or the core's)."""
+    if isinstance(candidate.get("message"), Mapping):
+        return dict(candidate["message"])
+    message: dict[str, Any] = {"role": "assistant", "content": candidate.get("content", "")}
+    calls = candidate.get("tool_calls") or ()
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c.get("arguments_json", "{}")},
+            }
+            for c in calls
+        ]
+    return message
+
+
+def candidate_from_artifact(content: str) -> Candidate:
+    """The core ``Candidate`` of a stored candidate artifact, in this module's format (an
+    assistant ``message``) or the core's own (``Candidate.model_dump_json()``). For readers
+    such as audit re-validation (R28), which must not assume one of the two."""
+    data = json.loads(content)
+    if not isinstance(data, Mapping) or not isinstance(data.get("message"), Mapping):
+        return Candidate.model_validate(data)
+    message = data["message"]
+    return Candidate(
+        content=message.get("content") or "",
+        tool_calls=tuple(
+            ToolCallRequest(
+                id=str(c["id"]),
+                name=c["function"]["name"],
+                arguments_json=c["function"].get("arguments", ""),
+            )
+            for c in message.get("tool_calls") or ()
+        ),
+    )
+
+
+def _canonical_args(text: Any) -> str | None:
+    if text is None:
+        return None
+    try:
+        return canonical_json(json.loads(text) if isinstance(text, str) else text)
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Result:
+    tool: str | None
+    args: str | None
+    content: str
+    used: bool = False
+
+
+def tool_messages(
+    calls: Sequence[Mapping[str, Any]],
+    inputs: Sequence[str],
+    artifacts: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """One ``tool`` message per call of an assistant message, from the next step's inputs.
+
+    ``artifacts`` maps refs to parsed JSON (tool results, summaries and their raw outputs).
+    Results are matched to calls by tool name and canonical arguments, then by tool name;
+    notes (``failed:<tool>:...``) answer calls without a result."""
+    results: list[_Result] = []
+    for item in inputs:
+        if item.startswith("sha256:"):
+            data = artifacts.get(item)
+            if not isinstance(data, Mapping):
+                results.append(_Result(None, None, f"(artifact {item} not found)"))
+                continue
+            if "raw_ref" in data and "summary" in data:
+                raw = artifacts.get(data["raw_ref"])
+                raw = raw if isinstance(raw, Mapping) else {}
+                content = canonical_json(
+                    {"summary": data["summary"], "raw_ref": data["raw_ref"], "large_output": True}
+                )
+                results.append(
+                    _Result(raw.get("tool"), _canonical_args(raw.get("arguments")), content)
+                )
+                continue
+            output = data.get("output", data)
+            content = output if isinstance(output, str) else canonical_json(output)
+            results.append(
+                _Result(data.get("tool"), _canonical_args(data.get("arguments")), content)
+            )
+        else:
+            parts = item.split(":")
+            tool = parts[1] if len(parts) > 1 else None
+            results.append(_Result(tool, None, canonical_json({"note": item})))
+    messages = []
+    for call in calls:
+        function = call.get("function") or {}
+        name, args = function.get("name"), _canonical_args(function.get("arguments"))
+        match = next((r for r in results if not r.used and r.tool == name and r.args == args), None)
+        match = match or next((r for r in results if not r.used and r.tool == name), None)
+        match = match or next((r for r in results if not r.used and r.tool is None), None)
+        if match is not None:
+            match.used = True
+        content = match.content if match is not None else '{"note":"no result recorded"}'
+        messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": content})
+    return messages
+
+
+Loader = Callable[[Sequence[str]], dict[str, Any]]
+
+
+def build_conversation(
+    effect: CallModel, load: Loader
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, current context) rebuilt from the frozen context chain (R7)."""
+    chain: list[dict[str, Any]] = []
+    ref: str | None = effect.context_ref
+    while ref is not None:
+        context = load([ref]).get(ref)
+        if not isinstance(context, dict):
+            raise ExecutorError(f"context artifact {ref} not found", retryable=True)
+        chain.append(context)
+        ref = context.get("previous_context")
+    chain.reverse()
+    first = chain[0]
+    messages: list[dict[str, Any]] = [
+        {"role": m["role"], "content": m["content"]} for m in first.get("messages") or ()
+    ]
+    if not any(m["role"] == "user" for m in messages):
+        messages.append({"role": "user", "content": first.get("goal", "")})
+    needed = [c["previous_candidate"] for c in chain[1:] if c.get("previous_candidate")]
+    needed += [i for c in chain[1:] for i in c.get("inputs") or () if i.startswith("sha256:")]
+    found = load(needed)
+    raws = [v["raw_ref"] for v in found.values() if isinstance(v, Mapping) and "raw_ref" in v]
+    if raws:
+        found.update(load(raws))
+    goal = first.get("goal")
+    for context in chain[1:]:
+        candidate = found.get(context.get("previous_candidate") or "")
+        calls: list[Mapping[str, Any]] = []
+        if isinstance(candidate, Mapping):
+            assistant = assistant_message(candidate)
+            calls = list(assistant.get("tool_calls") or ())
+            messages.append(assistant)
+        inputs = list(context.get("inputs") or ())
+        messages.extend(tool_messages(calls, inputs, found))
+        if not calls and inputs:
+            messages.append({"role": "user", "content": canonical_json({"results": inputs})})
+        if context.get("goal") and context.get("goal") != goal:
+            goal = context["goal"]
+            messages.append({"role": "user", "content": f"New goal: {goal}"})
+    if effect.repair is not None:
+        messages.append(
+            {
+                "role": "user",
+                "content": (
+                    f"Your previous answer was rejected ({effect.repair.error_code}): "
+                    f"{effect.repair.detail}. Answer again; call tools only with arguments "
+                    "that match their schemas."
+                ),
+            }
+        )
+    return messages, chain[-1]
+
+
+# --------------------------------------------------------------------------- handler
+
+
+class _ArtifactCache:
+    """Artifacts are immutable: parsed JSON cached by ref (bounded), one store per thread."""
+
+    def __init__(self, database_url: str, size: int = 4096) -> None:
+        self._url = database_url
+        self._size = size
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._stores: list[PostgresArtifactStore] = []
+
+    def _store(self) -> PostgresArtifactStore:
+        store: PostgresArtifactStore | None = getattr(self._local, "store", None)
+        if store is None:
+            store = PostgresArtifactStore(self._url)
+            self._local.store = store
+            with self._lock:
+                self._stores.append(store)
+        return store
+
+    def load(self, refs: Sequence[str]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        missing = []
+        with self._lock:
+            for ref in refs:
+                if ref in self._items:
+                    self._items.move_to_end(ref)
+                    found[ref] = self._items[ref]
+                else:
+                    missing.append(ref)
+        if missing:
+            for ref, text in self._store().get_many(missing).items():
+                try:
+                    found[ref] = json.loads(text)
+                except ValueError:
+                    found[ref] = text
+            with self._lock:
+                for ref in missing:
+                    if ref in found:
+                        self._items[ref] = found[ref]
+                while len(self._items) > self._size:
+                    self._items.popitem(last=False)
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores:
+                store.close()
+            self._stores.clear()
+
+
+class ModelHandler:
+    """Calls the model route of each CallModel effect and classifies the stream."""
+
+    effect_types = frozenset({"CallModel"})
+
+    def __init__(
+        self,
+        database_url: str,
+        routes: Routes,
+        registry: ToolRegistry | None = None,
+        *,
+        connections: int = 16,
+    ) -> None:
+        self.routes = routes
+        self.registry = registry
+        self._cache = _ArtifactCache(database_url)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self._client = httpx.Client(limits=limits)
+
+    def close(self) -> None:
+        self._client.close()
+        self._cache.close()
+
+    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+        if not isinstance(effect, CallModel):
+            raise ExecutorError(f"not a model effect: {effect.type}")
+        if previous is not None:
+            # Started, never completed: the executor died mid-call. Nothing of that generation
+            # was recorded or referenced, so calling again cannot merge two generations.
+            log.info("re-calling %s after an interrupted attempt", effect.idempotency_key)
+        route = self.routes.get(effect.model_route)
+        try:
+            messages, context = build_conversation(effect, self._cache.load)
+        except ExecutorError as exc:
+            assembled = StreamAssembler().result(interrupted=str(exc))
+            return self._outcome(effect, replace_outcome(assembled, ModelOutcome.TRANSPORT_ERROR))
+        payload: dict[str, Any] = {
+            "model": route.model or effect.model_route,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": effect.run_id,
+        }
+        tools = self._tools(context.get("tool_registry"))
+        if tools:
+            payload["tools"] = tools
+        if route.max_tokens is not None:
+            payload["max_tokens"] = route.max_tokens
+        if route.temperature is not None:
+            payload["temperature"] = route.temperature
+        assembled = self.stream(route, payload)
+        return self._outcome(effect, assembled)
+
+    def _tools(self, registry_ref: Any) -> list[dict[str, Any]]:
+        specs = None
+        if isinstance(registry_ref, str):
+            specs = self._cache.load([registry_ref]).get(registry_ref)
+        if isinstance(specs, list):
+            described = self.registry.tools if self.registry is not None else {}
+            return [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": s["name"],
+                        "description": described[s["name"]].description
+                        if s["name"] in described
+                        else "",
+                        "parameters": s.get("parameters", {"type": "object"}),
+                    },
+                }
+                for s in specs
+                if isinstance(s, Mapping) and "name" in s
+            ]
+        return self.registry.openai_tools() if self.registry is not None else []
+
+    def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
+        """The one method that talks to the model endpoint; every failure is classified."""
+        headers = {"Accept": "text/event-stream", **route.headers}
+        if route.api_key:
+            headers["Authorization"] = f"Bearer {route.api_key}"
+        # no read may wait past the whole call's deadline
+        read_s = min(route.read_timeout_s, route.total_timeout_s)
+        connect = route.connect_timeout_s
+        timeout = httpx.Timeout(read_s, connect=connect, pool=connect)
+        deadline = time.monotonic() + route.total_timeout_s
+        assembler = StreamAssembler()
+        try:
+            with self._client.stream(
+                "POST", route.chat_url(), json=payload, headers=headers, timeout=timeout
+            ) as response:
+                if response.status_code != 200:
+                    body = _read_capped(response, ERROR_BODY_BYTES, deadline)
+                    return self._http_error(response, body)
+                if "json" in response.headers.get("content-type", ""):
+                    return _whole_answer(response, route, deadline, assembler)
+                return _read_stream(response, route, deadline, assembler)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            return replace_outcome(
+                StreamAssembler().result(interrupted=f"{type(exc).__name__}: {exc}"),
+                ModelOutcome.TRANSPORT_ERROR,
+            )
+        except httpx.HTTPError as exc:
+            if assembler.chunks == 0:
+                return replace_outcome(
+                    assembler.result(interrupted=f"{type(exc).__name__}: {exc}"),
+                    ModelOutcome.TRANSPORT_ERROR,
+                )
+            return assembler.result(interrupted=f"connection lost: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _http_error(response: httpx.Response, body: bytes) -> Assembled:
+        status = response.status_code
+        text = body[:300].decode("utf-8", "replace")
+        detail = f"HTTP {status}: {text}"
+        if status == 429:
+            assembled = replace_outcome(
+                StreamAssembler().result(interrupted=detail), ModelOutcome.RATE_LIMITED
+            )
+            after = retry_after_ms(response.headers.get("retry-after"))
+            return Assembled(**{**assembled.__dict__, "retry_after_ms": after})
+        return replace_outcome(
+            StreamAssembler().result(interrupted=detail), ModelOutcome.TRANSPORT_ERROR
+        )
+
+    def failure(self, effect: Effect, code: str, message: str) -> Outcome:
+        """The answer to an effect this handler could not carry out (the executor's guard): a
+        transport error, which the core retries as a new attempt within its own bound."""
+        assert isinstance(effect, CallModel)
+        event = ModelCallCompleted(
+            **event_identity(effect),
+            step=effect.step,
+            attempt=effect.attempt,
+            outcome=ModelOutcome.TRANSPORT_ERROR,
+        )
+        return Outcome(event, detail=f"{ModelOutcome.TRANSPORT_ERROR.value}: {code}: {message}")
+
+    def _outcome(self, effect: CallModel, assembled: Assembled) -> Outcome:
+        artifacts: tuple[StoredArtifact, ...] = ()
+        candidate_ref = None
+        if assembled.outcome not in (ModelOutcome.TRANSPORT_ERROR, ModelOutcome.RATE_LIMITED):
+            artifact, _ = candidate_artifact(assembled, effect, effect.model_route)
+            artifacts, candidate_ref = (artifact,), artifact.ref
+        calls = tuple(
+            ToolCallRequest(
+                id=str(c["id"]),
+                name=c["function"]["name"],
+                arguments_json=c["function"]["arguments"],
+            )
+            for c in assembled.tool_calls
+        )
+        route = self.routes.get(effect.model_route)
+        input_tokens = int(assembled.usage.get("prompt_tokens", 0))
+        output_tokens = int(assembled.usage.get("completion_tokens", 0))
+        cost = min(
+            (
+                input_tokens * route.input_cost_micros_per_1k
+                + output_tokens * route.output_cost_micros_per_1k
+            )
+            // 1000,
+            MAX_AMOUNT,
+        )
+        event = ModelCallCompleted(
+            **event_identity(effect),
+            step=effect.step,
+            attempt=effect.attempt,
+            outcome=assembled.outcome,
+            candidate_ref=candidate_ref,
+            candidate=Candidate(content=assembled.content, tool_calls=calls),
+            usage=ModelUsage(
+                input_tokens=input_tokens, output_tokens=output_tokens, cost_micros=cost
+            ),
+            retry_after_ms=assembled.retry_after_ms,
+        )
+        detail = f"{assembled.outcome.value}: {assembled.detail}".strip(": ")
+        return Outcome(event, artifacts, detail[:1000])
+
+
+def replace_outcome(assembled: Assembled, outcome: ModelOutcome) -> Assembled:
+    return Assembled(**{**assembled.__dict__, "outcome": outcome, "tool_calls": ()})
+
+
+class _Overrun(Exception):
+    """The answer went past one of the call's bounds (size or deadline)."""
+
+
+def _pieces(response: httpx.Response, limit: int, deadline: float) -> Iterator[bytes]:
+    """The body's bytes as they arrive, ended by ``_Overrun`` past ``limit`` bytes or the
+    deadline: every piece counts, a keep-alive comment as much as a token."""
+    total = 0
+    for piece in response.iter_bytes():
+        total += len(piece)
+        if total > limit:
+            raise _Overrun(f"answer over {limit} bytes")
+        if time.monotonic() > deadline:
+            raise _Overrun("total timeout exceeded")
+        yield piece
+
+
+def _read_capped(response: httpx.Response, limit: int, deadline: float) -> bytes:
+    """Up to ``limit`` bytes of an (error) body; the rest is not read."""
+    body = bytearray()
+    with contextlib.suppress(_Overrun, httpx.HTTPError):
+        for piece in _pieces(response, 1 << 62, deadline):
+            body += piece
+            if len(body) >= limit:
+                break
+    return bytes(body[:limit])
+
+
+def _whole_answer(
+    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+) -> Assembled:
+    """A non-streamed ``chat.completion`` (a server that ignored ``stream: true``)."""
+    body = bytearray()
+    try:
+        for piece in _pieces(response, route.max_stream_bytes, deadline):
+            body += piece
+    except _Overrun as exc:
+        return assembler.result(untrusted=str(exc))
+    value, problem = decode_json(bytes(body))
+    if problem is not None:
+        return assembler.result(untrusted=f"answer is {problem.replace('_', ' ')}")
+    try:
+        assembler.feed(value)
+    except MalformedChunkError as exc:
+        return assembler.result(untrusted=f"malformed answer: {exc}")
+    return assembler.result()
+
+
+def _read_stream(
+    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+) -> Assembled:
+    """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
+    body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
+    buffer = bytearray()
+    try:
+        for piece in _pieces(response, route.max_stream_bytes, deadline):
+            buffer += piece
+            if b"\n" in piece:
+                *lines, rest = bytes(buffer).split(b"\n")
+                buffer = bytearray(rest)
+                for line in lines:
+                    if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
+                        return assembler.result()
+            if len(buffer) > route.max_line_bytes:
+                raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
+        if buffer and _fold_line(bytes(buffer).rstrip(b"\r"), assembler, route.max_line_bytes):
+            return assembler.result()
+    except _Overrun as exc:
+        if str(exc) == "total timeout exceeded":
+            return assembler.result(interrupted=str(exc))
+        return assembler.result(untrusted=str(exc))
+    except MalformedChunkError as exc:
+        return assembler.result(untrusted=f"malformed stream: {exc}")
+    return assembler.result()
+
+
+def _fold_line(line: bytes, assembler: StreamAssembler, max_line: int) -> bool:
+    """One SSE line into the assembler; True at ``data: [DONE]``."""
+    if len(line) > max_line:
+        raise MalformedChunkError(f"an SSE line over {max_line} bytes")
+    if not line.startswith(b"data:"):
+        return False  # a comment, another field or an event separator
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        assembler.done = True
+        return True
+    chunk, problem = decode_json(data)
+    if problem is not None:
+        raise MalformedChunkError(f"a chunk is {problem.replace('_', ' ')}: {data[:80]!r}")
+    assembler.feed(chunk)
+    return False
+
+
+# --------------------------------------------------------------------------- process
+
+
+class ModelExecutor(Executor):
+    """``ModelExecutor(config, routes=Routes.from_env(), registry=...)``: in-process form."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        routes: Routes | None = None,
+        registry: Path | str | None = DEFAULT_REGISTRY,
+    ) -> None:
+        handler = ModelHandler(
+            config.database_url,
+            routes or Routes.from_env(),
+            ToolRegistry.load(registry) if registry else None,
+            connections=config.workers,
+        )
+        try:
+            super().__init__(config, handler)
+        except BaseException:
+            handler.close()
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns executor model", description=__doc__)
+    add_common_arguments(parser, "model")
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        help="OpenAI-compatible base URL (default $AGENTRUNS_MODEL_BASE_URL, else "
+        f"{DEFAULT_BASE_URL})",
+    )
+    parser.add_argument("--routes", default=None, help='per-route JSON: {"route": {...}}')
+    parser.add_argument(
+        "--registry", default=str(DEFAULT_REGISTRY), help="tool registry (descriptions)"
+    )
+    args = parser.parse_args(argv)
+    config, stack = config_from_args(args, "model")
+    config.max_poll_interval_ms = 600_000  # a batch may hold slow streams
+    try:
+        routes = Routes.from_env(args.routes, args.base_url)
+        return run_until_signal(ModelExecutor(config, routes, args.registry))
+    finally:
+        if stack is not None:
+            stack.close()
+
+
+__all__ = [
+    "Assembled",
+    "ModelExecutor",
+    "ModelHandler",
+    "RouteConfig",
+    "Routes",
+    "StreamAssembler",
+    "build_conversation",
+    "candidate_artifact",
+    "candidate_from_artifact",
+    "main",
+    "tool_messages",
+]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

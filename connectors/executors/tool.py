@@ -1,0 +1,914 @@
+"""The tool executor (`agentruns executor tool`): HTTP tools with idempotency and reconciliation.
+
+Consumes ``agentruns.effects.tool`` (CallTool, Reconcile, PollTool, CancelTool) and answers each
+with one core event on the inbox (see :mod:`agentruns.connectors.executors.base` for the loop, the
+records
+and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
+
+- Every exchange ends by the tool's ``timeout_ms`` counted from the request (a backend that
+  drips its answer byte by byte cannot hold it longer: a timeout as any other), and a body
+  over ``max_body_bytes`` (8 MiB) is not read: the call fails ``UNKNOWN``
+  ``invalid_output:too_large``; a JSON body nested deeper than ``MAX_JSON_DEPTH`` fails
+  ``invalid_output:too_deep`` (look-ups: cannot tell). ``Retry-After`` is clamped to
+  ``MAX_RETRY_AFTER_MS`` or ignored when it is not a number or a date, or is over a day.
+- ``CallTool``: ``<method> base_url + endpoint`` with the canonical JSON arguments and the
+  header ``Idempotency-Key: <operation key>`` (the same key on every resend), ``If-Match`` with
+  the expected resource version when the operation has one, ``X-Callback-URL`` when configured.
+  2xx -> ToolCallSucceeded (raw output kept as an artifact, deterministic summary when large);
+  202 -> ToolCallAccepted; a timeout or a connection lost after the request was sent ->
+  ToolCallTimedOut (the operation is UNKNOWN, never failed); a connection that could not be
+  opened -> ToolCallFailed TRANSIENT (nothing was sent); status codes -> :func:`error_for_status`.
+- ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
+  not_executed (safe to resend with the same key), anything else = undeterminable.
+- ``PollTool``: ``GET status_url`` -> running/accepted = ToolStatusReported; succeeded /
+  failed = ToolCallSucceeded / ToolCallFailed; 404 = ToolCallFailed TRANSIENT ``not_found``
+  (never executed: a resend with the same key is safe); cannot tell = ToolStatusReported
+  running (poll again later).
+- ``CancelTool``: ``POST cancel_url`` -> 200 cancelled or 404 never executed = CancelConfirmed;
+  409 (already finished), 5xx, transport errors or no cancel URL = CancelUnconfirmed.
+- An effect whose handler raised (the executor's guard) is answered with :meth:`ToolHandler.
+  failure`: ToolCallFailed ``UNKNOWN`` (not retried by the core), ReconcileCompleted
+  undeterminable, CancelUnconfirmed.
+- A ``CallTool`` whose executed-action record is ``started`` without a result (the executor
+  crashed between the call and the commit) is first looked up by key: found -> its outcome,
+  404 -> called now with the same key, cannot tell -> ToolCallTimedOut (the core reconciles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from agentruns.connectors.executors.base import (
+    ActionRecord,
+    Executor,
+    ExecutorConfig,
+    ExecutorError,
+    Outcome,
+    add_common_arguments,
+    config_from_args,
+    decode_json,
+    event_identity,
+    now_ms,
+    run_until_signal,
+)
+from agentruns.connectors.postgres.artifacts import StoredArtifact
+from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
+from agentruns.processors.events import (
+    CancelConfirmed,
+    CancelUnconfirmed,
+    Event,
+    ReconcileCompleted,
+    ReconcileOutcome,
+    ToolCallAccepted,
+    ToolCallFailed,
+    ToolCallSucceeded,
+    ToolCallTimedOut,
+    ToolStatusReported,
+)
+from agentruns.processors.ids import canonical_json
+from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
+from agentruns.processors.state import ErrorClass
+from agentruns.processors.summary import summarize
+
+log = logging.getLogger("agentruns.executor.tool")
+
+DEFAULT_REGISTRY = Path(__file__).parents[1] / "testing" / "tools.example.json"
+DEFAULT_SUMMARY_BYTES = 16_384
+RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
+# A tool answer's body is read up to this size; a larger one fails the call (it could not be
+# stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
+MAX_RETRY_AFTER_MS = 10 * 60 * 1000
+# A Retry-After beyond this is no schedule a backend means (`1e300`): ignored like garbage,
+# so our own back-off applies instead of the longest one.
+ABSURD_RETRY_AFTER_S = 24 * 3600
+# Response head lines (status + headers) a backend may send before the body.
+MAX_HEAD_LINES = 256
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class ToolEntry:
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+    endpoint: str
+    method: str
+    timeout_ms: int
+    permission: str
+    idempotent: bool
+    status_url_template: str | None
+    is_async: bool
+    cancel_url_template: str | None
+
+
+@dataclass(frozen=True)
+class ToolRegistry:
+    """The tool registry file (JSON): ``version``, ``base_url``, ``tools``."""
+
+    version: str
+    base_url: str
+    tools: Mapping[str, ToolEntry]
+    path: str = ""
+
+    @classmethod
+    def load(cls, path: Path | str) -> ToolRegistry:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ExecutorError(f"cannot read the tool registry {path}: {exc}") from exc
+        try:
+            tools = {
+                t["name"]: ToolEntry(
+                    name=t["name"],
+                    description=t.get("description", ""),
+                    parameters=t.get("parameters", {"type": "object"}),
+                    endpoint=t.get("endpoint", f"/tools/{t['name']}"),
+                    method=t.get("method", "POST").upper(),
+                    timeout_ms=int(t.get("timeout_ms", 5000)),
+                    permission=t.get("permission", "read"),
+                    idempotent=bool(t.get("idempotent", True)),
+                    status_url_template=t.get("status_url_template"),
+                    is_async=bool(t.get("async", False)),
+                    cancel_url_template=t.get("cancel_url_template"),
+                )
+                for t in data["tools"]
+            }
+            return cls(str(data.get("version", "unversioned")), data.get("base_url", ""), tools)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ExecutorError(f"invalid tool registry {path}: {exc!r}") from exc
+
+    def openai_tools(self, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The registry's tools as OpenAI ``tools`` definitions (all, or ``names`` in order)."""
+        chosen = list(self.tools) if names is None else [n for n in names if n in self.tools]
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": dict(t.parameters),
+                },
+            }
+            for t in (self.tools[n] for n in chosen)
+        ]
+
+
+# --------------------------------------------------------------------------- pure mapping
+
+
+def retry_after_ms(value: str | None, limit: int = MAX_RETRY_AFTER_MS) -> int | None:
+    """``Retry-After`` (seconds, possibly fractional, or an HTTP date) in ms, within
+    [0, ``limit``]; None when it is neither (``NaN``, ``inf``, garbage) or over a day
+    (``1e300``). Never raises."""
+    if not value or len(value) > 100:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+        try:
+            when = parsedate_to_datetime(value)
+            seconds = (when.timestamp() * 1000 - now_ms()) / 1000
+        except (TypeError, ValueError, OverflowError, IndexError, OSError):
+            return None
+    if not math.isfinite(seconds) or seconds > ABSURD_RETRY_AFTER_S:
+        return None
+    return int(min(max(seconds * 1000, 0), limit))
+
+
+def error_for_status(status: int) -> tuple[ErrorClass, str] | None:
+    """The error class and code of a non-2xx tool answer; None when it is not a failure
+    (2xx) or not one (504: the request may have executed -> timed out, see ``call``)."""
+    if 200 <= status < 300 or status == 504:
+        return None
+    match status:
+        case 300:
+            return ErrorClass.OBJECT_AMBIGUOUS, "ambiguous"
+        case 401 | 403:
+            return ErrorClass.PERMISSION_DENIED, "permission_denied"
+        case 409 | 412:
+            return ErrorClass.STATE_CONFLICT, "stale_version" if status == 409 else "precondition"
+        case 429:
+            return ErrorClass.RATE_LIMIT, "rate_limited"
+        case 408 | 500 | 502 | 503:
+            return ErrorClass.TRANSIENT, f"http_{status}"
+        case 400 | 422:
+            return ErrorClass.UNKNOWN, "invalid_arguments"
+        case 404:
+            return ErrorClass.UNKNOWN, "not_found"
+        case _:
+            return ErrorClass.UNKNOWN, f"http_{status}"
+
+
+def _json(body: bytes) -> tuple[Any, str | None]:
+    """(payload, problem): None for an empty or non-JSON body; ``too_deep`` when it nests
+    deeper than MAX_JSON_DEPTH (the only problem that makes an answer unusable)."""
+    if not body:
+        return None, None
+    payload, problem = decode_json(body)
+    return payload, "too_deep" if problem == "too_deep" else None
+
+
+def _error_code(payload: Any, default: str) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+        return str(payload["error"])[:200]
+    return default
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP answer, or how the exchange failed before there was one."""
+
+    status: int = 0
+    headers: Mapping[str, str] | None = None
+    body: bytes = b""
+    failure: str | None = None  # "not_sent" | "no_answer"
+    detail: str = ""
+
+    def header(self, name: str) -> str | None:
+        return None if self.headers is None else self.headers.get(name.lower())
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class HTTPWireError(Exception):
+    """The peer broke the HTTP/1.1 framing (or closed the connection) mid-response."""
+
+
+class BodyTooLargeError(HTTPWireError):
+    """The response body is over the client's limit: it was not read (the connection is
+    closed, never reused)."""
+
+    def __init__(self, status: int, size: int, limit: int) -> None:
+        super().__init__(f"HTTP {status} body of {size}+ bytes, over the limit of {limit}")
+        self.status = status
+
+
+class _Connection:
+    """One keep-alive socket and its read buffer. ``deadline`` (monotonic) and ``limit``
+    (body bytes) are set per exchange: every read waits only until the deadline, so a
+    backend dripping bytes cannot extend it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+        self.deadline = math.inf
+        self.limit = DEFAULT_MAX_BODY_BYTES
+
+    def _fill(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no complete answer within the deadline")
+        self.sock.settimeout(min(remaining, 3600.0))
+        data = self.sock.recv(65536)
+        if not data:
+            raise HTTPWireError("connection closed by the server")
+        self.buffer += data
+
+    def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
+        while True:
+            index = self.buffer.find(separator)
+            if index >= 0:
+                line = bytes(self.buffer[:index])
+                del self.buffer[: index + len(separator)]
+                return line
+            if len(self.buffer) > limit:
+                raise HTTPWireError("response head too long")
+            self._fill()
+
+    def read_exactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            self._fill()
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    def read_to_close(self, status: int) -> bytes:
+        with contextlib.suppress(HTTPWireError):
+            while len(self.buffer) <= self.limit:
+                self._fill()
+        if len(self.buffer) > self.limit:
+            raise BodyTooLargeError(status, len(self.buffer), self.limit)
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class KeepAliveHTTP:
+    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin).
+
+    Why not httpx here: measured on the 2-core dev box against the example tool server, httpx's
+    sync client costs ~1 ms of CPU per call and, shared by a thread pool, capped the executor
+    near 300 calls/s; ``http.client`` ~0.8 ms (two ``sendall`` per request and the email
+    header parser). This client writes each request with one ``sendall`` and parses only what
+    a JSON tool API needs (status, headers, Content-Length or chunked bodies).
+
+    Failures are split where idempotency needs it: a connection that could not be opened means
+    nothing was sent (``not_sent``); any failure after the request started means the backend
+    may have executed it (``no_answer``). A failed connection is closed and never reused, and
+    nothing is retried here: the core decides (R11, R12).
+    """
+
+    def __init__(
+        self, connect_timeout_s: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: set[_Connection] = set()
+
+    def _pool(self) -> dict[tuple[str, str, int], _Connection]:
+        pool: dict[tuple[str, str, int], _Connection] | None = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = {}
+            self._local.pool = pool
+        return pool
+
+    def _open(self, origin: tuple[str, str, int], timeout_s: float) -> _Connection:
+        scheme, host, port = origin
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if scheme == "https":
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        conn = _Connection(sock)
+        with self._lock:
+            self._all.add(conn)
+        return conn
+
+    def _discard(self, pool: dict[tuple[str, str, int], _Connection], origin: Any) -> None:
+        conn = pool.pop(origin, None)
+        if conn is not None:
+            conn.close()
+            with self._lock:
+                self._all.discard(conn)
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+    ) -> Answer:
+        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
+        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        deadline = time.monotonic() + timeout_s
+        parts = urlsplit(url)
+        https = parts.scheme == "https"
+        host = parts.hostname or ""
+        origin = (parts.scheme, host, parts.port or (443 if https else 80))
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        pool = self._pool()
+        conn = pool.get(origin)
+        if conn is None:
+            try:
+                conn = self._open(origin, min(self.connect_timeout_s, timeout_s))
+            except OSError as exc:
+                return Answer(failure="not_sent", detail=f"{type(exc).__name__}: {exc}")
+            pool[origin] = conn
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(body or b'')}")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        conn.deadline, conn.limit = deadline, self.max_body_bytes
+        try:
+            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            conn.sock.sendall(request)
+            status, answer_headers, data, close = _read_response(conn, method)
+        except BodyTooLargeError as exc:
+            self._discard(pool, origin)
+            return Answer(exc.status, failure="too_large", detail=str(exc))
+        except (OSError, HTTPWireError, ValueError) as exc:
+            self._discard(pool, origin)
+            return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+        if close:
+            self._discard(pool, origin)
+        return Answer(status, answer_headers, data)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
+    """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
+    lines = 0
+    while True:
+        status_line = conn.read_until(b"\r\n").decode("latin-1")
+        version, _, rest = status_line.partition(" ")
+        if not version.startswith("HTTP/1."):
+            raise HTTPWireError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        status = int(rest[:3])
+        headers: dict[str, str] = {}
+        while True:
+            line = conn.read_until(b"\r\n").decode("latin-1")
+            if not line:
+                break
+            lines += 1
+            if lines > MAX_HEAD_LINES:
+                raise HTTPWireError("response head has too many lines")
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if not 100 <= status < 200:
+            break
+    connection = headers.get("connection", "").lower()
+    close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
+    if method == "HEAD" or status in (204, 304):
+        return status, headers, b"", close
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        chunks = []
+        total = 0
+        while True:
+            size = int(conn.read_until(b"\r\n").split(b";")[0], 16)
+            if size < 0:
+                raise HTTPWireError(f"negative chunk size {size}")
+            total += size
+            if total > conn.limit:
+                raise BodyTooLargeError(status, total, conn.limit)
+            if size == 0:
+                while conn.read_until(b"\r\n"):  # trailers
+                    pass
+                break
+            chunks.append(conn.read_exactly(size))
+            conn.read_until(b"\r\n")
+        return status, headers, b"".join(chunks), close
+    if "content-length" in headers:
+        length = int(headers["content-length"])
+        if length > conn.limit:
+            raise BodyTooLargeError(status, length, conn.limit)
+        if length < 0:
+            raise HTTPWireError(f"negative Content-Length {length}")
+        return status, headers, conn.read_exactly(length), close
+    return status, headers, conn.read_to_close(status), True
+
+
+# --------------------------------------------------------------------------- handler
+
+
+class ToolHandler:
+    """Executes tool effects over HTTP; one pooled keep-alive client shared by the pool."""
+
+    effect_types = frozenset({"CallTool", "Reconcile", "PollTool", "CancelTool"})
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        *,
+        base_url: str | None = None,
+        callback_url: str | None = None,
+        callback_secret: bytes | None = None,
+        summary_bytes: int = DEFAULT_SUMMARY_BYTES,
+        connect_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 5.0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.registry = registry
+        self.base_url = (base_url or registry.base_url).rstrip("/")
+        if not self.base_url:
+            raise ExecutorError(
+                "no tool base URL", hint="set base_url in the registry or --base-url"
+            )
+        self.callback_url = callback_url
+        self.callback_secret = callback_secret
+        self.summary_bytes = summary_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.lookup_timeout_s = lookup_timeout_s
+        self._http = KeepAliveHTTP(connect_timeout_s, max_body_bytes)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def failure(self, effect: Effect, code: str, message: str) -> Outcome:
+        """The answer to an effect this handler could not carry out (the executor's guard):
+        the core does not retry UNKNOWN; a reconcile that cannot finish is undeterminable
+        (a person decides); a cancel is unconfirmed."""
+        op_key, dispatch = _op_of(effect)
+        ids = self._ids(effect, op_key, dispatch)
+        event: Event
+        match effect:
+            case Reconcile():
+                event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.UNDETERMINABLE)
+            case CancelTool():
+                event = CancelUnconfirmed(**ids)
+            case _:
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code=code, message=message
+                )
+        return Outcome(event, detail=f"{code}: {message}")
+
+    # ------------------------------------------------------------------ the one network method
+
+    def _send(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+    ) -> Answer:
+        """The only method that touches the network (see :class:`KeepAliveHTTP`)."""
+        return self._http.send(method, url, timeout_s=timeout_s, headers=headers, body=body)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+        match effect:
+            case CallTool():
+                if previous is not None and previous.status == "started":
+                    return self._resume(effect)
+                return self._call(effect)
+            case Reconcile():
+                return self._reconcile(effect)
+            case PollTool():
+                return self._poll(effect)
+            case CancelTool():
+                return self._cancel(effect)
+            case _:
+                raise ExecutorError(f"not a tool effect: {effect.type}")
+
+    def callback_for(self, key: str) -> str | None:
+        """The X-Callback-URL of an operation: ``{key}`` in the template is replaced by the
+        percent-encoded key; with a secret, ``sig`` = the API's HMAC for that key is added."""
+        if not self.callback_url:
+            return None
+        url = self.callback_url.replace("{key}", quote(key, safe=""))
+        if self.callback_secret:
+            mac = hmac.new(self.callback_secret, f"callback.{key}".encode(), hashlib.sha256)
+            sig = base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+            url += ("&" if "?" in url else "?") + f"sig={sig}"
+        return url
+
+    def _entry(self, tool: str) -> ToolEntry | None:
+        return self.registry.tools.get(tool)
+
+    def _url(self, template: str, key: str) -> str:
+        path = template.replace("{key}", quote(key, safe=""))
+        return path if path.startswith(("http://", "https://")) else self.base_url + path
+
+    def _ids(self, effect: Effect, op_key: str, dispatch: int) -> dict[str, Any]:
+        return {
+            **event_identity(effect),
+            "step": effect.step,
+            "operation_key": op_key,
+            "dispatch": dispatch,
+        }
+
+    # ------------------------------------------------------------------ CallTool
+
+    def _call(self, effect: CallTool) -> Outcome:
+        op = effect.operation
+        ids = self._ids(effect, op.key, op.dispatch)
+        entry = self._entry(op.tool)
+        if entry is None:
+            event: Event = ToolCallFailed(
+                **ids,
+                error_class=ErrorClass.UNKNOWN,
+                error_code="unknown_tool",
+                message=f"{op.tool} is not in tool registry {self.registry.version}",
+            )
+            return Outcome(event, detail="unknown tool")
+        try:
+            arguments = json.loads(op.arguments_json)
+        except ValueError:
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.UNKNOWN, error_code="invalid_arguments_json"
+            )
+            return Outcome(event, detail="arguments are not JSON")
+        headers = {"Idempotency-Key": op.key, "Content-Type": "application/json"}
+        if op.expected_version is not None:
+            headers["If-Match"] = op.expected_version
+        callback = self.callback_for(op.key)
+        if callback is not None:
+            headers["X-Callback-URL"] = callback
+        answer = self._send(
+            entry.method,
+            self._url(entry.endpoint, op.key),
+            timeout_s=entry.timeout_ms / 1000,
+            headers=headers,
+            body=canonical_json(arguments).encode(),
+        )
+        if answer.failure == "not_sent":
+            event = ToolCallFailed(
+                **ids,
+                error_class=ErrorClass.TRANSIENT,
+                error_code="connect_failed",
+                message=answer.detail[:500],
+            )
+            return Outcome(event, detail=answer.detail)
+        if answer.failure == "too_large":
+            return self.failure(effect, "invalid_output:too_large", answer.detail)
+        if answer.failure is not None or answer.status == 504:
+            return Outcome(ToolCallTimedOut(**ids), detail=answer.detail or "HTTP 504")
+        payload, problem = _json(answer.body)
+        if problem is not None and 200 <= answer.status < 300:
+            message = f"HTTP {answer.status} body nested deeper than {MAX_JSON_DEPTH}"
+            return self.failure(effect, f"invalid_output:{problem}", message)
+        if answer.status == 202:
+            event = ToolCallAccepted(
+                **ids, poll_after_ms=retry_after_ms(answer.header("retry-after"))
+            )
+            return Outcome(event, detail="HTTP 202")
+        if 200 <= answer.status < 300:
+            output = payload.get("result", payload) if isinstance(payload, dict) else payload
+            if payload is None and answer.body:
+                output = answer.body.decode("utf-8", "replace")
+            return self._succeeded(effect, ids, op.tool, arguments, output, answer.status)
+        error = error_for_status(answer.status)
+        assert error is not None
+        error_class, default_code = error
+        event = ToolCallFailed(
+            **ids,
+            error_class=error_class,
+            error_code=_error_code(payload, default_code),
+            message=answer.body[:500].decode("utf-8", "replace"),
+            retry_after_ms=retry_after_ms(answer.header("retry-after")),
+        )
+        return Outcome(event, detail=f"HTTP {answer.status}")
+
+    def _result_artifact(
+        self, op_key: str, tool: str, arguments: Any, output: Any, http_status: int
+    ) -> StoredArtifact:
+        content = canonical_json(
+            {
+                "type": "tool_result",
+                "operation_key": op_key,
+                "tool": tool,
+                "arguments": arguments,
+                "status": "succeeded",
+                "http_status": http_status,
+                "registry_version": self.registry.version,
+                "output": output,
+            }
+        )
+        return StoredArtifact.of(content, RESULT_MEDIA_TYPE)
+
+    def _succeeded(
+        self,
+        effect: Effect,
+        ids: dict[str, Any],
+        tool: str,
+        arguments: Any,
+        output: Any,
+        http_status: int,
+    ) -> Outcome:
+        artifact = self._result_artifact(ids["operation_key"], tool, arguments, output, http_status)
+        output_text = output if isinstance(output, str) else canonical_json(output)
+        size = len(output_text.encode())
+        summary = summarize(output_text) if size > self.summary_bytes else None
+        version = None
+        if isinstance(output, dict) and isinstance(output.get("version"), int | str):
+            version = str(output["version"])
+            if len(version) > MAX_ID_CHARS:  # not an id the core can carry: no version
+                version = None
+        event = ToolCallSucceeded(
+            **ids,
+            result_ref=artifact.ref,
+            result_bytes=size,
+            summary=summary,
+            resource_version=version,
+        )
+        return Outcome(event, (artifact,), detail=f"HTTP {http_status}")
+
+    # ------------------------------------------------------------------ look-ups
+
+    def _lookup(self, tool: str, key: str) -> tuple[str, Any, Answer]:
+        """Status of an operation by key: (found|running|failed|cancelled|not_found|unknown)."""
+        entry = self._entry(tool)
+        template = entry.status_url_template if entry is not None else None
+        if template is None:
+            return "unknown", None, Answer(detail="no status URL for this tool")
+        answer = self._send("GET", self._url(template, key), timeout_s=self.lookup_timeout_s)
+        if answer.failure is not None:
+            return "unknown", None, answer
+        payload, problem = _json(answer.body)
+        if problem is not None:
+            return "unknown", None, answer
+        if answer.status == 404:
+            return "not_found", payload, answer
+        if answer.status != 200 or not isinstance(payload, dict):
+            return "unknown", payload, answer
+        status = payload.get("status")
+        match status:
+            case "succeeded":
+                return "found", payload, answer
+            case "running" | "accepted" | "failed" | "cancelled":
+                return str(status), payload, answer
+            case _:
+                return "unknown", payload, answer
+
+    def _resume(self, effect: CallTool) -> Outcome:
+        """A started CallTool without a result: look it up before anything else (R12)."""
+        op = effect.operation
+        ids = self._ids(effect, op.key, op.dispatch)
+        state, payload, answer = self._lookup(op.tool, op.key)
+        detail = f"resumed after a crash: look-up {state}"
+        match state:
+            case "not_found":
+                return self._call(effect)
+            case "found":
+                arguments = json.loads(op.arguments_json)
+                outcome = self._succeeded(
+                    effect, ids, op.tool, arguments, payload.get("result"), answer.status
+                )
+                return Outcome(outcome.event, outcome.artifacts, detail)
+            case "running" | "accepted":
+                return Outcome(ToolCallAccepted(**ids), detail=detail)
+            case "failed" | "cancelled":
+                event: Event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code=f"tool_{state}"
+                )
+                return Outcome(event, detail=detail)
+            case _:
+                return Outcome(ToolCallTimedOut(**ids), detail=detail)
+
+    def _reconcile(self, effect: Reconcile) -> Outcome:
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        state, payload, answer = self._lookup(effect.tool, effect.operation_key)
+        detail = f"look-up {state} (HTTP {answer.status or answer.failure})"
+        if state == "found":
+            output = payload.get("result")
+            artifact = self._result_artifact(
+                effect.operation_key, effect.tool, payload.get("arguments"), output, answer.status
+            )
+            event = ReconcileCompleted(
+                **ids, outcome=ReconcileOutcome.FOUND_SUCCEEDED, result_ref=artifact.ref
+            )
+            return Outcome(event, (artifact,), detail)
+        if state == "not_found":
+            return Outcome(
+                ReconcileCompleted(**ids, outcome=ReconcileOutcome.NOT_EXECUTED), (), detail
+            )
+        # running / failed / cancelled / cannot tell: the core has no finer outcome; a person
+        # decides (the detail in the executed-action record says what the backend reported).
+        event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.UNDETERMINABLE)
+        return Outcome(event, (), detail)
+
+    def _poll(self, effect: PollTool) -> Outcome:
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        state, payload, answer = self._lookup(effect.tool, effect.operation_key)
+        detail = f"poll {effect.poll}: {state}"
+        match state:
+            case "found":
+                return self._succeeded(
+                    effect, ids, effect.tool, None, payload.get("result"), answer.status
+                )
+            case "failed" | "cancelled":
+                event: Event = ToolCallFailed(
+                    **ids,
+                    error_class=ErrorClass.UNKNOWN,
+                    error_code=f"tool_{state}",
+                    message=canonical_json(payload)[:500],
+                )
+            case "not_found":
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.TRANSIENT, error_code="not_found"
+                )
+            case "accepted":
+                event = ToolStatusReported(**ids, status="accepted", poll=effect.poll)
+            case _:
+                event = ToolStatusReported(**ids, status="running", poll=effect.poll)
+        return Outcome(event, (), detail)
+
+    def _cancel(self, effect: CancelTool) -> Outcome:
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        entry = self._entry(effect.tool)
+        template = entry.cancel_url_template if entry is not None else None
+        if template is None:
+            return Outcome(CancelUnconfirmed(**ids), detail="no cancel URL for this tool")
+        answer = self._send(
+            "POST",
+            self._url(template, effect.operation_key),
+            timeout_s=self.lookup_timeout_s,
+            headers={"Idempotency-Key": effect.operation_key},
+        )
+        detail = f"cancel: HTTP {answer.status or answer.failure}"
+        if answer.status in (200, 404):
+            return Outcome(CancelConfirmed(**ids), detail=detail)
+        return Outcome(CancelUnconfirmed(**ids), detail=detail)
+
+
+def _op_of(effect: Effect) -> tuple[str, int]:
+    """(operation key, dispatch) of a tool effect."""
+    if isinstance(effect, CallTool):
+        return effect.operation.key, effect.operation.dispatch
+    return str(getattr(effect, "operation_key", "")), int(getattr(effect, "dispatch", 1))
+
+
+# --------------------------------------------------------------------------- process
+
+
+class ToolExecutor(Executor):
+    """``ToolExecutor(config, registry=..., base_url=...)``: the monolith's in-process form."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        registry: Path | str = DEFAULT_REGISTRY,
+        *,
+        base_url: str | None = None,
+        callback_url: str | None = None,
+        callback_secret: bytes | None = None,
+        summary_bytes: int = DEFAULT_SUMMARY_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        handler = ToolHandler(
+            ToolRegistry.load(registry),
+            base_url=base_url,
+            callback_url=callback_url,
+            callback_secret=callback_secret,
+            summary_bytes=summary_bytes,
+            max_body_bytes=max_body_bytes,
+        )
+        try:
+            super().__init__(config, handler)
+        except BaseException:
+            handler.close()
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns executor tool", description=__doc__)
+    add_common_arguments(parser, "tool")
+    parser.add_argument("--registry", default=str(DEFAULT_REGISTRY), help="tool registry (JSON)")
+    parser.add_argument(
+        "--base-url", default=None, help="tool server base URL (overrides the registry's)"
+    )
+    parser.add_argument(
+        "--callback-url",
+        default=os.environ.get("AGENTRUNS_CALLBACK_URL"),
+        help="X-Callback-URL template, e.g. http://api:8000/operations/{key}/callback "
+        "(signed with $AGENTRUNS_API_SECRET when set)",
+    )
+    parser.add_argument("--summary-bytes", type=int, default=DEFAULT_SUMMARY_BYTES)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="a tool answer larger than this fails the call (invalid_output:too_large)",
+    )
+    args = parser.parse_args(argv)
+    config, stack = config_from_args(args, "tool")
+    try:
+        executor = ToolExecutor(
+            config,
+            args.registry,
+            base_url=args.base_url,
+            callback_url=args.callback_url,
+            callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
+            summary_bytes=args.summary_bytes,
+            max_body_bytes=args.max_body_bytes,
+        )
+        return run_until_signal(executor)
+    finally:
+        if stack is not None:
+            stack.close()
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_RETRY_AFTER_MS",
+    "ToolEntry",
+    "ToolExecutor",
+    "ToolHandler",
+    "ToolRegistry",
+    "error_for_status",
+    "main",
+    "retry_after_ms",
+]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Postgres: migrations, bulk writes, the artifact store."""

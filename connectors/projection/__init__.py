@@ -1,0 +1,1 @@
+"""The projection: the sink into Postgres, replay and audit of the topics."""

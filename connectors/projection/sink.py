@@ -1,0 +1,1195 @@
+"""`agentruns sink`: the exactly-once Postgres projection of the run log (R27).
+
+The sink consumes `<prefix>.events`, `<prefix>.state` and `<prefix>.results` (read_committed) and
+folds every run's events with the CURRENT core (`agentruns.processors.transition.transition`) into
+the
+tables of migration 0002: runs, events, operations, questions, results, run_snapshots.
+
+Exactly once, in the order `_commit` writes it down, in ONE Postgres transaction per batch:
+
+1. the states of the batch's runs that are not cached are read from `runs.state` (the fold at
+   `runs.last_seq`, committed together with the offsets, so always consistent with them);
+2. the batch's events are folded; an event whose seq is not above the run's last seq is skipped;
+3. rows are upserted in bulk (one `INSERT ... SELECT FROM unnest(...)` per table), each upsert
+   guarded by seq: a runs row never moves backwards (`WHERE runs.last_seq < EXCLUDED.last_seq`);
+4. the consumed positions (`sink_offsets`: consumer, topic, partition, next offset);
+5. COMMIT; only then does the in-memory state cache take the batch's new states.
+
+On start and on every assignment the sink seeks to the offsets in Postgres (Kafka's committed
+offsets are never used). A crash anywhere before 5 leaves rows and offsets as they were; a crash
+after 5 but before Kafka hears anything changes nothing either. A lost connection (Postgres
+restarting) is retried with backoff with the same messages; a commit whose outcome is unknown is
+re-applied, which the guards make a no-op.
+
+Hostile records never stop the projection. A record the sink cannot decode or fold becomes a
+dead-letter record on `<prefix>.dlq` (its reason, bytes, headers, topic/partition/offset) and the
+batch goes on. A batch whose SQL fails for any reason but a lost connection is written again
+record by record, each in its own savepoint, once: the records that fail alone are dead-lettered,
+the rest committed. Dead letters are flushed before the transaction that moves the offsets past
+them commits. Times outside what datetime holds are stored as the nearest bound (`clamp_ms`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from agentruns.connectors import dead_letters
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.postgres.bulk import Table, clamp_ms, prefer_lz4, write_rows
+from agentruns.processors.effects import Effect
+from agentruns.processors.events import (
+    CancelConfirmed,
+    CancelRequested,
+    Event,
+    ReconcileCompleted,
+    ReconcileOutcome,
+    TimerFired,
+    ToolCallFailed,
+    ToolCallSucceeded,
+    UserReplied,
+)
+from agentruns.processors.state import SETTLED, Operation, OpStatus, Question, RunState
+from agentruns.processors.transition import Disposition, transition
+from agentruns.streams.codec import CodecError, decode, decode_fields
+from agentruns.streams.dlq import INVALID_EVENT
+from agentruns.streams.interpreter import tune_gc
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, release
+from agentruns.streams.polling import poll_batch
+from agentruns.streams.records import parse_event_body
+from agentruns.streams.topics import DEFAULT_PREFIX, DLQ, EVENTS, RESULTS, STATE, topic_name
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger("agentruns.sink")
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+SINK_EVENTS = Counter("agentruns_sink_events_total", "Events projected into Postgres")
+SINK_SKIPPED = Counter(
+    "agentruns_sink_skipped_total",
+    "Records skipped: already projected, or refused to the dead-letter topic",
+    ["why"],
+)
+SINK_RETRIES = Counter("agentruns_sink_retries_total", "Postgres batches retried after an error")
+SINK_DIVERGENCES = Counter(
+    "agentruns_sink_divergences_total",
+    "Events whose disposition under the current core differs from the recorded one",
+)
+SINK_BATCH_SECONDS = Histogram(
+    "agentruns_sink_batch_seconds",
+    "Write + commit of one sink batch (the writer thread)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+SINK_CACHED_RUNS = Gauge("agentruns_sink_cached_runs", "Run states held in memory by the sink")
+
+
+class SinkError(AgentrunsError):
+    """The sink cannot go on (a database error that retrying does not fix)."""
+
+
+def ms_time(ms: int) -> datetime:
+    """Event-data milliseconds as an exact timestamptz value; outside what datetime holds, the
+    nearest bound (as Postgres stores it, see agentruns.connectors.postgres.bulk.clamp_ms)."""
+    return EPOCH + timedelta(milliseconds=clamp_ms(ms))
+
+
+# --------------------------------------------------------------------------- the pure projection
+
+OP_COLUMNS = (
+    "run_id",
+    "op_key",
+    "step",
+    "tool",
+    "call_id",
+    "status",
+    "dispatch",
+    "retries",
+    "polls",
+    "policy_decision",
+    "result_ref",
+    "error_class",
+    "error_code",
+    "reconciliation",
+    "cancel_unconfirmed",
+    "seq",
+)
+QUESTION_COLUMNS = (
+    "run_id",
+    "question_id",
+    "kind",
+    "artifact_ref",
+    "expires_at",
+    "token_id",
+    "state_version",
+    "status",
+    "opened_seq",
+    "closed_seq",
+    "seq",
+)
+RUN_COLUMNS = (
+    "run_id",
+    "last_seq",
+    "status",
+    "step",
+    "attempt",
+    "version",
+    "resolution",
+    "trace_id",
+    "goal",
+    "input_tokens",
+    "output_tokens",
+    "cost_micros",
+    "tool_calls",
+    "started_at",
+    "last_event_at",
+    "ended_at",
+    "system_ms",
+    "tool_wait_ms",
+    "user_wait_ms",
+    "outcome",
+    "result_ref",
+    "state",
+)
+EVENT_COLUMNS = (
+    "run_id",
+    "seq",
+    "event_id",
+    "type",
+    "step",
+    "attempt",
+    "trace_id",
+    "at",
+    "disposition",
+    "reason",
+    "input_id",
+    "status",
+    "payload",
+)
+
+
+def op_row(run_id: str, op: Operation, seq: int, reconciliation: str | None) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "op_key": op.key,
+        "step": op.step,
+        "tool": op.tool,
+        "call_id": op.call_id,
+        "status": str(op.status),
+        "dispatch": op.dispatch,
+        "retries": op.retries,
+        "polls": op.polls,
+        "policy_decision": op.policy_decision,
+        "result_ref": op.result_ref,
+        "error_class": None if op.error_class is None else str(op.error_class),
+        "error_code": op.error_code,
+        "reconciliation": reconciliation,
+        "cancel_unconfirmed": op.cancel_unconfirmed,
+        "seq": seq,
+    }
+
+
+def question_row(
+    run_id: str, q: Question, status: str, seq: int, *, opened: bool
+) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "question_id": q.question_id,
+        "kind": q.kind,
+        "artifact_ref": q.artifact_ref,
+        "expires_at": ms_time(q.expires_at),
+        "token_id": q.token_id,
+        "state_version": q.version,
+        "status": status,
+        "opened_seq": seq if opened else None,
+        "closed_seq": None if opened else seq,
+        "seq": seq,
+    }
+
+
+RUN_TIME_COLUMNS = frozenset({"started_at", "last_event_at", "ended_at"})
+
+
+def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
+    """The runs row in RUN_COLUMNS order as the sink stages it: times as epoch milliseconds,
+    the state as its canonical JSON text."""
+    t = state.time
+    usage = state.usage
+    return (
+        state.run_id,
+        last_seq,
+        str(state.status),
+        state.step,
+        state.attempt,
+        state.version,
+        state.resolution,
+        state.trace_id,
+        state.goal,
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cost_micros,
+        state.tool_calls,
+        t.started_at,
+        t.last_at,
+        t.ended_at,
+        t.system_ms,
+        t.tool_wait_ms,
+        t.user_wait_ms,
+        state.outcome,
+        state.result_ref,
+        state.model_dump_json(),
+    )
+
+
+def run_row(state: RunState, last_seq: int) -> dict[str, Any]:
+    """The runs row as Postgres returns it (times as datetimes); audit compares with it."""
+    row = dict(zip(RUN_COLUMNS, run_values(state, last_seq), strict=True))
+    for c in RUN_TIME_COLUMNS:
+        if row[c] is not None:
+            row[c] = ms_time(row[c])
+    return row
+
+
+def event_values(record: dict[str, Any], status: str) -> tuple[Any, ...]:
+    """The events row in EVENT_COLUMNS order as the sink stages it: `at` in epoch milliseconds,
+    the payload the record's body as-is (the core's canonical JSON; Postgres parses it once)."""
+    return (
+        record["run_id"],
+        record["seq"],
+        record["event_id"],
+        record["type"],
+        record["step"],
+        record["attempt"],
+        record["trace_id"],
+        record["at"],
+        record["disposition"],
+        record["reason"],
+        record["input_id"],
+        status,
+        record["body"],
+    )
+
+
+def event_row(record: dict[str, Any], status: str) -> dict[str, Any]:
+    """The events row as Postgres returns it (`at` as a datetime); audit compares with it."""
+    row = dict(zip(EVENT_COLUMNS, event_values(record, status), strict=True))
+    row["at"] = ms_time(row["at"])
+    return row
+
+
+def _settled_by(event: Event, old: Operation) -> Operation | None:
+    """The last version of an op the transition settled and pruned in the same step (the core
+    drops settled ops when a new step starts, so that version is in no state)."""
+    if getattr(event, "operation_key", None) != old.key:
+        return None
+    match event:
+        case ToolCallSucceeded():
+            return old.model_copy(
+                update={"status": OpStatus.SUCCEEDED, "result_ref": event.result_ref}
+            )
+        case ReconcileCompleted() if event.outcome is ReconcileOutcome.FOUND_SUCCEEDED:
+            return old.model_copy(
+                update={"status": OpStatus.SUCCEEDED, "result_ref": event.result_ref}
+            )
+        case ToolCallFailed():
+            return old.model_copy(
+                update={
+                    "status": OpStatus.FAILED,
+                    "error_class": event.error_class,
+                    "error_code": event.error_code,
+                }
+            )
+        case CancelConfirmed():
+            return old.model_copy(update={"status": OpStatus.CANCELLED})
+        case _:
+            return None
+
+
+def _question_end(event: Event, q: Question, applied: bool) -> str:
+    if applied and isinstance(event, UserReplied) and event.question_id == q.question_id:
+        return "answered"
+    if isinstance(event, TimerFired) and event.timer_id == q.timer_id:
+        return "expired"
+    if isinstance(event, CancelRequested):
+        return "cancelled"
+    return "closed"
+
+
+@dataclass
+class Projected:
+    """What one event adds to the projection."""
+
+    state: RunState
+    record: dict[str, Any]  # the Event record folded
+    ops: list[dict[str, Any]]
+    questions: list[dict[str, Any]]
+    disposition: Disposition
+    effects: tuple[Effect, ...] = ()
+    reason: str | None = None
+
+    @property
+    def status(self) -> str:
+        """The run status after the event (the events row's `status`)."""
+        return str(self.state.status)
+
+    @property
+    def event(self) -> dict[str, Any]:
+        """The events row (as Postgres returns it)."""
+        return event_row(self.record, self.status)
+
+
+def project_event(state: RunState | None, record: dict[str, Any]) -> Projected | None:
+    """Fold one Event record into `state` and say which rows change. Pure (used by audit too).
+
+    The sink's hot path: operations and questions are compared by identity (the core keeps an
+    unchanged tuple/record as the same object), so an event that touches neither costs one parse
+    and one transition.
+    """
+    event = parse_event_body(record["body"])
+    result = transition(state, event)
+    new = result.state
+    if new is None:
+        return None
+    ops: list[dict[str, Any]] = []
+    questions: list[dict[str, Any]] = []
+    old_ops: tuple[Operation, ...] = () if state is None else state.ops
+    old_q = None if state is None else state.question
+    applied = result.disposition is Disposition.APPLIED
+    if new.ops is not old_ops:
+        run_id, seq = record["run_id"], record["seq"]
+        recon = event.outcome.value if applied and isinstance(event, ReconcileCompleted) else None
+        recon_key = getattr(event, "operation_key", None)
+        before = {o.key: o for o in old_ops}
+        for op in new.ops:
+            if before.pop(op.key, None) is not op:
+                ops.append(op_row(run_id, op, seq, recon if op.key == recon_key else None))
+        for gone in before.values():  # pruned in this transition
+            if gone.status in SETTLED:
+                continue  # its final version was projected when it settled
+            final = _settled_by(event, gone)
+            if final is None:
+                final = gone.model_copy(update={"status": OpStatus.CANCELLED})
+            ops.append(op_row(run_id, final, seq, recon if gone.key == recon_key else None))
+    if new.question is not old_q:
+        run_id, seq = record["run_id"], record["seq"]
+        if old_q is not None and (
+            new.question is None or new.question.question_id != old_q.question_id
+        ):
+            status = _question_end(event, old_q, applied)
+            questions.append(question_row(run_id, old_q, status, seq, opened=False))
+        if new.question is not None and (
+            old_q is None or old_q.question_id != new.question.question_id
+        ):
+            questions.append(question_row(run_id, new.question, "open", seq, opened=True))
+    return Projected(new, record, ops, questions, result.disposition, result.effects, result.reason)
+
+
+def merge_op(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, Any]) -> None:
+    """Later version of an op wins; a reconciliation outcome sticks until a newer one."""
+    key = (row["run_id"], row["op_key"])
+    previous = rows.get(key)
+    if previous is not None and row["reconciliation"] is None:
+        row = {**row, "reconciliation": previous["reconciliation"]}
+    rows[key] = row
+
+
+def merge_question(rows: dict[tuple[str, str], dict[str, Any]], row: dict[str, Any]) -> None:
+    key = (row["run_id"], row["question_id"])
+    previous = rows.get(key)
+    if previous is not None and row["opened_seq"] is None:
+        row = {**row, "opened_seq": previous["opened_seq"]}
+    rows[key] = row
+
+
+# --------------------------------------------------------------------------- SQL
+
+
+def _set(columns: Iterable[str], skip: Iterable[str] = ()) -> str:
+    skipped = set(skip)
+    return ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c not in skipped)
+
+
+RESULT_COLUMNS = (
+    "run_id",
+    "resolution",
+    "status",
+    "seq",
+    "result_ref",
+    "summary",
+    "trace_id",
+    "at",
+)
+SNAPSHOT_COLUMNS = ("run_id", "last_seq", "version", "status", "updated_at")
+
+
+def result_values(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A Result record as the results row, in RESULT_COLUMNS order."""
+    return (r["run_id"], r["version"], r["status"], r["seq"], r["result_ref"], r["summary"],
+            r["trace_id"], r["at"])  # fmt: skip
+
+
+def snapshot_values(s: dict[str, Any]) -> tuple[Any, ...]:
+    return (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
+
+
+EVENTS_TABLE = Table(
+    "events",
+    EVENT_COLUMNS,
+    "text bigint text text integer integer text bigint text text text text text",
+    "(run_id, seq)",
+    "DO NOTHING",
+    ms_columns=frozenset({"at"}),
+    json_columns=frozenset({"payload"}),
+)
+RUNS_TABLE = Table(
+    "runs",
+    RUN_COLUMNS,
+    "text bigint text integer integer bigint integer text text bigint bigint bigint integer"
+    " bigint bigint bigint bigint bigint bigint text text text",
+    "(run_id)",
+    "DO UPDATE SET "
+    + _set(RUN_COLUMNS, skip=("run_id",))
+    + ", projected_at = now() WHERE runs.last_seq < EXCLUDED.last_seq",
+    ms_columns=RUN_TIME_COLUMNS,
+)
+OPS_TABLE = Table(
+    "operations",
+    OP_COLUMNS,
+    "text text integer text text text integer integer integer text text text text text boolean"
+    " bigint",
+    "(run_id, op_key)",
+    "DO UPDATE SET "
+    + _set(OP_COLUMNS, skip=("run_id", "op_key", "reconciliation"))
+    + ", reconciliation = COALESCE(EXCLUDED.reconciliation, operations.reconciliation)"
+    " WHERE operations.seq < EXCLUDED.seq",
+)
+QUESTIONS_TABLE = Table(
+    "questions",
+    QUESTION_COLUMNS,
+    "text text text text timestamptz text bigint text bigint bigint bigint",
+    "(run_id, question_id)",
+    "DO UPDATE SET "
+    + _set(QUESTION_COLUMNS, skip=("run_id", "question_id", "opened_seq"))
+    + ", opened_seq = COALESCE(questions.opened_seq, EXCLUDED.opened_seq)"
+    " WHERE questions.seq < EXCLUDED.seq",
+)
+RESULTS_TABLE = Table(
+    "results",
+    RESULT_COLUMNS,
+    "text bigint text bigint text text text bigint",
+    "(run_id, resolution)",
+    "DO UPDATE SET "
+    + _set(RESULT_COLUMNS, skip=("run_id", "resolution"))
+    + " WHERE results.seq < EXCLUDED.seq",
+    ms_columns=frozenset({"at"}),
+)
+SNAPSHOTS_TABLE = Table(
+    "run_snapshots",
+    SNAPSHOT_COLUMNS,
+    "text bigint bigint text bigint",
+    "(run_id)",
+    "DO UPDATE SET "
+    + _set(SNAPSHOT_COLUMNS, skip=("run_id",))
+    + " WHERE run_snapshots.version < EXCLUDED.version",
+    ms_columns=frozenset({"updated_at"}),
+)
+TABLES = (EVENTS_TABLE, RUNS_TABLE, OPS_TABLE, QUESTIONS_TABLE, RESULTS_TABLE, SNAPSHOTS_TABLE)
+
+SQL_OFFSETS = (
+    "INSERT INTO sink_offsets (consumer, topic, partition, next_offset)"
+    " SELECT %s, topic, partition, next_offset"
+    " FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS t(topic, partition, next_offset)"
+    " ON CONFLICT (consumer, topic, partition) DO UPDATE"
+    " SET next_offset = EXCLUDED.next_offset, updated_at = now()"
+    " WHERE sink_offsets.next_offset < EXCLUDED.next_offset"
+)
+
+
+def read_offsets(conn: Conn, consumer: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    rows = conn.execute(
+        "SELECT topic, partition, next_offset FROM sink_offsets"
+        " WHERE consumer = %s AND topic = ANY(%s)",
+        (consumer, list(topics)),
+    ).fetchall()
+    return {(str(t), int(p)): int(o) for t, p, o in rows}
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+@dataclass
+class SinkConfig:
+    bootstrap: str
+    database_url: str
+    prefix: str = DEFAULT_PREFIX
+    group_id: str = ""  # default "<prefix>-sink": one offset owner per deployment prefix
+    # "group": subscribe as a consumer group (several sinks share the partitions);
+    # "all": assign every partition to this one process (no group rebalancing at all).
+    assign: str = "group"
+    instance_id: str | None = None  # static group membership: a restart takes over at once
+    batch_size: int = 5000
+    poll_timeout_s: float = 0.05
+    max_cached_runs: int = 100_000
+    retry_max_delay_s: float = 5.0
+    #: Attempts of a batch that fails on a live connection (a conflict, a cancelled statement)
+    #: before its records are written one by one and the one that fails is dead-lettered.
+    max_batch_retries: int = 5
+    session_timeout_ms: int = 10_000
+    extra_consumer: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or f"{self.prefix}-sink"
+
+
+@dataclass
+class SinkStats:
+    batches: int = 0
+    events: int = 0
+    snapshots: int = 0
+    results: int = 0
+    skipped: int = 0
+    dead_letters: int = 0  # records refused: undecodable, unfoldable or unwritable
+    retries: int = 0
+    divergences: int = 0
+    gaps: int = 0
+    fold_s: float = 0.0  # decoding and folding (the consumer thread)
+    write_s: float = 0.0  # writing and committing (the writer thread, overlaps the next fold)
+
+
+@dataclass
+class CommitReport:
+    """Passed to `on_commit` after a batch is durable (benchmarks measure lag with it)."""
+
+    committed_at: float  # time.time()
+    events: list[tuple[str, int]]
+
+
+@dataclass
+class _Part:
+    """What one consumed record adds to a batch's rows: written alone (in its own savepoint)
+    when the merged batch's SQL fails, to find the record that breaks it."""
+
+    message: Message
+    event: tuple[Any, ...] | None = None
+    run: tuple[int, RunState] | None = None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    questions: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    snapshot: dict[str, Any] | None = None
+
+
+@dataclass
+class _Batch:
+    """One consumed batch, decoded and folded: everything its transaction writes."""
+
+    positions: dict[tuple[str, int], int]
+    snapshots: dict[str, dict[str, Any]]
+    results: dict[tuple[str, int], dict[str, Any]]
+    events: list[tuple[Any, ...]] = field(default_factory=list)  # event_values() rows
+    runs: dict[str, tuple[int, RunState]] = field(default_factory=dict)  # last state per run
+    ops: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    parts: list[_Part] = field(default_factory=list)  # the same rows, per record, in order
+    dead: list[dict[str, Any]] = field(default_factory=list)  # records refused while folding
+
+
+class _Retry(Exception):
+    pass
+
+
+#: Failures a retry may cure: Postgres away (retried for as long as it is away), the broker away
+#: (dead letters are flushed inside the transaction), and on a live connection a conflict with
+#: another transaction or a cancelled statement (retried `max_batch_retries` times, then the
+#: batch's records are written one by one).
+_TRANSIENT = (
+    psycopg.OperationalError,
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.DeadlockDetected,
+    KafkaException,
+)
+
+
+_CONFLICTS = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def _away(exc: Exception, conn: Conn | None) -> bool:
+    """Whether `exc` says Postgres or the broker is away (not what a statement did)."""
+    if isinstance(exc, KafkaException):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and (
+        conn is None or conn.broken or conn.closed
+    )
+
+
+class _Pg:
+    """One lazily (re)opened Postgres connection, and whether its stage tables exist."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: Conn | None = None
+        self.staged = False
+
+    def connection(self) -> Conn:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.url, connect_timeout=5)
+            prefer_lz4(self.conn)
+            self.staged = False
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+            self.staged = False
+
+
+class Sink:
+    """One sink process (or thread in monolith mode): `run(stop)` until stop is set.
+
+    Two threads, so that Postgres works on batch N while Python folds batch N+1: the consumer
+    thread (`run`) polls, decodes and folds; one writer thread writes and commits each folded
+    batch, in order, at most one in flight. `_cache` holds each run's state after every batch
+    handed to the writer, committed or not; the next fold continues from it. That is safe
+    because the writer commits batches in order and retries a failed one until it commits (or
+    the sink stops, dropping the cache): a later batch never commits without the ones before.
+    Everything that reads Postgres state or drops the cache (assignment changes, eviction)
+    first waits for the batch in flight (`_drain`).
+    """
+
+    def __init__(
+        self, config: SinkConfig, *, on_commit: Callable[[CommitReport], None] | None = None
+    ) -> None:
+        self.config = config
+        self.on_commit = on_commit
+        p = config.prefix
+        self.events_topic = topic_name(EVENTS, p)
+        self.state_topic = topic_name(STATE, p)
+        self.results_topic = topic_name(RESULTS, p)
+        self.dlq_topic = topic_name(DLQ, p)
+        self.topics = [self.events_topic, self.state_topic, self.results_topic]
+        self.stats = SinkStats()
+        self._cache: dict[str, tuple[int, RunState]] = {}
+        self._writer_pg = _Pg(config.database_url)  # the writer thread's transactions
+        self._reader_pg = _Pg(config.database_url)  # the consumer thread's reads
+        self._stop = threading.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
+        self._consumer = Consumer(self._consumer_config())
+        self._dlq = Producer(
+            {"bootstrap.servers": config.bootstrap, "enable.idempotence": True, **NO_DELAY,
+             "log_level": 3}
+        )  # fmt: skip
+        self._closed = False
+
+    def _consumer_config(self) -> dict[str, Any]:
+        c = self.config
+        conf: dict[str, Any] = {
+            "bootstrap.servers": c.bootstrap,
+            "group.id": c.group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": c.session_timeout_ms,
+            "heartbeat.interval.ms": max(500, c.session_timeout_ms // 5),
+            # a commit on the events topic answers a held fetch at once (LONG_POLL_MS)
+            "fetch.wait.max.ms": LONG_POLL_MS,
+            **NO_DELAY,
+            "log_level": 3,
+        }
+        if c.instance_id:
+            conf["group.instance.id"] = c.instance_id
+        conf.update(c.extra_consumer)
+        return conf
+
+    # ------------------------------------------------------------------ Postgres
+
+    def _with_retry(
+        self, pg: _Pg, what: str, fn: Callable[[Conn], Any], *, transaction: bool = True
+    ) -> Any:
+        """Run `fn` (in a transaction), retrying with backoff: while Postgres (or the broker,
+        for the dead letters `fn` flushes) is away, until stopped; a conflict or a cancelled
+        statement `max_batch_retries` times. Any other failure is raised at once."""
+        delay = 0.05
+        attempts = 0
+        while True:
+            try:
+                conn = pg.connection()
+                if not transaction:
+                    result = fn(conn)
+                    conn.rollback()  # a read: end it, so no snapshot is held between batches
+                    return result
+                with conn.transaction():
+                    return fn(conn)
+            except _TRANSIENT as exc:
+                away = _away(exc, pg.conn)
+                pg.drop()
+                attempts += 0 if away else 1
+                if attempts >= self.config.max_batch_retries:
+                    raise SinkError(f"{what} failed {attempts} times: {exc}") from exc
+                self.stats.retries += 1
+                SINK_RETRIES.inc()
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                log.warning("%s failed (%s); retrying in %.2fs", what, first, delay)
+                if self._stop.wait(delay):
+                    raise _Retry(what) from exc
+                delay = min(delay * 2, self.config.retry_max_delay_s)
+            except psycopg.Error as exc:
+                pg.drop()
+                raise SinkError(f"{what} failed: {dead_letters.first_line(exc)}") from exc
+            except Exception:
+                pg.drop()
+                raise
+
+    # ------------------------------------------------------------------ assignment
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
+        self._cache.clear()  # another sink may have projected these runs meanwhile
+        offsets = self._with_retry(
+            self._reader_pg,
+            "reading sink offsets",
+            lambda conn: read_offsets(conn, self.config.group_id, self.topics),
+            transaction=False,
+        )
+        for tp in partitions:
+            tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
+        consumer.assign(partitions)
+        log.info(
+            "assigned %d partitions, seeking to the offsets stored in Postgres", len(partitions)
+        )
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drain()
+        self._cache.clear()
+        consumer.unassign()
+
+    def _assign_all(self) -> None:
+        metadata = self._consumer.list_topics(timeout=30)
+        partitions: list[TopicPartition] = []
+        for topic in self.topics:
+            meta = metadata.topics.get(topic)
+            if meta is None or meta.error is not None:
+                raise SinkError(
+                    f"topic {topic} does not exist",
+                    hint="create the topics first: agentruns topics create",
+                )
+            partitions.extend(TopicPartition(topic, p) for p in sorted(meta.partitions))
+        self._on_assign(self._consumer, partitions)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Project until `stop` is set, then close.
+
+        A batch is the first record `poll` returns plus what has already arrived, up to
+        `batch_size` records: a record is folded as soon as the previous batch is handed to the
+        writer, and a backlog is projected in full-size batches.
+        """
+        self._stop = stop
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sink-writer")
+        try:
+            if self.config.assign == "all":
+                self._assign_all()
+            else:
+                self._consumer.subscribe(
+                    self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke
+                )
+            while not stop.is_set():
+                # While batch N commits, batch N+1 gathers in the consumer's queue: the batch
+                # grows with the load.
+                messages = poll_batch(
+                    self._consumer, self.config.batch_size, self.config.poll_timeout_s
+                )
+                if messages:
+                    batch = self._prepare(messages)
+                    self._drain()  # the previous batch commits before this one is handed over
+                    if batch is not None:
+                        self._inflight = self._executor.submit(self._commit, batch)
+                elif self._inflight is not None and self._inflight.done():
+                    self._drain()  # surface its error, if any
+            self._drain()
+        except _Retry:
+            log.info("stopped while Postgres was unavailable; the batch will be re-read")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):
+                self._inflight.result(timeout=60)
+            self._inflight = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with contextlib.suppress(RuntimeError, KafkaException):
+            self._consumer.close()
+        release(self._dlq, 10)
+        self._writer_pg.drop()
+        self._reader_pg.drop()
+
+    def apply(self, messages: Sequence[Message]) -> None:
+        """Project one batch of consumed messages in one database transaction, synchronously."""
+        self._drain()
+        batch = self._prepare(messages)
+        if batch is not None:
+            self._commit(batch)
+
+    def _drain(self) -> None:
+        """Wait until the batch in flight is committed; re-raise its failure (the cache holds
+        states of a batch that never committed then, so it goes)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        try:
+            inflight.result()
+        except BaseException:
+            self._cache.clear()
+            raise
+
+    def _prepare(self, messages: Sequence[Message]) -> _Batch | None:
+        """Decode and fold one batch (the consumer thread); the cache moves on to its states."""
+        began = time.monotonic()
+        batch = _Batch({}, {}, {})
+        positions, snapshots, results = batch.positions, batch.snapshots, batch.results
+        events: list[tuple[dict[str, Any], Message]] = []
+        # Snapshots are keyed by run and written in version order within the run's partition,
+        # so only the last one per key in the batch is decoded (the processor writes ~one per
+        # event, each carrying the whole state), and of it only the leading fields the
+        # run_snapshots row needs, not the state; the version guard still applies in Postgres.
+        latest: dict[bytes | str | None, Message] = {}
+        events_topic, state_topic = self.events_topic, self.state_topic
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consume error: %s", error)
+                continue
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            assert topic is not None and partition is not None and offset is not None
+            positions[(topic, partition)] = offset + 1
+            value = message.value()
+            if value is None:
+                continue
+            if topic == state_topic:
+                latest[message.key()] = message
+                continue
+            try:
+                if topic == events_topic:
+                    events.append((decode(value, expected_name="Event").record, message))
+                else:
+                    res = decode(value, expected_name="Result").record
+                    results[(res["run_id"], res["version"])] = res
+                    batch.parts.append(_Part(message, result=res))
+            except CodecError as exc:
+                batch.dead.append(self._refused(message, str(exc), exc.error_class))
+        for message in latest.values():
+            try:
+                snap = decode_fields(message.value() or b"", "Snapshot", SNAPSHOT_COLUMNS)
+            except CodecError as exc:
+                batch.dead.append(self._refused(message, str(exc), exc.error_class))
+                continue
+            batch.parts.append(_Part(message, snapshot=snap))
+            held = snapshots.get(snap["run_id"])
+            if held is None or held["version"] < snap["version"]:
+                snapshots[snap["run_id"]] = snap
+        if not positions:
+            return None
+        if len(self._cache) > self.config.max_cached_runs:
+            self._drain()  # what the cache forgets must be in Postgres first
+            self._cache.clear()
+        self._fold(events, batch)
+        self._cache.update(batch.runs)
+        SINK_CACHED_RUNS.set(len(self._cache))
+        self.stats.fold_s += time.monotonic() - began
+        return batch
+
+    def _refused(
+        self, message: Message, reason: str, error_class: str = INVALID_EVENT
+    ) -> dict[str, Any]:
+        """The dead letter of a record the projection cannot represent (a foreign writer's, or
+        hostile content); its offset still moves on, with the dead letter flushed first."""
+        self.stats.dead_letters += 1
+        SINK_SKIPPED.labels("dead_letter").inc()
+        log.error(
+            "record %s[%s]@%s refused: %s",
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            reason,
+        )
+        return dead_letters.of_message(message, reason, error_class)
+
+    def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
+        """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache
+        does not hold. Called with no batch of theirs in flight: a run with one is cached."""
+
+        def read(conn: Conn) -> dict[str, tuple[int, RunState]]:
+            rows = conn.execute(
+                "SELECT run_id, last_seq, state FROM runs WHERE run_id = ANY(%s)",
+                (run_ids,),
+            )
+            return {r: (int(s), RunState.model_validate_json(j)) for r, s, j in rows}
+
+        loaded: dict[str, tuple[int, RunState]] = self._with_retry(
+            self._reader_pg, "reading run states", read, transaction=False
+        )
+        return loaded
+
+    def _fold(self, events: list[tuple[dict[str, Any], Message]], batch: _Batch) -> None:
+        cache = self._cache
+        missing = list({e["run_id"] for e, _ in events if e["run_id"] not in cache})
+        loaded = self._load(missing) if missing else {}
+        for record, message in events:
+            try:
+                self._fold_one(record, message, batch, loaded)
+            except Exception as exc:  # the one guard of the fold: this record is refused
+                reason = f"invalid_input:unprojectable: {dead_letters.first_line(exc)}"
+                batch.dead.append(self._refused(message, reason))
+
+    def _fold_one(
+        self,
+        record: dict[str, Any],
+        message: Message,
+        batch: _Batch,
+        loaded: dict[str, tuple[int, RunState]],
+    ) -> None:
+        cache, runs = self._cache, batch.runs
+        run_id, seq = record["run_id"], record["seq"]
+        current = runs.get(run_id) or cache.get(run_id) or loaded.get(run_id)
+        last_seq, state = current if current is not None else (0, None)
+        if seq <= last_seq:
+            self.stats.skipped += 1
+            SINK_SKIPPED.labels("already_projected").inc()
+            return
+        if seq != last_seq + 1:
+            self.stats.gaps += 1
+            log.error(
+                "run %s: event seq %d follows %d; folding what the log holds",
+                run_id,
+                seq,
+                last_seq,
+                extra={"run_id": run_id, "seq": seq},
+            )
+        projected = project_event(state, record)
+        if projected is None:
+            raise ValueError(f"run {run_id} seq {seq}: the fold has no state")
+        if str(projected.disposition) != record["disposition"]:
+            self.stats.divergences += 1
+            SINK_DIVERGENCES.inc()
+        row = event_values(record, projected.status)
+        runs[run_id] = (seq, projected.state)
+        batch.events.append(row)
+        for op in projected.ops:
+            merge_op(batch.ops, op)
+        for q in projected.questions:
+            merge_question(batch.questions, q)
+        batch.parts.append(
+            _Part(message, row, (seq, projected.state), projected.ops, projected.questions)
+        )
+
+    def _commit(self, batch: _Batch) -> None:
+        """Write and commit one folded batch (the writer thread), retrying a lost connection
+        with the same rows: the guards make a re-applied batch a no-op. A batch that fails
+        otherwise is written once more record by record (`_isolate`)."""
+        began = time.monotonic()
+        try:
+            self._with_retry(
+                self._writer_pg, "writing a sink batch", lambda c: self._write(c, batch)
+            )
+        except _Retry:
+            raise
+        except Exception as exc:  # not a lost connection: some record's rows break the SQL
+            log.error("sink batch failed (%s); writing it record by record", exc)
+            self._with_retry(
+                self._writer_pg, "writing a sink batch by record", lambda c: self._isolate(c, batch)
+            )
+        self.stats.write_s += time.monotonic() - began
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.snapshots += len(batch.snapshots)
+        self.stats.results += len(batch.results)
+        SINK_EVENTS.inc(len(batch.events))
+        SINK_BATCH_SECONDS.observe(time.monotonic() - began)
+        if self.on_commit is not None:
+            self.on_commit(CommitReport(time.time(), [(e[0], e[1]) for e in batch.events]))
+
+    def _write(self, conn: Conn, batch: _Batch) -> None:
+        with conn.cursor() as cur:
+            self._stage(cur)
+            # Only the last state of each run in the batch is serialized and written.
+            self._write_rows(
+                cur,
+                batch.events,
+                batch.runs.values(),
+                batch.ops.values(),
+                batch.questions.values(),
+                batch.results.values(),
+                batch.snapshots.values(),
+            )
+            self._finish(cur, batch, batch.dead)
+
+    def _isolate(self, conn: Conn, batch: _Batch) -> None:
+        """The batch again, each record's rows in a savepoint of their own: a record whose rows
+        fail is dead-lettered, every other one is written, and the offsets move past both."""
+        dead = list(batch.dead)
+        with conn.cursor() as cur:
+            self._stage(cur)
+            for part in batch.parts:
+                try:
+                    with conn.transaction():
+                        self._write_rows(
+                            cur,
+                            [part.event] if part.event is not None else [],
+                            [part.run] if part.run is not None else [],
+                            part.ops,
+                            part.questions,
+                            [part.result] if part.result is not None else [],
+                            [part.snapshot] if part.snapshot is not None else [],
+                            clear=True,
+                        )
+                except Exception as exc:  # the one guard of the write: this record is refused
+                    if _away(exc, conn) or isinstance(exc, _CONFLICTS):
+                        raise  # not this record's doing: the whole batch again, later
+                    reason = f"invalid_input:unwritable: {dead_letters.first_line(exc)}"
+                    dead.append(self._refused(part.message, reason))
+            self._finish(cur, batch, dead)
+
+    def _stage(self, cur: psycopg.Cursor[Any]) -> None:
+        if not self._writer_pg.staged:
+            for table in TABLES:
+                cur.execute(table.create_stage())
+            self._writer_pg.staged = True
+
+    @staticmethod
+    def _write_rows(
+        cur: psycopg.Cursor[Any],
+        events: Collection[tuple[Any, ...]],
+        runs: Collection[tuple[int, RunState]],
+        ops: Collection[dict[str, Any]],
+        questions: Collection[dict[str, Any]],
+        results: Collection[dict[str, Any]],
+        snapshots: Collection[dict[str, Any]],
+        *,
+        clear: bool = False,
+    ) -> None:
+        if events:
+            write_rows(cur, EVENTS_TABLE, events, clear=clear)
+        if runs:
+            rows = (run_values(state, seq) for seq, state in runs)
+            write_rows(cur, RUNS_TABLE, rows, clear=clear)
+        if ops:
+            rows = (tuple(r[c] for c in OP_COLUMNS) for r in ops)
+            write_rows(cur, OPS_TABLE, rows, clear=clear)
+        if questions:
+            rows = (tuple(r[c] for c in QUESTION_COLUMNS) for r in questions)
+            write_rows(cur, QUESTIONS_TABLE, rows, clear=clear)
+        if results:
+            write_rows(cur, RESULTS_TABLE, map(result_values, results), clear=clear)
+        if snapshots:
+            write_rows(cur, SNAPSHOTS_TABLE, map(snapshot_values, snapshots), clear=clear)
+
+    def _finish(self, cur: psycopg.Cursor[Any], batch: _Batch, dead: list[dict[str, Any]]) -> None:
+        """The consumed positions, after the dead letters of the batch are flushed (inside
+        the transaction: if the broker is away, nothing commits and the batch is retried)."""
+        dead_letters.send(self._dlq, self.dlq_topic, dead)
+        keys = sorted(batch.positions)
+        cur.execute(
+            SQL_OFFSETS,
+            (
+                self.config.group_id,
+                [t for t, _ in keys],
+                [p for _, p in keys],
+                [batch.positions[k] for k in keys],
+            ),
+        )
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentruns sink", description="project the run log into Postgres, exactly once"
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
+    parser.add_argument(
+        "--group", default="", help="consumer group / offset owner (default <prefix>-sink)"
+    )
+    parser.add_argument(
+        "--assign",
+        choices=("group", "all"),
+        default="group",
+        help="group: share partitions with other sinks; all: this process takes every partition",
+    )
+    parser.add_argument("--instance-id", help="static group membership id (fast restarts)")
+    parser.add_argument("--batch-size", type=int, default=5000, help="max records per batch")
+    parser.add_argument("--poll-ms", type=int, default=50, help="max wait to fill a batch")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.logs import setup_logging
+    from agentruns.connectors.postgres.migrate import migrate
+
+    setup_logging(args.log_level, component="sink")
+    stop = stop_on_signals()
+    tune_gc()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    try:
+        with ServiceStack() as stack:
+            assert stack.endpoints is not None
+            migrate(stack.endpoints.database_url)
+            sink = Sink(
+                SinkConfig(
+                    bootstrap=stack.endpoints.kafka_bootstrap,
+                    database_url=stack.endpoints.database_url,
+                    prefix=args.prefix,
+                    group_id=args.group,
+                    assign=args.assign,
+                    instance_id=args.instance_id,
+                    batch_size=args.batch_size,
+                    poll_timeout_s=args.poll_ms / 1000,
+                )
+            )
+            log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
+            sink.run(stop)
+            log.info("sink stopped: %s", sink.stats)
+    except AgentrunsError as exc:
+        print(f"agentruns sink: {exc.one_line()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

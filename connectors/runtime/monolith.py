@@ -1,0 +1,174 @@
+"""`agentruns run`: every layer in one process, for development (R29).
+
+Processor, model executor, tool executor, timer service and sink run as threads against the
+configured Kafka and Postgres (same resolution as every command); `--dev-servers` also starts
+the scripted model server and the example tool server and points the executors at them; the
+HTTP API (uvicorn) runs in a thread too. Production runs the same classes as separate,
+independently scaled processes (`agentruns processor`, `agentruns executor model|tool`,
+`agentruns timer`, `agentruns sink`, `agentruns api`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.model import ModelExecutor, Routes
+from agentruns.connectors.executors.tool import ToolExecutor
+from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.logs import setup_logging
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.projection.sink import Sink, SinkConfig
+from agentruns.connectors.runtime.timers import TimerService
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.processor import Processor, ProcessorConfig
+
+log = logging.getLogger("agentruns.run")
+
+
+class Monolith:
+    """The pipeline's components as threads; `stop()` ends them all and waits."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        database_url: str,
+        *,
+        prefix: str = "agentruns",
+        model_base_url: str | None = None,
+        tool_base_url: str | None = None,
+    ) -> None:
+        self.stop_event = threading.Event()
+        self.failed: str | None = None  # the component that stopped with an error
+        self._threads: list[threading.Thread] = []
+        self._closers: list[Callable[[], object]] = []
+        store = PostgresArtifactStore(database_url)
+        self._closers.append(store.close)
+        self.processor = Processor(
+            ProcessorConfig(bootstrap=bootstrap, prefix=prefix), store.put_many
+        )
+
+        def executor(kind: str) -> ExecutorConfig:
+            return ExecutorConfig(
+                bootstrap=bootstrap, database_url=database_url, kind=kind, prefix=prefix
+            )
+
+        self.model_executor = ModelExecutor(
+            executor("model"), Routes.from_env(None, model_base_url)
+        )
+        self.tool_executor = ToolExecutor(executor("tool"), base_url=tool_base_url)
+        self.timer = TimerService(bootstrap, database_url, prefix=prefix)
+        self.sink = Sink(SinkConfig(bootstrap=bootstrap, database_url=database_url, prefix=prefix))
+        self.components: dict[str, Any] = {
+            "processor": self.processor,
+            "model-executor": self.model_executor,
+            "tool-executor": self.tool_executor,
+            "timer": self.timer,
+            "sink": self.sink,
+        }
+
+    def start(self) -> None:
+        for name, component in self.components.items():
+            thread = threading.Thread(
+                target=self._guard, args=(name, component), name=name, daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _guard(self, name: str, component: Any) -> None:
+        try:
+            component.run(self.stop_event)
+        except Exception:
+            log.exception("%s stopped with an error; stopping the monolith", name)
+            self.failed = self.failed or name
+            self.stop_event.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_event.set()
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+        for close in self._closers:
+            close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns run", description=__doc__)
+    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--partitions", type=int, default=None)
+    parser.add_argument(
+        "--dev-servers",
+        action="store_true",
+        help="also run the scripted model server and example tool server",
+    )
+    parser.add_argument("--api-port", type=int, default=8080)
+    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="run")
+    stop = stop_on_signals()
+    with ServiceStack() as stack, ExitStack() as resources:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+        model_url = tool_url = None
+        if args.dev_servers:
+            from agentruns.connectors.testing import model_server, tool_server
+
+            model_url = resources.enter_context(model_server.serve("127.0.0.1", 0)).url
+            tool_url = resources.enter_context(tool_server.serve("127.0.0.1", 0)).url
+            log.info("dev servers: model %s, tools %s", model_url, tool_url)
+        monolith = Monolith(
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix=args.prefix,
+            model_base_url=model_url,
+            tool_base_url=tool_url,
+        )
+        monolith.start()
+        api = _start_api(ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port)
+        print(
+            f"agentruns run: {', '.join(monolith.components)}"
+            + (f", api on http://127.0.0.1:{args.api_port}" if api else "")
+            + f" (kafka {ep.kafka_bootstrap}, topics {args.prefix}.*); Ctrl-C stops",
+            flush=True,
+        )
+        while not stop.wait(0.5) and not monolith.stop_event.is_set():
+            pass
+        if api is not None:
+            api()
+        monolith.stop()
+    # non-zero when a component failed, so a supervisor (systemd, Kubernetes) restarts us
+    return 1 if monolith.failed else 0
+
+
+def _start_api(
+    bootstrap: str, database_url: str, prefix: str, port: int
+) -> Callable[[], None] | None:
+    """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
+    import uvicorn
+    from agentruns.connectors.api.service import ApiConfig, create_app
+
+    app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    return stop
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""`agentruns processor`: one processor process (production mode), wired to its adapters.
+
+Kafka and Postgres come from `ServiceStack` (env, Docker, or the `dev up` stack); artifacts go
+to the Postgres artifact store. SIGTERM/SIGINT stop it cleanly: the open transaction commits and
+the consumer leaves the group. Run several with distinct `--instance-id`s to split partitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.logs import setup_logging
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.interpreter import tune_gc, tune_switch_interval
+from agentruns.streams.processor import Processor, ProcessorConfig
+
+log = logging.getLogger("agentruns.processor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentruns processor", description=__doc__)
+    p.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    p.add_argument("--group", default="", help="consumer group id (default <prefix>-processor)")
+    p.add_argument(
+        "--instance-id",
+        default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"),
+        help="stable id of this process slot (its transactional.id); distinct per process",
+    )
+    p.add_argument("--partitions", type=int, default=None, help="when creating missing topics")
+    p.add_argument(
+        "--commit-interval-ms",
+        type=int,
+        default=50,
+        help="seal a batch this old once the committer is free, even if inputs keep coming",
+    )
+    p.add_argument(
+        "--fetch-window-ms",
+        type=int,
+        default=ProcessorConfig.fetch_window_ms,
+        help="fetch the inbox in windows of this many ms: inputs arriving together share a "
+        "transaction (0: fetch each input as it lands)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=2000,
+        help="inputs per transaction at most (the loop waits for the committer then)",
+    )
+    p.add_argument("--gap-timeout-ms", type=int, default=30_000)
+    p.add_argument("--buffer-limit", type=int, default=64)
+    p.add_argument(
+        "--max-record-bytes",
+        type=int,
+        default=None,
+        help="the largest record written (key + value + headers); default: each output "
+        "topic's max.message.bytes as the broker reports it at start, less a margin. An input "
+        "whose records would be larger fails its run (invalid_input:record_too_large) or is "
+        "dead-lettered",
+    )
+    p.add_argument(
+        "--terminal-retention-ms",
+        type=int,
+        default=ProcessorConfig.terminal_retention_ms,
+        help="evict a run from memory and the state topic (a tombstone) this long after its "
+        "end, in event time; a negative value keeps ended runs",
+    )
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="processor")
+    stop = stop_on_signals()
+    from agentruns.connectors.devstack.services import ServiceStack
+
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+        if args.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr="127.0.0.1")
+        store = PostgresArtifactStore(ep.database_url)
+        config = ProcessorConfig(
+            bootstrap=ep.kafka_bootstrap,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance_id,
+            commit_interval_ms=args.commit_interval_ms,
+            fetch_window_ms=args.fetch_window_ms,
+            max_batch=args.max_batch,
+            gap_timeout_ms=args.gap_timeout_ms,
+            buffer_limit=args.buffer_limit,
+            max_record_bytes=args.max_record_bytes,
+            terminal_retention_ms=(
+                None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+            ),
+        )
+        tune_gc()
+        tune_switch_interval()
+        processor = Processor(config, store.put_many)
+        log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
+        try:
+            processor.run(stop)
+        finally:
+            store.close()
+    log.info("processor %s stopped", args.instance_id)
+    return 0
+
+
+if __name__ == "__main__":
+    from agentruns.connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["processor", *sys.argv[1:]]))

@@ -1,0 +1,299 @@
+"""`agentruns timer`: the only way time enters the core (R1).
+
+Consumes `effects.timer` (ScheduleTimer, CancelTimer; AskUser records are the API's business
+and are skipped here) into the Postgres `timers` table, committing the consumed offsets only
+after the rows are committed (at-least-once in, idempotent upserts). A firing loop produces one
+`TimerFired` input per due timer to the run's inbox partition, then marks it fired.
+
+Exactly once as the processor sees it: the input of a timer is a pure function of the timer
+(input_id `<timer_id>:fired`, `at` = its due time), so a re-fire after a crash between the
+produce and the mark is byte-identical and the processor drops it as an exact duplicate; a timer
+for a run that moved on is recorded by the core as LATE and changes nothing. Several timer
+processes may run: the consumer group splits the effect partitions, and firing claims rows with
+`FOR UPDATE SKIP LOCKED`.
+
+Hostile input: an effect the service cannot ingest (undecodable, a due time outside
+`agentruns.processors.limits.MAX_TIME_MS`, a row Postgres refuses) becomes a dead-letter record on
+`<prefix>.dlq` with its reason, and the next effects are ingested. Each effect is written in its
+own savepoint, so one bad row never takes the batch with it. A database or broker that is away
+is waited for with capped exponential backoff, on the same consumed batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import psycopg
+from agentruns.connectors import dead_letters
+from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.logs import setup_logging
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.processors.effects import CancelTimer, ScheduleTimer
+from agentruns.processors.events import TimerFired
+from agentruns.processors.limits import MAX_TIME_MS
+from agentruns.streams import dlq
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.codec import CodecError, decode, encode
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_count, release
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.polling import check_fatal
+from agentruns.streams.records import input_record, parse_effect_body
+from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
+from confluent_kafka import Consumer, KafkaException, Message, Producer
+
+log = logging.getLogger("agentruns.timer")
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+#: Backoff of the retry loop while Postgres or the broker is away: first wait, and its cap.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 5.0
+DUE_AT_OUT_OF_RANGE = "invalid_input:due_at_out_of_range"
+
+
+class Refused(Exception):
+    """An effect the timer service cannot ingest; `reason` and `error_class` go to its dead
+    letter."""
+
+    def __init__(self, reason: str, error_class: str = dlq.INVALID_EVENT) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error_class = error_class
+
+
+def refusal(exc: Exception) -> Refused:
+    """Why an effect could not be ingested, as a dead letter states it."""
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, CodecError):
+        return Refused(str(exc), exc.error_class)
+    if isinstance(exc, msgspec.MsgspecError):
+        return Refused(f"invalid_input:effect_body: {exc}")
+    if isinstance(exc, psycopg.Error):
+        return Refused(f"invalid_input:unstorable: {dead_letters.first_line(exc)}")
+    return Refused(f"invalid_input:effect: {dead_letters.first_line(exc)}")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def fired_input(row: tuple[Any, ...]) -> dict[str, Any]:
+    """The inbox input of a due timer: deterministic, so a re-fire is an exact duplicate."""
+    run_id, timer_id, due_at, trace_id = row
+    event = TimerFired(
+        run_id=run_id, event_id=f"{timer_id}:fired", at=due_at, trace_id=trace_id, timer_id=timer_id
+    )
+    return input_record(event)
+
+
+class TimerService:
+    def __init__(
+        self,
+        bootstrap: str,
+        database_url: str,
+        *,
+        prefix: str = "agentruns",
+        group_id: str = "",
+        instance_id: str = "0",
+        tick_ms: int = 50,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.database_url = database_url
+        self.prefix = prefix
+        self.tick = tick_ms / 1000
+        self.inbox = topic_name(INBOX, prefix)
+        self.dlq = topic_name(DLQ, prefix)
+        group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
+        self.fired = 0
+        self.scheduled = 0
+        self.dead_letters = 0
+        self.retries = 0
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group_id,
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "fetch.wait.max.ms": LONG_POLL_MS,
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 1000,
+                # Static membership: a restarted timer service resumes its partitions at once.
+                "group.instance.id": f"{group_id}-{instance_id}",
+                **NO_DELAY,
+                "log_level": 3,
+            }
+        )
+        self._producer = Producer(
+            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, **NO_DELAY}
+        )
+        self.partitions = partition_count(self._producer, self.inbox)
+        self._conn: Conn | None = None
+
+    def _db(self) -> Conn:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.database_url)
+        return self._conn
+
+    def run(self, stop: threading.Event) -> None:
+        self._consumer.subscribe([topic_name(effect_suffix("timer"), self.prefix)])
+        backoff = RETRY_FIRST_S
+        pending: list[Message] | None = None  # consumed, not yet ingested: kept across retries
+        try:
+            while not stop.is_set():
+                try:
+                    if pending is None:
+                        pending = check_fatal(self._consumer.consume(500, self.tick))
+                    self._ingest(pending)
+                    pending = None
+                    self._fire_due()
+                    backoff = RETRY_FIRST_S
+                except (psycopg.OperationalError, KafkaException) as exc:
+                    # Postgres restarting or the broker away: the same batch is ingested again.
+                    log.warning("%s; retrying in %.1fs", dead_letters.first_line(exc), backoff)
+                    self.retries += 1
+                    self._drop_db()
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, RETRY_MAX_S)
+        finally:
+            self.close()
+
+    def _drop_db(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+        self._conn = None
+
+    def _ingest(self, messages: list[Message]) -> None:
+        """Write the batch's timer effects in one transaction, each in its own savepoint; an
+        effect that cannot be ingested is dead-lettered (flushed before the rows and offsets
+        commit) and the rest go on."""
+        if not messages:
+            return
+        dead: list[dict[str, Any]] = []
+        conn = self._db()
+        with conn.transaction():
+            for msg in messages:
+                if msg.error() is not None or msg.value() is None:
+                    continue
+                try:
+                    with conn.transaction():
+                        self._apply(conn, msg)
+                except Exception as exc:  # the one guard: this effect, and only it, is refused
+                    if isinstance(exc, psycopg.OperationalError) and (conn.broken or conn.closed):
+                        raise  # Postgres away, not the effect: the whole batch again, later
+                    refused = refusal(exc)
+                    log.error("timer effect at offset %s refused: %s", msg.offset(), refused.reason)
+                    dead.append(dead_letters.of_message(msg, refused.reason, refused.error_class))
+            dead_letters.send(self._producer, self.dlq, dead)
+        self.dead_letters += len(dead)
+        try:
+            self._consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            log.warning("offset commit failed (rows are idempotent, will re-read): %s", exc)
+
+    def _apply(self, conn: Conn, msg: Message) -> None:
+        effect = parse_effect_body(decode(msg.value() or b"", "Effect").record["body"])
+        if isinstance(effect, ScheduleTimer):
+            if not 0 <= effect.due_at <= MAX_TIME_MS:
+                raise Refused(DUE_AT_OUT_OF_RANGE)
+            conn.execute(
+                "INSERT INTO timers (run_id, timer_id, purpose, due_at, trace_id, step, attempt)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, timer_id) DO NOTHING",
+                (
+                    effect.run_id,
+                    effect.timer_id,
+                    str(effect.purpose),
+                    effect.due_at,
+                    effect.trace_id,
+                    effect.step,
+                    effect.attempt,
+                ),
+            )
+            self.scheduled += 1
+        elif isinstance(effect, CancelTimer):
+            conn.execute(
+                "UPDATE timers SET cancelled = true"
+                " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
+                (effect.run_id, effect.timer_id),
+            )
+
+    def _fire_due(self) -> None:
+        conn = self._db()
+        with conn.transaction():
+            rows = conn.execute(
+                "SELECT run_id, timer_id, due_at, trace_id FROM timers"
+                " WHERE fired_at IS NULL AND NOT cancelled AND due_at <= %s"
+                " ORDER BY due_at LIMIT 500 FOR UPDATE SKIP LOCKED",
+                (now_ms(),),
+            ).fetchall()
+            if not rows:
+                return
+            for row in rows:
+                record = fired_input(row)
+                self._producer.produce(
+                    self.inbox,
+                    key=record["run_id"].encode(),
+                    value=encode("Input", record),
+                    partition=partition_for(record["run_id"], self.partitions),
+                )
+            if self._producer.flush(30) != 0:
+                raise KafkaException("timer inputs not delivered within 30 s")
+            conn.cursor().executemany(
+                "UPDATE timers SET fired_at = %s WHERE run_id = %s AND timer_id = %s",
+                [(now_ms(), r[0], r[1]) for r in rows],
+            )
+        self.fired += len(rows)
+        log.info("fired %d timers", len(rows))
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already closed
+            self._consumer.close()
+        release(self._producer, 10)
+        if self._conn is not None:
+            self._conn.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
+    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--group", default="", help="consumer group (default <prefix>-timer)")
+    parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
+    parser.add_argument("--tick-ms", type=int, default=50)
+    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="timer")
+    stop = stop_on_signals()
+    from agentruns.connectors.devstack.services import ServiceStack
+
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
+        service = TimerService(
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance_id,
+            tick_ms=args.tick_ms,
+        )
+        service.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from agentruns.connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["timer", *sys.argv[1:]]))
