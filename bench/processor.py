@@ -29,7 +29,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import EVENTS, INBOX, STATE, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 TOOL = ToolSpec(
     name="search_docs",
@@ -402,6 +403,143 @@ def restore_figures(
     }
 
 
+def _state_records(bootstrap: str, topic: str, partitions: int) -> dict[bytes, list[bytes | None]]:
+    """Every record of the state topic (read_committed, to its end), by key, in order."""
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
+    by_key: dict[bytes, list[bytes | None]] = {}
+    try:
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+        pending = set(range(partitions))
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            for message in reader.consume(1000, 0.5):
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(message.partition() or 0)
+                    continue
+                by_key.setdefault(message.key() or b"", []).append(message.value())
+    finally:
+        reader.close()
+    return by_key
+
+
+def _at_least(n: int, values: list[bytes | None]) -> bool:
+    return len(values) >= n
+
+
+def cloned_restore_figures(
+    bootstrap: str,
+    database_url: str,
+    prefix: str,
+    *,
+    runs: int,
+    partitions: int,
+    retention_ms: int,
+    live: int = 0,
+    timeout_s: float = 600,
+) -> dict[str, Any]:
+    """Restore from a state topic holding `runs` ended runs and `live` waiting ones, written
+    without processing a million runs: one run is processed to its end and evicted, and one
+    left waiting, by a real processor; the state topic's records of each (every snapshot the
+    processor wrote, then the ended run's tombstone) are copied for every other run id (same
+    length, so only the id's bytes differ), as an uncompacted topic holds them. A second
+    processor is then timed restoring it. Topics `prefix` must exist and be empty."""
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
+    ended_id = "tpl-0000000"
+    # on the ended run's partition: eviction follows each partition's own event time
+    live_id = next(
+        run_id
+        for run_id in (f"tpl-{k:07d}" for k in range(1, 1000))
+        if partition_for(run_id, partitions) == partition_for(ended_id, partitions)
+    )
+    # the live run is submitted `spread` after the ended one: event time then passes the ended
+    # run's end plus the retention, and it is evicted
+    spread = retention_ms + 1000
+    at = int(time.time() * 1000) - 2 * spread
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    inbox = topic_name(INBOX, prefix)
+    state = topic_name(STATE, prefix)
+    part = partition_for(ended_id, partitions)
+    logs = [Path(tempfile.gettempdir()) / f"{prefix}-restore-{i}.log" for i in (0, 1)]
+    first = _spawn_processor(env, prefix, logs[0], retention_ms)
+    deadline = time.monotonic() + timeout_s
+
+    def wait_for(run_id: str, done: Callable[[list[bytes | None]], bool]) -> None:
+        while not done(_state_records(bootstrap, state, partitions).get(run_id.encode(), [])):
+            if time.monotonic() > deadline or first.poll() is not None:
+                raise RuntimeError(f"the template runs were not processed; see {logs[0]}")
+            time.sleep(0.2)
+
+    try:
+        # one input a transaction, as inputs arriving over time are: a snapshot each
+        for n, event in enumerate(run_inputs(ended_id, at), start=1):
+            producer.produce(inbox, key=ended_id.encode(), value=_record(event), partition=part)
+            producer.flush(30)
+            wait_for(ended_id, partial(_at_least, n))
+        submit = run_inputs(live_id, at + spread)[0]
+        producer.produce(inbox, key=live_id.encode(), value=_record(submit), partition=part)
+        producer.flush(30)
+        wait_for(ended_id, lambda values: bool(values) and values[-1] is None)
+        wait_for(live_id, bool)
+        records = _state_records(bootstrap, state, partitions)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    templates = ((ended_id, records[ended_id.encode()]), (live_id, records[live_id.encode()]))
+    written = 0
+    for i in range(runs + live):
+        template, values = templates[0] if i < runs else templates[1]
+        run_id = f"run-{i:07d}"
+        key = run_id.encode()
+        old = template.encode()
+        part = partition_for(run_id, partitions)
+        for value in values:
+            clone = None if value is None else value.replace(old, key)
+            while True:
+                try:
+                    producer.produce(state, key=key, value=clone, partition=part)
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+            written += 1
+        producer.poll(0)
+    producer.flush(120)
+    began = time.monotonic()
+    second = _spawn_processor(env, prefix, logs[1], retention_ms)
+    try:
+        deadline = began + timeout_s
+        while not _restores(logs[1]):
+            if time.monotonic() > deadline or second.poll() is not None:
+                raise RuntimeError(f"the second processor did not restore; see {logs[1]}")
+            time.sleep(0.05)
+        ready = time.monotonic() - began
+        rss = _rss_kib(second.pid)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=60)
+    restores = _restores(logs[1])
+    return {
+        "runs": runs,
+        "live_runs": live,
+        "terminal_retention_ms": retention_ms,
+        "state_records": written + sum(len(v) for _, v in templates),
+        "records_per_ended_run": len(templates[0][1]),
+        "restored_runs": sum(n for n, _ in restores),
+        "restore_s": round(sum(seconds for _, seconds in restores), 3),
+        "ready_s": round(ready, 3),
+        "processor_rss_mib_after_restore": round(rss.get("VmRSS", 0) / 1024, 1),
+    }
+
+
 def _restore_main(args: argparse.Namespace) -> int:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     retention = None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
@@ -413,9 +551,10 @@ def _restore_main(args: argparse.Namespace) -> int:
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
         print(f"{args.runs} runs to their end, then a restore", file=sys.stderr, flush=True)
-        figures = {
-            "bench": "processor-restore",
-            **restore_figures(
+        if args.clone and retention is None:
+            raise SystemExit("--clone copies an evicted run: --terminal-retention-ms >= 0")
+        if args.clone and retention is not None:
+            figures = cloned_restore_figures(
                 ep.kafka_bootstrap,
                 ep.database_url,
                 prefix,
@@ -424,8 +563,20 @@ def _restore_main(args: argparse.Namespace) -> int:
                 retention_ms=retention,
                 live=args.live,
                 timeout_s=args.timeout,
-            ),
-        }
+            )
+        else:
+            figures = restore_figures(
+                ep.kafka_bootstrap,
+                ep.database_url,
+                prefix,
+                runs=args.runs,
+                partitions=args.partitions,
+                retention_ms=retention,
+                live=args.live,
+                timeout_s=args.timeout,
+            )
+    state = "cloned" if args.clone else "processed"
+    figures = {"bench": "processor-restore", "state": state, **figures}
     print(json.dumps(figures))
     return 0
 
@@ -450,6 +601,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--restore",
         action="store_true",
         help="instead: time a restore after --runs runs ended (prints its figures only)",
+    )
+    parser.add_argument(
+        "--clone",
+        action="store_true",
+        help="with --restore: write the state topic by copying one processed run's records to"
+        " every run id, instead of processing every run (for a million runs)",
     )
     parser.add_argument(
         "--live", type=int, default=0, help="with --restore: runs left waiting (submitted only)"

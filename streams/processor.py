@@ -464,6 +464,9 @@ class Processor:
             )
             pending = set(partitions)
             deadline = time.monotonic() + 120
+            # The latest value of each run, decoded once the end is reached: an uncompacted
+            # topic holds every snapshot a run had and the tombstone of every evicted run.
+            latest: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
             while pending:
                 if time.monotonic() > deadline:
                     raise AgentrunsKafkaError(
@@ -478,20 +481,23 @@ class Processor:
                         raise KafkaException(error)
                     value = message.value()
                     partition = message.partition() or 0
-                    runs = self._slots[partition]
+                    key = message.key() or b""
                     if value is None:  # a tombstone: the run was evicted after its end
-                        key = message.key()
-                        if key is not None:
-                            runs.pop(key.decode("utf-8", "replace"), None)
+                        latest[partition].pop(key, None)
                         # written once event time was past the run's end plus the retention:
                         # its time keeps a replayed submission of the run refused
                         written = message.timestamp()[1]
                         if written > self._watermark.get(partition, 0):
                             self._watermark[partition] = written
                         continue
+                    latest[partition][key] = value
+            for p, values in latest.items():
+                runs = self._slots[p]
+                for value in values.values():
                     slot = RunSlot.from_record(decode(value, expected_name="Snapshot").record)
                     slot.size_estimate = len(value) + len(slot.run_id)
                     runs[slot.run_id] = slot
+                values.clear()
             for p in partitions:
                 for slot in self._slots[p].values():
                     self._track(p, slot)
