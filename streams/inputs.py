@@ -45,6 +45,7 @@ from agentruns.streams.records import (
     parse_event_body,
     result_record,
 )
+from agentruns.streams.transaction import Headers, Record
 from confluent_kafka import Message
 
 log = logging.getLogger("agentruns.processor")
@@ -70,10 +71,6 @@ MAX_REASON_CHARS = 300
 #: Producers whose marks a run keeps: the one heard from longest ago is forgotten past it (a
 #: run hears from a few: the API, the executors, the timer service).
 MAX_PRODUCER_MARKS = 64
-
-Headers = list[tuple[str, str | bytes | None]]
-# topic, key, value (None: a tombstone), partition (None: the producer's partitioner), headers
-Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 
 
 @dataclass(frozen=True)

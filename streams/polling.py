@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeGuard
-
-from agentruns.streams.errors import FatalConsumerError
-from confluent_kafka import Consumer, KafkaError, Message
-
-
-def is_fatal(error: KafkaError | None) -> TypeGuard[KafkaError]:
-    """A fatal consumer error: its code is _FATAL (its fatal() flag is not set on consumer
-    events) or the flag is set."""
-    return error is not None and (error.fatal() or error.code() == KafkaError._FATAL)
-
-
-def fatal_error(error: KafkaError) -> FatalConsumerError:
-    return FatalConsumerError(
-        f"fatal consumer error: {error.str()}",
-        hint="the process stops; its supervisor (or you) starts it again",
-    )
+from agentruns.streams.transaction import fatal_error, is_fatal
+from confluent_kafka import Consumer, Message
 
 
 def check_fatal(messages: list[Message]) -> list[Message]:

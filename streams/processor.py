@@ -6,7 +6,8 @@ inputs (`agentruns.streams.inputs.InputPath`: one guard per input, so no input s
 input
 whose records would be over the broker's record limit is refused) and collects the encoded
 records of a batch; sealing the batch adds one snapshot per run it touched and hands it to the
-committer thread. What one transaction holds, in the order `_transact` writes it down:
+committer thread (`agentruns.streams.transaction.Committer`, shared with the executors). What one
+transaction holds, in the order the committer writes it down (`Committer._transact`):
 
 1. the new events (`events`, key run_id:seq), effects (`effects.*`), terminal results
    (`results`) and dead letters (`dlq`) of the batch, in the order its inputs were applied;
@@ -56,21 +57,27 @@ from agentruns.streams.inputs import (
     Inbound,
     InputPath,
     PathSettings,
-    Record,
     RecordLimits,
     Topics,
 )
-from agentruns.streams.kafka_defaults import (
-    NO_DELAY,
-    TRANSACTIONAL_PRODUCER,
-    ProducerPair,
-    commit_timed,
-    fetch_settings,
-    partition_count,
-)
-from agentruns.streams.polling import check_fatal, fatal_error, is_fatal, poll_batch
+from agentruns.streams.kafka_defaults import partition_count
+from agentruns.streams.polling import check_fatal, poll_batch
 from agentruns.streams.records import EFFECT_TOPIC_KIND, RunSlot
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
+from agentruns.streams.transaction import (
+    Backoff,
+    Clients,
+    Committer,
+    Fault,
+    Record,
+    Timings,
+    classify,
+    committed_offsets,
+    fatal_error,
+    is_fatal,
+    kafka_error,
+    seek,
+)
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -145,15 +152,36 @@ class ProcessorConfig:
 
 @dataclass
 class _Sealed:
-    """A batch handed to the committer: everything its transaction writes, already encoded."""
+    """A batch handed to the committer (`Outgoing`): everything its transaction writes, already
+    encoded."""
 
-    records: list[Record]
-    offsets: list[TopicPartition]
+    outputs: list[Record]
+    offsets: dict[int, int]  # inbox partition -> next offset
     metadata: Any  # the consumer's group metadata when sealed (KIP-447 fencing)
     artifacts: Future[object] | None
     inputs: int
     started: float
     sealed: float
+
+    def records(self) -> list[Record]:
+        return self.outputs
+
+    def durable(self) -> None:
+        """The batch's artifacts are in the store (R2); if they cannot be, nothing commits and
+        the batch is retried, as after an outage of the broker."""
+        if self.artifacts is None:
+            return
+        try:
+            self.artifacts.result()
+        except Exception as exc:  # the store's error
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._FAIL,
+                    f"artifact store: {type(exc).__name__}: {exc}",
+                    retriable=True,
+                    txn_requires_abort=True,
+                )
+            ) from exc
 
 
 class Processor:
@@ -198,7 +226,7 @@ class Processor:
         self._batch: Batch | None = None
         # Failed transactions since the last commit (the back-off grows with them); inbox
         # partition -> end offset of the batch being retried one input per transaction.
-        self._failures = 0
+        self._backoff = Backoff(config.retry_backoff_ms / 1000, config.retry_backoff_max_ms / 1000)
         self._isolating: dict[int, int] = {}
         self._single_failures: dict[tuple[int, int], int] = {}
         self._stop: threading.Event | None = None
@@ -206,14 +234,24 @@ class Processor:
         # runs, and the latest event time applied on the partition.
         self._expiring: dict[int, list[tuple[int, str]]] = {}
         self._watermark: dict[int, int] = {}
-        # The committer thread runs one transaction at a time (`_transact`); `_in_flight` is
-        # the sealed batch it is committing, `_txn_open` whether a transaction is begun.
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
-        self._in_flight: Future[None] | None = None
+        self._clients = Clients.of(config, config.group_id)
+        self._consumer = self._clients.consumer(
+            {
+                # Static membership: a restarted slot gets its partitions back at once instead
+                # of waiting for the group to notice that its predecessor died.
+                "group.instance.id": self._clients.member,
+                "partition.assignment.strategy": "range",
+            },
+            config.fetch_window_ms,
+        )
+        # The committer thread runs one transaction at a time, one sealed batch each (the loop
+        # seals the next once it is free); `_in_flight`: a batch was handed to it and its end
+        # not yet waited for; `_in_flight_batch`: that batch (kept for `_recover` if it failed).
+        self._committer: Committer[_Sealed] = Committer(
+            self._new_producer, self.inbox, self._on_commit, logger=log
+        )
+        self._in_flight = False
         self._in_flight_batch: _Sealed | None = None
-        self._txn_open = False
-        self._consumer = self._new_consumer()
-        self._producers = ProducerPair(self._new_producer)
         self._assigned: set[int] = set()
         # Set when the consumer was fenced: from then on nothing applied is committed, and the
         # rebalance callbacks that closing the consumer runs only drop state.
@@ -221,47 +259,17 @@ class Processor:
 
     # ------------------------------------------------------------------ clients
 
-    def _new_consumer(self) -> Consumer:
-        c = self.config
-        return Consumer(
-            {
-                "bootstrap.servers": c.bootstrap,
-                "group.id": c.group_id,
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": c.session_timeout_ms,
-                "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
-                # Static membership: a restarted slot gets its partitions back at once instead
-                # of waiting for the group to notice that its predecessor died.
-                "group.instance.id": f"{c.group_id}-{c.instance_id}",
-                "partition.assignment.strategy": "range",
-                **fetch_settings(c.fetch_window_ms),
-                **NO_DELAY,
-                "log_level": 3,
-                **c.extra_consumer,
-            }
-        )
-
     def _new_producer(self, slot: str) -> Producer:
-        c = self.config
-        producer = Producer(
+        return self._clients.producer(
+            slot,
             {
-                "bootstrap.servers": c.bootstrap,
-                "transactional.id": f"{c.group_id}-{c.instance_id}-{slot}",
-                "transaction.timeout.ms": c.transaction_timeout_ms,
-                **TRANSACTIONAL_PRODUCER,
                 # Each message enqueued to an empty partition queue wakes librdkafka's broker
                 # thread with a write() syscall; at 2 ms nearly every produce paid one (~17% of
                 # the processor's samples). commit_transaction flushes at once anyway.
                 "linger.ms": 5,
                 "compression.type": "lz4",
-                "log_level": 3,
-                **c.extra_producer,
-            }
+            },
         )
-        producer.init_transactions(30)
-        return producer
 
     def _record_limits(self) -> RecordLimits:
         """Each output topic's record limit, read from the broker once (see max_record_bytes)."""
@@ -348,9 +356,8 @@ class Processor:
             self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
         with contextlib.suppress(KafkaException):
             self._wait_in_flight()
-        self._committer.shutdown(wait=True)
         self._artifact_writer.shutdown(wait=True)
-        self._producers.close()  # the committer is idle: no transaction is open
+        self._committer.close()  # it is idle: no transaction is open
 
     # ------------------------------------------------------------------ rebalance
 
@@ -389,8 +396,8 @@ class Processor:
                 consumer.committed(wanted, timeout=min(10.0, bound))
                 return
             except KafkaException as exc:
-                error = exc.args[0] if exc.args else None
-                if isinstance(error, KafkaError) and is_fatal(error):
+                error = kafka_error(exc)
+                if is_fatal(error):
                     raise fatal_error(error) from exc
                 if time.monotonic() > deadline:
                     numbers = sorted(tp.partition for tp in wanted)
@@ -426,7 +433,7 @@ class Processor:
         else:
             log.warning("partitions %s lost; dropping their state and the open batch", lost)
         self._batch = None
-        self._abort_quietly()
+        self._committer.abort()
         self._drop({tp.partition for tp in partitions})
 
     def _drop(self, partitions: set[int]) -> None:
@@ -523,33 +530,36 @@ class Processor:
     # ------------------------------------------------------------------ committing
 
     def _committer_free(self) -> bool:
-        return self._in_flight is None or self._in_flight.done()
+        return self._committer.settled()
 
     def _wait_in_flight(self) -> None:
         """Wait for the transaction in flight; re-raise its error (then no longer in flight)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()  # on an error, `_in_flight_batch` stays for `_recover`
+        in_flight, self._in_flight = self._in_flight, False
+        if in_flight:
+            self._committer.wait()
+            failure = self._committer.take_failure()
+            if failure is not None:
+                raise failure.error  # `_in_flight_batch` stays for `_recover`
             batch, self._in_flight_batch = self._in_flight_batch, None
             self._committed(batch)
 
     def _committed(self, batch: _Sealed | None) -> None:
         """A transaction committed: the back-off starts over; a batch retried one input per
         transaction is isolated once the transactions passed its end."""
-        self._failures = 0
+        self._backoff.succeeded()
         if batch is None or not self._isolating:
             return
-        for tp in batch.offsets:
-            end = self._isolating.get(tp.partition)
-            if end is not None and tp.offset >= end:
-                del self._isolating[tp.partition]
+        for partition, offset in batch.offsets.items():
+            end = self._isolating.get(partition)
+            if end is not None and offset >= end:
+                del self._isolating[partition]
         if not self._isolating:
             self._single_failures.clear()
             log.info("the failing batch is isolated; back to batches")
 
     def _check_in_flight(self) -> None:
         """Raise the error of the in-flight transaction if it ended in one (for `_recover`)."""
-        if self._in_flight is not None and self._in_flight.done():
+        if self._in_flight and self._committer.settled():
             self._wait_in_flight()
 
     def _commit(self, *, wait: bool = False) -> None:
@@ -562,7 +572,8 @@ class Processor:
             self._batch = None
             sealed = self._seal(batch)
             self._in_flight_batch = sealed
-            self._in_flight = self._committer.submit(self._transact, sealed)
+            self._committer.submit(sealed)  # it is free: no failure held
+            self._in_flight = True
         self.stats.stage("wait", time.monotonic() - began)
         if wait:
             self._wait_in_flight()
@@ -588,14 +599,13 @@ class Processor:
             batch.records.append((self.state_topic, key, value, partition, None))
             self._track(partition, slot)
         self._evict(batch)
-        offsets = [TopicPartition(self.inbox, p, o) for p, o in batch.positions.items()]
         self.stats.publish(sum(len(slots) for slots in self._slots.values()))
         sealed = time.monotonic()
         self.stats.stage("seal", sealed - began)
         self.stats.stage("batch_open", began - batch.started)
         return _Sealed(
-            records=batch.records,
-            offsets=offsets,
+            outputs=batch.records,
+            offsets=dict(batch.positions),
             metadata=self._consumer.consumer_group_metadata(),
             artifacts=written,
             inputs=batch.inputs,
@@ -648,68 +658,31 @@ class Processor:
                 evicted += 1
         self.stats.evicted += evicted
 
-    def _transact(self, batch: _Sealed) -> None:
-        """The committer thread: one transaction for one sealed batch."""
-        began = time.monotonic()
-        producer = self._producers.current
-        produce = producer.produce
-        producer.begin_transaction()
-        self._txn_open = True
-        for topic, key, value, partition, headers in batch.records:
-            if partition is None:
-                produce(topic, key=key, value=value, headers=headers)
-            else:
-                produce(topic, key=key, value=value, partition=partition, headers=headers)
-        produced = time.monotonic()
-        producer.send_offsets_to_transaction(batch.offsets, batch.metadata, 30)
-        sent = time.monotonic()
-        if batch.artifacts is not None:
-            try:
-                batch.artifacts.result()
-            except Exception as exc:  # the store's error: nothing is committed, retried
-                raise KafkaException(
-                    KafkaError(
-                        KafkaError._FAIL,
-                        f"artifact store: {type(exc).__name__}: {exc}",
-                        retriable=True,
-                        txn_requires_abort=True,
-                    )
-                ) from exc
-        wrote = time.monotonic()
-        flushed = commit_timed(producer, 30)
-        self._txn_open = False
-        self._producers.committed()
-        ended = time.monotonic()
-        if ended - batch.sealed > SLOW_COMMIT_S:
+    def _on_commit(self, batches: list[_Sealed], t: Timings) -> None:
+        """The committer thread, once a transaction committed: the times of its stages; a
+        slow one is logged with them."""
+        batch = batches[0]  # the only one: the loop seals a batch once the committer is free
+        inputs = sum(b.inputs for b in batches)
+        if t.ended - batch.sealed > SLOW_COMMIT_S:
             log.warning(
                 "slow transaction: %.0f ms for %d inputs (queued %.0f, produce %.0f, offsets %.0f,"
                 " artifacts %.0f, flush %.0f, commit %.0f ms)",
-                1000 * (ended - batch.sealed),
-                batch.inputs,
-                1000 * (began - batch.sealed),
-                1000 * (produced - began),
-                1000 * (sent - produced),
-                1000 * (wrote - sent),
-                1000 * (flushed - wrote),
-                1000 * (ended - flushed),
+                1000 * (t.ended - batch.sealed),
+                inputs,
+                1000 * (t.began - batch.sealed),
+                1000 * (t.produced - t.began),
+                1000 * (t.sent - t.produced),
+                1000 * (t.durable - t.sent),
+                1000 * (t.flushed - t.durable),
+                1000 * (t.ended - t.flushed),
             )
-        self.stats.stage("queued", began - batch.sealed)
-        self.stats.stage("produce", produced - began)
-        self.stats.stage("offsets", sent - produced)
-        self.stats.stage("artifacts_wait", wrote - sent)
-        self.stats.stage("flush", flushed - wrote)
-        self.stats.stage("commit", ended - flushed)
-        self.stats.committed(batch.inputs, ended - batch.sealed)
-
-    def _abort_quietly(self) -> None:
-        """Abort the transaction the committer began, if any (the committer is idle)."""
-        if not self._txn_open:
-            return
-        self._txn_open = False
-        try:
-            self._producers.current.abort_transaction(30)
-        except KafkaException as exc:
-            log.warning("abort failed: %s", exc)
+        self.stats.stage("queued", t.began - batch.sealed)
+        self.stats.stage("produce", t.produced - t.began)
+        self.stats.stage("offsets", t.sent - t.produced)
+        self.stats.stage("artifacts_wait", t.durable - t.sent)
+        self.stats.stage("flush", t.flushed - t.durable)
+        self.stats.stage("commit", t.ended - t.flushed)
+        self.stats.committed(inputs, t.ended - batch.sealed)
 
     def _recover(self, exc: KafkaException, rewind: set[int] | None = None) -> None:
         """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state.
@@ -722,43 +695,27 @@ class Processor:
             self._wait_in_flight()  # the committer is idle from here on
         failed, self._in_flight_batch = self._in_flight_batch, None
         self._batch = None
-        error = exc.args[0] if exc.args else None
-        fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
-        log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
+        fault = self._committer.recover(exc)  # logged: an abort, or a new producer if fatal
         self.stats.aborts += 1
-        if fatal:
-            self._txn_open = False
-            self._producers.replace_current()
-        else:
-            self._abort_quietly()
-            self._failures += 1
+        if fault is not Fault.FATAL:
+            self._backoff.failed()
             if failed is not None:
                 self._isolate(failed, exc)
         if rewind is None:  # not in a rebalance callback, which must not stall
-            self._back_off()
+            self._backoff.wait(self._stop)
         self.stats.retries += 1
         self._rewind(set(self._assigned) if rewind is None else rewind)
-
-    def _back_off(self) -> None:
-        c = self.config
-        if self._failures <= 0:
-            return
-        delay = min(c.retry_backoff_max_ms, c.retry_backoff_ms * 2 ** (self._failures - 1))
-        if self._stop is not None:
-            self._stop.wait(delay / 1000)
-        else:
-            time.sleep(delay / 1000)
 
     def _isolate(self, failed: _Sealed, exc: KafkaException) -> None:
         """Find the input a batch keeps failing on (one the size checks let through, a record
         the broker refuses for a reason of its own): retry the batch's inputs one per
         transaction; one whose own transaction keeps failing is dead-lettered with the error."""
-        error = exc.args[0] if exc.args else None
-        if isinstance(error, KafkaError) and error.retriable():
+        if classify(exc) is Fault.RETRIABLE:
             return  # an outage (of the broker, of the store), not an input's fault: retried
+        failures = self._backoff.failures
         if self._isolating and failed.inputs == 1 and len(failed.offsets) == 1:
-            tp = failed.offsets[0]
-            where = (tp.partition, tp.offset - 1)
+            ((partition, offset),) = failed.offsets.items()
+            where = (partition, offset - 1)
             count = self._single_failures.get(where, 0) + 1
             self._single_failures[where] = count
             if count >= self.config.isolate_after:
@@ -766,26 +723,21 @@ class Processor:
                 self._path.poisoned[where] = reason[:2000]
                 log.error("inbox %d@%d is dead-lettered: %s", *where, reason)
             return
-        if self._failures >= self.config.isolate_after and failed.offsets:
-            for tp in failed.offsets:
-                self._isolating[tp.partition] = max(tp.offset, self._isolating.get(tp.partition, 0))
+        if failures >= self.config.isolate_after and failed.offsets:
+            for partition, offset in failed.offsets.items():
+                self._isolating[partition] = max(offset, self._isolating.get(partition, 0))
             self.stats.isolations += 1
             log.warning(
                 "a batch of %d inputs failed %d times: retrying them one per transaction",
                 failed.inputs,
-                self._failures,
+                failures,
             )
 
     def _rewind(self, partitions: set[int]) -> None:
         """Drop in-memory state and seek back to the committed offsets of `partitions`."""
         if not partitions:
             return
-        committed = self._consumer.committed(
-            [TopicPartition(self.inbox, p) for p in partitions], timeout=30
-        )
-        for tp in committed:
-            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            self._consumer.seek(TopicPartition(self.inbox, tp.partition, offset))
+        seek(self._consumer, self.inbox, committed_offsets(self._consumer, self.inbox, partitions))
         self._restore(partitions)
 
     # ------------------------------------------------------------------ inspection (tests)

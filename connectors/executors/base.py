@@ -23,9 +23,10 @@ event per effect, sent to the inbox as an ``Input`` record. What one batch does,
    references them (R2);
 6. the records become ``completed`` with the exact input record (first writer wins: a row that
    is already completed is kept and its input is the one sent);
-7. the batch is queued for the committer thread and the loop polls again (group commit): each
+7. the batch is queued for the committer thread and the loop polls again (group commit,
+   :class:`agentruns.streams.transaction.Committer`, shared with the processor): each
    transaction carries every batch that became ready while the previous one committed: the
-   consumed offsets (``send_offsets_to_transaction``), the inputs (key run_id, partition
+   consumed offsets (``send_offsets_to_transaction``, first), the inputs (key run_id, partition
    ``partition_for(run_id, n)``), the dead letters, commit. One transaction at a time; if one
    fails, the batches queued behind it are dropped and the loop re-reads from the earliest of
    their offsets (every effect then comes back and is answered from its record).
@@ -48,7 +49,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -56,7 +57,7 @@ from typing import Any, Protocol
 
 import msgspec
 import psycopg
-from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
+from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
 from agentruns.connectors.postgres.bulk import Conn, RetryingConnection
 from agentruns.processors.effects import Effect
@@ -64,18 +65,12 @@ from agentruns.processors.events import Event
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.streams import dlq, records
 from agentruns.streams.codec import CodecError, decode, encode
-from agentruns.streams.kafka_defaults import (
-    LONG_POLL_MS,
-    NO_DELAY,
-    TRANSACTIONAL_PRODUCER,
-    ProducerPair,
-    commit_timed,
-    partition_count,
-)
+from agentruns.streams.kafka_defaults import partition_count
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
+from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings, seek
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
 log = logging.getLogger("agentruns.executor")
@@ -446,16 +441,44 @@ def _percentiles(values: Iterable[float]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class _Route:
+    """Where an executor's answers go: the inbox (by run) and the dead letter topic."""
+
+    inbox: str
+    partitions: int  # of the inbox
+    dlq: str
+
+
 @dataclass
 class _Ready:
-    """An executed batch waiting for its transaction: its answers, dead letters and offsets."""
+    """An executed batch waiting for its transaction (`Outgoing`): its answers, dead letters
+    and offsets."""
 
     inputs: list[tuple[str, dict[str, Any]]]
     dead: list[dict[str, Any]]
     first: dict[int, int]  # partition -> first offset (where to rewind to)
-    last: dict[int, int]  # partition -> next offset to commit
+    offsets: dict[int, int]  # partition -> next offset to commit
     metadata: Any  # the consumer's group metadata when the batch was read
+    route: _Route
     created: float | None = None  # the oldest record timestamp in the batch (epoch seconds)
+
+    def records(self) -> Iterator[Record]:
+        """The answers, then the dead letters, encoded as the committer produces them."""
+        route = self.route
+        for run_id, record in self.inputs:
+            yield (
+                route.inbox,
+                run_key(run_id),
+                encode("Input", record),
+                partition_for(run_id, route.partitions),
+                [("trace_id", record["trace_id"].encode()), ("run_id", run_id.encode())],
+            )
+        for record in self.dead:
+            yield route.dlq, record["original_key"], encode("DeadLetter", record), None, None
+
+    def durable(self) -> None:
+        """Nothing to wait for: artifacts and records were written before the hand-over."""
 
 
 def _earliest(*positions: dict[int, int]) -> dict[int, int]:
@@ -477,74 +500,38 @@ class Executor:
         self.effects_topic = topic_name(effect_suffix(c.kind), c.prefix)
         self.inbox = topic_name(INBOX, c.prefix)
         self.dlq = topic_name(DLQ, c.prefix)
-        self._name = f"{c.group}-{c.instance_id}"
+        self._clients = Clients.of(c, c.group)
+        self._name = self._clients.member
         self._records = ActionRecords(c.database_url, self._name)
         self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
+        self._consumer = self._clients.consumer({"max.poll.interval.ms": c.max_poll_interval_ms})
         # Group commit: the loop hands executed batches to one committer thread, which commits
         # EVERY batch ready when its previous transaction ended in one transaction. So a batch
         # never waits for a transaction that started before it was ready, and the loop never
         # waits for a commit (unless the backlog is over `max_backlog`).
-        self._cond = threading.Condition()
-        self._ready: list[_Ready] = []
-        self._in_flight = 0  # batches in the transaction being committed
-        self._failure: tuple[KafkaException, list[_Ready]] | None = None
-        self._stopping = False
-        self._committer = threading.Thread(
-            target=self._commit_loop, name=f"commit-{c.kind}", daemon=True
+        self._committer: Committer[_Ready] = Committer(
+            self._new_producer,
+            self.effects_topic,
+            self._on_commit,
+            name=f"commit-{c.kind}",
+            offsets_first=True,
+            logger=log,
         )
-        self._consumer = self._new_consumer()
-        self._producers = ProducerPair(self._new_producer)
-        self._inbox_partitions = partition_count(self._producers.current, self.inbox)
+        self._route = _Route(
+            self.inbox, partition_count(self._committer.producer, self.inbox), self.dlq
+        )
         self._closed = False
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()  # counters the pool threads update
-        self._retry_backoff_s = c.retry_backoff_s
-        self._committer.start()
+        self._backoff = Backoff(c.retry_backoff_s, c.retry_backoff_max_s)
 
     @property
     def retry_backoff_s(self) -> float:
         """How long the loop waits before re-reading the next batch that fails."""
-        return self._retry_backoff_s
-
-    # ------------------------------------------------------------------ clients
-
-    def _new_consumer(self) -> Consumer:
-        c = self.config
-        return Consumer(
-            {
-                "bootstrap.servers": c.bootstrap,
-                "group.id": c.group,
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": c.session_timeout_ms,
-                "heartbeat.interval.ms": max(500, c.session_timeout_ms // 6),
-                "max.poll.interval.ms": c.max_poll_interval_ms,
-                "fetch.wait.max.ms": LONG_POLL_MS,
-                **NO_DELAY,
-                "log_level": 3,
-                **c.extra_consumer,
-            }
-        )
+        return self._backoff.next_s
 
     def _new_producer(self, slot: str) -> Producer:
-        c = self.config
-        producer = Producer(
-            {
-                "bootstrap.servers": c.bootstrap,
-                "transactional.id": f"{self._name}-{slot}",
-                "transaction.timeout.ms": c.transaction_timeout_ms,
-                **TRANSACTIONAL_PRODUCER,
-                "linger.ms": 0,
-                "log_level": 3,
-                **c.extra_producer,
-            }
-        )
-        try:
-            producer.init_transactions(30)
-        except KafkaException as exc:
-            raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
-        return producer
+        return self._clients.producer(slot, {"linger.ms": 0})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -571,10 +558,7 @@ class Executor:
         self._closed = True
         with contextlib.suppress(Exception):
             self._drain()
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._committer.join(60)
+        self._committer.stop()
         log.info("executor stats %s", json.dumps(self.stats.summary()))
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
@@ -582,7 +566,7 @@ class Executor:
         self.handler.close()
         self._records.close()
         with contextlib.suppress(Exception):
-            self._producers.close()
+            self._committer.close()
 
     # ------------------------------------------------------------------ one batch
 
@@ -611,21 +595,21 @@ class Executor:
             inputs = self._execute(effects)
             self.stats.execute_s += time.monotonic() - began
             self.stats.batches += 1
-            self._retry_backoff_s = self.config.retry_backoff_s
+            self._backoff.succeeded()
         except Exception as exc:  # database down (handlers' own errors end in the guard)
+            delay = self._backoff.failed()
             if isinstance(exc, ExecutorError | psycopg.Error):
-                log.error("batch failed, retrying it in %.1f s: %s", self._retry_backoff_s, exc)
+                log.error("batch failed, retrying it in %.1f s: %s", delay, exc)
             else:
                 log.exception("batch failed unexpectedly, retrying it")
             self.stats.aborts += 1
             self.stats.batch_retries += 1
             if self._drain(also_rewind=first):  # else already rewound to the failed batch
-                self._rewind(first)
-            self._stop.wait(self._retry_backoff_s)
-            self._retry_backoff_s = min(self._retry_backoff_s * 2, self.config.retry_backoff_max_s)
+                seek(self._consumer, self.effects_topic, first, lenient=True)
+            self._backoff.wait(self._stop)
             return
         metadata = self._consumer.consumer_group_metadata()
-        ready = _Ready(inputs, dead, first, last, metadata, _oldest(messages))
+        ready = _Ready(inputs, dead, first, last, metadata, self._route, _oldest(messages))
         self._hand_over(ready)
 
     # ------------------------------------------------------------------ group commit
@@ -637,54 +621,21 @@ class Executor:
         failed transaction's first offsets (and this batch's); everything comes back and is
         answered from its records."""
         began = time.monotonic()
-        with self._cond:
-            while self._failure is None and self._backlog() >= self.config.max_backlog:
-                self._cond.wait()
-            failed = self._failure is not None
-            if not failed:
-                self._ready.append(ready)
-                self._cond.notify_all()
+        queued = self._committer.submit(ready, self._full)
         self.stats.wait_s += time.monotonic() - began
-        if failed:
+        if not queued:
             self._recover_if_failed(also_rewind=ready.first)
 
-    def _backlog(self) -> int:
-        """Effects queued for the committer (not counting the transaction in flight)."""
-        return sum(len(r.inputs) + len(r.dead) for r in self._ready)
-
-    def _commit_loop(self) -> None:
-        """The committer thread: one transaction at a time, each with every ready batch."""
-        while True:
-            with self._cond:
-                while not self._stopping and (not self._ready or self._failure is not None):
-                    self._cond.wait()
-                if not self._ready or self._failure is not None:
-                    return  # stopping, and nothing (more) to commit
-                batches, self._ready = self._ready, []
-                self._in_flight = len(batches)
-            failure: KafkaException | None = None
-            try:
-                self._commit(batches)
-            except KafkaException as exc:
-                failure = exc
-            except Exception as exc:  # a bug: treat like a failed transaction (re-read)
-                log.exception("commit failed unexpectedly")
-                failure = KafkaException(str(exc))
-            with self._cond:
-                self._in_flight = 0
-                if failure is not None:
-                    self._failure = (failure, batches)
-                self._cond.notify_all()
+    def _full(self, queued: list[_Ready]) -> bool:
+        """Whether the effects queued for the committer (not counting the transaction in
+        flight) reach `max_backlog`."""
+        return sum(len(r.inputs) + len(r.dead) for r in queued) >= self.config.max_backlog
 
     def _drain(self, also_rewind: dict[int, int] | None = None) -> bool:
         """Wait until every queued batch is committed. False (after recovering and rewinding
         to the failed batches, and to ``also_rewind``) when a transaction failed."""
         began = time.monotonic()
-        with self._cond:
-            while self._failure is None and (self._ready or self._in_flight):
-                if not self._committer.is_alive():
-                    raise ExecutorError("the committer thread stopped with batches queued")
-                self._cond.wait(1.0)
+        self._committer.wait()
         self.stats.wait_s += time.monotonic() - began
         return not self._recover_if_failed(also_rewind)
 
@@ -692,17 +643,14 @@ class Executor:
         """After a failed transaction (the committer is then idle): abort it or replace its
         producer, drop the batches queued behind it, and rewind to the earliest first offset
         of all of them. True if there was a failure."""
-        with self._cond:
-            failure, self._failure = self._failure, None
-            if failure is None:
-                return False
-            exc, batches = failure
-            batches = batches + self._ready
-            self._ready = []
-        rewind = _earliest(*(b.first for b in batches), also_rewind or {})
-        self._recover(exc, rewind)
-        with self._cond:
-            self._cond.notify_all()
+        failure = self._committer.take_failure()
+        if failure is None:
+            return False
+        rewind = _earliest(*(b.first for b in failure.units), also_rewind or {})
+        self._committer.recover(failure.error)  # logged: an abort, or a new producer if fatal
+        self.stats.aborts += 1
+        # the effects come back and are answered from their records
+        seek(self._consumer, self.effects_topic, rewind, lenient=True)
         return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -835,82 +783,19 @@ class Executor:
         record = input_record(effect, outcome.event)
         return Completion(effect, record, clean_text(f"{code}: {message}"), outcome.artifacts)
 
-    def _commit(self, batches: list[_Ready]) -> None:
-        """One transaction (the committer thread; one at a time) for ``batches``: the
-        consumed offsets, their inputs and dead letters, commit.
-
-        The offsets are sent first: measured on the dev box, AddOffsetsToTxn/TxnOffsetCommit
-        then no longer queue behind the partition registrations of the produced records."""
-        producer = self._producers.current
-        offsets: dict[int, int] = {}
-        for batch in batches:
-            for partition, offset in batch.last.items():
-                offsets[partition] = max(offset, offsets.get(partition, offset))
-        began = time.monotonic()
-        producer.begin_transaction()
-        producer.send_offsets_to_transaction(
-            [TopicPartition(self.effects_topic, p, o) for p, o in offsets.items()],
-            batches[-1].metadata,
-            30,
-        )
-        sent = time.monotonic()
-        for batch in batches:
-            for run_id, record in batch.inputs:
-                producer.produce(
-                    self.inbox,
-                    key=run_key(run_id),
-                    value=encode("Input", record),
-                    partition=partition_for(run_id, self._inbox_partitions),
-                    headers=[
-                        ("trace_id", record["trace_id"].encode()),
-                        ("run_id", run_id.encode()),
-                    ],
-                )
-            for record in batch.dead:
-                producer.produce(
-                    self.dlq, key=record["original_key"], value=encode("DeadLetter", record)
-                )
-        produced = time.monotonic()
-        flushed = commit_timed(producer, 30)
+    def _on_commit(self, batches: list[_Ready], t: Timings) -> None:
+        """The committer thread, once a transaction committed (its offsets went first:
+        measured on the dev box, AddOffsetsToTxn/TxnOffsetCommit then no longer queue behind
+        the partition registrations of the produced records)."""
         stats = self.stats
-        stats.offsets_s += sent - began
-        stats.produce_s += produced - sent
-        stats.flush_s += flushed - produced
-        ended = time.monotonic()
-        stats.commit_s += ended - flushed
-        stats.recent.append(ended - began)
+        stats.offsets_s += t.sent - t.began
+        stats.produce_s += t.produced - t.sent
+        stats.flush_s += t.flushed - t.durable
+        stats.commit_s += t.ended - t.flushed
+        stats.recent.append(t.ended - t.began)
         wall = time.time()
         stats.committed_after.extend(wall - b.created for b in batches if b.created is not None)
         stats.transactions += 1
-        self._producers.committed()
-
-    # ------------------------------------------------------------------ failures
-
-    def _abort_quietly(self) -> None:
-        try:
-            self._producers.current.abort_transaction(30)
-        except KafkaException as exc:
-            log.debug("abort: %s", exc)
-
-    def _recover(self, exc: KafkaException, first: dict[int, int]) -> None:
-        """Abortable: abort and re-read the batch. Fatal (fenced): a new producer, re-read."""
-        error = exc.args[0] if exc.args else None
-        fatal = bool(error is not None and hasattr(error, "fatal") and error.fatal())
-        log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", exc)
-        self.stats.aborts += 1
-        if fatal:
-            self._producers.replace_current()
-        else:
-            self._abort_quietly()
-        self._rewind(first)
-
-    def _rewind(self, first: dict[int, int]) -> None:
-        """Seek back to the batch's first offsets: its effects come back, answered from records."""
-        for partition, offset in first.items():
-            try:
-                self._consumer.seek(TopicPartition(self.effects_topic, partition, offset))
-            except KafkaException as exc:  # no longer assigned: its new owner re-reads it
-                log.info("not rewinding partition %d: %s", partition, exc)
 
 
 def _outage(exc: Exception) -> bool:

@@ -1,0 +1,546 @@
+"""One transactional consume -> produce loop: what the processor and the executors share.
+
+Both consume one topic (read_committed, manual commits) and answer what they consume in Kafka
+transactions that also carry the consumed offsets (KIP-447: `send_offsets_to_transaction` with
+the consumer's group metadata). What each consumes, and how it turns that into records, stays
+with it (`agentruns.streams.processor`, `agentruns.connectors.executors.base`); this module
+holds the rest:
+
+- the clients (`Clients`): the long-lived consumer and the transactional producers, two used in
+  turn (`ProducerPair`), with `transactional.id` `<group>-<instance>-a` / `-b`;
+- what a failed Kafka call means (`classify`): fatal (the producer is fenced, or the client
+  can do nothing more), retriable (an outage: retried, never the fault of what was consumed) or
+  abortable (the transaction is aborted and retried);
+- the back-off between retries (`Backoff`): it doubles with each failure in a row;
+- the committer thread (`Committer`): group commit, one transaction at a time, and what is done
+  with a transaction that failed;
+- rewinding the consumer (`committed_offsets`, `seek`).
+
+The loop thread hands what it has done to the committer as units (`Outgoing`: records, the
+offsets they answer, the group metadata) and goes on consuming. The committer commits every
+unit handed over while its previous transaction ran in one transaction
+(`Committer._transact` lists the steps). When one fails, the committer takes nothing more until
+the loop has taken the failure (`Committer.take_failure`), with the units it carried and those
+queued behind it, and recovered:
+
+1. fatal: the current producer is replaced (a new one with the same id, whose
+   `init_transactions` fences and aborts what the old one left open); otherwise the open
+   transaction is aborted (`Committer.recover`);
+2. the loop drops everything it holds that was not committed (the failed units, those queued
+   behind them, its own open work);
+3. it backs off, if it counts this kind of failure (`Backoff`; the processor does for
+   transactions, the executors for batches whose database work failed);
+4. it rewinds its consumer to where the dropped work began: the processor to the committed
+   offsets of its partitions (`committed_offsets`, then `seek`) and it reloads their state; the
+   executors to the first offsets of the dropped batches (`seek`, lenient: a partition no
+   longer assigned is its new owner's); what was consumed comes back and is done again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeGuard, TypeVar
+
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams.kafka_defaults import (
+    NO_DELAY,
+    TRANSACTIONAL_PRODUCER,
+    ProducerPair,
+    commit_timed,
+    fetch_settings,
+)
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+
+log = logging.getLogger("agentruns.transaction")
+
+Headers = list[tuple[str, str | bytes | None]]
+# topic, key, value (None: a tombstone), partition (None: the producer's partitioner), headers
+Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
+
+#: The bound of every blocking transactional call (seconds).
+TIMEOUT_S = 30.0
+
+
+# --------------------------------------------------------------------------- clients
+
+
+class ClientConfig(Protocol):
+    """What a loop's configuration tells about its clients (`Clients.of`)."""
+
+    @property
+    def bootstrap(self) -> str: ...
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def session_timeout_ms(self) -> int: ...
+    @property
+    def transaction_timeout_ms(self) -> int: ...
+    @property
+    def extra_consumer(self) -> Mapping[str, Any]: ...
+    @property
+    def extra_producer(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Clients:
+    """The settings a transactional loop's clients are made of."""
+
+    bootstrap: str
+    group_id: str
+    # Stable per process slot: a restarted process with the same id aborts the transaction its
+    # predecessor left open at once (instead of waiting for transaction.timeout.ms).
+    instance_id: str
+    session_timeout_ms: int
+    transaction_timeout_ms: int
+    extra_consumer: Mapping[str, Any]
+    extra_producer: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, config: ClientConfig, group_id: str) -> Clients:
+        return cls(
+            config.bootstrap,
+            group_id,
+            config.instance_id,
+            config.session_timeout_ms,
+            config.transaction_timeout_ms,
+            config.extra_consumer,
+            config.extra_producer,
+        )
+
+    @property
+    def member(self) -> str:
+        """``<group>-<instance>``: the base of the transactional ids (and of a static member id)."""
+        return f"{self.group_id}-{self.instance_id}"
+
+    def consumer_config(
+        self, settings: Mapping[str, Any], fetch_window_ms: int = 0
+    ) -> dict[str, Any]:
+        """The loop's consumer: read_committed, manual commits (the offsets go with the
+        transactions), fetching in windows of ``fetch_window_ms`` (0: long poll), with the
+        client's own ``settings`` and then ``extra_consumer`` over the shared ones."""
+        return {
+            "bootstrap.servers": self.bootstrap,
+            "group.id": self.group_id,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": self.session_timeout_ms,
+            "heartbeat.interval.ms": max(500, self.session_timeout_ms // 6),
+            **settings,
+            **fetch_settings(fetch_window_ms),
+            **NO_DELAY,
+            "log_level": 3,
+            **self.extra_consumer,
+        }
+
+    def consumer(self, settings: Mapping[str, Any], fetch_window_ms: int = 0) -> Consumer:
+        return Consumer(self.consumer_config(settings, fetch_window_ms))
+
+    def producer_config(self, slot: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """A transactional producer, id ``<member>-<slot>`` (see `ProducerPair`), with the
+        client's own ``settings`` and then ``extra_producer`` over the shared ones."""
+        return {
+            "bootstrap.servers": self.bootstrap,
+            "transactional.id": f"{self.member}-{slot}",
+            "transaction.timeout.ms": self.transaction_timeout_ms,
+            **TRANSACTIONAL_PRODUCER,
+            **settings,
+            "log_level": 3,
+            **self.extra_producer,
+        }
+
+    def producer(self, slot: str, settings: Mapping[str, Any]) -> Producer:
+        """`producer_config`'s producer, its transactions initialized."""
+        producer = Producer(self.producer_config(slot, settings))
+        try:
+            producer.init_transactions(TIMEOUT_S)
+        except KafkaException as exc:
+            raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
+        return producer
+
+
+# --------------------------------------------------------------------------- failures
+
+
+class Fault(enum.Enum):
+    """What a failed Kafka call means for the transaction it was part of."""
+
+    FATAL = "fatal"  # fenced, or the client can do nothing more: a new producer
+    RETRIABLE = "retriable"  # an outage (of the broker, of a store): abort, retry as is
+    ABORTABLE = "abortable"  # anything else: abort, retry (perhaps one input at a time)
+
+
+def is_fatal(error: KafkaError | None) -> TypeGuard[KafkaError]:
+    """A fatal error: its fatal() flag is set, or its code is _FATAL (the flag is not set on
+    consumer events)."""
+    return error is not None and (error.fatal() or error.code() == KafkaError._FATAL)
+
+
+def fatal_error(error: KafkaError) -> FatalConsumerError:
+    return FatalConsumerError(
+        f"fatal consumer error: {error.str()}",
+        hint="the process stops; its supervisor (or you) starts it again",
+    )
+
+
+def kafka_error(exc: BaseException) -> KafkaError | None:
+    """The KafkaError a KafkaException carries, if it carries one (not a bare message)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error if isinstance(error, KafkaError) else None
+
+
+def classify(exc: BaseException) -> Fault:
+    """Fatal before retriable before abortable; an exception that is not a KafkaException
+    with a KafkaError (a bug in the committer, say) is abortable."""
+    error = kafka_error(exc)
+    if is_fatal(error):
+        return Fault.FATAL
+    if error is not None and error.retriable():
+        return Fault.RETRIABLE
+    return Fault.ABORTABLE
+
+
+class Backoff:
+    """The wait before a retry: the n-th failure in a row waits ``min(max_s, base_s * 2**(n-1))``;
+    a success starts over."""
+
+    def __init__(self, base_s: float, max_s: float) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.failures = 0  # in a row
+
+    def _after(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        return min(self.max_s, self.base_s * 2.0 ** min(failures - 1, 64))
+
+    @property
+    def delay_s(self) -> float:
+        """What the failures so far wait (0 after a success)."""
+        return self._after(self.failures)
+
+    @property
+    def next_s(self) -> float:
+        """What the next failure will wait."""
+        return self._after(self.failures + 1)
+
+    def failed(self) -> float:
+        """Count a failure; return what it waits."""
+        self.failures += 1
+        return self.delay_s
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Wait `delay_s`; a set ``stop`` ends the wait early."""
+        delay = self.delay_s
+        if delay <= 0:
+            return
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
+
+
+# --------------------------------------------------------------------------- rewinding
+
+
+def committed_offsets(consumer: Consumer, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+    """partition -> the group's committed offset (OFFSET_BEGINNING where none is)."""
+    committed = consumer.committed(
+        [TopicPartition(topic, p) for p in partitions], timeout=TIMEOUT_S
+    )
+    return {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
+
+
+def seek(
+    consumer: Consumer, topic: str, offsets: Mapping[int, int], *, lenient: bool = False
+) -> None:
+    """Seek each partition to its offset. ``lenient``: a partition the consumer cannot seek (no
+    longer assigned: its new owner reads from the committed offset) is skipped, else raises."""
+    for partition, offset in offsets.items():
+        try:
+            consumer.seek(TopicPartition(topic, partition, offset))
+        except KafkaException as exc:
+            if not lenient:
+                raise
+            log.info("not rewinding %s partition %d: %s", topic, partition, exc)
+
+
+# --------------------------------------------------------------------------- the committer
+
+
+class Outgoing(Protocol):
+    """One unit handed to the committer: what it adds to a transaction."""
+
+    @property
+    def offsets(self) -> Mapping[int, int]:
+        """partition -> the next offset to commit of the consumed topic."""
+        ...
+
+    @property
+    def metadata(self) -> Any:
+        """The consumer's group metadata when the unit was made (KIP-447 fencing)."""
+        ...
+
+    def records(self) -> Iterable[Record]:
+        """The records to produce, in order (the committer thread iterates them)."""
+        ...
+
+    def durable(self) -> None:
+        """Return once what the records refer to outside Kafka is durable; raise if it cannot
+        be (nothing is committed then)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Timings:
+    """When each step of one transaction ended (``time.monotonic()``; see `Committer._transact`
+    for their order: with ``offsets_first`` ``sent`` comes before ``produced``)."""
+
+    began: float
+    sent: float  # the offsets
+    produced: float  # every record handed to the producer
+    durable: float  # every unit's `durable()` returned
+    flushed: float  # every record acknowledged
+    ended: float  # committed
+
+
+U = TypeVar("U", bound=Outgoing)
+
+
+@dataclass(frozen=True)
+class Failure(Generic[U]):
+    """A transaction that failed, as the loop takes it (`Committer.take_failure`)."""
+
+    error: Exception  # a KafkaException, or a bug's exception
+    units: list[U]  # what the failed transaction carried, then what was queued behind it
+
+
+class Committer(Generic[U]):
+    """The committer thread of one loop and the producers it uses in turn (`ProducerPair`).
+
+    Group commit: one transaction at a time, each carrying every unit handed over while the
+    previous one ran, so a unit never waits for a transaction that began before it was ready
+    and the loop does not wait for the broker. Transactions never overlap, so the committed
+    offsets of a partition only move forward. The loop thread calls every public method; the
+    committer thread runs `_transact` and `on_commit`."""
+
+    def __init__(
+        self,
+        new_producer: Callable[[str], Producer],
+        topic: str,
+        on_commit: Callable[[list[U], Timings], None],
+        *,
+        name: str = "commit",
+        offsets_first: bool = False,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.topic = topic  # the consumed topic, whose offsets the transactions commit
+        self._producers = ProducerPair(new_producer)
+        self._on_commit = on_commit
+        self._offsets_first = offsets_first
+        self._log = logger
+        self._cond = threading.Condition()
+        self._queued: list[U] = []
+        self._in_flight = 0  # units in the transaction being committed
+        self._failure: Failure[U] | None = None
+        self._stopping = False
+        self._open = False  # a transaction is begun and neither committed nor aborted
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    @property
+    def producer(self) -> Producer:
+        """The producer of the next (or the open) transaction."""
+        return self._producers.current
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def submit(self, unit: U, full: Callable[[list[U]], bool] | None = None) -> bool:
+        """Queue ``unit`` for the next transaction, first waiting while ``full(queued units)``.
+        False, and not queued, if a transaction failed: the loop takes the failure first."""
+        with self._cond:
+            while self._failure is None and full is not None and full(self._queued):
+                self._cond.wait()
+            if self._failure is not None:
+                return False
+            if not self._started:
+                self._started = True
+                self._thread.start()
+            self._queued.append(unit)
+            self._cond.notify_all()
+            return True
+
+    def settled(self) -> bool:
+        """Nothing is being committed or waits to be: idle, or held by a failure."""
+        with self._cond:
+            return self._failure is not None or not (self._queued or self._in_flight)
+
+    def wait(self) -> None:
+        """Wait until `settled`."""
+        with self._cond:
+            while self._failure is None and (self._queued or self._in_flight):
+                if not self._thread.is_alive():
+                    raise AgentrunsKafkaError("the committer thread stopped with units queued")
+                self._cond.wait(1.0)
+
+    def take_failure(self) -> Failure[U] | None:
+        """The transaction that failed, if one did, with every unit queued behind it (all of
+        them dropped: the loop rewinds). From here the committer takes units again."""
+        with self._cond:
+            failure, self._failure = self._failure, None
+            if failure is None:
+                return None
+            dropped, self._queued = self._queued, []
+            self._cond.notify_all()
+        return Failure(failure.error, failure.units + dropped)
+
+    def recover(self, error: Exception) -> Fault:
+        """After a failed transaction, the committer settled: a fatal error replaces the current
+        producer (its successor's `init_transactions` aborts what it left open), any other
+        aborts the open transaction. Logged; returns the fault (`classify`)."""
+        fault = classify(error)
+        fatal = fault is Fault.FATAL
+        self._log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", error)
+        if fatal:
+            self._open = False
+            self._producers.replace_current()
+        else:
+            self.abort()
+        return fault
+
+    def abort(self) -> None:
+        """Abort the transaction the committer began, if one is open (the committer settled)."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            self._producers.current.abort_transaction(TIMEOUT_S)
+        except KafkaException as exc:
+            self._log.warning("abort failed: %s", exc)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """End the committer thread once it has committed what is queued (unless a transaction
+        failed: then what is queued is left)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._started:
+            self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        """`stop`, then release both producers."""
+        self.stop()
+        self._producers.close()
+
+    # ------------------------------------------------------------------ the committer thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and (not self._queued or self._failure is not None):
+                    self._cond.wait()
+                if not self._queued or self._failure is not None:
+                    return  # stopping, and nothing (more) to commit
+                units, self._queued = self._queued, []
+                self._in_flight = len(units)
+            error: Exception | None = None
+            try:
+                self._transact(units)
+            except KafkaException as exc:
+                error = exc
+            except Exception as exc:  # a bug: a failed transaction all the same
+                self._log.exception("commit failed unexpectedly")
+                error = exc
+            with self._cond:
+                self._in_flight = 0
+                if error is not None:
+                    self._failure = Failure(error, units)
+                self._cond.notify_all()
+
+    def _transact(self, units: list[U]) -> None:
+        """One transaction for ``units``, in this order:
+
+        1. the offsets: per partition the highest next offset of the units, with the group
+           metadata of the newest unit;
+        2. `begin_transaction` on the pair's current producer (from here a failure leaves the
+           transaction open, for `recover` to abort);
+        3. with ``offsets_first`` (the executors), `send_offsets_to_transaction` and then every
+           unit's records produced, unit by unit, each unit's in its order; without it (the
+           processor), the records and then the offsets;
+        4. each unit's `durable()`: whatever the records refer to outside Kafka (the
+           processor's artifacts, written meanwhile on its artifact thread) is durable before
+           anything can see them; an error there fails the transaction;
+        5. `flush` (every record acknowledged), then `commit_transaction`, within one bound of
+           TIMEOUT_S for both (`commit_timed`);
+        6. the next transaction uses the pair's other producer; `on_commit(units, timings)`.
+
+        Whatever fails in 2-6 is kept (`Failure`, with ``units``) and the committer takes no
+        more units until the loop has taken it (`take_failure`) and recovered (`recover`, then
+        the loop's back-off and rewind: see the module's docstring)."""
+        offsets: dict[int, int] = {}
+        for unit in units:
+            for p, o in unit.offsets.items():
+                offsets[p] = max(o, offsets.get(p, o))
+        positions = [TopicPartition(self.topic, p, o) for p, o in offsets.items()]
+        metadata = units[-1].metadata
+        producer = self._producers.current
+        produce = producer.produce
+        began = time.monotonic()
+        producer.begin_transaction()
+        self._open = True
+        if self._offsets_first:
+            producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
+        sent = time.monotonic()
+        for unit in units:
+            for topic, key, value, partition, headers in unit.records():
+                if partition is None:
+                    produce(topic, key=key, value=value, headers=headers)
+                else:
+                    produce(topic, key=key, value=value, partition=partition, headers=headers)
+        produced = time.monotonic()
+        if not self._offsets_first:
+            producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
+            sent = time.monotonic()
+        for unit in units:
+            unit.durable()
+        durable = time.monotonic()
+        flushed = commit_timed(producer, TIMEOUT_S)
+        self._open = False
+        self._producers.committed()
+        ended = time.monotonic()
+        self._on_commit(units, Timings(began, sent, produced, durable, flushed, ended))
+
+
+__all__ = [
+    "Backoff",
+    "ClientConfig",
+    "Clients",
+    "Committer",
+    "Failure",
+    "Fault",
+    "Headers",
+    "Outgoing",
+    "Record",
+    "Timings",
+    "classify",
+    "committed_offsets",
+    "fatal_error",
+    "is_fatal",
+    "kafka_error",
+    "seek",
+]
