@@ -353,6 +353,33 @@ def _restores(log: Path) -> list[tuple[int, float]]:
     return [(int(n), float(s)) for n, s in _RESTORED.findall(log.read_text(errors="replace"))]
 
 
+def _timed_restore(
+    env: dict[str, str], prefix: str, log: Path, retention_ms: int | None, timeout_s: float
+) -> dict[str, Any]:
+    """Start a processor on topics another one left and time it until it restored them."""
+    began = time.monotonic()
+    proc = _spawn_processor(env, prefix, log, retention_ms)
+    try:
+        deadline = began + timeout_s
+        while not _restores(log):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the second processor did not restore; see {log}")
+            time.sleep(0.05)
+        ready = time.monotonic() - began
+        rss = _rss_kib(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    restores = _restores(log)
+    return {
+        "restored_runs": sum(n for n, _ in restores),
+        "restore_s": round(sum(seconds for _, seconds in restores), 3),
+        # from the process start to its first restore logged (imports and clients included)
+        "ready_s": round(ready, 3),
+        "processor_rss_mib_after_restore": round(rss.get("VmRSS", 0) / 1024, 1),
+    }
+
+
 def restore_figures(
     bootstrap: str,
     database_url: str,
@@ -377,29 +404,12 @@ def restore_figures(
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=60)
-    began = time.monotonic()
-    second = _spawn_processor(env, prefix, logs[1], retention_ms)
-    try:
-        deadline = began + timeout_s
-        while not _restores(logs[1]):
-            if time.monotonic() > deadline or second.poll() is not None:
-                raise RuntimeError(f"the second processor did not restore; see {logs[1]}")
-            time.sleep(0.05)
-        ready = time.monotonic() - began
-        rss = _rss_kib(second.pid)
-    finally:
-        second.send_signal(signal.SIGTERM)
-        second.wait(timeout=60)
-    restores = _restores(logs[1])
+    restored = _timed_restore(env, prefix, logs[1], retention_ms, timeout_s)
     return {
         "runs": runs,
         "live_runs": live,
         "terminal_retention_ms": retention_ms,
-        "restored_runs": sum(n for n, _ in restores),
-        "restore_s": round(sum(seconds for _, seconds in restores), 3),
-        # from the process start to its first restore logged (imports and clients included)
-        "ready_s": round(ready, 3),
-        "processor_rss_mib_after_restore": round(rss.get("VmRSS", 0) / 1024, 1),
+        **restored,
     }
 
 
@@ -513,30 +523,14 @@ def cloned_restore_figures(
             written += 1
         producer.poll(0)
     producer.flush(120)
-    began = time.monotonic()
-    second = _spawn_processor(env, prefix, logs[1], retention_ms)
-    try:
-        deadline = began + timeout_s
-        while not _restores(logs[1]):
-            if time.monotonic() > deadline or second.poll() is not None:
-                raise RuntimeError(f"the second processor did not restore; see {logs[1]}")
-            time.sleep(0.05)
-        ready = time.monotonic() - began
-        rss = _rss_kib(second.pid)
-    finally:
-        second.send_signal(signal.SIGTERM)
-        second.wait(timeout=60)
-    restores = _restores(logs[1])
+    restored = _timed_restore(env, prefix, logs[1], retention_ms, timeout_s)
     return {
         "runs": runs,
         "live_runs": live,
         "terminal_retention_ms": retention_ms,
         "state_records": written + sum(len(v) for _, v in templates),
         "records_per_ended_run": len(templates[0][1]),
-        "restored_runs": sum(n for n, _ in restores),
-        "restore_s": round(sum(seconds for _, seconds in restores), 3),
-        "ready_s": round(ready, 3),
-        "processor_rss_mib_after_restore": round(rss.get("VmRSS", 0) / 1024, 1),
+        **restored,
     }
 
 
