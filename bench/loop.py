@@ -34,6 +34,7 @@ from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
@@ -95,7 +96,7 @@ class Driver:
         event = RunSubmitted(
             run_id=run_id,
             event_id=f"{run_id}:submit",
-            at=int(time.time() * 1000),
+            at=now_ms(),
             trace_id=uuid.uuid4().hex,
             goal="ten tickets",
             messages=(Message(role="user", content=f"scenario:bench_10 run {run_id}"),),

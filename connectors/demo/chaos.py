@@ -47,6 +47,7 @@ from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets, Policy
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import release
 from agentruns.streams.partitioning import partition_for
@@ -340,7 +341,7 @@ def run_chaos(
                     event = RunSubmitted(
                         run_id=run_id,
                         event_id=f"{run_id}:submit",
-                        at=int(time.time() * 1000),
+                        at=now_ms(),
                         trace_id=uuid.uuid4().hex,
                         goal=f"chaos {mix.model_scenario}",
                         messages=(

@@ -66,7 +66,6 @@ from agentruns.connectors.executors.base import (
     config_from_args,
     decode_json,
     event_identity,
-    now_ms,
     run_until_signal,
 )
 from agentruns.connectors.postgres.artifacts import StoredArtifact
@@ -87,6 +86,7 @@ from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
 from agentruns.processors.state import ErrorClass
 from agentruns.processors.summary import summarize
+from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.executor.tool")
 
