@@ -87,7 +87,7 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("sink",): ("agentruns.connectors.projection.sink", "project the topics into Postgres"),
     ("scan",): ("agentruns.connectors.runtime.scanner", "find and diagnose runs without progress"),
-    ("api",): ("agentruns.connectors.api.service", "the HTTP API"),
+    ("api",): ("agentruns.connectors.api.serve", "the HTTP API"),
     ("submit",): (
         "agentruns.connectors.api.client:main_submit",
         "submit a task (upstream producer)",

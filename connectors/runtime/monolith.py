@@ -154,7 +154,8 @@ def _start_api(
 ) -> Callable[[], None] | None:
     """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
     import uvicorn
-    from agentruns.connectors.api.service import ApiConfig, create_app
+    from agentruns.connectors.api.config import ApiConfig
+    from agentruns.connectors.api.http import create_app
 
     app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix))
     server = uvicorn.Server(

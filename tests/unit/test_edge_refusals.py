@@ -7,12 +7,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from agentruns.connectors.api.service import (
+from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.api.http import _clean, _json_object
+from agentruns.connectors.api.inputs import (
     MAX_BODY_DEPTH,
-    ApiError,
     InvalidInputError,
-    _clean,
-    _json_object,
     encoded_input,
     submitted_task,
 )
