@@ -31,6 +31,7 @@ from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.testing import tool_server
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
@@ -241,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{model_port}",
+            "--registry",
+            str(tool_server.DEFAULT_REGISTRY),
             "--gather-ms",
             str(args.gather_ms),
         )
@@ -250,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{tool_port}",
+            "--registry",
+            str(tool_server.DEFAULT_REGISTRY),
             "--gather-ms",
             str(args.gather_ms),
         )

@@ -221,6 +221,8 @@ def run_chaos(
                 *common,
                 "--base-url",
                 models.url,
+                "--registry",
+                str(tool_server.DEFAULT_REGISTRY),
                 *routes,
             )
             sup.add(
@@ -229,6 +231,8 @@ def run_chaos(
                 *common,
                 "--base-url",
                 tools.url,
+                "--registry",
+                str(tool_server.DEFAULT_REGISTRY),
             )
             sup.add(
                 "timer", "agentruns.connectors.runtime.timers", *common, "--log-level", "WARNING"

@@ -371,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--base-url",
                 models.url,
+                "--registry",
+                str(REGISTRY),
             )
             sup.add(
                 "tool-executor",
@@ -378,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--base-url",
                 tools.url,
+                "--registry",
+                str(REGISTRY),
             )
             sup.add("timer", "agentruns.connectors.runtime.timers", *common)
             sup.add(

@@ -33,7 +33,6 @@ from typing import Any
 
 import psycopg
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
-from agentruns.connectors.executors.model import candidate_from_artifact
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.projection.sink import (
     EVENT_COLUMNS,
@@ -59,7 +58,7 @@ from agentruns.processors.effects import (
 )
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.state import RunState
-from agentruns.processors.transition import Disposition, transition
+from agentruns.processors.transition import Disposition, load_candidate, transition
 from agentruns.processors.validation import ValidationContext, revalidate
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.partitioning import partition_for
@@ -775,7 +774,7 @@ def revalidate_runs(
         assert decision is not None and event.candidate is not None
         content = stored.get(decision.candidate_ref)
         # The model executor's artifact (an assistant message) or the core's own format.
-        candidate = event.candidate if content is None else candidate_from_artifact(content)
+        candidate = event.candidate if content is None else load_candidate(content)
         context = ValidationContext.from_state(before)
         again = revalidate(candidate, context, decision.validator_version)
         fresh = revalidate(candidate, context, version)
