@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
 from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.projection.sink import (
+from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     OP_COLUMNS,
     QUESTION_COLUMNS,

@@ -16,7 +16,7 @@ from agentruns.connectors.api.inputs import (
     submitted_task,
 )
 from agentruns.connectors.postgres.bulk import MAX_STORED_MS, MIN_STORED_MS, clamp_ms
-from agentruns.connectors.projection.sink import ms_time
+from agentruns.connectors.projection.rows import ms_time
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams.records import input_record
 
