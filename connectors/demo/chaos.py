@@ -41,7 +41,8 @@ from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.projection.audit import audit, read_topic
+from agentruns.connectors.projection.audit import audit
+from agentruns.connectors.projection.reading import read_topic
 from agentruns.connectors.testing import hostile as hostile_cases
 from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.events import Message, RunSubmitted
@@ -90,7 +91,7 @@ MIXES = (
 
 
 def _read_results(bootstrap: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    from agentruns.connectors.projection.audit import read_topic
+    from agentruns.connectors.projection.reading import read_topic
 
     out: dict[str, list[dict[str, Any]]] = {}
     for record in read_topic(bootstrap, topic_name(RESULTS, prefix), "Result"):
