@@ -13,9 +13,7 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.processors.events import (
-    RunSubmitted,
-)
+from agentruns.processors.events import RunSubmitted
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.processors.validation import task_problem
 from agentruns.streams.codec import encode

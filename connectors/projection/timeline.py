@@ -11,9 +11,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from agentruns.connectors.projection.rows import (
-    project_event,
-)
+from agentruns.connectors.projection.rows import project_event
 from agentruns.processors.effects import (
     AskUser,
     CallModel,
