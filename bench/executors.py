@@ -48,6 +48,7 @@ from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.testing import tool_server
+from agentruns.streams.clock import now_ms
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 
 #: issue 5: per executor process; p99 added latency at 200 calls/s
@@ -151,7 +152,7 @@ def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]
     from agentruns.streams.records import effect_record
 
     out = []
-    now = int(time.time() * 1000)
+    now = now_ms()
     for i in range(start, start + count):
         run_id = f"bench-{prefix}-{i % 97}"
         key = f"{prefix}:call:{i}"

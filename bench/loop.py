@@ -31,9 +31,11 @@ from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.testing import tool_server
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
@@ -95,7 +97,7 @@ class Driver:
         event = RunSubmitted(
             run_id=run_id,
             event_id=f"{run_id}:submit",
-            at=int(time.time() * 1000),
+            at=now_ms(),
             trace_id=uuid.uuid4().hex,
             goal="ten tickets",
             messages=(Message(role="user", content=f"scenario:bench_10 run {run_id}"),),
@@ -240,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{model_port}",
+            "--registry",
+            str(tool_server.DEFAULT_REGISTRY),
             "--gather-ms",
             str(args.gather_ms),
         )
@@ -249,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *common,
             "--base-url",
             f"http://127.0.0.1:{tool_port}",
+            "--registry",
+            str(tool_server.DEFAULT_REGISTRY),
             "--gather-ms",
             str(args.gather_ms),
         )

@@ -54,6 +54,7 @@ from agentruns.processors.events import (
 from agentruns.processors.state import Budgets, ToolSpec
 from agentruns.processors.transition import transition
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
@@ -262,7 +263,7 @@ def _latency_phase(
         while (delay := due - time.monotonic()) > 0:
             time.sleep(delay)
         run_id = f"lat-{i}-{uuid.uuid4().hex[:6]}"
-        event = submit_input(run_id, int(time.time() * 1000))  # no core work in the sender
+        event = submit_input(run_id, now_ms())  # no core work in the sender
         sent[run_id] = time.monotonic()
         producer.produce(
             inbox,
@@ -303,7 +304,7 @@ def _preload(
     total = 0
     # spread runs start in the past, so none is ahead of the wall clock (event time is capped
     # by it) when they are applied
-    at = int(time.time() * 1000) - (runs + live) * spread_ms
+    at = now_ms() - (runs + live) * spread_ms
     for i in range(runs + live):
         run_id = f"run-{i:07d}"
         part = partition_for(run_id, partitions)

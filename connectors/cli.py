@@ -87,7 +87,7 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("sink",): ("agentruns.connectors.projection.sink", "project the topics into Postgres"),
     ("scan",): ("agentruns.connectors.runtime.scanner", "find and diagnose runs without progress"),
-    ("api",): ("agentruns.connectors.api.service", "the HTTP API"),
+    ("api",): ("agentruns.connectors.api.serve", "the HTTP API"),
     ("submit",): (
         "agentruns.connectors.api.client:main_submit",
         "submit a task (upstream producer)",
@@ -99,15 +99,15 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ("reply",): ("agentruns.connectors.api.client:main_reply", "answer a run's question"),
     ("cancel",): ("agentruns.connectors.api.client:main_cancel", "cancel a run"),
     ("replay",): (
-        "agentruns.connectors.projection.audit:replay_main",
+        "agentruns.connectors.projection.replay",
         "print a run's timeline from the log",
     ),
     ("audit",): (
-        "agentruns.connectors.projection.audit:main",
+        "agentruns.connectors.projection.audit",
         "fold the log, compare with snapshots and Postgres",
     ),
     ("revalidate",): (
-        "agentruns.connectors.projection.audit:revalidate_main",
+        "agentruns.connectors.projection.revalidate",
         "re-run validators over candidates",
     ),
     ("demo",): ("agentruns.connectors.demo.run", "start what is needed and run the demo scenarios"),

@@ -5,11 +5,11 @@ re-reads the record and writes its dead letter again (at least once), never lose
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from agentruns.streams import dlq
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
 from confluent_kafka import KafkaException, Message, Producer
 
@@ -34,7 +34,7 @@ def of_message(
         message.key(),
         message.value(),
         pairs,
-        int(time.time() * 1000),
+        now_ms(),
         original_timestamp=timestamp if timestamp > 0 else None,
     )
 

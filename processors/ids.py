@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import uuid
 from typing import Any
 
 import msgspec
 
 _SEP = "\x1f"
+#: uuid5 namespace of run ids derived from Idempotency-Keys (the API and the client derive the
+#: same run from the same key).
+RUN_NAMESPACE = uuid.UUID("6f1d3a52-2b8e-5c1e-9a43-61676e747275")
 # The reference encoding: Python's json with sorted keys, compact, UTF-8 as is. Keys and refs
 # already stored were derived from it, so its bytes are the definition of canonical.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -106,3 +110,22 @@ def canonicalize_arguments(arguments_json: str) -> str | None:
     if not isinstance(value, dict):
         return None
     return canonical_json(value)
+
+
+def run_id_for_key(idempotency_key: str) -> str:
+    """The run a submission with this Idempotency-Key creates (same key -> same run)."""
+    return "run-" + uuid.uuid5(RUN_NAMESPACE, idempotency_key).hex
+
+
+def trace_id_for(run_id: str) -> str:
+    return uuid.uuid5(RUN_NAMESPACE, "trace:" + run_id).hex
+
+
+def submit_event_id(run_id: str) -> str:
+    """The RunSubmitted event id: the core drops a second RunSubmitted with it as DUPLICATE."""
+    return f"{run_id}:submit"
+
+
+def request_hash(value: Any) -> str:
+    """The hash of a request's canonical JSON: a repeat with another body is told apart."""
+    return sha256_hex(canonical_json(value))

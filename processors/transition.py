@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import msgspec
 from agentruns.processors.effects import (
     AskUser,
     CallModel,
@@ -69,6 +70,7 @@ from agentruns.processors.state import (
     NON_TERMINAL,
     TERMINAL,
     TRANSIENT,
+    Decoder,
     ErrorClass,
     Frozen,
     LoopMemory,
@@ -1312,7 +1314,50 @@ def fold(events: Iterable[Event], state: RunState | None = None) -> RunState | N
     return state
 
 
+class _CallFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str = ""
+
+
+class _MessageCall(msgspec.Struct, frozen=True):
+    id: str
+    function: _CallFunction
+
+
+class _Message(msgspec.Struct, frozen=True):
+    content: str | None = None
+    tool_calls: tuple[_MessageCall, ...] | None = None
+
+
+class _ExecutorCandidate(msgspec.Struct, frozen=True):
+    """The model executor's candidate artifact: an assistant message in OpenAI form, beside
+    fields (finish reason, usage, ...) the core does not read."""
+
+    message: _Message
+
+
+_EXECUTOR_CANDIDATE = Decoder(msgspec.json.Decoder(_ExecutorCandidate))
+
+
 def load_candidate(content: str) -> Candidate:
-    """Parse a stored candidate artifact (for audit re-validation, R28); raises only
-    msgspec.DecodeError (or its subclass msgspec.ValidationError), whatever the content."""
-    return Candidate.model_validate_json(content)
+    """Parse a stored candidate artifact (for audit re-validation, R28): the core's own form
+    (``Candidate.model_dump_json()``) or the model executor's (an assistant ``message``). Both
+    are validated as strictly as a decoded ``Candidate``; raises only msgspec.DecodeError (or
+    its subclass msgspec.ValidationError), whatever the content."""
+    try:
+        return Candidate.model_validate_json(content)
+    except msgspec.ValidationError as core_form:
+        try:
+            message = _EXECUTOR_CANDIDATE.decode(content).message
+        except msgspec.ValidationError:
+            raise core_form from None
+    calls = message.tool_calls or ()
+    return Candidate.model_validate(
+        {
+            "content": message.content or "",
+            "tool_calls": [
+                {"id": c.id, "name": c.function.name, "arguments_json": c.function.arguments}
+                for c in calls
+            ],
+        }
+    )

@@ -40,19 +40,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agentruns.connectors.api.service import (
+from agentruns.connectors.api.inputs import (
     MAX_RECORD_BYTES,
     InvalidInputError,
     encoded_input,
-    now_ms,
-    run_id_for_key,
-    submit_event_id,
     submitted_task,
-    trace_id_for,
 )
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.events import CancelRequested
+from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_defaults import NO_DELAY, partition_count, release

@@ -41,12 +41,14 @@ from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.projection.audit import audit, read_topic
+from agentruns.connectors.projection.audit import audit
+from agentruns.connectors.projection.reading import read_topic
 from agentruns.connectors.testing import hostile as hostile_cases
 from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets, Policy
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import release
 from agentruns.streams.partitioning import partition_for
@@ -89,7 +91,7 @@ MIXES = (
 
 
 def _read_results(bootstrap: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    from agentruns.connectors.projection.audit import read_topic
+    from agentruns.connectors.projection.reading import read_topic
 
     out: dict[str, list[dict[str, Any]]] = {}
     for record in read_topic(bootstrap, topic_name(RESULTS, prefix), "Result"):
@@ -220,6 +222,8 @@ def run_chaos(
                 *common,
                 "--base-url",
                 models.url,
+                "--registry",
+                str(tool_server.DEFAULT_REGISTRY),
                 *routes,
             )
             sup.add(
@@ -228,6 +232,8 @@ def run_chaos(
                 *common,
                 "--base-url",
                 tools.url,
+                "--registry",
+                str(tool_server.DEFAULT_REGISTRY),
             )
             sup.add(
                 "timer", "agentruns.connectors.runtime.timers", *common, "--log-level", "WARNING"
@@ -340,7 +346,7 @@ def run_chaos(
                     event = RunSubmitted(
                         run_id=run_id,
                         event_id=f"{run_id}:submit",
-                        at=int(time.time() * 1000),
+                        at=now_ms(),
                         trace_id=uuid.uuid4().hex,
                         goal=f"chaos {mix.model_scenario}",
                         messages=(

@@ -29,6 +29,7 @@ from agentruns.processors.events import CancelRequested, Message, RunSubmitted, 
 from agentruns.processors.ids import canonicalize_arguments, operation_key
 from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState, ToolSpec
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, release
 from agentruns.streams.partitioning import partition_for
@@ -39,10 +40,6 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 PARTITIONS = 3
 REGISTRY = tool_server.DEFAULT_REGISTRY
 SCENARIOS = model_server.BUILTIN_SCENARIOS
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def registry_tools() -> tuple[ToolSpec, ...]:
@@ -374,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--base-url",
                 models.url,
+                "--registry",
+                str(REGISTRY),
             )
             sup.add(
                 "tool-executor",
@@ -381,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--base-url",
                 tools.url,
+                "--registry",
+                str(REGISTRY),
             )
             sup.add("timer", "agentruns.connectors.runtime.timers", *common)
             sup.add(

@@ -64,6 +64,7 @@ from agentruns.processors.effects import Effect
 from agentruns.processors.events import Event
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.streams import dlq, records
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import partition_count
 from agentruns.streams.partitioning import partition_for, run_key
@@ -78,11 +79,6 @@ log = logging.getLogger("agentruns.executor")
 
 class ExecutorError(AgentrunsError):
     """An executor cannot run (bad configuration, missing topic, database down)."""
-
-
-def now_ms() -> int:
-    """Executors are at the edge: their results carry the wall clock."""
-    return int(time.time() * 1000)
 
 
 def decode_json(body: bytes, depth: int = MAX_JSON_DEPTH) -> tuple[Any, str | None]:
@@ -904,7 +900,6 @@ __all__ = [
     "decode_json",
     "event_identity",
     "input_record",
-    "now_ms",
     "result_input_id",
     "run_until_signal",
 ]

@@ -57,7 +57,12 @@ from agentruns.connectors.executors.base import (
     event_identity,
     run_until_signal,
 )
-from agentruns.connectors.executors.tool import DEFAULT_REGISTRY, ToolRegistry, retry_after_ms
+from agentruns.connectors.executors.tool import (
+    REGISTRY_ENV,
+    ToolRegistry,
+    registry_from_args,
+    retry_after_ms,
+)
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
 from agentruns.processors.effects import CallModel, Effect
 from agentruns.processors.events import (
@@ -338,27 +343,6 @@ def assistant_message(candidate: Mapping[str, Any]) -> dict[str, Any]:
             for c in calls
         ]
     return message
-
-
-def candidate_from_artifact(content: str) -> Candidate:
-    """The core ``Candidate`` of a stored candidate artifact, in this module's format (an
-    assistant ``message``) or the core's own (``Candidate.model_dump_json()``). For readers
-    such as audit re-validation (R28), which must not assume one of the two."""
-    data = json.loads(content)
-    if not isinstance(data, Mapping) or not isinstance(data.get("message"), Mapping):
-        return Candidate.model_validate(data)
-    message = data["message"]
-    return Candidate(
-        content=message.get("content") or "",
-        tool_calls=tuple(
-            ToolCallRequest(
-                id=str(c["id"]),
-                name=c["function"]["name"],
-                arguments_json=c["function"].get("arguments", ""),
-            )
-            for c in message.get("tool_calls") or ()
-        ),
-    )
 
 
 def _canonical_args(text: Any) -> str | None:
@@ -823,12 +807,14 @@ class ModelExecutor(Executor):
         self,
         config: ExecutorConfig,
         routes: Routes | None = None,
-        registry: Path | str | None = DEFAULT_REGISTRY,
+        registry: ToolRegistry | Path | str | None = None,
     ) -> None:
+        if registry is not None and not isinstance(registry, ToolRegistry):
+            registry = ToolRegistry.load(registry)
         handler = ModelHandler(
             config.database_url,
             routes or Routes.from_env(),
-            ToolRegistry.load(registry) if registry else None,
+            registry,
             connections=config.workers,
         )
         try:
@@ -849,14 +835,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--routes", default=None, help='per-route JSON: {"route": {...}}')
     parser.add_argument(
-        "--registry", default=str(DEFAULT_REGISTRY), help="tool registry (descriptions)"
+        "--registry",
+        default=os.environ.get(REGISTRY_ENV),
+        help=f"the tool registry, a JSON file, for the tools' descriptions (optional; default"
+        f" ${REGISTRY_ENV}; without one the model sees the tools without descriptions)",
     )
     args = parser.parse_args(argv)
+    registry = registry_from_args(args.registry) if args.registry else None
     config, stack = config_from_args(args, "model")
     config.max_poll_interval_ms = 600_000  # a batch may hold slow streams
     try:
         routes = Routes.from_env(args.routes, args.base_url)
-        return run_until_signal(ModelExecutor(config, routes, args.registry))
+        return run_until_signal(ModelExecutor(config, routes, registry))
     finally:
         if stack is not None:
             stack.close()
@@ -871,7 +861,6 @@ __all__ = [
     "StreamAssembler",
     "build_conversation",
     "candidate_artifact",
-    "candidate_from_artifact",
     "main",
     "tool_messages",
 ]

@@ -66,7 +66,6 @@ from agentruns.connectors.executors.base import (
     config_from_args,
     decode_json,
     event_identity,
-    now_ms,
     run_until_signal,
 )
 from agentruns.connectors.postgres.artifacts import StoredArtifact
@@ -87,10 +86,12 @@ from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
 from agentruns.processors.state import ErrorClass
 from agentruns.processors.summary import summarize
+from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.executor.tool")
 
-DEFAULT_REGISTRY = Path(__file__).parents[1] / "testing" / "tools.example.json"
+#: Where the tool registry is named when --registry is not given.
+REGISTRY_ENV = "AGENTRUNS_TOOL_REGISTRY"
 DEFAULT_SUMMARY_BYTES = 16_384
 RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 # A tool answer's body is read up to this size; a larger one fails the call (it could not be
@@ -477,6 +478,17 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
 # --------------------------------------------------------------------------- handler
 
 
+def registry_from_args(path: str | None) -> ToolRegistry:
+    """The tool registry a command was given (``--registry`` or $AGENTRUNS_TOOL_REGISTRY); a
+    production executor has no default, so none given is an error, as is an unreadable file."""
+    if not path:
+        raise ExecutorError(
+            "no tool registry given",
+            hint=f"pass --registry PATH or set {REGISTRY_ENV} (a JSON file, see docs/executors.md)",
+        )
+    return ToolRegistry.load(path)
+
+
 class ToolHandler:
     """Executes tool effects over HTTP; one pooled keep-alive client shared by the pool."""
 
@@ -836,7 +848,7 @@ class ToolExecutor(Executor):
     def __init__(
         self,
         config: ExecutorConfig,
-        registry: Path | str = DEFAULT_REGISTRY,
+        registry: ToolRegistry | Path | str,
         *,
         base_url: str | None = None,
         callback_url: str | None = None,
@@ -845,7 +857,7 @@ class ToolExecutor(Executor):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         handler = ToolHandler(
-            ToolRegistry.load(registry),
+            registry if isinstance(registry, ToolRegistry) else ToolRegistry.load(registry),
             base_url=base_url,
             callback_url=callback_url,
             callback_secret=callback_secret,
@@ -862,7 +874,11 @@ class ToolExecutor(Executor):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns executor tool", description=__doc__)
     add_common_arguments(parser, "tool")
-    parser.add_argument("--registry", default=str(DEFAULT_REGISTRY), help="tool registry (JSON)")
+    parser.add_argument(
+        "--registry",
+        default=os.environ.get(REGISTRY_ENV),
+        help=f"the tool registry, a JSON file (required; default ${REGISTRY_ENV})",
+    )
     parser.add_argument(
         "--base-url", default=None, help="tool server base URL (overrides the registry's)"
     )
@@ -880,11 +896,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a tool answer larger than this fails the call (invalid_output:too_large)",
     )
     args = parser.parse_args(argv)
+    registry = registry_from_args(args.registry)
     config, stack = config_from_args(args, "tool")
     try:
         executor = ToolExecutor(
             config,
-            args.registry,
+            registry,
             base_url=args.base_url,
             callback_url=args.callback_url,
             callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,

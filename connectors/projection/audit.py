@@ -1,14 +1,10 @@
-"""Audit from the topics alone (R28) and reconciliation of the projection (R27).
+"""`agentruns audit`: the log, the snapshots and the Postgres projection compared (R27, R28).
 
-* `agentruns replay RUN_ID [--json]`: the run's timeline, rebuilt from `<prefix>.events` only by
-  folding with the CURRENT core: seq, time, type, disposition, status change, effects,
-  operations, waits.
-* `agentruns audit [--sample N]`: folds every run (or a sample) from the event log and compares
-  the result with the latest snapshot (`<prefix>.state`) and with the Postgres projection; prints
-  each difference, exits 1 if there is any. `--every SECONDS` keeps doing it (a reconciliation
-  job): differences become log lines and the `agentruns_reconcile_differences_total` counter.
-* `agentruns revalidate --validator-version N`: re-runs a validator version over every stored
-  candidate (artifact store, else the event body) without a model (R10).
+`agentruns audit [--sample N]` folds every run (or a sample) from the event log and compares the
+result with the latest snapshot (`<prefix>.state`) and with the Postgres projection; prints each
+difference, exits 1 if there is any. `--every SECONDS` keeps doing it (the `Reconciler`, a
+reconciliation job): differences become log lines and the
+`agentruns_reconcile_differences_total` counter.
 
 Reading order matters when the pipeline is live: the log first, then snapshots, then Postgres, so
 a snapshot or row can only be AHEAD of the log that was read (skipped as "in flux" by the
@@ -23,19 +19,15 @@ import logging
 import random
 import sys
 import threading
-import time
-import uuid
-from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
-from agentruns.connectors.executors.model import candidate_from_artifact
+from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.projection.sink import (
+from agentruns.connectors.projection.reading import AuditError, endpoints, read_log, read_snapshots
+from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     OP_COLUMNS,
     QUESTION_COLUMNS,
@@ -45,27 +37,9 @@ from agentruns.connectors.projection.sink import (
     project_event,
     run_row,
 )
-from agentruns.processors.effects import (
-    AskUser,
-    CallModel,
-    CallTool,
-    CancelTimer,
-    CancelTool,
-    Effect,
-    PollTool,
-    PublishResult,
-    Reconcile,
-    ScheduleTimer,
-)
-from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.state import RunState
-from agentruns.processors.transition import Disposition, transition
-from agentruns.processors.validation import ValidationContext, revalidate
-from agentruns.streams.codec import CodecError, decode
-from agentruns.streams.partitioning import partition_for
-from agentruns.streams.records import RunSlot, parse_event_body
-from agentruns.streams.topics import DEFAULT_PREFIX, EVENTS, STATE, topic_name
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from agentruns.streams.records import RunSlot
+from agentruns.streams.topics import DEFAULT_PREFIX
 from prometheus_client import Counter, Gauge
 
 log = logging.getLogger("agentruns.audit")
@@ -77,294 +51,6 @@ RECONCILE_RUNS = Counter("agentruns_reconcile_runs_total", "Runs compared by rec
 RECONCILE_LAGGING = Gauge(
     "agentruns_reconcile_lagging_runs", "Runs whose projection was behind the log last round"
 )
-
-
-class AuditError(AgentrunsError):
-    """The topics or the database could not be read for an audit."""
-
-
-# --------------------------------------------------------------------------- reading topics
-
-
-def read_topic(
-    bootstrap: str,
-    topic: str,
-    expected_name: str,
-    *,
-    partitions: Sequence[int] | None = None,
-    timeout_s: float = 120.0,
-) -> Iterator[dict[str, Any]]:
-    """Every committed record of `topic` (or of some partitions), up to the current end."""
-    for _, record in read_keyed(
-        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s
-    ):
-        if record is not None:
-            yield record
-
-
-def read_keyed(
-    bootstrap: str,
-    topic: str,
-    expected_name: str,
-    *,
-    partitions: Sequence[int] | None = None,
-    timeout_s: float = 120.0,
-) -> Iterator[tuple[bytes | None, dict[str, Any] | None]]:
-    """Every committed record of `topic` with its key, tombstones (None) included, in each
-    partition's order, up to the current end."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"agentruns-audit-{uuid.uuid4().hex[:12]}",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "fetch.wait.max.ms": 10,
-            "log_level": 3,
-        }
-    )
-    try:
-        meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
-        if meta is None or meta.error is not None or not meta.partitions:
-            raise AuditError(
-                f"topic {topic} does not exist", hint="check --prefix (agentruns topics list)"
-            )
-        wanted = sorted(meta.partitions) if partitions is None else list(partitions)
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in wanted])
-        pending = set(wanted)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise AuditError(f"reading {topic} partitions {sorted(pending)} timed out")
-            for message in consumer.consume(1000, 0.5):
-                error = message.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(message.partition() or 0)
-                        continue
-                    raise AgentrunsKafkaError(f"reading {topic}: {error}")
-                value = message.value()
-                if value is None:
-                    yield message.key(), None
-                    continue
-                try:
-                    yield message.key(), decode(value, expected_name=expected_name).record
-                except CodecError as exc:
-                    log.error("undecodable record in %s: %s", topic, exc)
-    except KafkaException as exc:
-        raise AgentrunsKafkaError(f"reading {topic} failed: {exc}") from exc
-    finally:
-        consumer.close()
-
-
-def partition_count(bootstrap: str, topic: str) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "agentruns-audit-meta"})
-    try:
-        meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
-        if meta is None or meta.error is not None or not meta.partitions:
-            raise AuditError(f"topic {topic} does not exist", hint="check --prefix")
-        return len(meta.partitions)
-    finally:
-        consumer.close()
-
-
-def read_log(
-    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Event records per run, in seq order (only the partitions of `run_ids` when given)."""
-    topic = topic_name(EVENTS, prefix)
-    partitions = None
-    if run_ids is not None:
-        n = partition_count(bootstrap, topic)
-        partitions = sorted({partition_for(r, n) for r in run_ids})
-    wanted = None if run_ids is None else set(run_ids)
-    logs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for record in read_topic(bootstrap, topic, "Event", partitions=partitions):
-        if wanted is None or record["run_id"] in wanted:
-            logs[record["run_id"]].append(record)
-    for records in logs.values():
-        records.sort(key=lambda r: r["seq"])
-    return dict(logs)
-
-
-def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | None]:
-    """The latest Snapshot record per run (highest version); None for a run whose last state
-    record is a tombstone: the processor evicted it after it ended (its log stays whole)."""
-    latest: dict[str, dict[str, Any] | None] = {}
-    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot"):
-        if record is None:
-            if key is not None:
-                latest[key.decode("utf-8", "replace")] = None
-            continue
-        held = latest.get(record["run_id"])
-        if held is None or held["version"] <= record["version"]:
-            latest[record["run_id"]] = record
-    return latest
-
-
-# --------------------------------------------------------------------------- replay
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-
-
-def describe_effect(effect: Effect) -> str:
-    match effect:
-        case CallModel():
-            repair = f" repair={effect.repair.error_code}" if effect.repair else ""
-            return f"CallModel {effect.step}.{effect.attempt}{repair}"
-        case CallTool():
-            op = effect.operation
-            return f"CallTool {op.tool} op={op.key} dispatch={op.dispatch}"
-        case Reconcile():
-            return f"Reconcile {effect.tool} op={effect.operation_key}"
-        case PollTool():
-            return f"PollTool {effect.tool} op={effect.operation_key} poll={effect.poll}"
-        case CancelTool():
-            return f"CancelTool {effect.tool} op={effect.operation_key}"
-        case ScheduleTimer():
-            return f"ScheduleTimer {effect.purpose} due={_iso(effect.due_at)}"
-        case CancelTimer():
-            return f"CancelTimer {effect.timer_id}"
-        case AskUser():
-            return f"AskUser {effect.question_id} expires={_iso(effect.expires_at)}"
-        case PublishResult():
-            return f"PublishResult {effect.status} {effect.result_ref}"
-    return str(effect.type)  # pragma: no cover - every effect type is listed above
-
-
-@dataclass
-class TimelineEntry:
-    seq: int
-    at: str
-    type: str
-    step: int
-    attempt: int
-    disposition: str
-    recorded_disposition: str
-    status_before: str | None
-    status_after: str
-    path: list[str]
-    reason: str | None
-    effects: list[str]
-    operations: list[str]
-    waits_ms: dict[str, int]
-
-
-def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], RunState | None]:
-    """Fold a run's Event records with the current core; one entry per event."""
-    state: RunState | None = None
-    entries: list[TimelineEntry] = []
-    for record in records:
-        projected = project_event(state, record)
-        if projected is None:
-            continue
-        new = projected.state
-        before = {} if state is None else {o.key: o for o in state.ops}
-        ops: list[str] = []
-        for row in projected.ops:
-            old = before.get(row["op_key"])
-            was = "new" if old is None else str(old.status)
-            polls = f" polls={row['polls']}" if row["polls"] else ""
-            if row["reconciliation"]:
-                polls += f" reconciled={row['reconciliation']}"
-            ops.append(
-                f"{row['tool']} op={row['op_key']} {was}->{row['status']} "
-                f"dispatch={row['dispatch']}{polls}"
-            )
-        for q in projected.questions:
-            expires = q["expires_at"].strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-            ops.append(f"question {q['question_id']} {q['kind']} {q['status']} expires={expires}")
-        waits = {"system": 0, "tool": 0, "user": 0}
-        if state is not None:
-            waits = {
-                "system": new.time.system_ms - state.time.system_ms,
-                "tool": new.time.tool_wait_ms - state.time.tool_wait_ms,
-                "user": new.time.user_wait_ms - state.time.user_wait_ms,
-            }
-        applied = projected.disposition is Disposition.APPLIED
-        entries.append(
-            TimelineEntry(
-                seq=record["seq"],
-                at=_iso(record["at"]),
-                type=record["type"],
-                step=record["step"],
-                attempt=record["attempt"],
-                disposition=str(projected.disposition),
-                recorded_disposition=record["disposition"],
-                status_before=None if state is None else str(state.status),
-                status_after=str(new.status),
-                path=[str(s) for s in new.path] if applied else [],
-                reason=projected.reason,
-                effects=[describe_effect(e) for e in projected.effects],
-                operations=ops,
-                waits_ms=waits,
-            )
-        )
-        state = new
-    return entries, state
-
-
-def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunState | None) -> str:
-    lines = [f"run {run_id}: {len(entries)} events"]
-    for e in entries:
-        change = (
-            f"{e.status_before or '-'} -> {e.status_after}"
-            if e.status_before != e.status_after
-            else f"{e.status_after}"
-        )
-        disposition = e.disposition
-        if e.recorded_disposition != e.disposition:
-            disposition += f" (recorded {e.recorded_disposition})"
-        lines.append(
-            f"{e.seq:>4}  {e.at}  {e.type:<20} {e.step}.{e.attempt}  {disposition:<9} {change}"
-        )
-        if e.path and len(e.path) > 1:
-            lines.append(f"      path: {' -> '.join(e.path)}")
-        if e.reason:
-            lines.append(f"      reason: {e.reason}")
-        for effect in e.effects:
-            lines.append(f"      effect: {effect}")
-        for op in e.operations:
-            kind = "" if op.startswith("question ") else "operation: "
-            lines.append(f"      {kind}{op}")
-        waited = ", ".join(f"{k} +{v}ms" for k, v in e.waits_ms.items() if v)
-        if waited:
-            lines.append(f"      time: {waited}")
-    if state is not None:
-        t = state.time
-        lines.append(
-            f"final: {state.status} step {state.step} version {state.version} "
-            f"resolution {state.resolution} outcome {state.outcome or '-'}"
-        )
-        lines.append(
-            f"time: system {t.system_ms}ms, tool wait {t.tool_wait_ms}ms, "
-            f"user wait {t.user_wait_ms}ms; usage: {state.usage.input_tokens} in / "
-            f"{state.usage.output_tokens} out tokens, {state.usage.cost_micros} micros"
-        )
-        if state.result_ref:
-            lines.append(f"result: {state.result_ref}")
-    return "\n".join(lines)
-
-
-def timeline_json(run_id: str, entries: Sequence[TimelineEntry], state: RunState | None) -> str:
-    final = None
-    if state is not None:
-        final = {
-            "status": str(state.status),
-            "step": state.step,
-            "version": state.version,
-            "resolution": state.resolution,
-            "outcome": state.outcome,
-            "result_ref": state.result_ref,
-            "time": state.time.model_dump(),
-            "usage": state.usage.model_dump(),
-        }
-    return json.dumps(
-        {"run_id": run_id, "events": [asdict(e) for e in entries], "final": final},
-        sort_keys=True,
-    )
 
 
 # --------------------------------------------------------------------------- audit
@@ -707,145 +393,6 @@ class Reconciler:
             stop.wait(self.every_s)
 
 
-# --------------------------------------------------------------------------- revalidate
-
-
-@dataclass
-class Revalidation:
-    run_id: str
-    seq: int
-    step: int
-    attempt: int
-    candidate_ref: str
-    source: str  # "artifacts" or "event"
-    recorded_version: int
-    recorded_action: str
-    recorded_error: str | None
-    reproduced: bool  # the recorded version gives the recorded decision again
-    version: int
-    action: str
-    error: str | None
-    detail: str
-    changed: bool
-
-
-def _load_candidates(database_url: str | None, refs: Iterable[str]) -> dict[str, str]:
-    wanted = sorted(set(refs))
-    if database_url is None or not wanted:
-        return {}
-    try:
-        with psycopg.connect(database_url, connect_timeout=10) as conn:
-            rows = conn.execute(
-                "SELECT ref, content FROM artifacts WHERE ref = ANY(%s)", (wanted,)
-            ).fetchall()
-    except psycopg.Error as exc:
-        raise AuditError(f"reading candidate artifacts failed: {exc}") from exc
-    return {str(ref): bytes(content).decode() for ref, content in rows}
-
-
-def revalidate_runs(
-    logs: dict[str, list[dict[str, Any]]], version: int, database_url: str | None
-) -> list[Revalidation]:
-    """Every validated candidate in the logs, re-validated with `version` (no model)."""
-    found: list[tuple[str, int, ModelCallCompleted, RunState, RunState]] = []
-    for run_id in sorted(logs):
-        state: RunState | None = None
-        for record in logs[run_id]:
-            event = parse_event_body(record["body"])
-            result = transition(state, event)
-            new = result.state
-            if (
-                isinstance(event, ModelCallCompleted)
-                and state is not None
-                and new is not None
-                and result.disposition is Disposition.APPLIED
-                and event.outcome is ModelOutcome.FINISHED
-                and event.candidate is not None
-                and new.last_decision is not None
-                and new.last_decision is not state.last_decision
-            ):
-                found.append((run_id, record["seq"], event, state, new))
-            state = new
-    stored = _load_candidates(
-        database_url, (n.last_decision.candidate_ref for *_, n in found if n.last_decision)
-    )
-    out: list[Revalidation] = []
-    for run_id, seq, event, before, after in found:
-        decision = after.last_decision
-        assert decision is not None and event.candidate is not None
-        content = stored.get(decision.candidate_ref)
-        # The model executor's artifact (an assistant message) or the core's own format.
-        candidate = event.candidate if content is None else candidate_from_artifact(content)
-        context = ValidationContext.from_state(before)
-        again = revalidate(candidate, context, decision.validator_version)
-        fresh = revalidate(candidate, context, version)
-        out.append(
-            Revalidation(
-                run_id=run_id,
-                seq=seq,
-                step=event.step,
-                attempt=event.attempt,
-                candidate_ref=decision.candidate_ref,
-                source="event" if content is None else "artifacts",
-                recorded_version=decision.validator_version,
-                recorded_action=decision.action,
-                recorded_error=decision.error_code,
-                reproduced=(again.action, again.error_code, again.evidence_hash)
-                == (decision.action, decision.error_code, decision.evidence_hash),
-                version=version,
-                action=fresh.action,
-                error=fresh.error_code,
-                detail=fresh.detail,
-                changed=(fresh.action, fresh.error_code) != (decision.action, decision.error_code),
-            )
-        )
-    return out
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _endpoints() -> tuple[Any, str, str | None]:
-    from agentruns.connectors.devstack.services import ServiceStack
-
-    stack = ServiceStack()
-    try:
-        stack.start()
-    except BaseException:
-        stack.close()  # never leave a half-started stack behind
-        raise
-    assert stack.endpoints is not None
-    return stack, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url
-
-
-def replay_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentruns replay", description="a run's timeline, from the event log alone"
-    )
-    parser.add_argument("run_id")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--json", action="store_true", help="one JSON object")
-    args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, _ = _endpoints()
-        try:
-            records = read_log(bootstrap, args.prefix, [args.run_id]).get(args.run_id, [])
-        finally:
-            stack.close()
-    except AgentrunsError as exc:
-        print(f"agentruns replay: {exc.one_line()}", file=sys.stderr)
-        return 2
-    if not records:
-        print(f"agentruns replay: no events for run {args.run_id}", file=sys.stderr)
-        return 1
-    entries, state = timeline(records)
-    if args.json:
-        print(timeline_json(args.run_id, entries, state))
-    else:
-        print(format_timeline(args.run_id, entries, state))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """`agentruns audit`."""
     parser = argparse.ArgumentParser(
@@ -863,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
     try:
-        stack, bootstrap, database_url = _endpoints()
+        stack, bootstrap, database_url = endpoints()
     except AgentrunsError as exc:
         print(f"agentruns audit: {exc.one_line()}", file=sys.stderr)
         return 2
@@ -904,54 +451,6 @@ def _summary_line(summary: dict[str, Any]) -> str:
         f"audited {summary['runs']} runs: {summary['differences']} differences in "
         f"{summary['runs_with_differences']} runs"
     )
-
-
-def revalidate_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentruns revalidate",
-        description="re-run a validator version over stored candidates, without a model (R10)",
-    )
-    parser.add_argument("--validator-version", type=int, required=True)
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--run", action="append", dest="runs", help="only this run (repeat)")
-    parser.add_argument("--changed-only", action="store_true")
-    parser.add_argument("--json", action="store_true", help="one JSON line per candidate")
-    args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, database_url = _endpoints()
-        try:
-            logs = read_log(bootstrap, args.prefix, args.runs)
-            results = revalidate_runs(logs, args.validator_version, database_url)
-        finally:
-            stack.close()
-    except AgentrunsError as exc:
-        print(f"agentruns revalidate: {exc.one_line()}", file=sys.stderr)
-        return 2
-    changed = 0
-    for r in results:
-        changed += r.changed
-        if args.changed_only and not r.changed:
-            continue
-        if args.json:
-            print(json.dumps(asdict(r), sort_keys=True))
-        else:
-            recorded = f"v{r.recorded_version} {r.recorded_action}" + (
-                f"({r.recorded_error})" if r.recorded_error else ""
-            )
-            now = f"v{r.version} {r.action}" + (f"({r.error})" if r.error else "")
-            mark = "CHANGED" if r.changed else "same"
-            lines = f"{r.run_id} seq {r.seq} {r.step}.{r.attempt}: {recorded} -> {now}  {mark}"
-            if not r.reproduced:
-                lines += "  (recorded decision NOT reproduced)"
-            print(lines)
-    summary = {
-        "candidates": len(results),
-        "changed": changed,
-        "not_reproduced": sum(not r.reproduced for r in results),
-        "validator_version": args.validator_version,
-    }
-    print(json.dumps(summary, sort_keys=True))
-    return 0
 
 
 if __name__ == "__main__":

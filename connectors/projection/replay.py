@@ -1,16 +1,45 @@
-"""`agentruns replay RUN_ID [--json]`: a run's timeline from the event log alone (R28).
-
-The implementation lives in `agentruns.connectors.projection.audit`; this module gives the CLI its
-`main`.
+"""`agentruns replay RUN_ID [--json]`: a run's timeline from the event log alone (R28), see
+`agentruns.connectors.projection.timeline`.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from agentruns.connectors.projection.audit import replay_main as main
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.projection.reading import endpoints, read_log
+from agentruns.connectors.projection.timeline import format_timeline, timeline, timeline_json
+from agentruns.streams.topics import DEFAULT_PREFIX
 
-__all__ = ["main"]
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentruns replay", description="a run's timeline, from the event log alone"
+    )
+    parser.add_argument("run_id")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        stack, bootstrap, _ = endpoints()
+        try:
+            records = read_log(bootstrap, args.prefix, [args.run_id]).get(args.run_id, [])
+        finally:
+            stack.close()
+    except AgentrunsError as exc:
+        print(f"agentruns replay: {exc.one_line()}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"agentruns replay: no events for run {args.run_id}", file=sys.stderr)
+        return 1
+    entries, state = timeline(records)
+    if args.json:
+        print(timeline_json(args.run_id, entries, state))
+    else:
+        print(format_timeline(args.run_id, entries, state))
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,12 @@ from typing import Any
 from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
-from agentruns.connectors.executors.tool import ToolExecutor
+from agentruns.connectors.executors.tool import (
+    REGISTRY_ENV,
+    ToolExecutor,
+    ToolRegistry,
+    registry_from_args,
+)
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -43,6 +48,7 @@ class Monolith:
         database_url: str,
         *,
         prefix: str = "agentruns",
+        registry: ToolRegistry,
         model_base_url: str | None = None,
         tool_base_url: str | None = None,
     ) -> None:
@@ -62,9 +68,9 @@ class Monolith:
             )
 
         self.model_executor = ModelExecutor(
-            executor("model"), Routes.from_env(None, model_base_url)
+            executor("model"), Routes.from_env(None, model_base_url), registry
         )
-        self.tool_executor = ToolExecutor(executor("tool"), base_url=tool_base_url)
+        self.tool_executor = ToolExecutor(executor("tool"), registry, base_url=tool_base_url)
         self.timer = TimerService(bootstrap, database_url, prefix=prefix)
         self.sink = Sink(SinkConfig(bootstrap=bootstrap, database_url=database_url, prefix=prefix))
         self.components: dict[str, Any] = {
@@ -106,11 +112,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dev-servers",
         action="store_true",
-        help="also run the scripted model server and example tool server",
+        help="also run the scripted model server and example tool server (and use the example"
+        " tool registry unless --registry is given)",
+    )
+    parser.add_argument(
+        "--registry",
+        default=os.environ.get(REGISTRY_ENV),
+        help=f"the tool registry, a JSON file (required without --dev-servers; default"
+        f" ${REGISTRY_ENV})",
     )
     parser.add_argument("--api-port", type=int, default=8080)
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.dev_servers and not args.registry:
+        from agentruns.connectors.testing import tool_server
+
+        args.registry = str(tool_server.DEFAULT_REGISTRY)
+    registry = registry_from_args(args.registry)
     setup_logging(args.log_level, component="run")
     stop = stop_on_signals()
     with ServiceStack() as stack, ExitStack() as resources:
@@ -129,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ep.kafka_bootstrap,
             ep.database_url,
             prefix=args.prefix,
+            registry=registry,
             model_base_url=model_url,
             tool_base_url=tool_url,
         )
@@ -154,7 +173,8 @@ def _start_api(
 ) -> Callable[[], None] | None:
     """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
     import uvicorn
-    from agentruns.connectors.api.service import ApiConfig, create_app
+    from agentruns.connectors.api.config import ApiConfig
+    from agentruns.connectors.api.http import create_app
 
     app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix))
     server = uvicorn.Server(

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import psycopg
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.runtime.timers import fired_input
+from agentruns.streams import clock
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, effect_suffix, topic_name
@@ -85,7 +85,7 @@ def scan(
     redrive: bool = False,
     now_ms: int | None = None,
 ) -> list[Diagnosis]:
-    now = int(time.time() * 1000) if now_ms is None else now_ms
+    now = clock.now_ms() if now_ms is None else now_ms
     with psycopg.connect(database_url) as conn:
         rows = conn.execute(
             "SELECT run_id, status, extract(epoch FROM last_event_at) * 1000, state"

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from agentruns.processors.events import TimerFired
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams import dlq
 from agentruns.streams.admin import ensure_topics
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_count, release
 from agentruns.streams.partitioning import partition_for
@@ -79,10 +79,6 @@ def refusal(exc: Exception) -> Refused:
     if isinstance(exc, psycopg.Error):
         return Refused(f"invalid_input:unstorable: {dead_letters.first_line(exc)}")
     return Refused(f"invalid_input:effect: {dead_letters.first_line(exc)}")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def fired_input(row: tuple[Any, ...]) -> dict[str, Any]:

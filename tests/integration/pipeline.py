@@ -26,6 +26,7 @@ from agentruns.processors.events import (
     ToolCallSucceeded,
 )
 from agentruns.processors.state import Budgets, ToolSpec
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, release
 from agentruns.streams.partitioning import partition_for
@@ -42,10 +43,6 @@ SEARCH = ToolSpec(
         "additionalProperties": False,
     },
 )
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def submitted(run_id: str, *, at: int | None = None, max_steps: int = 20) -> RunSubmitted:

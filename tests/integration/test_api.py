@@ -19,15 +19,10 @@ import psycopg
 import pytest
 import uvicorn
 from agentruns.connectors.api.client import ResultsConsumer
-from agentruns.connectors.api.service import (
-    MAX_BODY_BYTES,
-    ApiConfig,
-    callback_url,
-    create_app,
-    run_id_for_key,
-    sign_token,
-    verify_token,
-)
+from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.http import create_app
+from agentruns.connectors.api.inputs import MAX_BODY_BYTES
+from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.effects import CallModel, CallTool, CancelTool
 from agentruns.processors.events import (
@@ -39,6 +34,7 @@ from agentruns.processors.events import (
     ToolCallAccepted,
     ToolCallRequest,
 )
+from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
@@ -401,7 +397,7 @@ def test_a_reply_after_expiry_is_rejected(stack: Stack) -> None:
 
 def _waiting_tool(stack: Stack) -> tuple[str, dict[str, Any]]:
     key = f"async-{uuid.uuid4().hex}"
-    from agentruns.connectors.api.service import run_id_for_key
+    from agentruns.processors.ids import run_id_for_key
 
     stack.double.async_runs.add(run_id_for_key(key))
     run_id = stack.submit(key, tools=[SEARCH.model_dump(), REPORT.model_dump()])

@@ -14,12 +14,11 @@ import pytest
 from agentruns.bench.core import START_AT, simulate, submitted
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
-from agentruns.connectors.projection.audit import (
-    RECONCILE_DIFFERENCES,
-    Reconciler,
-    read_log,
-    revalidate_runs,
-)
+from agentruns.connectors.projection import replay as replay_cli
+from agentruns.connectors.projection import revalidate as revalidate_cli
+from agentruns.connectors.projection.audit import RECONCILE_DIFFERENCES, Reconciler
+from agentruns.connectors.projection.reading import read_log
+from agentruns.connectors.projection.revalidate import revalidate_runs
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
 from tests.integration.runlog import (
@@ -102,18 +101,18 @@ def test_replay_of_a_known_run_matches_the_golden_file(
     # another run on the same topics must not leak into the timeline
     write_runs(writer, [log, *scripted_runs(prefix, 3)], per_transaction=7)
     writer.close()
-    assert audit_cli.replay_main(["golden-run-1", "--prefix", prefix]) == 0
+    assert replay_cli.main(["golden-run-1", "--prefix", prefix]) == 0
     text = capsys.readouterr().out
     golden = GOLDEN / "replay_golden-run-1.txt"
     if os.environ.get("UPDATE_GOLDEN") or not golden.exists():
         golden.write_text(text)
     assert text == golden.read_text()
 
-    assert audit_cli.replay_main(["golden-run-1", "--prefix", prefix, "--json"]) == 0
+    assert replay_cli.main(["golden-run-1", "--prefix", prefix, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [e["seq"] for e in doc["events"]] == list(range(1, len(log) + 1))
     assert doc["final"]["status"] == doc["events"][-1]["status_after"]
-    assert audit_cli.replay_main(["no-such-run", "--prefix", prefix]) == 1
+    assert replay_cli.main(["no-such-run", "--prefix", prefix]) == 1
 
 
 def test_revalidate_reruns_validators_over_stored_candidates(
@@ -169,7 +168,7 @@ def test_revalidate_reruns_validators_over_stored_candidates(
     v2 = revalidate_runs(logs, 2, database_url)
     assert not any(r.changed for r in v2)
 
-    assert audit_cli.revalidate_main(["--validator-version", "1", "--prefix", prefix]) == 0
+    assert revalidate_cli.main(["--validator-version", "1", "--prefix", prefix]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "v2 repair(DUPLICATE_CALL_ID) -> v1 dispatch  CHANGED" in out[0]
     assert json.loads(out[-1])["changed"] == 1

@@ -92,3 +92,21 @@ def test_unreachable_bootstrap_is_one_clear_line(dev_env: dict[str, str]) -> Non
     assert result.returncode == 2
     assert "does not answer" in result.stderr and "KAFKA_BOOTSTRAP_SERVERS" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["executor", "tool"], ["run"]], ids=" ".join)
+def test_a_missing_tool_registry_is_one_clear_line(
+    dev_env: dict[str, str], tmp_path: Path, command: list[str]
+) -> None:
+    env = {k: v for k, v in dev_env.items() if k != "AGENTRUNS_TOOL_REGISTRY"}
+    result = _run(command, env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no tool registry" in lines[0], result.stderr
+    assert "--registry" in lines[0] and "AGENTRUNS_TOOL_REGISTRY" in lines[0]
+
+    absent = tmp_path / "absent.json"
+    result = _run([*command, "--registry", str(absent)], env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot read the tool registry {absent}" in lines[0]

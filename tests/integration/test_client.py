@@ -21,8 +21,8 @@ from agentruns.connectors.api.client import (
     main_results,
     main_submit,
 )
-from agentruns.connectors.api.service import run_id_for_key
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import DLQ, INBOX, topic_name
 
 from tests.integration.pipeline import SEARCH, now_ms, read_all

@@ -23,14 +23,14 @@ from agentruns.connectors.executors.model import (
     Routes,
     StreamAssembler,
     build_conversation,
-    candidate_from_artifact,
 )
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import model_server
+from agentruns.connectors.testing import model_server, tool_server
 from agentruns.connectors.testing.httpserver import ServerHandle
 from agentruns.processors.effects import CallModel, RepairNote
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.ids import canonical_json
+from agentruns.processors.transition import load_candidate
 
 from tests.integration.test_tool_executor import Harness, make_harness, release, wait_until
 
@@ -132,7 +132,7 @@ def model_env(kafka_bootstrap: str, database_url: str) -> Iterator[ModelEnv]:
         },
         RouteConfig(base_url=base),
     )
-    harness.start(ModelExecutor(harness.config("model"), routes))
+    harness.start(ModelExecutor(harness.config("model"), routes, tool_server.DEFAULT_REGISTRY))
     http = httpx.Client(base_url=server.url, timeout=5.0)
     store = PostgresArtifactStore(database_url)
     try:
@@ -179,7 +179,7 @@ def test_finished_stream_becomes_a_candidate_with_complete_tool_calls(
     assert message["tool_calls"][0]["id"] == call.id
     assert message["tool_calls"][0]["function"]["arguments"] == call.arguments_json
     stored = env.store.get(event.candidate_ref) or ""
-    assert candidate_from_artifact(stored) == event.candidate  # what audit re-validates
+    assert load_candidate(stored) == event.candidate  # what audit re-validates
 
 
 @pytest.mark.parametrize(

@@ -695,7 +695,7 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
 
 
 def test_callback_url_is_per_operation_and_signed_like_the_api() -> None:
-    from agentruns.connectors.api.service import callback_url
+    from agentruns.connectors.api.tokens import callback_url
     from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
 
     registry = ToolRegistry.load(tool_server.DEFAULT_REGISTRY)

@@ -243,6 +243,26 @@ def test_over_deep_json_is_a_decode_error_for_snapshots_and_candidates() -> None
         load_candidate("NaN")
 
 
+def test_a_candidate_loads_from_the_model_executors_artifact_as_strictly_as_the_cores() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    message = {"role": "assistant", "content": "x", "tool_calls": [call]}
+    stored = json.dumps({"type": "candidate", "message": message, "usage": {}})
+    candidate = load_candidate(stored)
+    assert candidate.content == "x"
+    assert [(c.id, c.name, c.arguments_json) for c in candidate.tool_calls] == [
+        ("c1", "search", "{}")
+    ]
+    assert load_candidate(candidate.model_dump_json()) == candidate
+    with pytest.raises(msgspec.ValidationError):
+        load_candidate(json.dumps({"message": {**message, "tool_calls": [{**call, "id": 7}]}}))
+    with pytest.raises(msgspec.ValidationError):
+        load_candidate(
+            json.dumps(
+                {"message": {**message, "tool_calls": [{**call, "id": "c" * (MAX_ID_CHARS + 1)}]}}
+            )
+        )
+
+
 # --------------------------------------------------------------------------- tool schemas
 
 

@@ -7,17 +7,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from agentruns.connectors.api.service import (
+from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.api.http import _clean, _json_object
+from agentruns.connectors.api.inputs import (
     MAX_BODY_DEPTH,
-    ApiError,
     InvalidInputError,
-    _clean,
-    _json_object,
     encoded_input,
     submitted_task,
 )
 from agentruns.connectors.postgres.bulk import MAX_STORED_MS, MIN_STORED_MS, clamp_ms
-from agentruns.connectors.projection.sink import ms_time
+from agentruns.connectors.projection.rows import ms_time
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams.records import input_record
 

@@ -35,6 +35,7 @@ CORE_ALLOWED = {
     "re",
     "reprlib",
     "typing",
+    "uuid",  # uuid5: a name-based hash (ids.run_id_for_key), no clock or randomness
     "msgspec",
     "pydantic",
     "jsonschema",

@@ -1,0 +1,78 @@
+"""`ApiConfig`: what the API process needs (Kafka, Postgres, bearer token, signing secret,
+limits, clock), and how it is read from the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.streams.clock import now_ms
+from agentruns.streams.topics import DEFAULT_PREFIX
+
+log = logging.getLogger("agentruns.api")
+
+
+@dataclass
+class ApiConfig:
+    bootstrap: str
+    database_url: str
+    api_token: str
+    secret: bytes
+    prefix: str = DEFAULT_PREFIX
+    #: Partitions of the inbox; None: read from the broker at start.
+    partitions: int | None = None
+    db_pool_size: int = 8
+    produce_timeout_s: float = 15.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_record_bytes: int = MAX_RECORD_BYTES
+    clock: Callable[[], int] = now_ms
+    extra_producer: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(
+        cls,
+        bootstrap: str,
+        database_url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        production: bool = False,
+        environ: Mapping[str, str] = os.environ,
+    ) -> ApiConfig:
+        """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET.
+
+        In production both are required; otherwise a random value is generated for this
+        process with a warning (tokens then do not survive a restart)."""
+        token = environ.get("AGENTRUNS_API_TOKEN", "")
+        secret = environ.get("AGENTRUNS_API_SECRET", "")
+        if production and (not token or not secret):
+            raise AgentrunsError(
+                "AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET must be set in production",
+                hint="set both to long random strings (e.g. `openssl rand -hex 32`)",
+            )
+        if not token:
+            token = secrets.token_urlsafe(24)
+            log.warning(
+                "AGENTRUNS_API_TOKEN is not set: generated a development bearer token "
+                "(written to stderr once); set it for anything but local development"
+            )
+            print(f"agentruns api: development bearer token: {token}", file=sys.stderr)
+        if not secret:
+            log.warning(
+                "AGENTRUNS_API_SECRET is not set: resume tokens are signed with a random "
+                "per-process key and become invalid when the API restarts"
+            )
+        return cls(
+            bootstrap=bootstrap,
+            database_url=database_url,
+            api_token=token,
+            secret=secret.encode() if secret else secrets.token_bytes(32),
+            prefix=prefix,
+        )

@@ -1,0 +1,305 @@
+"""The HTTP layer of the API (Starlette): guard, auth, endpoints, routes and `create_app`.
+
+Hostile input is refused at the door, before anything is stored or produced: a body over
+`max_body_bytes` (413, by Content-Length at once, or counted while read), a record over
+`max_record_bytes` (413), a body that is not UTF-8 JSON, nests deeper than the limits, carries an
+integer a bigint cannot hold, or a task the core would refuse (422 with the reason
+`invalid_input:<what>: ...`), a header or query that is not UTF-8 or holds a control character
+(400). Endpoints, auth, limits and the resume-token format are documented in docs/api.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.errors import ApiError, invalid_input
+from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
+from agentruns.connectors.api.openapi import OPENAPI
+from agentruns.connectors.api.service import ApiService
+from agentruns.connectors.api.tokens import callback_signature
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.processors.limits import json_depth
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("agentruns.api")
+
+
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+
+
+REQUESTS = Counter(
+    "agentruns_api_requests_total", "HTTP requests answered", ["method", "route", "status"]
+)
+LATENCY = Histogram(
+    "agentruns_api_request_seconds",
+    "HTTP request latency",
+    ["route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+
+
+def _too_large(limit: int) -> ApiError:
+    return invalid_input(
+        413, "body_too_large", f"invalid_input:body_too_large: request body over {limit} bytes"
+    )
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, read as it streams in and never past `limit` bytes: a Content-Length
+    over it is refused before reading, a chunked body as soon as it grows over it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "invalid_header", "Content-Length is not a number")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object: UTF-8, nested at most MAX_BODY_DEPTH deep (a deeper one is
+    refused without recursing into it)."""
+    try:
+        value = msgspec.json.decode(raw or b"{}")
+    except UnicodeDecodeError:
+        raise invalid_input(
+            422, "invalid_encoding", "invalid_input:encoding: request body is not UTF-8"
+        ) from None
+    except RecursionError:
+        value = None
+        depth = MAX_BODY_DEPTH + 1
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "invalid_json", f"request body is not JSON: {exc}") from None
+    else:
+        depth = json_depth(value, MAX_BODY_DEPTH)
+    if depth > MAX_BODY_DEPTH:
+        raise invalid_input(
+            422, "too_deep", f"invalid_input:json_too_deep: nested deeper than {MAX_BODY_DEPTH}"
+        )
+    if not isinstance(value, dict):
+        raise ApiError(400, "invalid_json", "request body must be a JSON object")
+    return value
+
+
+#: Bytes no header value or query string may hold: a header is one line, and what is read from
+#: one becomes ids and trace ids in records.
+_CONTROL = (frozenset(range(0x20)) - {0x09}) | {0x7F}  # a tab is whitespace in a header
+
+
+def _clean(value: bytes) -> bool:
+    if _CONTROL.intersection(value):
+        return False
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class _Guard:
+    """The outermost check of every request: header values and the query string must be UTF-8
+    without control characters (400 otherwise). The HTTP server already refuses a header line
+    broken by CR or LF; this also covers what it lets through (obs-text, NUL, DEL)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            bad = next((k for k, v in scope["headers"] if not _clean(v)), None)
+            if bad is None and not _clean(scope.get("query_string", b"")):
+                bad = b"query string"
+            if bad is not None:
+                what = bad.decode("latin-1")
+                response = JSONResponse(
+                    {
+                        "error": "invalid_header",
+                        "detail": f"{what} is not UTF-8 or holds a control character",
+                    },
+                    status_code=400,
+                )
+                REQUESTS.labels(scope["method"], "invalid_header", "400").inc()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Auth:
+    """Bearer-token check for every path but PUBLIC_PATHS; a callback may instead carry the
+    operation's HMAC ``sig`` query parameter (see `callback_url`)."""
+
+    def __init__(self, app: ASGIApp, token: str, secret: bytes) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+        self._secret = secret
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected) or self._callback_signed(scope):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            {"error": "unauthorized", "detail": "send Authorization: Bearer <AGENTRUNS_API_TOKEN>"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="agentruns"'},
+        )
+        REQUESTS.labels(scope["method"], "unauthorized", "401").inc()
+        await response(scope, receive, send)
+
+    def _callback_signed(self, scope: Scope) -> bool:
+        parts = str(scope["path"]).strip("/").split("/")
+        if len(parts) != 3 or parts[0] != "operations" or parts[2] != "callback":
+            return False
+        query = dict(
+            p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p
+        )
+        sig = query.get("sig", "")
+        return hmac.compare_digest(sig, callback_signature(self._secret, parts[1]))
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response]]) -> Any:
+    def bind(service: ApiService) -> Handler:
+        async def handle(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                response = await fn(service, request)
+            except ApiError as exc:
+                response = exc.response()
+            except AgentrunsError as exc:
+                log.warning("%s %s failed: %s", request.method, route, exc)
+                response = JSONResponse(
+                    {"error": "unavailable", "detail": exc.one_line()}, status_code=503
+                )
+            REQUESTS.labels(request.method, route, str(response.status_code)).inc()
+            LATENCY.labels(route).observe(time.perf_counter() - started)
+            return response
+
+        return handle
+
+    return bind
+
+
+async def _submit(s: ApiService, r: Request) -> Response:
+    body = _json_object(await _body(r, s.config.max_body_bytes))
+    key = r.headers.get("idempotency-key", "")
+    out = await run_in_threadpool(s.submit, key, body, r.headers.get("x-trace-id"))
+    return JSONResponse(
+        out,
+        status_code=202 if out["created"] else 200,
+        headers={"Location": f"/runs/{out['run_id']}"},
+    )
+
+
+async def _get_run(s: ApiService, r: Request) -> Response:
+    return JSONResponse(await run_in_threadpool(s.get_run, r.path_params["run_id"]))
+
+
+def _int_param(r: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = r.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_parameter", f"{name} must be an integer") from None
+    return max(lo, min(hi, value))
+
+
+async def _events(s: ApiService, r: Request) -> Response:
+    after = _int_param(r, "after_seq", 0, 0, 2**62)
+    limit = _int_param(r, "limit", 500, 1, 1000)
+    out = await run_in_threadpool(s.events, r.path_params["run_id"], after, limit)
+    return JSONResponse(out)
+
+
+async def _reply(s: ApiService, r: Request) -> Response:
+    body = _json_object(await _body(r, s.config.max_body_bytes))
+    out = await run_in_threadpool(s.reply, r.path_params["run_id"], body)
+    return JSONResponse(out, status_code=202)
+
+
+async def _cancel(s: ApiService, r: Request) -> Response:
+    body = _json_object(await _body(r, s.config.max_body_bytes))
+    key = r.headers.get("idempotency-key")
+    out = await run_in_threadpool(s.cancel, r.path_params["run_id"], body, key)
+    return JSONResponse(out, status_code=202)
+
+
+async def _callback(s: ApiService, r: Request) -> Response:
+    body = _json_object(await _body(r, s.config.max_body_bytes))
+    status, out = await run_in_threadpool(s.callback, r.path_params["key"], body)
+    return JSONResponse(out, status_code=status)
+
+
+async def _health(s: ApiService, r: Request) -> Response:
+    return JSONResponse(await run_in_threadpool(s.health))
+
+
+async def _metrics(s: ApiService, r: Request) -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _openapi(s: ApiService, r: Request) -> Response:
+    return JSONResponse(OPENAPI)
+
+
+ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Response]]], ...] = (
+    ("POST", "/runs", "submit", _submit),
+    ("GET", "/runs/{run_id}", "get_run", _get_run),
+    ("GET", "/runs/{run_id}/events", "events", _events),
+    ("POST", "/runs/{run_id}/replies", "reply", _reply),
+    ("POST", "/runs/{run_id}/cancel", "cancel", _cancel),
+    ("POST", "/operations/{key}/callback", "callback", _callback),
+    ("GET", "/healthz", "healthz", _health),
+    ("GET", "/metrics", "metrics", _metrics),
+    ("GET", "/openapi.json", "openapi", _openapi),
+)
+
+
+def create_app(config: ApiConfig) -> Starlette:
+    """The ASGI app. Connects to Kafka (inbox metadata) at once; Postgres lazily."""
+    service = ApiService(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.close)
+
+    routes = [
+        Route(path, _endpoint(name, fn)(service), methods=[method], name=name)
+        for method, path, name, fn in ROUTES
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(_Auth, token=config.api_token, secret=config.secret)
+    app.add_middleware(_Guard)  # added last: runs first
+    app.state.service = service
+    return app

@@ -1,0 +1,245 @@
+"""`OPENAPI`: the hand-written OpenAPI 3.1 document of the API, served at /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description}
+    if schema is not None:
+        out["content"] = {"application/json": {"schema": schema}}
+    return out
+
+
+_RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ERRS = {
+    "400": _resp("a header or the query string is not UTF-8 or holds a control character", _ERROR),
+    "401": _resp("missing or wrong bearer token", _ERROR),
+    "503": _resp("Kafka or Postgres unavailable; retry", _ERROR),
+}
+_TOO_LARGE = {
+    "413": _resp("body over max_body_bytes, or its input record over max_record_bytes", _ERROR)
+}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {
+        "title": "agentruns API",
+        "version": "1",
+        "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel. "
+        "Every endpoint but /healthz, /metrics and /openapi.json needs "
+        "`Authorization: Bearer <AGENTRUNS_API_TOKEN>`.",
+    },
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error", "detail"],
+                "properties": {
+                    "error": {"type": "string"},
+                    "detail": {"type": "string"},
+                    "reason": {
+                        "type": "string",
+                        "description": "invalid_input:<what>: ... when the input is refused",
+                    },
+                },
+            },
+            "Task": {
+                "type": "object",
+                "required": ["goal"],
+                "description": "The fields of the core's RunSubmitted event but the ids and "
+                "the time: goal, messages, tools, policy, model_route, budgets, loop, "
+                "memory_ref, evidence_refs, validator_version; optional trace_id.",
+                "properties": {
+                    "goal": {"type": "string"},
+                    "messages": {"type": "array", "items": {"type": "object"}},
+                    "tools": {"type": "array", "items": {"type": "object"}},
+                    "policy": {"type": "object"},
+                    "model_route": {"type": "string"},
+                    "budgets": {"type": "object"},
+                    "loop": {"type": "object"},
+                    "memory_ref": {"type": ["string", "null"]},
+                    "evidence_refs": {"type": "array", "items": {"type": "string"}},
+                    "trace_id": {"type": "string"},
+                },
+            },
+            "Submitted": {
+                "type": "object",
+                "properties": {
+                    "run_id": {"type": "string"},
+                    "trace_id": {"type": "string"},
+                    "created": {"type": "boolean"},
+                    "status": {"type": "string"},
+                },
+            },
+            "Run": {
+                "type": "object",
+                "description": "The committed projection of a run. `result` is set only "
+                "when `terminal`; `question` (with `resume_token`) only in WAITING_USER.",
+                "properties": {
+                    "run_id": {"type": "string"},
+                    "status": {"type": "string"},
+                    "terminal": {"type": "boolean"},
+                    "waits": {
+                        "type": "object",
+                        "properties": {
+                            "system_ms": {"type": "integer"},
+                            "tool_wait_ms": {"type": "integer"},
+                            "user_wait_ms": {"type": "integer"},
+                        },
+                    },
+                    "operations": {"type": "array", "items": {"type": "object"}},
+                    "question": {"type": ["object", "null"]},
+                    "result": {"type": ["object", "null"]},
+                },
+            },
+            "Reply": {
+                "type": "object",
+                "required": ["resume_token", "response"],
+                "properties": {
+                    "resume_token": {"type": "string"},
+                    "response": {"type": "object"},
+                },
+            },
+            "Callback": {
+                "type": "object",
+                "required": ["status"],
+                "properties": {
+                    "status": {"enum": ["succeeded", "failed", "cancelled", "running", "accepted"]},
+                    "result": {},
+                    "error_class": {"type": "string"},
+                    "error_code": {"type": "string"},
+                    "message": {"type": "string"},
+                    "retry_after_ms": {"type": "integer"},
+                },
+            },
+        },
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/runs": {
+            "post": {
+                "summary": "Submit a task (idempotent by Idempotency-Key)",
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": True,
+                        "schema": {"type": "string", "maxLength": 200},
+                    },
+                    {"name": "X-Trace-Id", "in": "header", "schema": {"type": "string"}},
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Task"}}
+                    },
+                },
+                "responses": {
+                    "202": _resp("submitted", {"$ref": "#/components/schemas/Submitted"}),
+                    "200": _resp(
+                        "a repeat: the same run", {"$ref": "#/components/schemas/Submitted"}
+                    ),
+                    "400": _resp("no Idempotency-Key or not JSON", _ERROR),
+                    "422": _resp(
+                        "invalid task (with its invalid_input reason), or the key was used for"
+                        " another task",
+                        _ERROR,
+                    ),
+                    **_TOO_LARGE,
+                    **_ERRS,
+                },
+            }
+        },
+        "/runs/{run_id}": {
+            "get": {
+                "summary": "The run as committed: state, waits, operations, question, result",
+                "parameters": [_RUN_ID],
+                "responses": {
+                    "200": _resp("the run", {"$ref": "#/components/schemas/Run"}),
+                    "404": _resp("unknown run", _ERROR),
+                    **_ERRS,
+                },
+            }
+        },
+        "/runs/{run_id}/events": {
+            "get": {
+                "summary": "The run's event log (projected), in seq order",
+                "parameters": [
+                    _RUN_ID,
+                    {"name": "after_seq", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer"}},
+                ],
+                "responses": {"200": _resp("events"), "404": _resp("unknown run", _ERROR)},
+            }
+        },
+        "/runs/{run_id}/replies": {
+            "post": {
+                "summary": "Answer the open question with its resume token (single use)",
+                "parameters": [_RUN_ID],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Reply"}}
+                    },
+                },
+                "responses": {
+                    "202": _resp("accepted; the core applies it"),
+                    "409": _resp("token forged, expired, stale or already used", _ERROR),
+                    "422": _resp(
+                        "response does not match the expected schema, or nests too deep", _ERROR
+                    ),
+                    **_TOO_LARGE,
+                    **_ERRS,
+                },
+            }
+        },
+        "/runs/{run_id}/cancel": {
+            "post": {
+                "summary": "Request cancellation (handled at the run's next transition)",
+                "parameters": [_RUN_ID],
+                "responses": {
+                    "202": _resp("cancel requested"),
+                    "404": _resp("unknown run", _ERROR),
+                    "409": _resp("the run is already terminal", _ERROR),
+                    **_TOO_LARGE,
+                    **_ERRS,
+                },
+            }
+        },
+        "/operations/{key}/callback": {
+            "post": {
+                "summary": "Completion of an async tool operation (bearer token or ?sig=)",
+                "parameters": [
+                    {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {"name": "sig", "in": "query", "schema": {"type": "string"}},
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Callback"}}
+                    },
+                },
+                "responses": {
+                    "202": _resp("accepted; the core applies it"),
+                    "200": _resp("nothing to do (already settled, or still running)"),
+                    "404": _resp("unknown operation", _ERROR),
+                    "422": _resp("unknown status", _ERROR),
+                    **_TOO_LARGE,
+                    **_ERRS,
+                },
+            }
+        },
+        "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {}}}},
+        "/metrics": {
+            "get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {}}}
+        },
+        "/openapi.json": {
+            "get": {"summary": "This document", "security": [], "responses": {"200": {}}}
+        },
+    },
+}

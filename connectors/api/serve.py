@@ -1,0 +1,62 @@
+"""`agentruns api`: the HTTP API (Starlette on uvicorn) over the inbox and the projection.
+
+Resolves Kafka and Postgres (`ServiceStack`), applies the migrations, reads the token and the
+signing secret from the environment (`ApiConfig.from_env`) and serves `create_app` until
+stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.http import create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentruns api", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default=os.environ.get("AGENTRUNS_API_HOST", "127.0.0.1"))
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("AGENTRUNS_API_PORT", "8080"))
+    )
+    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument(
+        "--production",
+        action="store_true",
+        default=os.environ.get("AGENTRUNS_ENV", "") == "production",
+        help="refuse to start without AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET "
+        "(also AGENTRUNS_ENV=production)",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.logs import setup_logging
+    from agentruns.connectors.postgres.migrate import migrate
+
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    setup_logging(args.log_level, component="api")
+    with ServiceStack() as stack:
+        assert stack.endpoints is not None
+        ep = stack.endpoints
+        migrate(ep.database_url)
+        config = ApiConfig.from_env(
+            ep.kafka_bootstrap, ep.database_url, prefix=args.prefix, production=args.production
+        )
+        app = create_app(config)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from agentruns.connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["api", *sys.argv[1:]]))

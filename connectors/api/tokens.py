@@ -1,0 +1,95 @@
+"""Resume tokens and callback signatures (R15).
+
+A resume token ``art1.<claims>.<HMAC>`` binds run, question, token id, state version and expiry;
+the API signs it when it shows a question and verifies it on a reply. A callback URL carries an
+HMAC of its operation key, so a tool backend can report without the bearer token.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+from agentruns.connectors.api.errors import ApiError
+from agentruns.processors.ids import canonical_json
+
+TOKEN_PREFIX = "art1"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeToken:
+    """What a signed resume token binds: run, question, token id, state version, expiry (ms)."""
+
+    run_id: str
+    question_id: str
+    token_id: str
+    state_version: int
+    expires_at: int
+
+
+class TokenError(ApiError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(409, code, message)
+
+
+def sign_token(secret: bytes, token: ResumeToken) -> str:
+    """``art1.<base64url JSON claims>.<base64url HMAC-SHA256(secret, "art1." + claims)>``."""
+    claims = {
+        "r": token.run_id,
+        "q": token.question_id,
+        "t": token.token_id,
+        "v": token.state_version,
+        "e": token.expires_at,
+    }
+    body = _b64(canonical_json(claims).encode())
+    mac = hmac.new(secret, f"{TOKEN_PREFIX}.{body}".encode(), hashlib.sha256).digest()
+    return f"{TOKEN_PREFIX}.{body}.{_b64(mac)}"
+
+
+def verify_token(secret: bytes, text: str) -> ResumeToken:
+    """The claims of a token whose signature is valid; TokenError("token_forged") otherwise.
+
+    Expiry and freshness are checked by the caller against the clock and the projection."""
+    parts = text.split(".")
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        raise TokenError("token_forged", "not an agentruns resume token")
+    expected = hmac.new(secret, f"{TOKEN_PREFIX}.{parts[1]}".encode(), hashlib.sha256).digest()
+    try:
+        given = _unb64(parts[2])
+        claims = json.loads(_unb64(parts[1]))
+    except (ValueError, UnicodeDecodeError):
+        raise TokenError("token_forged", "resume token is malformed") from None
+    if not hmac.compare_digest(expected, given):
+        raise TokenError("token_forged", "resume token signature does not verify")
+    try:
+        return ResumeToken(
+            run_id=str(claims["r"]),
+            question_id=str(claims["q"]),
+            token_id=str(claims["t"]),
+            state_version=int(claims["v"]),
+            expires_at=int(claims["e"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        raise TokenError("token_forged", "resume token claims are incomplete") from None
+
+
+def callback_signature(secret: bytes, operation_key: str) -> str:
+    """The ``sig`` query parameter that authenticates a callback for one operation."""
+    return _b64(hmac.new(secret, f"callback.{operation_key}".encode(), hashlib.sha256).digest())
+
+
+def callback_url(base_url: str, operation_key: str, secret: bytes) -> str:
+    """A callback URL a tool backend can POST to without the bearer token."""
+    sig = callback_signature(secret, operation_key)
+    return f"{base_url.rstrip('/')}/operations/{operation_key}/callback?sig={sig}"

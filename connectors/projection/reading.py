@@ -1,0 +1,159 @@
+"""Reading the run log for audits: every committed record of a topic, up to its current end.
+
+`read_log` groups `<prefix>.events` by run in seq order (all runs, or some, read from their
+partitions only), `read_snapshots` gives each run's latest `<prefix>.state` record; `AuditError`
+says a topic or the database could not be read. `endpoints` resolves Kafka and Postgres for the
+audit commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
+from agentruns.streams.codec import CodecError, decode
+from agentruns.streams.partitioning import partition_for
+from agentruns.streams.topics import EVENTS, STATE, topic_name
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+log = logging.getLogger("agentruns.audit")
+
+
+class AuditError(AgentrunsError):
+    """The topics or the database could not be read for an audit."""
+
+
+def read_topic(
+    bootstrap: str,
+    topic: str,
+    expected_name: str,
+    *,
+    partitions: Sequence[int] | None = None,
+    timeout_s: float = 120.0,
+) -> Iterator[dict[str, Any]]:
+    """Every committed record of `topic` (or of some partitions), up to the current end."""
+    for _, record in read_keyed(
+        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s
+    ):
+        if record is not None:
+            yield record
+
+
+def read_keyed(
+    bootstrap: str,
+    topic: str,
+    expected_name: str,
+    *,
+    partitions: Sequence[int] | None = None,
+    timeout_s: float = 120.0,
+) -> Iterator[tuple[bytes | None, dict[str, Any] | None]]:
+    """Every committed record of `topic` with its key, tombstones (None) included, in each
+    partition's order, up to the current end."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"agentruns-audit-{uuid.uuid4().hex[:12]}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "fetch.wait.max.ms": 10,
+            "log_level": 3,
+        }
+    )
+    try:
+        meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise AuditError(
+                f"topic {topic} does not exist", hint="check --prefix (agentruns topics list)"
+            )
+        wanted = sorted(meta.partitions) if partitions is None else list(partitions)
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in wanted])
+        pending = set(wanted)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise AuditError(f"reading {topic} partitions {sorted(pending)} timed out")
+            for message in consumer.consume(1000, 0.5):
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(message.partition() or 0)
+                        continue
+                    raise AgentrunsKafkaError(f"reading {topic}: {error}")
+                value = message.value()
+                if value is None:
+                    yield message.key(), None
+                    continue
+                try:
+                    yield message.key(), decode(value, expected_name=expected_name).record
+                except CodecError as exc:
+                    log.error("undecodable record in %s: %s", topic, exc)
+    except KafkaException as exc:
+        raise AgentrunsKafkaError(f"reading {topic} failed: {exc}") from exc
+    finally:
+        consumer.close()
+
+
+def partition_count(bootstrap: str, topic: str) -> int:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "agentruns-audit-meta"})
+    try:
+        meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise AuditError(f"topic {topic} does not exist", hint="check --prefix")
+        return len(meta.partitions)
+    finally:
+        consumer.close()
+
+
+def read_log(
+    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Event records per run, in seq order (only the partitions of `run_ids` when given)."""
+    topic = topic_name(EVENTS, prefix)
+    partitions = None
+    if run_ids is not None:
+        n = partition_count(bootstrap, topic)
+        partitions = sorted({partition_for(r, n) for r in run_ids})
+    wanted = None if run_ids is None else set(run_ids)
+    logs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in read_topic(bootstrap, topic, "Event", partitions=partitions):
+        if wanted is None or record["run_id"] in wanted:
+            logs[record["run_id"]].append(record)
+    for records in logs.values():
+        records.sort(key=lambda r: r["seq"])
+    return dict(logs)
+
+
+def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | None]:
+    """The latest Snapshot record per run (highest version); None for a run whose last state
+    record is a tombstone: the processor evicted it after it ended (its log stays whole)."""
+    latest: dict[str, dict[str, Any] | None] = {}
+    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot"):
+        if record is None:
+            if key is not None:
+                latest[key.decode("utf-8", "replace")] = None
+            continue
+        held = latest.get(record["run_id"])
+        if held is None or held["version"] <= record["version"]:
+            latest[record["run_id"]] = record
+    return latest
+
+
+def endpoints() -> tuple[Any, str, str | None]:
+    """Kafka and Postgres for an audit command: the started stack (to close), the bootstrap
+    servers and the database URL."""
+    from agentruns.connectors.devstack.services import ServiceStack
+
+    stack = ServiceStack()
+    try:
+        stack.start()
+    except BaseException:
+        stack.close()  # never leave a half-started stack behind
+        raise
+    assert stack.endpoints is not None
+    return stack, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url
