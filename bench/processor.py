@@ -475,7 +475,7 @@ def cloned_restore_figures(
     # the live run is submitted `spread` after the ended one: event time then passes the ended
     # run's end plus the retention, and it is evicted
     spread = retention_ms + 1000
-    at = int(time.time() * 1000) - 2 * spread
+    at = now_ms() - 2 * spread
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
     inbox = topic_name(INBOX, prefix)
     state = topic_name(STATE, prefix)
