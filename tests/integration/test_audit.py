@@ -11,7 +11,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from agentruns.bench.core import START_AT, simulate, submitted
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
 from agentruns.connectors.projection.audit import (
@@ -20,6 +19,7 @@ from agentruns.connectors.projection.audit import (
     read_log,
     revalidate_runs,
 )
+from agentruns.connectors.testing.workload import START_AT, simulate, submitted
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
 from tests.integration.runlog import (
