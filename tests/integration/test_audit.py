@@ -22,14 +22,8 @@ from agentruns.connectors.projection.audit import (
 from agentruns.connectors.testing.workload import START_AT, simulate, submitted
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
-from tests.integration.runlog import (
-    new_log,
-    projected_events,
-    running_sink,
-    scripted_runs,
-    wait_for,
-    write_runs,
-)
+from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
+from tests.support.waiting import wait_for
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 

@@ -37,15 +37,9 @@ from agentruns.streams.records import event_record, parse_event_body
 from agentruns.streams.topics import DLQ, EVENTS, topic_name
 from confluent_kafka import Producer
 
-from tests.integration.pipeline import SEARCH, now_ms, read_all, submitted
-from tests.integration.runlog import (
-    new_log,
-    projected_events,
-    running_sink,
-    scripted_runs,
-    wait_for,
-    write_runs,
-)
+from tests.support.pipeline import SEARCH, now_ms, read_all, submitted
+from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
