@@ -40,17 +40,17 @@ def test_monolith_runs_a_task_submitted_over_http(
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     client = ApiClient(f"http://127.0.0.1:{port}", token)
+
+    def healthy() -> bool:  # the API answers once every component is up
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        return False
+
     try:
-
-        def healthy() -> bool:  # the API answers once every component is up
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    return True
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            return False
-
         wait_for(healthy, 90, "the monolith's API to answer", every=0.3)
         task = {
             "goal": "open a ticket and notify the customer",

@@ -45,7 +45,6 @@ from tests.support.executors import (
     fast_registry,
     ids_for,
     make_harness,
-    release,
 )
 from tests.support.pipeline import read_all
 from tests.support.waiting import wait_for
@@ -131,9 +130,7 @@ def tool_env(
     try:
         yield ToolEnv(harness, handler, http)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         http.close()
         server.close()
 
@@ -369,9 +366,7 @@ def test_a_batch_the_database_refuses_is_retried_with_a_growing_backoff_until_it
         wait_for(lambda: executor.retry_backoff_s == config.retry_backoff_s, 10, "reset")
         assert tools.executions(call.operation.key) == 1
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
 
 
 # --------------------------------------------------------------------------- model side
@@ -434,9 +429,7 @@ def model_env(kafka_bootstrap: str, database_url: str) -> Iterator[ModelEnv]:
     try:
         yield ModelEnv(harness, server, http, store)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         store.close()
         http.close()
         server.close()

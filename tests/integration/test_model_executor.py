@@ -28,7 +28,7 @@ from agentruns.processors.effects import RepairNote
 from agentruns.processors.events import ModelOutcome
 from agentruns.processors.ids import canonical_json
 
-from tests.support.executors import ModelEnv, make_harness, release
+from tests.support.executors import ModelEnv, make_harness
 from tests.support.waiting import wait_for
 
 
@@ -57,9 +57,7 @@ def model_env(kafka_bootstrap: str, database_url: str) -> Iterator[ModelEnv]:
     try:
         yield ModelEnv(harness, server, http, store)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         store.close()
         http.close()
         server.close()

@@ -83,13 +83,13 @@ def test_a_fenced_processor_stops_instead_of_going_on(
             "log_level": 0,
         }
     )
+
+    def stopped() -> bool:
+        impostor.poll(0.2)  # the impostor holds its membership while it polls
+        return not first.thread.is_alive()
+
     try:
         impostor.subscribe([topic_name(INBOX, prefix)])
-
-        def stopped() -> bool:
-            impostor.poll(0.2)  # the impostor holds its membership while it polls
-            return not first.thread.is_alive()
-
         wait_for(stopped, 60, "the fenced processor to stop", every=0)
         assert isinstance(first.error, FatalConsumerError), first.error
         assert "fenced" in str(first.error).lower()

@@ -8,15 +8,12 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.state import Budgets, TimerPurpose
@@ -230,20 +227,6 @@ def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_sti
         assert letter["original_headers"][0]["key"] == "run_id"
     assert [f["run_id"] for f in _fired(kafka_bootstrap, prefix)] == ["good"]
     assert timer_thread.dead_letters == 5
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[LocalPostgres]:
-    """A Postgres of this test's own, so it can be stopped and started."""
-    directory = Path(tempfile.mkdtemp(prefix="agentruns-timer-pg-"))
-    directory.chmod(0o755)
-    server = LocalPostgres(directory, port=free_port_block(1, start=26432), durable=False)
-    server.start()
-    try:
-        migrate(server.url)
-        yield server
-    finally:
-        server.wipe()
 
 
 def test_timers_consumed_while_postgres_is_down_fire_once_it_is_back(

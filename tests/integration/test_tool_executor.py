@@ -47,7 +47,6 @@ from tests.support.executors import (
     fast_registry,
     ids_for,
     make_harness,
-    release,
 )
 from tests.support.waiting import wait_for
 
@@ -118,9 +117,7 @@ def tool_env(
     try:
         yield ToolEnv(harness, server, http, registry, callbacks)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         http.close()
         callbacks.close()
         server.close()

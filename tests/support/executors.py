@@ -144,6 +144,16 @@ class Harness:
             self.thread.join(30)
             assert not self.thread.is_alive()
 
+    def close(self) -> None:
+        """Stop the executor and drop the Kafka clients now (not when the broker is already
+        gone at session end)."""
+        self.stop_executor()
+        self.inbox.close()
+        self.executor = None
+        self.effects.producer.flush(5)
+        del self.effects.producer
+        gc.collect()
+
     def config(self, kind: str, **overrides: Any) -> ExecutorConfig:
         return ExecutorConfig(
             bootstrap=self.bootstrap,
@@ -172,14 +182,6 @@ class Harness:
             store.close()
         assert text is not None, f"artifact {ref} missing"
         return json.loads(text)
-
-
-def release(harness: Harness) -> None:
-    """Drop the Kafka clients now (not when the broker is already gone at session end)."""
-    harness.executor = None
-    harness.effects.producer.flush(5)
-    del harness.effects.producer
-    gc.collect()
 
 
 def make_harness(bootstrap: str, database_url: str, prefix: str, kind: str) -> Harness:
