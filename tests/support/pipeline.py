@@ -129,7 +129,6 @@ def read_raw(
     *,
     partitions: Iterable[int] | None = None,
     isolation: str = "read_committed",
-    timeout: float = 30,
 ) -> list[RawRecord]:
     """Every record of `topic` visible under `isolation`, read from the start to the end of
     each partition (all of them, or those in `partitions`)."""
@@ -149,7 +148,7 @@ def read_raw(
         pending = set(partitions)
         consumer.assign([TopicPartition(topic, p, 0) for p in sorted(pending)])
         out: list[RawRecord] = []
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + 30
         while pending:
             assert time.monotonic() < deadline, f"reading {topic} did not reach the end"
             for msg in consumer.consume(500, 0.5):
@@ -167,16 +166,11 @@ def read_raw(
 
 
 def read_all(
-    bootstrap: str,
-    topic: str,
-    name: str,
-    *,
-    partitions: Iterable[int] | None = None,
-    timeout: float = 30,
+    bootstrap: str, topic: str, name: str, *, partitions: Iterable[int] | None = None
 ) -> list[Record]:
     """Every committed record of `topic` (decoded as `name`), read to the end of each partition."""
     out: list[Record] = []
-    for m in read_raw(bootstrap, topic, partitions=partitions, timeout=timeout):
+    for m in read_raw(bootstrap, topic, partitions=partitions):
         assert m.value is not None, f"a tombstone in {topic}"
         out.append(Record(m.partition, m.offset, m.key, decode(m.value, name).record))
     return out
