@@ -1,1 +1,2 @@
-"""Dev and test backends: the scripted model server, the example tool server, hostile inputs."""
+"""Dev and test backends: the scripted model server, the example tool server, hostile inputs,
+and simulated run logs (the workload) with a writer that puts them on the topics."""

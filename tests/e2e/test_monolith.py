@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import httpx
 from agentruns.connectors.api.client import ApiClient
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
+
+from tests.support.waiting import wait_for
 
 
 def test_monolith_runs_a_task_submitted_over_http(
@@ -39,17 +40,18 @@ def test_monolith_runs_a_task_submitted_over_http(
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     client = ApiClient(f"http://127.0.0.1:{port}", token)
+
+    def healthy() -> bool:  # the API answers once every component is up
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        return False
+
     try:
-        deadline = time.monotonic() + 90
-        while True:  # the API answers once every component is up
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the monolith's API never answered"
-            time.sleep(0.3)
+        wait_for(healthy, 90, "the monolith's API to answer", every=0.3)
         task = {
             "goal": "open a ticket and notify the customer",
             "messages": [{"role": "user", "content": f"scenario:multi_tool {unique_name}"}],

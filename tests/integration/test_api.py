@@ -5,228 +5,33 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import psycopg
-import pytest
-import uvicorn
 from agentruns.connectors.api.client import ResultsConsumer
-from agentruns.connectors.api.config import ApiConfig
-from agentruns.connectors.api.http import create_app
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES
 from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.processors.effects import CallModel, CallTool, CancelTool
-from agentruns.processors.events import (
-    CancelConfirmed,
-    Candidate,
-    Event,
-    ModelCallCompleted,
-    ModelOutcome,
-    ToolCallAccepted,
-    ToolCallRequest,
-)
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
-from agentruns.processors.state import ToolSpec
-from agentruns.streams.admin import ensure_topics
-from agentruns.streams.codec import decode
 from agentruns.streams.partitioning import partition_for
-from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from tests.integration.pipeline import SEARCH, ExecutorDouble, now_ms, read_all, wait_for
-from tests.integration.runlog import running_sink
-
-PARTITIONS = 3
-TOKEN = "test-bearer-" + uuid.uuid4().hex
-SECRET = b"test-secret-" + uuid.uuid4().hex.encode()
-REPORT = ToolSpec(
-    name="long_report",
-    parameters={"type": "object", "properties": {"report": {"type": "string"}}},
-    is_async=True,
-    cancellable=True,
-)
-GUARDED = SEARCH.model_copy(update={"permission": "write"})
-
-
-class ScriptedDouble(ExecutorDouble):
-    """The executor double, plus: runs listed in `async_runs` call `long_report`, which the
-    backend only accepts (202); a CancelTool is confirmed."""
-
-    def __init__(self, bootstrap: str, prefix: str) -> None:
-        super().__init__(bootstrap, prefix, PARTITIONS, steps=2)
-        self.async_runs: set[str] = set()
-
-    def answer(self, effect: Any) -> Iterable[Event]:
-        key = effect.idempotency_key
-        ids = {"run_id": effect.run_id, "event_id": f"{key}:result", "trace_id": effect.trace_id}
-        if isinstance(effect, CallModel) and effect.run_id in self.async_runs and effect.step == 1:
-            call = ToolCallRequest(id="c1", name="long_report", arguments_json='{"report":"q3"}')
-            yield ModelCallCompleted(
-                **ids,
-                at=now_ms(),
-                step=effect.step,
-                attempt=effect.attempt,
-                outcome=ModelOutcome.FINISHED,
-                candidate_ref="sha256:" + "c" * 64,
-                candidate=Candidate(tool_calls=(call,)),
-            )
-        elif isinstance(effect, CallTool) and effect.operation.tool == "long_report":
-            yield ToolCallAccepted(
-                **ids,
-                at=now_ms(),
-                step=effect.step,
-                operation_key=effect.operation.key,
-                dispatch=effect.operation.dispatch,
-            )
-        elif isinstance(effect, CancelTool):
-            yield CancelConfirmed(
-                **ids,
-                at=now_ms(),
-                step=effect.step,
-                operation_key=effect.operation_key,
-                dispatch=effect.dispatch,
-            )
-        else:
-            yield from super().answer(effect)
-
-
-@dataclass
-class Stack:
-    bootstrap: str
-    database_url: str
-    prefix: str
-    url: str
-    double: ScriptedDouble
-    http: httpx.Client
-
-    def submit(self, key: str, **task: Any) -> str:
-        body = {"goal": "find three documents", "tools": [SEARCH.model_dump()], **task}
-        r = self.http.post("/runs", json=body, headers={"Idempotency-Key": key})
-        assert r.status_code in (200, 202), r.text
-        return str(r.json()["run_id"])
-
-    def run(self, run_id: str) -> dict[str, Any]:
-        r = self.http.get(f"/runs/{run_id}")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def wait_status(self, run_id: str, *statuses: str, timeout: float = 40) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-
-        def reached() -> bool:
-            r = self.http.get(f"/runs/{run_id}")
-            if r.status_code == 404:  # submitted straight to Kafka, not projected yet
-                return False
-            assert r.status_code == 200, r.text
-            seen.update(r.json())
-            return seen["status"] in statuses
-
-        wait_for(reached, timeout=timeout, what=f"{run_id} to reach {statuses}", every=0.1)
-        return seen
-
-
-@contextmanager
-def serving(config: ApiConfig) -> Iterator[str]:
-    """The API on uvicorn, on a free port, in a thread; yields its base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True, name="api")
-    thread.start()
-    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-@contextmanager
-def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
-    """Processor + sink + executor double + API for one topic prefix."""
-    prefix = f"t-api-{uuid.uuid4().hex[:10]}"
-    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
-    store = PostgresArtifactStore(database_url)
-    proc = Processor(
-        ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc"),
-        store.put_many,
-    )
-    stop = threading.Event()
-    proc_thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
-    proc_thread.start()
-    double = ScriptedDouble(bootstrap, prefix)
-    double.start()
-    config = ApiConfig(
-        bootstrap=bootstrap,
-        database_url=database_url,
-        api_token=TOKEN,
-        secret=SECRET,
-        prefix=prefix,
-    )
-    try:
-        with running_sink(bootstrap, database_url, prefix), serving(config) as url:
-            headers = {"Authorization": f"Bearer {TOKEN}"}
-            with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
-                yield Stack(bootstrap, database_url, prefix, url, double, http)
-    finally:
-        double.close()
-        stop.set()
-        proc_thread.join(30)
-        store.close()
-
-
-@pytest.fixture(scope="module")
-def stack(kafka_bootstrap: str, database_url: str) -> Iterator[Stack]:
-    with pipeline(kafka_bootstrap, database_url) as s:
-        yield s
+from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
+from tests.support.pipeline import SEARCH, now_ms, read_all
+from tests.support.waiting import wait_for
 
 
 def committed_result(bootstrap: str, prefix: str, run_id: str) -> dict[str, Any] | None:
     """The run's record on the results topic as a read_committed reader sees it now."""
     topic = topic_name(RESULTS, prefix)
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"check-{uuid.uuid4().hex[:8]}",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-            "log_level": 3,
-        }
-    )
-    try:
-        consumer.assign([TopicPartition(topic, partition_for(run_id, PARTITIONS), 0)])
-        found = None
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                assert err.code() == KafkaError._PARTITION_EOF, err
-                return found
-            record = decode(msg.value() or b"", "Result").record
-            if record["run_id"] == run_id:
-                found = record
-        raise AssertionError("reading the results partition did not reach its end")
-    finally:
-        consumer.close()
-
-
-# --------------------------------------------------------------------------- tests
+    partition = partition_for(run_id, PARTITIONS)
+    found = [r.value for r in read_all(bootstrap, topic, "Result", partitions=[partition])]
+    mine = [r for r in found if r["run_id"] == run_id]
+    return mine[-1] if mine else None
 
 
 def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
@@ -298,9 +103,8 @@ def test_success_is_never_reported_before_the_terminal_state_is_committed(stack:
     run_ids = [stack.submit(f"race-{uuid.uuid4().hex}") for _ in range(4)]
     seen: dict[str, list[str]] = {r: [] for r in run_ids}
     checked: set[str] = set()
-    deadline = time.monotonic() + 60
-    while len(checked) < len(run_ids):
-        assert time.monotonic() < deadline, seen
+
+    def all_checked() -> bool:
         for run_id in run_ids:
             if run_id in checked:
                 continue
@@ -315,6 +119,9 @@ def test_success_is_never_reported_before_the_terminal_state_is_committed(stack:
             assert record is not None and record["status"] == "SUCCEEDED", run_id
             assert record["result_ref"] == run["result"]["result_ref"]
             checked.add(run_id)
+        return len(checked) == len(run_ids)
+
+    wait_for(all_checked, 60, "every run to succeed", every=0)
     for statuses in seen.values():
         first_done = statuses.index("SUCCEEDED")
         assert all(s == "SUCCEEDED" for s in statuses[first_done:])

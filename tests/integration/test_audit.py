@@ -11,7 +11,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from agentruns.bench.core import START_AT, simulate, submitted
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
 from agentruns.connectors.projection import replay as replay_cli
@@ -19,16 +18,11 @@ from agentruns.connectors.projection import revalidate as revalidate_cli
 from agentruns.connectors.projection.audit import RECONCILE_DIFFERENCES, Reconciler
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.revalidate import revalidate_runs
+from agentruns.connectors.testing.workload import START_AT, simulate, submitted
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
-from tests.integration.runlog import (
-    new_log,
-    projected_events,
-    running_sink,
-    scripted_runs,
-    wait_for,
-    write_runs,
-)
+from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
+from tests.support.waiting import wait_for
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,8 @@ from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import DLQ, INBOX, topic_name
 
-from tests.integration.pipeline import SEARCH, now_ms, read_all
-from tests.integration.test_api import GUARDED, TOKEN, Stack, pipeline
-
-
-@pytest.fixture(scope="module")
-def stack(kafka_bootstrap: str, database_url: str) -> Iterator[Stack]:
-    with pipeline(kafka_bootstrap, database_url) as s:
-        yield s
-
+from tests.support.api import GUARDED, TOKEN, Stack
+from tests.support.pipeline import SEARCH, now_ms, read_all
 
 TASK = {"goal": "find three documents", "tools": [SEARCH.model_dump(mode="json")]}
 

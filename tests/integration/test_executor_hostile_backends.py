@@ -35,21 +35,19 @@ from agentruns.processors.events import (
     ToolCallTimedOut,
 )
 from agentruns.processors.state import ErrorClass
-from agentruns.streams.codec import decode
 from agentruns.streams.topics import DLQ, topic_name
-from confluent_kafka import Consumer
 
-from tests.integration.test_model_executor import ModelEnv
-from tests.integration.test_tool_executor import (
+from tests.support.executors import (
     TICKET,
     Harness,
     Ids,
+    ModelEnv,
     fast_registry,
     ids_for,
     make_harness,
-    release,
-    wait_until,
 )
+from tests.support.pipeline import read_all
+from tests.support.waiting import wait_for
 
 TOOL_BODY_CAP = 1024 * 1024
 ARTIFACT_CAP = 64 * 1024
@@ -132,9 +130,7 @@ def tool_env(
     try:
         yield ToolEnv(harness, handler, http)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         http.close()
         server.close()
 
@@ -301,32 +297,17 @@ def test_an_effect_whose_key_holds_a_nul_is_a_dead_letter_and_the_batch_goes_on(
     call = ids.call("create_ticket", TICKET)
     bad = msgspec.structs.replace(call, idempotency_key=call.idempotency_key + "\x00")
     good_and_bad(tools, ids, bad)
-    reader = Consumer(
-        {
-            "bootstrap.servers": tools.harness.bootstrap,
-            "group.id": f"{tools.harness.prefix}-dlq-reader-{time.monotonic_ns()}",
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest",
-            "log_level": 3,
-        }
-    )
-    reader.subscribe([topic_name(DLQ, tools.harness.prefix)])
-    letters: list[dict[str, Any]] = []
+    dlq_topic = topic_name(DLQ, tools.harness.prefix)
 
     def dead_letter_for_bad() -> bool:
-        for message in reader.consume(100, 0.2):
-            if message.error() is None and message.value():
-                letters.append(decode(message.value() or b"", expected_name="DeadLetter").record)
+        letters = [r.value for r in read_all(tools.harness.bootstrap, dlq_topic, "DeadLetter")]
         return any(
             str(d["reason"]).startswith("invalid_input:key_with_nul")
             and call.idempotency_key in json.dumps(d, default=str)
             for d in letters
         )
 
-    try:
-        wait_until(dead_letter_for_bad, 20, "the dead letter of the effect")
-    finally:
-        reader.close()
+    wait_for(dead_letter_for_bad, 20, "the dead letter of the effect")
     assert tools.harness.record(bad.idempotency_key.replace("\x00", "")) is None
 
 
@@ -376,18 +357,16 @@ def test_a_batch_the_database_refuses_is_retried_with_a_growing_backoff_until_it
         try:
             harness.start(executor)
             harness.effects.send(call)
-            wait_until(lambda: executor.stats.batch_retries >= 5, 30, "five batch retries")
+            wait_for(lambda: executor.stats.batch_retries >= 5, 30, "five batch retries")
             assert executor.retry_backoff_s == config.retry_backoff_max_s
         finally:
             conn.execute("ALTER TABLE executed_actions DROP CONSTRAINT hostile_refuses")
     try:
         harness.inbox.typed(call, ToolCallSucceeded)
-        wait_until(lambda: executor.retry_backoff_s == config.retry_backoff_s, 10, "reset")
+        wait_for(lambda: executor.retry_backoff_s == config.retry_backoff_s, 10, "reset")
         assert tools.executions(call.operation.key) == 1
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
 
 
 # --------------------------------------------------------------------------- model side
@@ -450,9 +429,7 @@ def model_env(kafka_bootstrap: str, database_url: str) -> Iterator[ModelEnv]:
     try:
         yield ModelEnv(harness, server, http, store)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         store.close()
         http.close()
         server.close()

@@ -30,8 +30,8 @@ import pytest
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing.model_server import Scenario
 
-from tests.integration.test_model_executor import Pipeline, running_pipeline
-from tests.integration.test_tool_executor import wait_until
+from tests.support.pipeline import Pipeline, running_pipeline
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_ambiguous_object_asks_the_user(e2e: Pipeline) -> None:
     e2e.tool_fault(target="update_record", kind="300")
     run_id = new_run("ambiguous")
     e2e.submit(run_id)
-    wait_until(lambda: e2e.status(run_id) == "WAITING_USER", 90, "WAITING_USER")
+    wait_for(lambda: e2e.status(run_id) == "WAITING_USER", 90, "WAITING_USER")
     events = e2e.events(run_id)
     event = failed(events)
     assert (event["error_class"], event["error_code"]) == ("OBJECT_AMBIGUOUS", "ambiguous")

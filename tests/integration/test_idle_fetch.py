@@ -18,16 +18,16 @@ from typing import Any
 
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing import tool_server
-from agentruns.streams.admin import ensure_topics
-from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 
-from tests.integration.pipeline import Inbox, running_on_thread, submitted, wait_for
-from tests.integration.runlog import running_sink
+from tests.support.pipeline import Inbox, running_on_thread, running_processor, submitted
+from tests.support.runlog import running_sink
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+PARTITIONS = 2
 STATS_MS = 500
 #: an idle consumer asks ~1000 / LONG_POLL_MS = 10 times a second (~100 at the former 10 ms);
 #: room left for a rebalance's extra fetches
@@ -80,12 +80,9 @@ def _idle_rate(start: Callable[[FetchCounter], Any]) -> float:
 
 
 def test_processor_fetches_trickling_inputs_in_windows(
-    kafka_bootstrap: str, database_url: str, unique_name: str
+    kafka_bootstrap: str, database_url: str, prefix: str
 ) -> None:
     """200 inputs/s, each sent on its own: without the window each one answers a fetch."""
-    prefix = unique_name
-    ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
-    store = PostgresArtifactStore(database_url)
     counter = FetchCounter()
     config = ProcessorConfig(
         bootstrap=kafka_bootstrap,
@@ -94,9 +91,9 @@ def test_processor_fetches_trickling_inputs_in_windows(
         extra_consumer=counter.config(),
     )
     assert config.fetch_window_ms > 0
-    inbox = Inbox(kafka_bootstrap, prefix, 2)
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     try:
-        with running_on_thread(Processor(config, store.put_many).run, "processor"):
+        with running_processor(config, database_url):
             counter.wait_settled()
             reports = counter.reports()
             began = time.monotonic()
@@ -109,16 +106,13 @@ def test_processor_fetches_trickling_inputs_in_windows(
             rate = counter.rate_over_last(max(1, elapsed_reports - 1))
     finally:
         inbox.close()
-        store.close()
     # one fetch per window at most, with room for the windows a rebalance or a slow host cuts
     assert rate <= 1.5 * 1000 / config.fetch_window_ms, rate
 
 
 def test_idle_executor_and_sink_poll_rarely(
-    kafka_bootstrap: str, database_url: str, unique_name: str
+    kafka_bootstrap: str, database_url: str, prefix: str
 ) -> None:
-    prefix = unique_name
-    ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
 
     @contextmanager
     def executor(counter: FetchCounter) -> Iterator[None]:

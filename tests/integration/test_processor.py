@@ -18,65 +18,42 @@ import pytest
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.events import CancelRequested, GoalChanged, TimerFired
 from agentruns.processors.transition import Artifact, transition
-from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import encode
-from agentruns.streams.processor import ArtifactWriter, Processor, ProcessorConfig
+from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import parse_effect_body, parse_event_body, parse_state
-from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, effect_suffix, topic_name
+from agentruns.streams.topics import DLQ, EVENTS, STATE, effect_suffix, topic_name
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
-from tests.integration.pipeline import (
+from tests.support.pipeline import (
     ExecutorDouble,
     Inbox,
     input_record,
     now_ms,
     read_all,
-    running_on_thread,
+    result_statuses,
+    running_processor,
     submitted,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 PARTITIONS = 3
 
 
 @pytest.fixture
-def prefix(kafka_bootstrap: str, unique_name: str) -> str:
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
-    return unique_name
-
-
-@contextlib.contextmanager
-def _running(config: ProcessorConfig, write_artifacts: ArtifactWriter) -> Iterator[Processor]:
-    """A processor on a thread of this process until the block ends."""
-    proc = Processor(config, write_artifacts)
-    with running_on_thread(proc.run, "processor"):
-        yield proc
-
-
-@pytest.fixture
 def processor(kafka_bootstrap: str, database_url: str, prefix: str) -> Iterator[Processor]:
-    store = PostgresArtifactStore(database_url)
     config = ProcessorConfig(
         bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc", gap_timeout_ms=1000
     )
-    with _running(config, store.put_many) as proc:
+    with running_processor(config, database_url) as proc:
         yield proc
-    store.close()
-
-
-def _results(bootstrap: str, prefix: str) -> dict[str, str]:
-    return {
-        r.value["run_id"]: r.value["status"]
-        for r in read_all(bootstrap, topic_name(RESULTS, prefix), "Result")
-    }
 
 
 def _wait_all_terminal(
     bootstrap: str, prefix: str, runs: list[str], what: str, timeout: float = 120
 ) -> None:
     wait_for(
-        lambda: len(_results(bootstrap, prefix)) == len(runs),
+        lambda: len(result_statuses(bootstrap, prefix)) == len(runs),
         timeout=timeout,
         what=what,
         every=1.0,
@@ -133,7 +110,7 @@ def test_runs_reach_their_terminal_state(
         _wait_all_terminal(kafka_bootstrap, prefix, runs, "every run's terminal result", timeout=60)
     finally:
         double.close()
-    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert set(result_statuses(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     logs = assert_log_consistent(kafka_bootstrap, prefix)
     for run_id in runs:
         types = [e["type"] for e in logs[run_id]]
@@ -166,7 +143,7 @@ def test_a_transactions_model_effects_share_one_partition_in_turn(
     config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     runs = [f"burst{b}-run{i}" for b in range(5) for i in range(8)]
-    with _running(config, writer):
+    with running_processor(config, writer):
         for b in range(5):  # bursts apart, so that several transactions carry them
             for run_id in runs[b * 8 : (b + 1) * 8]:
                 inbox.send(input_record(submitted(run_id)))
@@ -254,7 +231,7 @@ def test_a_failed_transaction_drops_the_batch_applied_behind_it(
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=3)
     double.start()
     try:
-        with _running(config, writer) as proc:
+        with running_processor(config, writer) as proc:
             inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
             runs = [f"abort-{i}" for i in range(30)]
             for run_id in runs:
@@ -268,7 +245,7 @@ def test_a_failed_transaction_drops_the_batch_applied_behind_it(
         double.close()
         store.close()
     assert writer.calls > 5 and proc.stats.aborts == 2
-    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert set(result_statuses(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
@@ -299,7 +276,7 @@ def test_kill_9_at_random_points_loses_and_repeats_nothing(
         proc.wait(timeout=60)
         double.close()
     assert kills == 5
-    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert set(result_statuses(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
@@ -319,7 +296,7 @@ def _two_members(
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
         wait_for(
-            lambda: len(_results(kafka_bootstrap, prefix)) >= 2,
+            lambda: len(result_statuses(kafka_bootstrap, prefix)) >= 2,
             timeout=60,
             what="both members working",
         )
@@ -344,7 +321,7 @@ def test_a_killed_member_is_replaced_by_the_other(
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
         _wait_all_terminal(kafka_bootstrap, prefix, runs, "the survivor finishing every run")
-    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert set(result_statuses(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
@@ -373,7 +350,7 @@ def test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice(
             inbox.send(input_record(submitted(run_id)))
         inbox.flush()
         _wait_all_terminal(kafka_bootstrap, prefix, runs, "every run terminal after the pause")
-    assert set(_results(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
+    assert set(result_statuses(kafka_bootstrap, prefix).values()) == {"SUCCEEDED"}
     assert_log_consistent(kafka_bootstrap, prefix)
 
 
@@ -468,7 +445,9 @@ def test_bad_input_goes_to_the_dlq_and_processing_goes_on(
     try:
         inbox.send(input_record(submitted("good-1")))
         inbox.flush()
-        wait_for(lambda: "good-1" in _results(kafka_bootstrap, prefix), timeout=60, what="good-1")
+        wait_for(
+            lambda: "good-1" in result_statuses(kafka_bootstrap, prefix), timeout=60, what="good-1"
+        )
     finally:
         double.close()
     dead = read_all(kafka_bootstrap, topic_name(DLQ, prefix), "DeadLetter")

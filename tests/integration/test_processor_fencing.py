@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import pytest
 from agentruns.processors.transition import transition
-from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import encode
 from agentruns.streams.errors import FatalConsumerError
 from agentruns.streams.kafka_defaults import release
@@ -26,15 +25,10 @@ from agentruns.streams.records import RunSlot
 from agentruns.streams.topics import INBOX, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from tests.integration.pipeline import submitted, wait_for
+from tests.support.pipeline import submitted
+from tests.support.waiting import wait_for
 
 PARTITIONS = 2
-
-
-@pytest.fixture
-def prefix(kafka_bootstrap: str, unique_name: str) -> str:
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
-    return unique_name
 
 
 def _no_artifacts(artifacts: object) -> None:
@@ -89,12 +83,14 @@ def test_a_fenced_processor_stops_instead_of_going_on(
             "log_level": 0,
         }
     )
+
+    def stopped() -> bool:
+        impostor.poll(0.2)  # the impostor holds its membership while it polls
+        return not first.thread.is_alive()
+
     try:
         impostor.subscribe([topic_name(INBOX, prefix)])
-        deadline = time.monotonic() + 60
-        while first.thread.is_alive() and time.monotonic() < deadline:
-            impostor.poll(0.2)
-        assert not first.thread.is_alive(), "the fenced processor went on running"
+        wait_for(stopped, 60, "the fenced processor to stop", every=0)
         assert isinstance(first.error, FatalConsumerError), first.error
         assert "fenced" in str(first.error).lower()
     finally:

@@ -2,65 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.events import CancelRequested, GoalChanged, RunSubmitted
 from agentruns.streams import dlq
-from agentruns.streams.admin import ensure_topics, record_limits
+from agentruns.streams.admin import record_limits
 from agentruns.streams.inputs import RECORD_MARGIN
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import parse_event_body
-from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from agentruns.streams.topics import DLQ, EVENTS, STATE, topic_name
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from tests.integration.pipeline import (
+from tests.support.pipeline import (
     ExecutorDouble,
     Inbox,
     input_record,
     now_ms,
     read_all,
-    running_on_thread,
+    read_raw,
+    result_statuses,
+    running_processor,
     submitted,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 PARTITIONS = 3
 
 
-@pytest.fixture
-def prefix(kafka_bootstrap: str, unique_name: str) -> str:
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
-    return unique_name
-
-
-@contextlib.contextmanager
-def _processor(database_url: str, config: ProcessorConfig) -> Iterator[Processor]:
-    store = PostgresArtifactStore(database_url)
-    proc = Processor(config, store.put_many)
-    try:
-        with running_on_thread(proc.run, "processor"):
-            yield proc
-    finally:
-        store.close()
-
-
 def _config(bootstrap: str, prefix: str, **options: Any) -> ProcessorConfig:
     return ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc", **options)
-
-
-def _results(bootstrap: str, prefix: str) -> dict[str, str]:
-    return {
-        r.value["run_id"]: r.value["status"]
-        for r in read_all(bootstrap, topic_name(RESULTS, prefix), "Result")
-    }
 
 
 def _log(bootstrap: str, prefix: str, run_id: str) -> list[dict[str, object]]:
@@ -84,14 +57,14 @@ def test_a_task_with_a_400_kb_trace_id_is_dead_lettered_and_the_next_run_succeed
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
     double.start()
     try:
-        with _processor(database_url, _config(kafka_bootstrap, prefix)) as proc:
+        with running_processor(_config(kafka_bootstrap, prefix), database_url) as proc:
             inbox.send(input_record(huge))
             inbox.flush()
             wait_for(lambda: proc.stats.dead_letters >= 1, timeout=60, what="the refusal")
             inbox.send(input_record(submitted("after-huge")))
             inbox.flush()
             wait_for(
-                lambda: _results(kafka_bootstrap, prefix).get("after-huge") == "SUCCEEDED",
+                lambda: result_statuses(kafka_bootstrap, prefix).get("after-huge") == "SUCCEEDED",
                 timeout=60,
                 what="the run submitted after it",
             )
@@ -110,7 +83,7 @@ def test_a_goal_over_the_record_limit_fails_its_run_and_the_next_run_succeeds(
 ) -> None:
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     config = _config(kafka_bootstrap, prefix, max_record_bytes=64 << 10)
-    with _processor(database_url, config) as proc:
+    with running_processor(config, database_url) as proc:
         first = submitted("big-goal")
         inbox.send(input_record(first))
         inbox.flush()
@@ -130,7 +103,7 @@ def test_a_goal_over_the_record_limit_fails_its_run_and_the_next_run_succeeds(
         inbox.send(input_record(goal))
         inbox.flush()
         wait_for(
-            lambda: _results(kafka_bootstrap, prefix).get("big-goal") == "FAILED",
+            lambda: result_statuses(kafka_bootstrap, prefix).get("big-goal") == "FAILED",
             timeout=60,
             what="the run failed by the refusal",
         )
@@ -140,7 +113,7 @@ def test_a_goal_over_the_record_limit_fails_its_run_and_the_next_run_succeeds(
             inbox.send(input_record(submitted("after-goal")))
             inbox.flush()
             wait_for(
-                lambda: _results(kafka_bootstrap, prefix).get("after-goal") == "SUCCEEDED",
+                lambda: result_statuses(kafka_bootstrap, prefix).get("after-goal") == "SUCCEEDED",
                 timeout=60,
                 what="the run submitted after it",
             )
@@ -165,7 +138,7 @@ def test_a_batch_the_broker_keeps_refusing_is_isolated_and_its_poison_dead_lette
     the one that fails alone is dead-lettered with the broker's error, the rest commit."""
     config = _config(kafka_bootstrap, prefix, retry_backoff_ms=20)
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
-    with _processor(database_url, config) as proc:
+    with running_processor(config, database_url) as proc:
         events = topic_name(EVENTS, prefix)
         _set_topic_config(kafka_bootstrap, events, "max.message.bytes", 16384)
         wait_for(
@@ -228,11 +201,11 @@ def test_an_ended_run_is_evicted_answered_late_and_not_restored(
     double.start()
     first = submitted("ends")
     try:
-        with _processor(database_url, config) as proc:
+        with running_processor(config, database_url) as proc:
             inbox.send(input_record(first))
             inbox.flush()
             wait_for(
-                lambda: _results(kafka_bootstrap, prefix).get("ends") == "SUCCEEDED",
+                lambda: result_statuses(kafka_bootstrap, prefix).get("ends") == "SUCCEEDED",
                 timeout=60,
                 what="the run's end",
             )
@@ -251,14 +224,16 @@ def test_an_ended_run_is_evicted_answered_late_and_not_restored(
                 what="the late answer",
             )
         assert _last_state(kafka_bootstrap, prefix, "ends") is None  # a tombstone
-        with _processor(database_url, config) as proc:
+        with running_processor(config, database_url) as proc:
             wait_for(lambda: bool(proc._assigned), timeout=60, what="the restore")
             assert "ends" not in {slot.run_id for slot in proc.slots()}
             inbox.send(input_record(first))  # its submission again: not a new run
             inbox.send(input_record(submitted("after-restore")))
             inbox.flush()
             wait_for(
-                lambda: _results(kafka_bootstrap, prefix).get("after-restore") == "SUCCEEDED",
+                lambda: (
+                    result_statuses(kafka_bootstrap, prefix).get("after-restore") == "SUCCEEDED"
+                ),
                 timeout=60,
                 what="a run after the restore",
             )
@@ -275,33 +250,11 @@ def test_an_ended_run_is_evicted_answered_late_and_not_restored(
 
 def _last_state(bootstrap: str, prefix: str, run_id: str) -> bytes | None:
     """The value of the last committed state record of `run_id` (None: a tombstone)."""
-    topic = topic_name(STATE, prefix)
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"state-{secrets.token_hex(4)}",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "log_level": 3,
-        }
-    )
-    try:
-        partition = partition_for(run_id, PARTITIONS)
-        consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
-        found: list[bytes | None] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for message in consumer.consume(500, 0.5):
-                error = message.error()
-                if error is not None:
-                    assert error.code() == KafkaError._PARTITION_EOF, error
-                    assert found, f"no state record of {run_id}"
-                    return found[-1]
-                if message.key() == run_id.encode():
-                    found.append(message.value())
-        raise AssertionError(f"reading {topic} did not reach the end")
-    finally:
-        consumer.close()
+    partition = partition_for(run_id, PARTITIONS)
+    records = read_raw(bootstrap, topic_name(STATE, prefix), partitions=[partition])
+    found = [r.value for r in records if r.key == run_id.encode()]
+    assert found, f"no state record of {run_id}"
+    return found[-1]
 
 
 def test_the_record_limit_of_each_topic_is_read_from_the_broker(

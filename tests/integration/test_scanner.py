@@ -3,43 +3,38 @@ are re-driven when the timer service is down."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.runtime.scanner import scan
 from agentruns.processors.state import Budgets
-from agentruns.streams.admin import ensure_topics
-from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.topics import RESULTS, topic_name
 
-from tests.integration.pipeline import Inbox, input_record, now_ms, read_all, submitted, wait_for
-from tests.integration.runlog import running_sink
+from tests.support.pipeline import (
+    Inbox,
+    input_record,
+    now_ms,
+    read_all,
+    running_processor,
+    submitted,
+)
+from tests.support.runlog import running_sink
+from tests.support.waiting import wait_for
 
 PARTITIONS = 3
 
 
 @pytest.fixture
-def pipeline(kafka_bootstrap: str, database_url: str, unique_name: str) -> Iterator[str]:
+def pipeline(kafka_bootstrap: str, database_url: str, prefix: str) -> Iterator[str]:
     """Processor and sink running; no executor and no timer service (they are 'down')."""
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
-    store = PostgresArtifactStore(database_url)
-    proc = Processor(
-        ProcessorConfig(bootstrap=kafka_bootstrap, prefix=unique_name, group_id=f"{unique_name}-p"),
-        store.put_many,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        with running_sink(kafka_bootstrap, database_url, unique_name):
-            yield unique_name
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        store.close()
+    config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-p")
+    with (
+        running_processor(config, database_url),
+        running_sink(kafka_bootstrap, database_url, prefix),
+    ):
+        yield prefix
 
 
 def _status(database_url: str, run_id: str) -> str | None:

@@ -7,8 +7,10 @@ import time
 import psycopg
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
 from agentruns.connectors.postgres.migrate import migrate
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.support.pipeline import read_raw
 
 
 def _create(bootstrap: str, topic: str, partitions: int = 1) -> None:
@@ -17,35 +19,9 @@ def _create(bootstrap: str, topic: str, partitions: int = 1) -> None:
     futures[topic].result(timeout=30)
 
 
-def _drain(bootstrap: str, topic: str, isolation: str) -> list[bytes]:
-    """Every value of partition 0 visible under `isolation`, read until partition EOF."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"{topic}-{isolation}",
-            "isolation.level": isolation,
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-        }
-    )
-    consumer.assign([TopicPartition(topic, 0, 0)])
-    values: list[bytes] = []
-    deadline = time.monotonic() + 30
-    try:
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is None:
-                continue
-            if msg.error() is None:
-                values.append(msg.value())
-            elif msg.error().code() == KafkaError._PARTITION_EOF:
-                return values
-            else:
-                raise AssertionError(msg.error())
-        raise AssertionError(f"no end of partition within 30 s; read {values}")
-    finally:
-        consumer.close()
+def _drain(bootstrap: str, topic: str, isolation: str) -> list[bytes | None]:
+    """Every value of the topic visible under `isolation`, read until partition EOF."""
+    return [r.value for r in read_raw(bootstrap, topic, isolation=isolation)]
 
 
 def test_transactional_produce_is_seen_and_abort_is_not(

@@ -8,18 +8,13 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
-import pytest
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.postgres.bulk import prefer_lz4
-from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.audit import audit
 from agentruns.processors.effects import CallModel
 from agentruns.processors.events import (
@@ -37,15 +32,9 @@ from agentruns.streams.records import event_record, parse_event_body
 from agentruns.streams.topics import DLQ, EVENTS, topic_name
 from confluent_kafka import Producer
 
-from tests.integration.pipeline import SEARCH, now_ms, read_all, submitted
-from tests.integration.runlog import (
-    new_log,
-    projected_events,
-    running_sink,
-    scripted_runs,
-    wait_for,
-    write_runs,
-)
+from tests.support.pipeline import SEARCH, now_ms, read_all, submitted
+from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,20 +191,6 @@ def _assert_offsets_at_end(bootstrap: str, offsets: list[tuple[str, int, int]]) 
     finally:
         consumer.close()
     assert {t.rsplit(".", 1)[-1] for t, _, _ in offsets} == {"events", "state", "results"}
-
-
-@pytest.fixture(scope="module")
-def own_postgres() -> Iterator[LocalPostgres]:
-    """A Postgres of this module's own, so a test can stop and start it."""
-    directory = Path(tempfile.mkdtemp(prefix="agentruns-sink-pg-"))
-    directory.chmod(0o755)
-    server = LocalPostgres(directory, port=free_port_block(1, start=25432), durable=False)
-    server.start()
-    try:
-        migrate(server.url)
-        yield server
-    finally:
-        server.wipe()
 
 
 def test_postgres_restart_while_sinking_retries_and_loses_nothing(

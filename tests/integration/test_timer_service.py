@@ -8,43 +8,33 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.state import Budgets, TimerPurpose
-from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import encode
-from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
 from confluent_kafka import Producer
 
-from tests.integration.pipeline import (
+from tests.support.pipeline import (
     Inbox,
     input_record,
     now_ms,
     read_all,
     running_on_thread,
+    running_processor,
     submitted,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 PARTITIONS = 3
-
-
-@pytest.fixture
-def prefix(kafka_bootstrap: str, unique_name: str) -> str:
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
-    return unique_name
 
 
 def _schedule(bootstrap: str, prefix: str, effects: list[ScheduleTimer | CancelTimer]) -> None:
@@ -92,12 +82,8 @@ def _fired(bootstrap: str, prefix: str) -> list[dict[str, object]]:
 @pytest.fixture
 def timer_thread(kafka_bootstrap: str, database_url: str, prefix: str) -> Iterator[TimerService]:
     service = TimerService(kafka_bootstrap, database_url, prefix=prefix, group_id=f"{prefix}-timer")
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    yield service
-    stop.set()
-    thread.join(timeout=30)
+    with running_on_thread(service.run, "timers"):
+        yield service
 
 
 def test_timers_fire_at_their_due_time_and_cancelled_ones_never(
@@ -171,15 +157,8 @@ def test_kill_9_and_restart_every_timer_fires_once_as_the_processor_sees_it(
 def test_a_run_past_its_deadline_expires_once(
     kafka_bootstrap: str, database_url: str, prefix: str, timer_thread: TimerService
 ) -> None:
-    store = PostgresArtifactStore(database_url)
-    proc = Processor(
-        ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc"),
-        store.put_many,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=proc.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    config = ProcessorConfig(bootstrap=kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
+    with running_processor(config, database_url):
         inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
         deadline = now_ms() + 1500
         for i in range(4):  # no executor answers: only the deadline can end these runs
@@ -194,10 +173,6 @@ def test_a_run_past_its_deadline_expires_once(
             timeout=60,
             what="four expired runs",
         )
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        store.close()
     statuses = [r.value["status"] for r in read_all(kafka_bootstrap, results, "Result")]
     assert statuses == ["EXPIRED"] * 4
 
@@ -252,20 +227,6 @@ def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_sti
         assert letter["original_headers"][0]["key"] == "run_id"
     assert [f["run_id"] for f in _fired(kafka_bootstrap, prefix)] == ["good"]
     assert timer_thread.dead_letters == 5
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[LocalPostgres]:
-    """A Postgres of this test's own, so it can be stopped and started."""
-    directory = Path(tempfile.mkdtemp(prefix="agentruns-timer-pg-"))
-    directory.chmod(0o755)
-    server = LocalPostgres(directory, port=free_port_block(1, start=26432), durable=False)
-    server.start()
-    try:
-        migrate(server.url)
-        yield server
-    finally:
-        server.wipe()
 
 
 def test_timers_consumed_while_postgres_is_down_fire_once_it_is_back(

@@ -1,13 +1,11 @@
 """The tool executor against the real broker, the real Postgres and the example tool server.
 
 The tests play the processor: they produce Effect records to ``effects.tool`` and read the
-Input records the executor commits to the inbox (read_committed). Helpers here are shared with
-test_model_executor.
+Input records the executor commits to the inbox (read_committed).
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -15,32 +13,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from agentruns.connectors.executors.base import Executor, ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing import tool_server
 from agentruns.connectors.testing.httpserver import ServerHandle
-from agentruns.processors.effects import (
-    CallTool,
-    CancelTool,
-    Effect,
-    OperationSpec,
-    PollTool,
-    Reconcile,
-)
+from agentruns.processors.effects import CallTool
 from agentruns.processors.events import (
     CancelConfirmed,
     CancelUnconfirmed,
-    Event,
     ReconcileCompleted,
     ReconcileOutcome,
     ToolCallAccepted,
@@ -51,243 +39,18 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.state import ErrorClass
-from agentruns.streams.admin import ensure_topics
-from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS
-from agentruns.streams.partitioning import partition_for
-from agentruns.streams.records import effect_record, parse_event_body
-from agentruns.streams.topics import INBOX, effect_suffix, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
+
+from tests.support.executors import (
+    TICKET,
+    Harness,
+    Ids,
+    fast_registry,
+    ids_for,
+    make_harness,
+)
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-PARTITIONS = 2
-E = TypeVar("E")
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.01)
-
-
-# --------------------------------------------------------------------------- the broker side
-
-
-class Inbox:
-    """Reads the inbox (read_committed) into input_id -> list of (raw bytes, record)."""
-
-    def __init__(self, bootstrap: str, prefix: str) -> None:
-        self.topic = topic_name(INBOX, prefix)
-        self.consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap,
-                "group.id": f"{prefix}-reader",
-                "isolation.level": "read_committed",
-                "enable.auto.commit": False,
-                "fetch.wait.max.ms": LONG_POLL_MS,
-                "log_level": 3,
-            }
-        )
-        self.consumer.assign([TopicPartition(self.topic, p, 0) for p in range(PARTITIONS)])
-        self.seen: dict[str, list[tuple[bytes, dict[str, Any]]]] = {}
-        self.partitions: dict[str, int] = {}
-
-    def drain(self) -> int:
-        """Read what is there; return how many input ids have been seen so far."""
-        for message in self.consumer.consume(1000, 0.05):
-            if message.error() is not None:
-                continue
-            value = message.value()
-            assert value is not None
-            record = decode(value, expected_name="Input").record
-            self.seen.setdefault(record["input_id"], []).append((value, record))
-            self.partitions[record["input_id"]] = message.partition() or 0
-        return len(self.seen)
-
-    def event(self, effect: Effect, timeout: float = 20.0) -> Event:
-        input_id = f"{effect.idempotency_key}:result"
-
-        def ready() -> bool:
-            self.drain()
-            return input_id in self.seen
-
-        wait_until(ready, timeout, f"the answer to {effect.type} {effect.idempotency_key[:8]}")
-        _, record = self.seen[input_id][0]
-        assert self.partitions[input_id] == partition_for(effect.run_id, PARTITIONS)
-        event = parse_event_body(record["body"])
-        assert record["kind"] == event.type and event.event_id == input_id
-        assert record["run_id"] == effect.run_id and record["trace_id"] == effect.trace_id
-        return event
-
-    def typed(self, effect: Effect, kind: type[E], timeout: float = 20.0) -> E:
-        event = self.event(effect, timeout)
-        assert isinstance(event, kind), event
-        return event
-
-    def close(self) -> None:
-        self.consumer.close()
-
-
-class Effects:
-    """Produces effect records like the processor does (key run_id)."""
-
-    def __init__(self, bootstrap: str, prefix: str, kind: str) -> None:
-        self.topic = topic_name(effect_suffix(kind), prefix)
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
-        self.seq = 0
-
-    def send(self, *effects: Effect) -> None:
-        for effect in effects:
-            self.seq += 1
-            record = effect_record(effect, seq=self.seq, at=int(time.time() * 1000))
-            self.producer.produce(
-                self.topic, key=effect.run_id.encode(), value=encode("Effect", record)
-            )
-        self.producer.flush(10)
-
-
-@dataclass
-class Harness:
-    bootstrap: str
-    database_url: str
-    prefix: str
-    inbox: Inbox
-    effects: Effects
-    executor: Executor | None = None
-    thread: threading.Thread | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def start(self, executor: Executor) -> None:
-        self.executor = executor
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=executor.run, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def stop_executor(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(30)
-            assert not self.thread.is_alive()
-
-    def config(self, kind: str, **overrides: Any) -> ExecutorConfig:
-        return ExecutorConfig(
-            bootstrap=self.bootstrap,
-            database_url=self.database_url,
-            kind=kind,
-            prefix=self.prefix,
-            workers=8,
-            max_batch=64,
-            **overrides,
-        )
-
-    def record(self, key: str) -> tuple[Any, ...] | None:
-        with psycopg.connect(self.database_url) as conn:
-            row = conn.execute(
-                "SELECT status, starts, result_kind, input_json FROM executed_actions"
-                " WHERE idempotency_key = %s",
-                (key,),
-            ).fetchone()
-        return None if row is None else tuple(row)
-
-    def artifact(self, ref: str) -> Any:
-        store = PostgresArtifactStore(self.database_url)
-        try:
-            text = store.get(ref)
-        finally:
-            store.close()
-        assert text is not None, f"artifact {ref} missing"
-        return json.loads(text)
-
-
-def release(harness: Harness) -> None:
-    """Drop the Kafka clients now (not when the broker is already gone at session end)."""
-    harness.executor = None
-    harness.effects.producer.flush(5)
-    del harness.effects.producer
-    gc.collect()
-
-
-def make_harness(bootstrap: str, database_url: str, prefix: str, kind: str) -> Harness:
-    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
-    return Harness(
-        bootstrap, database_url, prefix, Inbox(bootstrap, prefix), Effects(bootstrap, prefix, kind)
-    )
-
-
-# --------------------------------------------------------------------------- effects
-
-
-class Ids:
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
-        self.n = 0
-
-    def _base(self, kind: str) -> dict[str, Any]:
-        self.n += 1
-        return {
-            "idempotency_key": f"{self.run_id}:{kind}:{self.n}",
-            "run_id": self.run_id,
-            "step": 1,
-            "attempt": 1,
-            "trace_id": f"trace-{self.run_id}",
-        }
-
-    def call(
-        self, tool: str, args: dict[str, Any], op_key: str | None = None, dispatch: int = 1
-    ) -> CallTool:
-        base = self._base("call")
-        operation = OperationSpec(
-            key=op_key or f"op-{base['idempotency_key']}",
-            tool=tool,
-            arguments_json=canonical_json(args),
-            expected_version=None,
-            policy_decision="allow",
-            dispatch=dispatch,
-        )
-        return CallTool(**base, operation=operation)
-
-    def reconcile(self, call: CallTool) -> Reconcile:
-        op = call.operation
-        return Reconcile(
-            **self._base("reconcile"), operation_key=op.key, tool=op.tool, dispatch=op.dispatch
-        )
-
-    def poll(self, call: CallTool, poll: int) -> PollTool:
-        op = call.operation
-        return PollTool(
-            **self._base("poll"),
-            operation_key=op.key,
-            tool=op.tool,
-            dispatch=op.dispatch,
-            poll=poll,
-        )
-
-    def cancel(self, call: CallTool) -> CancelTool:
-        op = call.operation
-        return CancelTool(
-            **self._base("cancel"), operation_key=op.key, tool=op.tool, dispatch=op.dispatch
-        )
-
-
-# --------------------------------------------------------------------------- fixtures
-
-
-def fast_registry(tmp: Path, base_url: str) -> Path:
-    """The example registry with short timeouts (a 'late' answer costs 0.4 s, not 5 s)."""
-    data = json.loads((tool_server.DEFAULT_REGISTRY).read_text())
-    data["base_url"] = base_url
-    for tool in data["tools"]:
-        tool["timeout_ms"] = 400
-    offline = dict(data["tools"][0], name="offline_tool", endpoint="http://127.0.0.1:9/x")
-    data["tools"].append(offline)
-    path = tmp / "tools.json"
-    path.write_text(json.dumps(data))
-    return path
 
 
 class Callbacks:
@@ -354,9 +117,7 @@ def tool_env(
     try:
         yield ToolEnv(harness, server, http, registry, callbacks)
     finally:
-        harness.stop_executor()
-        harness.inbox.close()
-        release(harness)
+        harness.close()
         http.close()
         callbacks.close()
         server.close()
@@ -366,13 +127,6 @@ def tool_env(
 def env(tool_env: ToolEnv, request: pytest.FixtureRequest) -> ToolEnv:
     tool_env.http.delete("/faults").raise_for_status()
     return tool_env
-
-
-def ids_for(request: pytest.FixtureRequest) -> Ids:
-    return Ids(f"run-{request.node.name[:30]}-{time.monotonic_ns() % 10**9}")
-
-
-TICKET = {"title": "Printer offline", "priority": "high"}
 
 
 # --------------------------------------------------------------------------- tests
@@ -524,7 +278,7 @@ def test_async_tool_accepted_then_poll_and_callback(
     env.harness.effects.send(first)
     running = env.harness.inbox.typed(first, ToolStatusReported)
     assert running.poll == 1 and running.status == "running"
-    wait_until(
+    wait_for(
         lambda: any(k == call.operation.key for k, _ in env.callbacks.received), 10, "callback"
     )
     body = next(b for k, b in env.callbacks.received if k == call.operation.key)
@@ -545,9 +299,7 @@ def test_cancel_confirmed_and_unconfirmed(env: ToolEnv, request: pytest.FixtureR
     env.harness.inbox.typed(finished, ToolCallAccepted)
     env.harness.inbox.typed(no_cancel_url, ToolCallSucceeded)
     key = finished.operation.key
-    wait_until(
-        lambda: env.http.get(f"/operations/{key}").json()["status"] == "succeeded", 10, "done"
-    )
+    wait_for(lambda: env.http.get(f"/operations/{key}").json()["status"] == "succeeded", 10, "done")
     cancels = [ids.cancel(running), ids.cancel(finished), ids.cancel(no_cancel_url)]
     env.harness.effects.send(*cancels)
     assert isinstance(env.harness.inbox.event(cancels[0]), CancelConfirmed)
@@ -564,7 +316,7 @@ def test_redelivered_effect_is_answered_from_the_record(
     env.harness.inbox.typed(call, ToolCallSucceeded)
     env.harness.effects.send(call)  # the same effect again (a redelivery)
     input_id = f"{call.idempotency_key}:result"
-    wait_until(
+    wait_for(
         lambda: (env.harness.inbox.drain(), len(env.harness.inbox.seen[input_id]) == 2)[1],
         20,
         "the second answer",
@@ -632,13 +384,17 @@ def test_a_second_executor_joining_mid_stream_executes_nothing_twice(
     try:
         second.start(ToolExecutor(env.harness.config("tool", instance_id="1"), env.registry))
         assert second.executor is not None
-        deadline = time.monotonic() + 60
-        while second.executor.stats.effects == 0:  # keep effects flowing until it takes over
-            assert time.monotonic() < deadline, "the second executor never got a partition"
+        executor = second.executor
+
+        def taken_over() -> bool:  # keep effects flowing until it takes over
+            if executor.stats.effects:
+                return True
             wave = make(10)
             env.harness.effects.send(*wave)
             calls.extend(wave)
-            time.sleep(0.05)
+            return False
+
+        wait_for(taken_over, 60, "the second executor to get a partition")
         wave = make(100)
         env.harness.effects.send(*wave)
         calls.extend(wave)
@@ -669,13 +425,14 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
     # The executor is shared by the module's tests: leftovers of an earlier one (an effect
     # redelivered after its rebalance) are let through before counting (a clean-clone run
     # counted 61 effects).
-    quiet_since, seen = time.monotonic(), executor.stats.effects
-    deadline = quiet_since + 60
-    while time.monotonic() - quiet_since < 2.0:
-        assert time.monotonic() < deadline, "the executor never went idle"
-        time.sleep(0.1)
-        if executor.stats.effects != seen:
-            quiet_since, seen = time.monotonic(), executor.stats.effects
+    quiet = {"since": time.monotonic(), "seen": executor.stats.effects}
+
+    def idle() -> bool:
+        if executor.stats.effects != quiet["seen"]:
+            quiet.update(since=time.monotonic(), seen=executor.stats.effects)
+        return time.monotonic() - quiet["since"] >= 2.0
+
+    wait_for(idle, 60, "the executor to go idle", every=0.1)
     batches, effects = executor.stats.batches, executor.stats.effects
     for first, second in pairs:
         env.harness.effects.send(first)  # flushed: one record per produce request
@@ -725,7 +482,7 @@ def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
     try:
         first = subprocess.Popen(command, cwd=REPO)
         env.harness.effects.send(*calls)
-        wait_until(lambda: env.stats()["tool_calls"] >= before + 120, 60, "calls in flight")
+        wait_for(lambda: env.stats()["tool_calls"] >= before + 120, 60, "calls in flight")
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         env.harness.inbox.drain()

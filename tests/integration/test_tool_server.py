@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,8 @@ import httpx
 import pytest
 from agentruns.connectors.testing import tool_server
 from agentruns.connectors.testing.httpserver import ServerHandle
+
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,14 +35,6 @@ def client(server: ServerHandle) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=5.0) as c:
         c.post("/reset").raise_for_status()
         yield c
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.01)
 
 
 def call(
@@ -136,7 +130,7 @@ def test_late_answer_executes_once_although_the_client_timed_out(client: httpx.C
             headers={"Idempotency-Key": "late-1", "X-Fault": "late; delay_ms=1000"},
             timeout=0.2,
         )
-    wait_until(lambda: executions(client, "late-1") == 1)
+    wait_for(lambda: executions(client, "late-1") == 1)
     looked_up = client.get("/operations/late-1")
     assert looked_up.status_code == 200 and looked_up.json()["status"] == "succeeded"
     resent = call(client, "create_ticket", TICKET, "late-1")
@@ -302,7 +296,7 @@ def test_async_job_completes_by_poll(client: httpx.Client) -> None:
     status_url = r.json()["status_url"]
     assert r.headers["location"] == status_url == "/operations/job-1"
     assert client.get(status_url).json()["status"] == "running"
-    wait_until(lambda: client.get(status_url).json()["status"] == "succeeded")
+    wait_for(lambda: client.get(status_url).json()["status"] == "succeeded")
     assert client.get(status_url).json()["result"]["report"] == "sales"
     again = call(client, "run_report", {"report": "sales", "duration_ms": 100}, "job-1")
     assert again.status_code == 202 and again.headers["idempotency-replayed"] == "true"
@@ -332,12 +326,12 @@ def test_async_job_completes_by_callback(client: httpx.Client) -> None:
         url = f"http://127.0.0.1:{receiver.server_address[1]}/callbacks/job-2"
         r = call(client, "run_report", {"report": "sales"}, "job-2", **{"X-Callback-URL": url})
         assert r.status_code == 202
-        wait_until(lambda: len(_Receiver.received) == 1)
+        wait_for(lambda: len(_Receiver.received) == 1)
         key, payload = _Receiver.received[0]
         assert key == "job-2"
         assert payload["key"] == "job-2" and payload["status"] == "succeeded"
         assert payload["result"]["report"] == "sales"
-        wait_until(lambda: client.get("/operations/job-2").json()["callback"].get("delivered"))
+        wait_for(lambda: client.get("/operations/job-2").json()["callback"].get("delivered"))
     finally:
         receiver.shutdown()
         receiver.server_close()
@@ -345,7 +339,7 @@ def test_async_job_completes_by_callback(client: httpx.Client) -> None:
 
 def test_async_job_failure_and_cancel(client: httpx.Client) -> None:
     call(client, "run_report", {"report": "broken", "fail": True, "duration_ms": 0}, "job-3")
-    wait_until(lambda: client.get("/operations/job-3").json()["status"] == "failed")
+    wait_for(lambda: client.get("/operations/job-3").json()["status"] == "failed")
     assert client.post("/operations/job-3/cancel").status_code == 409  # already finished
     call(client, "run_report", {"report": "long", "duration_ms": 60_000}, "job-4")
     r = client.post("/operations/job-4/cancel")

@@ -5,7 +5,7 @@
 - The core (``processors/``) imports only what is on its allowlist: the standard library's pure
   parts, msgspec, pydantic, jsonschema and RE2, and itself (R1).
 - Layers import one way: ``processors`` <- ``streams`` <- ``connectors``; ``bench`` is imported by
-  nothing but itself.
+  nothing but itself and the tests of the benches.
 - The production parts of ``connectors`` (API, executors, projection, runtime, Postgres) import
   nothing from the dev stack, the test backends or the demo at module level; a service's
   ``main`` may resolve its services lazily.
@@ -111,6 +111,20 @@ def test_streams_import_only_the_core(path: Path) -> None:
 
 @pytest.mark.parametrize("path", modules("connectors"), ids=rel)
 def test_nothing_outside_bench_imports_bench(path: Path) -> None:
+    bad = {m for m in imports(path) if allowed(m, {"agentruns.bench"})}
+    assert not bad, f"{rel(path)} imports {sorted(bad)}"
+
+
+# The benches' own tests import them; every other test takes nothing from bench.
+BENCH_TESTS = [
+    p
+    for p in modules("tests")
+    if p.name.startswith("test_bench_") or p.name == "test_core_bench.py"
+]
+
+
+@pytest.mark.parametrize("path", [p for p in modules("tests") if p not in BENCH_TESTS], ids=rel)
+def test_tests_take_no_fixture_from_bench(path: Path) -> None:
     bad = {m for m in imports(path) if allowed(m, {"agentruns.bench"})}
     assert not bad, f"{rel(path)} imports {sorted(bad)}"
 

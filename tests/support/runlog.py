@@ -4,20 +4,19 @@ written as Event/Snapshot/Result records in Kafka transactions, as the processor
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from agentruns.bench.core import simulate
-from agentruns.bench.sink import LogWriter, interleave
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection.sink import Sink, SinkConfig
+from agentruns.connectors.testing.log_writer import LogWriter
+from agentruns.connectors.testing.workload import interleave, simulate
 from agentruns.processors.events import Event
 from agentruns.streams.admin import ensure_topics
 
-from tests.integration.pipeline import running_on_thread
+from tests.support.pipeline import running_on_thread
 
 PARTITIONS = 3
 
@@ -59,17 +58,6 @@ def write_runs(
         keys.extend(writer.planned)
         writer.send(records)
     return keys
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def projected_events(database_url: str, tag: str) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from agentruns.bench.processor import restore_figures
-from agentruns.streams.admin import ensure_topics
 
 PARTITIONS = 3
 
@@ -13,15 +12,14 @@ PARTITIONS = 3
 def test_a_restore_after_many_ended_runs_reads_only_the_runs_still_held(
     kafka_bootstrap: str,
     database_url: str,
-    unique_name: str,
+    prefix: str,
     retention_ms: int | None,
     restored: int,
 ) -> None:
-    ensure_topics(kafka_bootstrap, prefix=unique_name, partitions=PARTITIONS)
     figures = restore_figures(
         kafka_bootstrap,
         database_url,
-        unique_name,
+        prefix,
         runs=40,
         partitions=PARTITIONS,
         retention_ms=retention_ms,

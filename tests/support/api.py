@@ -1,0 +1,163 @@
+"""The API's test stack: `agentruns api` on uvicorn (a free port, a thread) in front of the
+in-process processor, the sink and a scripted executor double, on one topic prefix."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.http import create_app
+from agentruns.processors.effects import CallModel, CallTool, CancelTool
+from agentruns.processors.events import (
+    CancelConfirmed,
+    Candidate,
+    Event,
+    ModelCallCompleted,
+    ModelOutcome,
+    ToolCallAccepted,
+    ToolCallRequest,
+)
+from agentruns.processors.state import ToolSpec
+from agentruns.streams.admin import ensure_topics
+from agentruns.streams.processor import ProcessorConfig
+
+from tests.support.pipeline import SEARCH, ExecutorDouble, now_ms, running_processor
+from tests.support.runlog import running_sink
+from tests.support.waiting import wait_for
+
+PARTITIONS = 3
+TOKEN = "test-bearer-" + uuid.uuid4().hex
+SECRET = b"test-secret-" + uuid.uuid4().hex.encode()
+REPORT = ToolSpec(
+    name="long_report",
+    parameters={"type": "object", "properties": {"report": {"type": "string"}}},
+    is_async=True,
+    cancellable=True,
+)
+GUARDED = SEARCH.model_copy(update={"permission": "write"})
+
+
+class ScriptedDouble(ExecutorDouble):
+    """The executor double, plus: runs listed in `async_runs` call `long_report`, which the
+    backend only accepts (202); a CancelTool is confirmed."""
+
+    def __init__(self, bootstrap: str, prefix: str) -> None:
+        super().__init__(bootstrap, prefix, PARTITIONS, steps=2)
+        self.async_runs: set[str] = set()
+
+    def answer(self, effect: Any) -> Iterable[Event]:
+        key = effect.idempotency_key
+        ids = {"run_id": effect.run_id, "event_id": f"{key}:result", "trace_id": effect.trace_id}
+        if isinstance(effect, CallModel) and effect.run_id in self.async_runs and effect.step == 1:
+            call = ToolCallRequest(id="c1", name="long_report", arguments_json='{"report":"q3"}')
+            yield ModelCallCompleted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                attempt=effect.attempt,
+                outcome=ModelOutcome.FINISHED,
+                candidate_ref="sha256:" + "c" * 64,
+                candidate=Candidate(tool_calls=(call,)),
+            )
+        elif isinstance(effect, CallTool) and effect.operation.tool == "long_report":
+            yield ToolCallAccepted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation.key,
+                dispatch=effect.operation.dispatch,
+            )
+        elif isinstance(effect, CancelTool):
+            yield CancelConfirmed(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation_key,
+                dispatch=effect.dispatch,
+            )
+        else:
+            yield from super().answer(effect)
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    database_url: str
+    prefix: str
+    url: str
+    double: ScriptedDouble
+    http: httpx.Client
+
+    def submit(self, key: str, **task: Any) -> str:
+        body = {"goal": "find three documents", "tools": [SEARCH.model_dump()], **task}
+        r = self.http.post("/runs", json=body, headers={"Idempotency-Key": key})
+        assert r.status_code in (200, 202), r.text
+        return str(r.json()["run_id"])
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        r = self.http.get(f"/runs/{run_id}")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def wait_status(self, run_id: str, *statuses: str, timeout: float = 40) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+
+        def reached() -> bool:
+            r = self.http.get(f"/runs/{run_id}")
+            if r.status_code == 404:  # submitted straight to Kafka, not projected yet
+                return False
+            assert r.status_code == 200, r.text
+            seen.update(r.json())
+            return seen["status"] in statuses
+
+        wait_for(reached, timeout=timeout, what=f"{run_id} to reach {statuses}", every=0.1)
+        return seen
+
+
+@contextmanager
+def serving(config: ApiConfig) -> Iterator[str]:
+    """The API on uvicorn, on a free port, in a thread; yields its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name="api")
+    thread.start()
+    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextmanager
+def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
+    """Processor + sink + executor double + API for one topic prefix."""
+    prefix = f"t-api-{uuid.uuid4().hex[:10]}"
+    ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
+    config = ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
+    double = ScriptedDouble(bootstrap, prefix)
+    api = ApiConfig(
+        bootstrap=bootstrap,
+        database_url=database_url,
+        api_token=TOKEN,
+        secret=SECRET,
+        prefix=prefix,
+    )
+    with running_processor(config, database_url):
+        double.start()
+        try:
+            with running_sink(bootstrap, database_url, prefix), serving(api) as url:
+                headers = {"Authorization": f"Bearer {TOKEN}"}
+                with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+                    yield Stack(bootstrap, database_url, prefix, url, double, http)
+        finally:
+            double.close()
