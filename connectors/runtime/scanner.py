@@ -188,3 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["Diagnosis", "group_lag", "main", "scan"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from agentruns.connectors.cli import main as cli_main
+
+    raise SystemExit(cli_main(["scan", *sys.argv[1:]]))
