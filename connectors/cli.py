@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.lifecycle import run_command
 
 
 def _dev_up(args: argparse.Namespace) -> int:
@@ -227,20 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
+    return run_command(_dispatch, argv)
+
+
+def _dispatch(words: list[str]) -> int:
     forwarded = _forwarded(words)
-    try:
-        if forwarded is not None:
-            target, rest = forwarded
-            module, _, function = target.partition(":")
-            return int(getattr(importlib.import_module(module), function or "main")(rest))
-        args = build_parser().parse_args(words)
-        return int(args.func(args))
-    except AgentrunsError as exc:
-        print(f"agentruns: {exc.one_line()}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    if forwarded is not None:
+        target, rest = forwarded
+        module, _, function = target.partition(":")
+        return int(getattr(importlib.import_module(module), function or "main")(rest))
+    args = build_parser().parse_args(words)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""How a service process ends: SIGTERM and SIGINT ask its loop to finish what it holds."""
+"""How a command's process runs and ends: SIGTERM and SIGINT ask a service's loop to finish
+what it holds; an AgentrunsError ends the command with one line on stderr, never a trace."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from collections.abc import Callable, Sequence
+
+from agentruns.streams.errors import AgentrunsError
 
 
 def stop_on_signals() -> threading.Event:
@@ -13,3 +18,17 @@ def stop_on_signals() -> threading.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     return stop
+
+
+def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """A command's exit code: what `main` returns, 2 after an AgentrunsError (one line on
+    stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through
+    this, never the CLI's dispatcher, which would import the module a second time (and
+    register its metrics twice)."""
+    try:
+        return int(main(list(sys.argv[1:] if argv is None else argv)))
+    except AgentrunsError as exc:
+        print(f"agentruns: {exc.one_line()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 
 from agentruns.connectors.api.config import ApiConfig
@@ -55,8 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
+    from agentruns.connectors.lifecycle import run_command
 
-    from agentruns.connectors.cli import main as cli_main
-
-    raise SystemExit(cli_main(["api", *sys.argv[1:]]))
+    raise SystemExit(run_command(main))

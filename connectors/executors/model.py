@@ -867,4 +867,6 @@ __all__ = [
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from agentruns.connectors.lifecycle import run_command
+
+    raise SystemExit(run_command(main))

@@ -454,4 +454,6 @@ def _summary_line(summary: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agentruns.connectors.lifecycle import run_command
+
+    raise SystemExit(run_command(main))

@@ -191,4 +191,6 @@ def _start_api(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from agentruns.connectors.lifecycle import run_command
+
+    raise SystemExit(run_command(main))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 from agentruns.connectors.lifecycle import stop_on_signals
@@ -120,6 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from agentruns.connectors.cli import main as cli_main
+    from agentruns.connectors.lifecycle import run_command
 
-    raise SystemExit(cli_main(["processor", *sys.argv[1:]]))
+    raise SystemExit(run_command(main))

@@ -191,8 +191,6 @@ __all__ = ["Diagnosis", "group_lag", "main", "scan"]
 
 
 if __name__ == "__main__":
-    import sys
+    from agentruns.connectors.lifecycle import run_command
 
-    from agentruns.connectors.cli import main as cli_main
-
-    raise SystemExit(cli_main(["scan", *sys.argv[1:]]))
+    raise SystemExit(run_command(main))

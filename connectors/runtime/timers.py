@@ -288,8 +288,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
+    from agentruns.connectors.lifecycle import run_command
 
-    from agentruns.connectors.cli import main as cli_main
-
-    raise SystemExit(cli_main(["timer", *sys.argv[1:]]))
+    raise SystemExit(run_command(main))
