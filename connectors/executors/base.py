@@ -958,7 +958,11 @@ def run_until_signal(executor: Executor) -> int:
 def add_common_arguments(parser: Any, kind: str) -> None:
     parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"))
-    parser.add_argument("--prefix", default="agentruns", help="topic prefix")
+    parser.add_argument(
+        "--prefix",
+        default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"),
+        help="topic prefix",
+    )
     parser.add_argument("--group", default=None, help=f"consumer group (<prefix>-executor-{kind})")
     parser.add_argument(
         "--instance", default="0", help="stable instance id (transactional.id suffix)"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
 import threading
@@ -823,7 +824,9 @@ def replay_main(argv: list[str] | None = None) -> int:
         prog="agentruns replay", description="a run's timeline, from the event log alone"
     )
     parser.add_argument("run_id")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument(
+        "--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", DEFAULT_PREFIX)
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -852,7 +855,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="agentruns audit",
         description="fold runs from the event log and compare with snapshots and Postgres",
     )
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument(
+        "--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", DEFAULT_PREFIX)
+    )
     parser.add_argument("--sample", type=int, help="audit N runs chosen at random")
     parser.add_argument("--seed", type=int, help="seed of the sample")
     parser.add_argument("--run", action="append", dest="runs", help="audit this run (repeat)")
@@ -912,7 +917,9 @@ def revalidate_main(argv: list[str] | None = None) -> int:
         description="re-run a validator version over stored candidates, without a model (R10)",
     )
     parser.add_argument("--validator-version", type=int, required=True)
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument(
+        "--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", DEFAULT_PREFIX)
+    )
     parser.add_argument("--run", action="append", dest="runs", help="only this run (repeat)")
     parser.add_argument("--changed-only", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line per candidate")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -1135,7 +1136,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentruns sink", description="project the run log into Postgres, exactly once"
     )
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
+    parser.add_argument(
+        "--prefix",
+        default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", DEFAULT_PREFIX),
+        help="topic prefix",
+    )
     parser.add_argument(
         "--group", default="", help="consumer group / offset owner (default <prefix>-sink)"
     )
