@@ -51,7 +51,7 @@ from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 
-#: issue 5: per executor process; p99 added latency at 200 calls/s
+#: per executor process; p99 added latency at 200 calls/s
 TARGETS = (Target("calls_per_s", 1_000), Target("added_latency_ms.p99", 50, at_most=True))
 
 

@@ -280,7 +280,7 @@ def _latency_phase(
     return sorted((began - measured, latency) for began, latency in latencies if began >= measured)
 
 
-#: issue 4: one processor process, 10,000 runs; p99 latency at 1,000 inputs/s
+#: one processor process, 10,000 runs; p99 latency at 1,000 inputs/s
 TARGETS = (
     Target("transitions_per_s", 5_000),
     Target("latency_p99_ms", 100, at_most=True),

@@ -7,9 +7,7 @@ machine was). A target is judged on the median of several trials, with the sprea
 Each trial is exactly ``agentruns bench BENCH ARGS`` in a subprocess (its last stdout line is
 its JSON figures), so it starts and stops its own Kafka and Postgres unless
 ``KAFKA_BOOTSTRAP_SERVERS`` and ``DATABASE_URL`` name them: the trials are the independent
-runs a target is stated for. (A first version shared one stack among the trials; in two of its
-sink runs the later trials' scale-out phase spent ~50% more sink CPU per event than the first,
-which three full sink benches on one ``dev up`` stack did not reproduce: see docs/sink.md.)
+runs a target is stated for.
 
 Prints, as one JSON object on its last line: ``median``, ``min`` and ``max`` of every number the
 trials reported (nested objects too; lists and strings are left out), the bench's targets

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 
 from agentruns.connectors.lifecycle import run_command
+from agentruns.streams.topics import default_prefix
 
 
 def _dev_up(args: argparse.Namespace) -> int:
@@ -200,11 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     topics = sub.add_parser("topics", help="create or list the pipeline's topics")
     topics_sub = topics.add_subparsers(dest="topics_command", required=True)
     create = topics_sub.add_parser("create", help="create every topic, idempotently")
-    create.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    create.add_argument("--prefix", default=default_prefix())
     create.add_argument("--partitions", type=int, default=None)
     create.set_defaults(func=_topics_create)
     listing = topics_sub.add_parser("list", help="the topics and their configs")
-    listing.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    listing.add_argument("--prefix", default=default_prefix())
     listing.set_defaults(func=_topics_list)
 
     db = sub.add_parser("db", help="database schema")

@@ -13,6 +13,7 @@ one number sizes the deployment.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -37,6 +38,14 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "agentruns"
+
+
+def default_prefix() -> str:
+    """The topic prefix a command uses when given none: $AGENTRUNS_TOPIC_PREFIX, else
+    DEFAULT_PREFIX."""
+    return os.environ.get("AGENTRUNS_TOPIC_PREFIX") or DEFAULT_PREFIX
+
+
 DEFAULT_PARTITIONS = 6
 
 INBOX = "inbox"

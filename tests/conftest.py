@@ -1,4 +1,4 @@
-"""Session fixtures: one real Kafka broker and one real Postgres for the whole test run.
+"""Fixtures shared by the whole test run: one real Kafka broker and one real Postgres.
 
 Resolved like every command (agentruns.connectors.devstack.services): KAFKA_BOOTSTRAP_SERVERS /
 DATABASE_URL if

@@ -56,7 +56,7 @@ from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_defaults import NO_DELAY, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
-from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, topic_name
+from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 log = logging.getLogger("agentruns.client")
@@ -476,7 +476,7 @@ def _api_client(args: argparse.Namespace) -> ApiClient | None:
 
 
 def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
-    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--prefix", default=default_prefix())
     if api:
         parser.add_argument(
             "--api-url",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
+from agentruns.streams.topics import default_prefix
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--port", type=int, default=int(os.environ.get("AGENTRUNS_API_PORT", "8080"))
     )
-    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument(
         "--production",
         action="store_true",

@@ -48,7 +48,7 @@ class LocalPostgres:
     def __init__(self, directory: Path, *, port: int = 15432, durable: bool = True) -> None:
         self.directory = directory
         self.port = port
-        # durable=False (test sessions only): fsync off, which a throw-away cluster can afford.
+        # durable=False (tests, benchmarks): fsync off, which a throw-away cluster can afford.
         self.durable = durable
         self.data = directory / "data"
         self.log_file = directory / "postgres.log"

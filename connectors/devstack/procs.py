@@ -100,7 +100,7 @@ def free_port_block(count: int, start: int = 20000, end: int | None = None) -> i
     the check and the bind, by any process's outgoing connection (seen: `make test` beside a
     bench, "Address already in use")."""
     end = end if end is not None else _ephemeral_start()
-    # Start from a pid-dependent offset so parallel test sessions rarely race for one block.
+    # Start from a pid-dependent offset so parallel test runs rarely race for one block.
     span = end - start
     base = start + (os.getpid() * 7 * count) % span
     for i in range(0, span, count):

@@ -245,14 +245,18 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
             local = running or self._new_local_stack()
             self.local = local
             where = f"local ({local.directory})"
+            # A service already running in the state directory (another command's, e.g. an
+            # `agentruns run` that started it) is used but left running when we close.
             if kafka is None:
                 if running is None:
-                    self._started.append(local.kafka)
+                    if not local.kafka.running():
+                        self._started.append(local.kafka)
                     local.kafka.start()
                 kafka, ksrc = local.kafka.bootstrap_servers, where
             if database is None:
                 if running is None:
-                    self._started.append(local.postgres)
+                    if not local.postgres.running():
+                        self._started.append(local.postgres)
                     local.postgres.start()
                 database, psrc = local.postgres.url, where
         self.endpoints = Endpoints(kafka, database, ksrc, psrc)

@@ -70,7 +70,7 @@ from agentruns.streams.kafka_defaults import partition_count
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
-from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
+from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
 from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings, seek
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
@@ -839,7 +839,11 @@ def run_until_signal(executor: Executor) -> int:
 def add_common_arguments(parser: Any, kind: str) -> None:
     parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"))
-    parser.add_argument("--prefix", default="agentruns", help="topic prefix")
+    parser.add_argument(
+        "--prefix",
+        default=default_prefix(),
+        help="topic prefix",
+    )
     parser.add_argument("--group", default=None, help=f"consumer group (<prefix>-executor-{kind})")
     parser.add_argument(
         "--instance", default="0", help="stable instance id (transactional.id suffix)"

@@ -39,7 +39,7 @@ from agentruns.connectors.projection.rows import (
 )
 from agentruns.processors.state import RunState
 from agentruns.streams.records import RunSlot
-from agentruns.streams.topics import DEFAULT_PREFIX
+from agentruns.streams.topics import default_prefix
 from prometheus_client import Counter, Gauge
 
 log = logging.getLogger("agentruns.audit")
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="agentruns audit",
         description="fold runs from the event log and compare with snapshots and Postgres",
     )
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--sample", type=int, help="audit N runs chosen at random")
     parser.add_argument("--seed", type=int, help="seed of the sample")
     parser.add_argument("--run", action="append", dest="runs", help="audit this run (repeat)")

@@ -10,7 +10,7 @@ import sys
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.projection.reading import endpoints, read_log
 from agentruns.connectors.projection.timeline import format_timeline, timeline, timeline_json
-from agentruns.streams.topics import DEFAULT_PREFIX
+from agentruns.streams.topics import default_prefix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="agentruns replay", description="a run's timeline, from the event log alone"
     )
     parser.add_argument("run_id")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
     try:

@@ -20,7 +20,7 @@ from agentruns.processors.state import RunState
 from agentruns.processors.transition import Disposition, load_candidate, transition
 from agentruns.processors.validation import ValidationContext, revalidate
 from agentruns.streams.records import parse_event_body
-from agentruns.streams.topics import DEFAULT_PREFIX
+from agentruns.streams.topics import default_prefix
 
 
 @dataclass
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         description="re-run a validator version over stored candidates, without a model (R10)",
     )
     parser.add_argument("--validator-version", type=int, required=True)
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--run", action="append", dest="runs", help="only this run (repeat)")
     parser.add_argument("--changed-only", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line per candidate")

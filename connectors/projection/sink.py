@@ -80,7 +80,15 @@ from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, release
 from agentruns.streams.polling import poll_batch
-from agentruns.streams.topics import DEFAULT_PREFIX, DLQ, EVENTS, RESULTS, STATE, topic_name
+from agentruns.streams.topics import (
+    DEFAULT_PREFIX,
+    DLQ,
+    EVENTS,
+    RESULTS,
+    STATE,
+    default_prefix,
+    topic_name,
+)
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -719,7 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentruns sink", description="project the run log into Postgres, exactly once"
     )
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
+    parser.add_argument(
+        "--prefix",
+        default=default_prefix(),
+        help="topic prefix",
+    )
     parser.add_argument(
         "--group", default="", help="consumer group / offset owner (default <prefix>-sink)"
     )

@@ -35,6 +35,7 @@ from agentruns.connectors.projection.sink import Sink, SinkConfig
 from agentruns.connectors.runtime.timers import TimerService
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.topics import default_prefix
 
 log = logging.getLogger("agentruns.run")
 
@@ -107,7 +108,7 @@ class Monolith:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns run", description=__doc__)
-    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--partitions", type=int, default=None)
     parser.add_argument(
         "--dev-servers",

@@ -19,13 +19,14 @@ from agentruns.connectors.postgres.migrate import migrate
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc, tune_switch_interval
 from agentruns.streams.processor import Processor, ProcessorConfig
+from agentruns.streams.topics import default_prefix
 
 log = logging.getLogger("agentruns.processor")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentruns processor", description=__doc__)
-    p.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    p.add_argument("--prefix", default=default_prefix())
     p.add_argument("--group", default="", help="consumer group id (default <prefix>-processor)")
     p.add_argument(
         "--instance-id",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -28,7 +27,7 @@ from agentruns.connectors.runtime.timers import fired_input
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
-from agentruns.streams.topics import INBOX, effect_suffix, topic_name
+from agentruns.streams.topics import INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import Counter
 
@@ -150,7 +149,7 @@ def scan(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns scan", description=__doc__)
-    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--stale-after", type=float, default=60.0, help="seconds without progress")
     parser.add_argument("--redrive", action="store_true", help="fire overdue timers again")
     parser.add_argument("--every", type=float, help="scan every SECONDS until stopped")

@@ -46,7 +46,7 @@ from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_c
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import check_fatal
 from agentruns.streams.records import input_record, parse_effect_body
-from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
+from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, KafkaException, Message, Producer
 
 log = logging.getLogger("agentruns.timer")
@@ -260,7 +260,7 @@ class TimerService:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
-    parser.add_argument("--prefix", default=os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns"))
+    parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--group", default="", help="consumer group (default <prefix>-timer)")
     parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
     parser.add_argument("--tick-ms", type=int, default=50)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from agentruns.connectors.devstack.procs import free_port_block, pid_alive
+from agentruns.connectors.devstack.services import ServiceStack
 
 AGENTRUNS = [sys.executable, "-m", "agentruns.connectors.cli"]
 
@@ -110,3 +111,22 @@ def test_a_missing_tool_registry_is_one_clear_line(
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot read the tool registry {absent}" in lines[0]
+
+
+def test_a_command_leaves_running_what_another_command_started(
+    dev_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`agentruns run` without `dev up` starts the local stack; `agentruns submit` (here
+    `topics list`) in another terminal uses it and must not stop it when it ends."""
+    env = {**dev_env, "AGENTRUNS_NO_DOCKER": "1"}
+    for name in ("AGENTRUNS_STATE_DIR", "AGENTRUNS_KAFKA_PORT", "AGENTRUNS_PG_PORT"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.setenv("AGENTRUNS_NO_DOCKER", "1")
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with ServiceStack() as first:
+        assert first.local is not None
+        listed = _run(["topics", "list"], env)
+        assert listed.returncode == 0, listed.stderr
+        assert first.local.kafka.running() and first.local.postgres.running()
+    assert not first.local.kafka.running() and not first.local.postgres.running()

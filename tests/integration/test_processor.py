@@ -1,4 +1,4 @@
-"""The Kafka processor against the real broker (issue 4, tests 1-5)."""
+"""The Kafka processor against the real broker."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The timer service on the real broker and Postgres (issue 7: timers)."""
+"""The timer service on the real broker and Postgres."""
 
 from __future__ import annotations
 

@@ -323,7 +323,7 @@ def test_decode_of_a_valid_header_with_garbage_body_raises_only_codec_errors(
     assert decode(encode(name, decoded.record)) == decoded  # whatever decodes re-encodes
 
 
-# --- DLQ records (issue 4, test 5: garbage, unknown fingerprint, invalid input) ----------
+# --- DLQ records (garbage, unknown fingerprint, invalid input) --------------------------
 
 HEADERS = [("trace_id", b"trace-1"), ("x-null", None), ("x-str", "v"), ("trace_id", b"again")]
 
