@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,14 @@ from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import EVENTS, INBOX, effect_suffix, topic_name
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 Headers = list[tuple[str, str | bytes | None]]
 
@@ -71,8 +79,11 @@ class Doors:
     api_url: str | None = None
     api_token: str | None = None
     _producer: Producer | None = field(default=None, repr=False)
-    _pending: list[Injected] = field(default_factory=list, repr=False)
+    _placed: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _unplaced: list[tuple[Injected, str, int, bytes | None, bytes | None]] = field(
+        default_factory=list, repr=False
+    )
 
     def producer(self) -> Producer:
         if self._producer is None:
@@ -97,10 +108,13 @@ class Doors:
             with self._lock:
                 if error is not None:
                     injected.error = str(error)
-                else:
-                    offset = message.offset()
-                    assert offset is not None
+                elif (offset := message.offset()) is not None and offset >= 0:
                     injected.position = (topic, partition, offset)
+                    self._placed.add(injected.position)
+                else:
+                    # Persisted, but the broker answered a retried request as a duplicate of
+                    # one that timed out: no offset. Found by reading the partition (flush).
+                    self._unplaced.append((injected, topic, partition, key, value))
 
         self.producer().produce(
             topic,
@@ -116,7 +130,57 @@ class Doors:
         return topic_name(INBOX, self.prefix)
 
     def flush(self, timeout_s: float = 60.0) -> int:
-        return 0 if self._producer is None else self._producer.flush(timeout_s)
+        """Wait for every delivery report; how many records are still unacknowledged."""
+        left = 0 if self._producer is None else self._producer.flush(timeout_s)
+        if self._unplaced:
+            self._place(timeout_s)
+        return left
+
+    def _place(self, timeout_s: float) -> None:
+        """The position of each record delivered without an offset: the first record of its
+        partition with its key and value that no other injection holds."""
+        with self._lock:
+            unplaced, self._unplaced = self._unplaced, []
+            taken = set(self._placed)
+        reader = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"hostile-place-{self.prefix}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "log_level": 3,
+            }
+        )
+        try:
+            wanted = {(topic, partition) for _, topic, partition, _, _ in unplaced}
+            reader.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t, p in wanted])
+            pending, deadline = set(wanted), time.monotonic() + timeout_s
+            while pending and unplaced and time.monotonic() < deadline:
+                for message in reader.consume(500, 0.5):
+                    where = (message.topic() or "", message.partition() or 0)
+                    if message.error() is not None:
+                        pending.discard(where)
+                        continue
+                    position = (*where, message.offset() or 0)
+                    for n, (injected, topic, partition, key, value) in enumerate(unplaced):
+                        if (
+                            (topic, partition) == where
+                            and (key, value)
+                            == (
+                                message.key(),
+                                message.value(),
+                            )
+                            and position not in taken
+                        ):
+                            injected.position = position
+                            taken.add(position)
+                            self._placed.add(position)
+                            del unplaced[n]
+                            break
+        finally:
+            reader.close()
+        for injected, *_ in unplaced:
+            injected.error = "delivered without an offset, and not found in its partition"
 
     def close(self) -> None:
         from agentruns.streams.kafka_defaults import release
