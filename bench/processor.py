@@ -454,7 +454,7 @@ def cloned_restore_figures(
     *,
     runs: int,
     partitions: int,
-    retention_ms: int,
+    retention_ms: int | None,
     live: int = 0,
     timeout_s: float = 600,
 ) -> dict[str, Any]:
@@ -464,6 +464,8 @@ def cloned_restore_figures(
     processor wrote, then the ended run's tombstone) are copied for every other run id (same
     length, so only the id's bytes differ), as an uncompacted topic holds them. A second
     processor is then timed restoring it. Topics `prefix` must exist and be empty."""
+    if retention_ms is None:
+        raise ValueError("a cloned state topic copies an evicted run: retention_ms is needed")
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DATABASE_URL": database_url}
     ended_id = "tpl-0000000"
     # on the ended run's partition: eviction follows each partition's own event time
@@ -548,28 +550,17 @@ def _restore_main(args: argparse.Namespace) -> int:
         print(f"{args.runs} runs to their end, then a restore", file=sys.stderr, flush=True)
         if args.clone and retention is None:
             raise SystemExit("--clone copies an evicted run: --terminal-retention-ms >= 0")
-        if args.clone and retention is not None:
-            figures = cloned_restore_figures(
-                ep.kafka_bootstrap,
-                ep.database_url,
-                prefix,
-                runs=args.runs,
-                partitions=args.partitions,
-                retention_ms=retention,
-                live=args.live,
-                timeout_s=args.timeout,
-            )
-        else:
-            figures = restore_figures(
-                ep.kafka_bootstrap,
-                ep.database_url,
-                prefix,
-                runs=args.runs,
-                partitions=args.partitions,
-                retention_ms=retention,
-                live=args.live,
-                timeout_s=args.timeout,
-            )
+        measure = cloned_restore_figures if args.clone else restore_figures
+        figures = measure(
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix,
+            runs=args.runs,
+            partitions=args.partitions,
+            retention_ms=retention,
+            live=args.live,
+            timeout_s=args.timeout,
+        )
     state = "cloned" if args.clone else "processed"
     figures = {"bench": "processor-restore", "state": state, **figures}
     print(json.dumps(figures))
