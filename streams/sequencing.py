@@ -14,7 +14,7 @@ just as if the protocol had been written inline.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -168,7 +168,7 @@ class Sequencer:
 
     def admit(
         self, slot: SeqSlot, record: dict[str, Any], parse: Callable[[], Event]
-    ) -> Iterator[Step]:
+    ) -> Generator[Step, None, None]:
         """The steps of one Input `record` of the run held in `slot`. `parse` gives the input's
         event (its errors propagate); it is called only when the protocol needs the event, so
         a duplicate is never parsed."""
