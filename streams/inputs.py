@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 from agentruns.processors.effects import PublishResult, ScheduleTimer
-from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted, TimerFired
+from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
@@ -45,12 +45,23 @@ from agentruns.streams.records import (
     parse_event_body,
     result_record,
 )
+from agentruns.streams.sequencing import (
+    MAX_PRODUCER_MARKS,
+    Apply,
+    ArmGapTimer,
+    BufferFull,
+    Conflict,
+    Duplicate,
+    Ended,
+    GapExpired,
+    Hold,
+    Sequencer,
+    next_seq,
+)
 from agentruns.streams.transaction import Headers, Record
 from confluent_kafka import Message
 
 log = logging.getLogger("agentruns.processor")
-
-GAP_TIMER = ":gap:"
 
 #: Bytes kept free under a topic's record limit for what our size count leaves out: the record
 #: batch header and per-record overhead the broker counts (our count is key + value + headers).
@@ -67,10 +78,6 @@ SNAPSHOT_CHECK_SHARE = 0.5
 
 #: Reasons are stored in events and dead letters: bounded.
 MAX_REASON_CHARS = 300
-
-#: Producers whose marks a run keeps: the one heard from longest ago is forgotten past it (a
-#: run hears from a few: the API, the executors, the timer service).
-MAX_PRODUCER_MARKS = 64
 
 
 @dataclass(frozen=True)
@@ -167,14 +174,6 @@ class PathSettings:
     max_artifact_bytes: int = 16 << 20
 
 
-@dataclass(slots=True)
-class Ended:
-    """What is kept of a run evicted after its end: enough to answer a late input LATE."""
-
-    status: str
-    last_seq: int
-
-
 def record_size(record: Record) -> int:
     """What a record weighs against the limit: key + value + header keys and values."""
     _, key, value, _, headers = record
@@ -242,6 +241,7 @@ class InputPath:
         self._model_batches = 0
         self._clock = clock
         self._batch = Batch()
+        self.sequencer = Sequencer(settings.buffer_limit, settings.gap_timeout_ms, input_digest)
 
     # ------------------------------------------------------------------ the guard
 
@@ -359,12 +359,7 @@ class InputPath:
         )
         try:
             work = self._work_on(slot, mark)
-            pid, pseq = record["producer_id"], record["producer_seq"]
-            if pid is not None and pseq is not None:
-                if pseq == work.producer_marks.get(pid, 0) + 1:
-                    work.producer_marks[pid] = pseq  # its seq is used up, as for a rejection
-            else:
-                work.remember(f"i:{input_id}", input_digest(record["kind"], record["body"]))
+            self.sequencer.refused(work, record, input_id)
             self._apply(inbound.partition, work, event, input_id)
             self._check_sizes(mark, work, inbound)
         except Exception as exc:
@@ -460,60 +455,59 @@ class InputPath:
     def _after_end(self, partition: int, run_id: str, ended: Ended, record: dict[str, Any]) -> None:
         """An input of a run evicted after its end: LATE, as the core answers any input of an
         ended run, appended to the run's log (its state is no longer held, nor its snapshot)."""
-        if ended.last_seq >= self.settings.max_log_events:
+        seq = next_seq(ended.last_seq, self.settings.max_log_events)
+        if seq is None:
             raise _Reject(f"run {run_id} has {ended.last_seq} events", "EVENT_CAP")
         event = self._parse(record)
         result = Transition(
             state=None, disposition=Disposition.LATE, reason=f"run is {ended.status}"
         )
-        ended.last_seq += 1
-        self._produce_event(partition, run_id, ended.last_seq, event, result, record["input_id"])
+        ended.last_seq = seq
+        self._produce_event(partition, run_id, seq, event, result, record["input_id"])
         self.stats.count(result.disposition, 0)
 
     def _sequence(
         self, partition: int, slot: RunSlot, record: dict[str, Any], inbound: Inbound
     ) -> None:
-        """The seq protocol (R5): dedupe, order per producer, buffer gaps, then apply."""
-        digest = input_digest(record["kind"], record["body"])
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        if pid is None or pseq is None:
-            key = f"i:{record['input_id']}"
-            known = slot.recalled(key)
-            if known is not None:
-                self._duplicate(known, digest, key)
-                return
-            event = self._parse(record)
-            if isinstance(event, TimerFired) and GAP_TIMER in event.timer_id:
-                self._gap_timer_fired(partition, slot, event)
-                return
-            self._apply(partition, slot, event, record["input_id"])
-            slot.remember(key, digest)
-            return
-        mark = slot.producer_marks.get(pid, 0)
-        if pseq <= mark:
-            # Older than the window of remembered digests: cannot be compared, so it is
-            # treated as the duplicate it almost surely is (and counted).
-            key = f"p:{pid}:{pseq}"
-            self._duplicate(slot.recalled(key) or digest, digest, key)
-            return
-        if pseq > mark + 1:
-            self._buffer(partition, slot, record, digest)
-            return
-        self._apply_numbered(partition, slot, record, inbound)
-        self._drain(partition, slot)
+        """Carry out the seq protocol's steps for one input (streams/sequencing.py)."""
+        for step in self.sequencer.admit(slot, record, lambda: self._parse(record)):
+            if isinstance(step, Apply):
+                if step.numbered:
+                    self._apply_numbered(partition, slot, step, inbound)
+                else:
+                    assert step.event is not None
+                    self._apply(partition, slot, step.event, record["input_id"])
+            elif isinstance(step, Duplicate):
+                self.stats.duplicates += 1
+            elif isinstance(step, Conflict):
+                raise _Reject(
+                    f"conflicting duplicate: input {step.key} was applied with other content",
+                    dlq.CONFLICTING_DUPLICATE,
+                )
+            elif isinstance(step, Hold):
+                self._touch(partition, slot)
+                self.stats.buffered += 1
+            elif isinstance(step, BufferFull):
+                raise _Reject(
+                    f"out-of-order buffer of run {slot.run_id} is full "
+                    f"({step.limit} inputs waiting for a gap to fill)",
+                    "BUFFER_FULL",
+                )
+            elif isinstance(step, ArmGapTimer):
+                self._arm_gap_timer(partition, slot, step)
+            elif isinstance(step, GapExpired):
+                self._gap_expired(partition, slot, step)
+            else:
+                self.stats.stale_timers += 1
 
     def _apply_numbered(
-        self, partition: int, slot: RunSlot, record: dict[str, Any], original: Inbound
+        self, partition: int, slot: RunSlot, step: Apply, original: Inbound
     ) -> None:
-        """Apply the next input of a producer. Its seq is used up even if it is refused (to
-        the DLQ), so a bad input never blocks the ones behind it."""
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        marks = slot.producer_marks
-        marks.pop(pid, None)  # re-inserted last: the marks are in the order last heard
-        marks[pid] = pseq
-        if len(marks) > MAX_PRODUCER_MARKS:
-            del marks[next(iter(marks))]
-        slot.remember(f"p:{pid}:{pseq}", input_digest(record["kind"], record["body"]))
+        """Apply the next input of a producer. Its seq is used up already, so a refusal of it
+        (to the DLQ) never blocks the ones behind it."""
+        record = step.record
+        if step.held:
+            original = Inbound.of_record(self.topics.inbox, partition, record)
         self._touch(partition, slot)
         try:
             self._apply(partition, slot, self._parse(record), record["input_id"])
@@ -533,97 +527,40 @@ class InputPath:
             )
         return event
 
-    def _duplicate(self, known: str, digest: str, key: str) -> None:
-        if known != digest:
-            raise _Reject(
-                f"conflicting duplicate: input {key} was applied with other content",
-                dlq.CONFLICTING_DUPLICATE,
-            )
-        self.stats.duplicates += 1
-
-    def _buffer(self, partition: int, slot: RunSlot, record: dict[str, Any], digest: str) -> None:
-        pid, pseq = record["producer_id"], record["producer_seq"]
-        for held in slot.buffer:
-            if held["producer_id"] == pid and held["producer_seq"] == pseq:
-                self._duplicate(input_digest(held["kind"], held["body"]), digest, f"p:{pid}:{pseq}")
-                return
-        if len(slot.buffer) >= self.settings.buffer_limit:
-            raise _Reject(
-                f"out-of-order buffer of run {slot.run_id} is full "
-                f"({self.settings.buffer_limit} inputs waiting for a gap to fill)",
-                "BUFFER_FULL",
-            )
-        slot.buffer.append(dict(record))
-        if slot.gap_since is None:
-            slot.gap_since = record["at"]
-            expected = slot.producer_marks.get(pid, 0) + 1
-            self._schedule_gap_timer(partition, slot, record, expected)
-        self._touch(partition, slot)
-        self.stats.buffered += 1
-
-    def _drain(self, partition: int, slot: RunSlot) -> None:
-        """Apply buffered inputs whose turn has come, in producer order."""
-        progressed = True
-        while progressed and slot.buffer:
-            progressed = False
-            for held in list(slot.buffer):
-                if held["producer_seq"] == slot.producer_marks.get(held["producer_id"], 0) + 1:
-                    slot.buffer.remove(held)
-                    original = Inbound.of_record(self.topics.inbox, partition, held)
-                    self._apply_numbered(partition, slot, held, original)
-                    progressed = True
-        slot.gap_since = min((h["at"] for h in slot.buffer), default=None)
-        self._touch(partition, slot)
-
-    def _schedule_gap_timer(
-        self, partition: int, slot: RunSlot, record: dict[str, Any], expected: int
-    ) -> None:
+    def _arm_gap_timer(self, partition: int, slot: RunSlot, step: ArmGapTimer) -> None:
         state = slot.state
-        timer_id = f"{slot.run_id}{GAP_TIMER}{record['producer_id']}:{expected}"
         effect = ScheduleTimer(
-            idempotency_key=f"{timer_id}:schedule",
+            idempotency_key=f"{step.timer_id}:schedule",
             run_id=slot.run_id,
             step=0 if state is None else state.step,
             attempt=0 if state is None else state.attempt,
-            trace_id=record["trace_id"] if state is None else state.trace_id,
-            timer_id=timer_id,
-            due_at=record["at"] + self.settings.gap_timeout_ms,
+            trace_id=step.trace_id if state is None else state.trace_id,
+            timer_id=step.timer_id,
+            due_at=step.due_at,
             purpose=TimerPurpose.GAP_TIMEOUT,
         )
-        self._produce_effect(partition, effect, seq=slot.last_seq, at=record["at"])
+        self._produce_effect(partition, effect, seq=slot.last_seq, at=step.at)
+        self._touch(partition, slot)
 
-    def _gap_timer_fired(self, partition: int, slot: RunSlot, fired: TimerFired) -> None:
-        """The gap did not fill in time: record a diagnosis, skip the gap, apply what waits."""
-        _, _, rest = fired.timer_id.partition(GAP_TIMER)
-        pid, _, expected_text = rest.rpartition(":")
-        expected = int(expected_text)
-        waiting = sorted(
-            (h for h in slot.buffer if h["producer_id"] == pid), key=lambda h: h["producer_seq"]
-        )
-        if slot.producer_marks.get(pid, 0) >= expected or not waiting:
-            self.stats.stale_timers += 1
-            return  # the gap filled before the timer fired
-        first = waiting[0]["producer_seq"]
-        diagnosis = (
-            f"inputs {expected}..{first - 1} of producer {pid} did not arrive within "
-            f"{self.settings.gap_timeout_ms} ms; {len(waiting)} later inputs applied after the gap"
-        )
+    def _gap_expired(self, partition: int, slot: RunSlot, step: GapExpired) -> None:
+        """Record the diagnosis in the run's log (the core fails the run)."""
+        fired = step.fired
         if slot.state is not None:
             event = GapTimedOut(
                 run_id=slot.run_id,
                 event_id=f"{fired.timer_id}:fired",
                 at=fired.at,
                 trace_id=slot.state.trace_id,
-                expected_seq=expected,
-                diagnosis=diagnosis,
+                expected_seq=step.expected,
+                diagnosis=step.diagnosis,
             )
             self._apply(partition, slot, event, fired.event_id)
-        log.warning("run %s: %s", slot.run_id, diagnosis, extra={"run_id": slot.run_id})
-        slot.producer_marks[pid] = first - 1
-        self._drain(partition, slot)
+        log.warning("run %s: %s", slot.run_id, step.diagnosis, extra={"run_id": slot.run_id})
+        self._touch(partition, slot)
 
     def _apply(self, partition: int, slot: RunSlot, event: Event, input_id: str | None) -> None:
-        if slot.last_seq >= self.settings.max_log_events:
+        seq = next_seq(slot.last_seq, self.settings.max_log_events)
+        if seq is None:
             raise _Reject(
                 f"run {slot.run_id} has {slot.last_seq} events, the log cap is "
                 f"{self.settings.max_log_events}",
@@ -641,7 +578,6 @@ class InputPath:
         if slot.state is None and result.state is None:
             # Nothing to log for a run that does not exist: the input is refused as a whole.
             raise _Reject(result.reason or "no such run", dlq.INVALID_EVENT)
-        seq = slot.last_seq + 1
         self._produce_event(partition, slot.run_id, seq, event, result, input_id)
         batch = self._batch
         batch.artifacts.extend(result.artifacts)
@@ -800,7 +736,9 @@ def _headers(trace_id: str, run_id: str, step: int, attempt: int) -> Headers:
 
 
 __all__ = [
+    "MAX_PRODUCER_MARKS",
     "Batch",
+    "Ended",
     "Inbound",
     "InputPath",
     "PathSettings",
