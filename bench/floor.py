@@ -19,8 +19,9 @@ Two modes, one after the other in one invocation:
 A step of the agent loop is four such hops (processor -> model executor -> processor -> tool
 executor -> processor), so at a concurrency of N the step floor is hops/s / 4 steps/s and
 4 x the hop p50 per step. Figures per mode and level (tokens in flight): hops/s, hop p50/p99,
-that step floor, and the CPU microseconds per hop of each side, the broker and this driver. One
-JSON object on the last line; also written to bench/results/floor.json.
+that step floor, hop p50/p99 of each side apart (``by_side``: in plain mode one side's hops
+are transactional, the other's not), and the CPU microseconds per hop of each side, the broker
+and this driver. One JSON object on the last line; also written to bench/results/floor.json.
 """
 
 from __future__ import annotations
@@ -101,6 +102,16 @@ def hop_figures(samples: Sequence[Sample]) -> Json:
         "hop_p50_ms": round(p50 * 1000, 2),
         "hop_p99_ms": round(percentile(took, 0.99) * 1000, 2),
         "step_floor": step_floor(rate, p50),
+    }
+
+
+def side_figures(samples: Sequence[Sample]) -> Json:
+    """One side's hops: how many, p50 and p99 (in plain mode the sides differ in kind)."""
+    took = [t for _, t in samples]
+    return {
+        "hops": len(took),
+        "hop_p50_ms": round(percentile(took, 0.5) * 1000, 2),
+        "hop_p99_ms": round(percentile(took, 0.99) * 1000, 2),
     }
 
 
@@ -392,8 +403,9 @@ class Mode:
         )
         self.watcher.assign([TopicPartition(self.done, 0, OFFSET_BEGINNING)])
 
-    def level(self, tokens: int, hops: int, timeout_s: float) -> list[Sample]:
-        """Bounce ``tokens`` tokens ``hops`` times each; every hop's sample."""
+    def level(self, tokens: int, hops: int, timeout_s: float) -> dict[str, list[Sample]]:
+        """Bounce ``tokens`` tokens ``hops`` times each; every hop's sample, by the side whose
+        hop it was (a side times the hops of the other: it sees them end)."""
         run = uuid.uuid4().hex[:6]
         now = time.monotonic()
         for i in range(tokens):
@@ -409,15 +421,16 @@ class Mode:
                     done += 1
         if done < tokens:
             raise RuntimeError(f"{tokens - done} of {tokens} tokens not done in {timeout_s} s")
-        samples: list[Sample] = []
+        by_side: dict[str, list[Sample]] = {"side_a": [], "side_b": []}
+        timed_by = {"side_a": "side_b", "side_b": "side_a"}
         # a side takes a batch's samples once its commit returned, which may be just after
         # the done record became visible
-        while len(samples) < tokens * hops and time.monotonic() < deadline:
-            for side in self.sides.values():
-                samples.extend(side.report())
-            if len(samples) < tokens * hops:
+        while sum(map(len, by_side.values())) < tokens * hops and time.monotonic() < deadline:
+            for name in by_side:
+                by_side[name].extend(self.sides[timed_by[name]].report())
+            if sum(map(len, by_side.values())) < tokens * hops:
                 time.sleep(0.02)
-        return samples
+        return by_side
 
     def stop(self) -> None:
         for side in self.sides.values():
@@ -457,9 +470,11 @@ def measure(
             for tokens in levels:
                 sides = {side.pid: name for name, side in pair.sides.items()}
                 machine = MachineCpu.start({**(labels or {}), **sides})
-                samples = pair.level(tokens, hops, timeout_s)
+                by_side = pair.level(tokens, hops, timeout_s)
                 cpu = machine.stop()
+                samples = [s for side in by_side.values() for s in side]
                 level = {"tokens": tokens, **hop_figures(samples)}
+                level["by_side"] = {name: side_figures(s) for name, s in by_side.items()}
                 level["cpu_us_per_hop"] = per_item_us(cpu.get("cpu_s_by_process"), len(samples))
                 level["busy_cores"] = cpu.get("busy_cores")
                 level["steal_pct"] = cpu.get("steal_pct")

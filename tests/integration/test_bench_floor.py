@@ -34,3 +34,6 @@ def test_the_floor_bench_prints_every_figure_of_both_modes(
         assert level["step_floor"]["steps_per_s"] > 0
         assert level["step_floor"]["step_latency_ms"] > 0
         assert {"side_a", "side_b", "bench"} <= set(level["cpu_us_per_hop"])
+        sides = level["by_side"]
+        assert sides["side_a"]["hops"] + sides["side_b"]["hops"] == 5
+        assert all(side["hop_p50_ms"] > 0 for side in sides.values() if side["hops"])

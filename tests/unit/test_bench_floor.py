@@ -15,6 +15,7 @@ from agentruns.bench.floor import (
     per_item_us,
     ratio,
     ratios_to_floor,
+    side_figures,
     step_floor,
 )
 
@@ -117,3 +118,12 @@ def test_a_level_is_json_with_every_figure() -> None:
 def test_a_token_record_round_trips() -> None:
     value = floor._record("ab12-3", 7, 40, 12345.678901234)
     assert floor._parse(value) == ("ab12-3", 7, 40, 12345.678901234)
+
+
+def test_one_sides_hops() -> None:
+    assert side_figures([(1.0, 0.002), (2.0, 0.004), (3.0, 0.02)]) == {
+        "hops": 3,
+        "hop_p50_ms": 4.0,
+        "hop_p99_ms": 20.0,
+    }
+    assert side_figures([])["hops"] == 0
