@@ -6,8 +6,15 @@ example tool server (zero latency), whose result starts the next step; the 11th 
 answers. Every component is its own process (model server, tool server, processor, model
 executor, tool executor), as in production. Figures: durable steps/s (a step counts when the
 snapshot that starts the next step is committed), per-step latency p50/p99, run latency
-p50/p99, and the peak RSS of each process. One JSON object on the last line; also written to
-bench/results/loop.json.
+p50/p99, the CPU microseconds per step of every process (the broker, Postgres, each component,
+the bench driver; ``other`` is the rest of the machine) and the peak RSS of each process.
+
+First, on the same broker, the Kafka floor at the same concurrencies (`agentruns.bench.floor`:
+two bare transactional consume -> produce loops, four of whose hops make a step); each level
+reports ``ratio_to_floor``: its steps/s over the floor's (below 1: slower than the floor) and
+its step p50 over the floor's step latency (above 1: slower). A shared machine's noise moves
+both alike, so the ratios say more than either figure alone. One JSON object on the last line;
+also written to bench/results/loop.json.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
 from agentruns.bench.latency import percentile
+from agentruns.bench.machine import MachineCpu, stack_labels
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
@@ -207,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the executors' --gather-ms",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
+    parser.add_argument("--floor-hops", type=int, default=40, help="hops per token of the floor")
     parser.add_argument("--out", default="bench/results/loop.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
     levels = [int(x) for x in args.levels.split(",")]
@@ -219,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ep = stack.endpoints
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
+        services = stack_labels(stack)
+        # before the pipeline's processes start: nothing else of ours is on the broker
+        floor = measure(
+            ep.kafka_bootstrap, levels, args.floor_hops, args.partitions, labels=services
+        )
         model_port = free_port_block(1, start=30000)
         tool_port = free_port_block(1, start=model_port + 1)
         env = {
@@ -263,9 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = []
         try:
             driver.level(1, 1, 120)  # warm-up: every process connected and joined
+            components = {
+                c.process.pid: name for name, c in sup.components.items() if c.process is not None
+            }
             for concurrency, count in zip(levels, runs, strict=True):
                 print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
-                results.append(driver.level(concurrency, count, args.timeout))
+                machine = MachineCpu.start({**services, **components})
+                level = driver.level(concurrency, count, args.timeout)
+                cpu = machine.stop()
+                # every step a completed run took, the first one's too
+                steps = level["completed"] * STEPS
+                level["cpu_us_per_step"] = per_item_us(cpu.get("cpu_s_by_process"), steps)
+                level["busy_cores"] = cpu.get("busy_cores")
+                level["steal_pct"] = cpu.get("steal_pct")
+                level["ratio_to_floor"] = ratios_to_floor(level, floor_level(floor, concurrency))
+                results.append(level)
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             rss = {
                 name: _peak_rss_mib(c.process.pid)
@@ -282,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gather_ms": args.gather_ms,
         "levels": results,
         "peak_rss_mib": rss,
+        "floor": floor,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,10 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentruns.connectors.devstack.services import ServiceStack
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -41,29 +44,51 @@ GROUPS = ("broker", "postgres", "bench", "other")
 def group_of(pid: int, comm: str, cmdline: str, labels: Mapping[int, str]) -> str:
     """Which group a process's CPU counts for: an explicit label (the process under test), the
     bench itself, the local broker (a JVM running ``kafka.Kafka``), Postgres (its postmaster and
-    every backend), or ``other`` (anything else on the machine, kernel threads included)."""
+    every backend), or ``other`` (anything else on the machine, kernel threads included).
+
+    A group some label names holds its labelled processes only: with the bench's own broker
+    labelled ``broker``, another broker on the machine (another tenant's) counts as ``other``."""
     if pid in labels:
         return labels[pid]
     if pid == os.getpid():
         return "bench"
-    if "kafka.Kafka" in cmdline:
+    named = labels.values()
+    if "kafka.Kafka" in cmdline and "broker" not in named:
         return "broker"
-    if comm == "postgres" or comm.startswith("postgres:"):
+    if (comm == "postgres" or comm.startswith("postgres:")) and "postgres" not in named:
         return "postgres"
     return "other"
 
 
-def _stat(text: str) -> tuple[str, int, float]:
-    """(comm, start time in ticks, user + system CPU seconds) from a /proc/<pid>/stat text."""
+def _stat(text: str) -> tuple[str, int, float, int]:
+    """(comm, start time in ticks, user + system CPU seconds, parent pid) from a
+    /proc/<pid>/stat text."""
     comm = text[text.index("(") + 1 : text.rindex(")")]
     fields = text[text.rindex(")") + 2 :].split()
-    return comm, int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICK
+    return comm, int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICK, int(fields[1])
 
 
-def _processes() -> dict[int, tuple[str, str, int, float]]:
-    """pid -> (comm, cmdline, start time in ticks, CPU seconds so far) of every process visible
-    in /proc (the start time tells a reused pid from the process it had before)."""
-    out: dict[int, tuple[str, str, int, float]] = {}
+def inherited(labels: Mapping[int, str], parents: Mapping[int, int]) -> dict[int, str]:
+    """``labels`` extended to every descendant of a labelled process (a Postgres backend is
+    its postmaster's); a descendant's nearest labelled ancestor wins."""
+    out = dict(labels)
+    for pid in parents:
+        seen: list[int] = []
+        at = pid
+        while at not in out and at in parents and at not in seen and len(seen) < 64:
+            seen.append(at)
+            at = parents[at]
+        if at in out:
+            for p in seen:
+                out[p] = out[at]
+    return out
+
+
+def _processes() -> dict[int, tuple[str, str, int, float, int]]:
+    """pid -> (comm, cmdline, start time in ticks, CPU seconds so far, parent pid) of every
+    process visible in /proc (the start time tells a reused pid from the process it had
+    before)."""
+    out: dict[int, tuple[str, str, int, float, int]] = {}
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
         if not entry.name.isdigit():
             continue
@@ -72,8 +97,8 @@ def _processes() -> dict[int, tuple[str, str, int, float]]:
             cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, UnicodeDecodeError):
             continue  # gone meanwhile, or not ours to read
-        comm, started, cpu = _stat(stat)
-        out[int(entry.name)] = (comm, cmdline, started, cpu)
+        comm, started, cpu, parent = _stat(stat)
+        out[int(entry.name)] = (comm, cmdline, started, cpu, parent)
     return out
 
 
@@ -85,7 +110,7 @@ class MachineCpu:
 
     began: float
     first: tuple[float, float] | None
-    first_processes: dict[int, tuple[str, str, int, float]]
+    first_processes: dict[int, tuple[str, str, int, float, int]]
     labels: dict[int, str]
 
     @classmethod
@@ -97,7 +122,9 @@ class MachineCpu:
         """``busy_cores``: mean cores busy; ``steal_pct``: share of the machine's CPU time
         taken by the hypervisor; ``busy_s``: CPU seconds of work (to divide by items);
         ``cores_by_process``: mean cores per group (a process that ended during the phase is
-        missing from it; one that began counts from its start)."""
+        missing from it; one that began counts from its start); ``cpu_s_by_process``: CPU
+        seconds per group (to divide by items). A label holds for the labelled process's
+        descendants too."""
         elapsed = time.monotonic() - self.began
         last = _read()
         if self.first is None or last is None or elapsed <= 0:
@@ -105,15 +132,18 @@ class MachineCpu:
         busy, steal = last[0] - self.first[0], last[1] - self.first[1]
         cpus = os.cpu_count() or 1
         groups = dict.fromkeys((*sorted(set(self.labels.values())), *GROUPS), 0.0)
-        for pid, (comm, cmdline, started, cpu) in _processes().items():
+        now = _processes()
+        labels = inherited(self.labels, {pid: p[4] for pid, p in now.items()})
+        for pid, (comm, cmdline, started, cpu, _parent) in now.items():
             before = self.first_processes.get(pid)
             used = cpu - before[3] if before is not None and before[2] == started else cpu
-            groups[group_of(pid, comm, cmdline, self.labels)] += used
+            groups[group_of(pid, comm, cmdline, labels)] += used
         return {
             "busy_s": round(busy, 3),
             "busy_cores": round(busy / elapsed, 2),
             "steal_pct": round(100 * steal / (elapsed * cpus), 1),
             "cores_by_process": {name: round(used / elapsed, 2) for name, used in groups.items()},
+            "cpu_s_by_process": {name: round(used, 3) for name, used in groups.items()},
         }
 
 
@@ -171,3 +201,19 @@ def neighbours(count: int) -> Iterator[list[int]]:
             p.kill()
         for p in procs:
             p.wait()
+
+
+def stack_labels(stack: ServiceStack) -> dict[int, str]:
+    """pid -> ``broker`` / ``postgres`` for the local services a bench's `ServiceStack` runs
+    (empty for containers or services named by the environment): with them labelled, a
+    broker or Postgres of another tenant of the machine is not counted as the bench's."""
+    local = stack.local
+    if local is None:
+        return {}
+    labels = dict.fromkeys(local.kafka.running(), "broker")
+    try:
+        postmaster = int((local.postgres.data / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return labels
+    labels[postmaster] = "postgres"
+    return labels

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from agentruns.bench.machine import GROUPS, MachineCpu, group_of
+from agentruns.bench.machine import GROUPS, MachineCpu, group_of, inherited
 
 
 def test_processes_are_grouped_by_label_then_by_what_they_run() -> None:
@@ -40,3 +40,25 @@ def test_a_busy_labelled_process_shows_in_its_own_group() -> None:
     assert cores["busy"] > 0.1
     assert all(v >= 0 for v in cores.values())
     assert sum(cores.values()) <= (os.cpu_count() or 1) + 0.5
+
+
+def test_a_label_holds_for_the_descendants_of_the_labelled_process() -> None:
+    # 10 postmaster, 11 and 12 its backends, 13 a backend's child; 20 somebody else's
+    parents = {10: 1, 11: 10, 12: 10, 13: 12, 20: 1, 1: 0}
+    labels = inherited({10: "postgres", 30: "processor"}, parents)
+    assert labels == {
+        10: "postgres",
+        11: "postgres",
+        12: "postgres",
+        13: "postgres",
+        30: "processor",
+    }
+
+
+def test_a_labelled_group_leaves_other_tenants_services_out() -> None:
+    broker = "java -cp x kafka.Kafka server.properties"
+    ours = {7: "broker", 8: "postgres"}
+    assert group_of(7, "java", broker, ours) == "broker"
+    assert group_of(17, "java", broker, ours) == "other"  # another tenant's broker
+    assert group_of(18, "postgres", "/usr/lib/postgresql/15/bin/postgres", ours) == "other"
+    assert group_of(17, "java", broker, {}) == "broker"
