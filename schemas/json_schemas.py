@@ -13,7 +13,6 @@ the core decodes: field names, types, bounds, defaults, and no unknown fields.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -63,8 +62,8 @@ _BODIES: dict[str, tuple[Any, str]] = {
 }
 
 
-def _task(run_submitted: dict[str, Any]) -> dict[str, Any]:
-    task = copy.deepcopy(run_submitted)
+def _task(task: dict[str, Any]) -> dict[str, Any]:
+    """The task's schema, made from a fresh copy of RunSubmitted's (changed in place)."""
     for name in TASK_DERIVED_FIELDS:
         task["properties"].pop(name)
     # trace_id stays, optional: by default it derives from the run id
