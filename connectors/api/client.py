@@ -142,17 +142,18 @@ class RunsProducer:
         at: int | None = None,
         trace_id: str | None = None,
     ) -> Submission:
-        """Queue a task (the RunSubmitted fields but ids and time); `flush()` to wait for it.
+        """Queue a task (schemas/json/task.schema.json: the RunSubmitted fields but ids and
+        time; `trace_id` here, else the task's, else derived); `flush()` to wait for it.
 
         Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
         record is over `max_record_bytes`."""
         run_id = run_id_for_key(idempotency_key)
         event = submitted_task(
-            task,
+            {k: v for k, v in task.items() if k != "trace_id"},
             run_id=run_id,
             event_id=submit_event_id(run_id),
             at=now_ms() if at is None else at,
-            trace_id=trace_id or trace_id_for(run_id),
+            trace_id=trace_id or task.get("trace_id") or trace_id_for(run_id),
         )
         record = input_record(
             event, input_id=event.event_id, producer_id=self.producer_id, producer_seq=1

@@ -16,6 +16,7 @@ from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.events import RunSubmitted
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.processors.validation import task_problem
+from agentruns.schemas.json_schemas import TASK_DERIVED_FIELDS
 from agentruns.streams.codec import encode
 
 #: Largest request body read (a named default of `ApiConfig.max_body_bytes`).
@@ -46,8 +47,13 @@ class InvalidInputError(AgentrunsError):
 
 def submitted_task(fields: Mapping[str, Any], **ids: Any) -> RunSubmitted:
     """The RunSubmitted of a task (its fields, `ids` the run_id, event_id, at, trace_id), or
-    InvalidInputError: nested too deep, an integer a bigint cannot hold, outside the core's
-    decode bounds, refused by `agentruns.processors.validation.task_problem`, or not UTF-8."""
+    InvalidInputError: a field the submitter derives (the task schema, schemas/json, leaves
+    them out), nested too deep, an integer a bigint cannot hold, outside the core's decode
+    bounds, refused by `agentruns.processors.validation.task_problem`, or not UTF-8."""
+    derived = next((name for name in TASK_DERIVED_FIELDS if name in fields), None)
+    if derived is not None:
+        msg = f"`{derived}` is not a task field: the submitter derives it"
+        raise InvalidInputError(f"invalid_input:task: {msg}", errors=[{"loc": derived, "msg": msg}])
     if json_depth(fields, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
         raise InvalidInputError(f"invalid_input:json_too_deep: nested deeper than {MAX_BODY_DEPTH}")
     big = _outsized_int(fields)

@@ -1,9 +1,17 @@
-"""`OPENAPI`: the hand-written OpenAPI 3.1 document of the API, served at /openapi.json."""
+"""`OPENAPI`: the OpenAPI 3.1 document of the API, served at /openapi.json.
+
+Hand-written but for the task: its schema, and the schemas of the core's types it refers to,
+are generated from the core's types (`agentruns.schemas.json_schemas`, the same schema as
+schemas/json/task.schema.json).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from agentruns.schemas.json_schemas import task_schema_components
+
+_TASK, _TASK_PARTS = task_schema_components("#/components/schemas/{name}")
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
@@ -35,7 +43,10 @@ OPENAPI: dict[str, Any] = {
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        # the task's parts first: a hand-written schema of the same name would replace one
         "schemas": {
+            "Task": _TASK,
+            **_TASK_PARTS,
             "Error": {
                 "type": "object",
                 "required": ["error", "detail"],
@@ -46,25 +57,6 @@ OPENAPI: dict[str, Any] = {
                         "type": "string",
                         "description": "invalid_input:<what>: ... when the input is refused",
                     },
-                },
-            },
-            "Task": {
-                "type": "object",
-                "required": ["goal"],
-                "description": "The fields of the core's RunSubmitted event but the ids and "
-                "the time: goal, messages, tools, policy, model_route, budgets, loop, "
-                "memory_ref, evidence_refs, validator_version; optional trace_id.",
-                "properties": {
-                    "goal": {"type": "string"},
-                    "messages": {"type": "array", "items": {"type": "object"}},
-                    "tools": {"type": "array", "items": {"type": "object"}},
-                    "policy": {"type": "object"},
-                    "model_route": {"type": "string"},
-                    "budgets": {"type": "object"},
-                    "loop": {"type": "object"},
-                    "memory_ref": {"type": ["string", "null"]},
-                    "evidence_refs": {"type": "array", "items": {"type": "string"}},
-                    "trace_id": {"type": "string"},
                 },
             },
             "Submitted": {

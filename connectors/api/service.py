@@ -238,7 +238,8 @@ class ApiService:
         if not key or len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header")
         run_id = run_id_for_key(key)
-        trace_id = trace_header or str(body.get("trace_id") or "") or trace_id_for(run_id)
+        # a trace_id that is not a string is refused below, as the task schema says
+        trace_id = trace_header or body.get("trace_id") or trace_id_for(run_id)
         fields = {k: v for k, v in body.items() if k != "trace_id"}
         at = self.clock()
         try:

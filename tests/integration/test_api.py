@@ -17,8 +17,10 @@ from agentruns.connectors.api.inputs import MAX_BODY_BYTES
 from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
+from agentruns.schemas.json_schemas import DIRECTORY, task_schema_components
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
+from jsonschema import Draft202012Validator
 
 from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
 from tests.support.pipeline import SEARCH, now_ms, read_all
@@ -355,6 +357,52 @@ def test_a_task_the_core_would_refuse_gets_422_with_its_reason_and_nothing_is_pr
     refused = [run_id_for_key(k) for k in keys.values()]
     assert _stored(stack, refused) == []
     assert not set(refused) & _inbox_run_ids(stack)
+
+
+def test_the_served_task_schema_is_the_generated_one_and_says_what_the_api_accepts(
+    stack: Stack,
+) -> None:
+    spec = stack.http.get("/openapi.json").json()
+    task, parts = task_schema_components("#/components/schemas/{name}")
+    schemas = spec["components"]["schemas"]
+    assert schemas["Task"] == task
+    assert {name: schemas[name] for name in parts} == parts
+    body = spec["paths"]["/runs"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/Task"}
+    # the published file is the same schema, its references inside the file
+    published = json.loads((DIRECTORY / "task.schema.json").read_text(encoding="utf-8"))
+    assert published["properties"]["tools"]["items"] == {"$ref": "#/$defs/ToolSpec"}
+    assert published["$defs"]["ToolSpec"] == schemas["ToolSpec"]
+
+    served = Draft202012Validator({"$ref": "#/components/schemas/Task", **spec})
+    valid = {
+        "goal": "find three documents",
+        "messages": [{"role": "user", "content": "three documents, please"}],
+        "tools": [SEARCH.model_dump()],
+        "policy": {"approval_required": ["admin"], "user_wait_ms": 60_000},
+        "budgets": {"max_steps": 10, "max_tokens": 100_000},
+        "loop": {"max_repeat_action": 2},
+        "trace_id": "trace-" + uuid.uuid4().hex,
+    }
+    served.validate(valid)
+    r = stack.http.post("/runs", json=valid, headers={"Idempotency-Key": uuid.uuid4().hex})
+    assert r.status_code == 202, r.text
+    assert r.json()["trace_id"] == valid["trace_id"]
+    stack.wait_status(r.json()["run_id"], "SUCCEEDED")
+
+    invalid = {
+        "derived": {**valid, "run_id": "run-mine"},
+        "tag": {**valid, "type": "RunSubmitted"},
+        "tool-field": {**valid, "tools": [{**SEARCH.model_dump(), "endpoint": "http://x"}]},
+        "role": {**valid, "messages": [{"role": "robot", "content": "hi"}]},
+        "bound": {**valid, "budgets": {"max_steps": -1}},
+        "trace": {**valid, "trace_id": 7},
+    }
+    for name, task_body in invalid.items():
+        assert not served.is_valid(task_body), name
+        r = stack.http.post("/runs", json=task_body, headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert r.status_code == 422, (name, r.status_code, r.text)
+        assert r.json()["reason"].startswith("invalid_input:task"), (name, r.json())
 
 
 def test_a_reply_nested_too_deep_or_too_large_is_refused_and_a_good_one_is_accepted(

@@ -57,6 +57,7 @@ def test_the_wheel_holds_agentruns_alone(wheel: Path) -> None:
     assert "agentruns/connectors/devstack/kafka/pom.xml" in names
     assert "agentruns/connectors/testing/scenarios/approval.json" in names
     assert "agentruns/schemas/agentruns.Event.v1.avsc" in names
+    assert "agentruns/schemas/json/task.schema.json" in names
     assert not [n for n in names if "/results/" in n]
 
 

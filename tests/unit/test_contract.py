@@ -1,0 +1,78 @@
+"""docs/contract.md: every worked example in it is what the code computes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from agentruns.processors.events import RunSubmitted, parse_event
+from agentruns.processors.ids import RUN_NAMESPACE, run_id_for_key, submit_event_id, trace_id_for
+from agentruns.schemas import registry
+from agentruns.schemas.json_schemas import DIRECTORY
+from agentruns.streams.codec import encode
+from agentruns.streams.partitioning import murmur2, partition_for, to_positive
+from agentruns.streams.records import input_record
+from jsonschema import Draft202012Validator
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "contract.md").read_text(encoding="utf-8")
+
+
+def test_the_run_id_example_is_derived_as_documented() -> None:
+    run_id = run_id_for_key("order-42")
+    assert run_id == "run-afc2e0f17bac52aabaa3475862e80808"
+    assert f"RUN_NAMESPACE = {RUN_NAMESPACE}" in DOC
+    assert f"the key `order-42` names the run `{run_id}`" in DOC
+    assert f"default trace id is `{trace_id_for(run_id)}`" in DOC
+    assert f"(`{submit_event_id(run_id)}`)" in DOC
+
+
+def test_the_partition_examples_are_what_partition_for_computes() -> None:
+    rows = re.findall(
+        r"^\| `([^`]+)` \| `(run-[0-9a-f]{32})` \| `(-?\d+)` \| `(\d+)` \| `(\d+)`", DOC, re.M
+    )
+    assert len(rows) == 2
+    assert any(int(murmur) < 0 for _, _, murmur, _, _ in rows), "an example with the sign bit"
+    for key, run_id, murmur, positive, partition in rows:
+        assert run_id == run_id_for_key(key)
+        assert murmur2(run_id.encode()) == int(murmur)
+        assert to_positive(int(murmur)) == int(positive)
+        assert partition_for(run_id, 6) == int(partition)
+
+
+def test_the_fingerprint_table_lists_every_shipped_schema() -> None:
+    rows = re.findall(r"^\| `(\w+)` \| v(\d+) \| `([0-9a-f]{16})` \|$", DOC, re.M)
+    shipped = [
+        (sv.name, str(sv.version), sv.fingerprint.hex())
+        for name in registry().names()
+        for sv in registry().versions(name)
+    ]
+    assert rows == shipped, "docs/contract.md: update the fingerprint table"
+    current = registry().current("Input")
+    assert f"an Input v{current.version} value starts `c3 01 {current.fingerprint.hex(' ')}`" in DOC
+
+
+def test_the_example_body_is_a_valid_task_of_its_run() -> None:
+    (body,) = re.findall(r"```json\n(.*?)\n```", DOC, re.S)
+    event = parse_event(body)
+    assert isinstance(event, RunSubmitted)
+    run_id = run_id_for_key("order-42")
+    assert (event.run_id, event.event_id, event.trace_id) == (
+        run_id,
+        submit_event_id(run_id),
+        trace_id_for(run_id),
+    )
+    assert event.at == 1_767_225_600_000  # 2026-01-01T00:00Z
+    task = json.loads((ROOT / "examples" / "tasks" / "order-42.json").read_text(encoding="utf-8"))
+    assert {k: v for k, v in json.loads(body).items() if k in task} == task
+    schema = json.loads((DIRECTORY / "event.schema.json").read_text(encoding="utf-8"))
+    Draft202012Validator(schema).validate(json.loads(body))
+    record = input_record(event, producer_id="orders-service", producer_seq=1)
+    assert record["input_id"] == submit_event_id(run_id)
+    assert encode("Input", record).startswith(b"\xc3\x01" + registry().current("Input").fingerprint)
+
+
+def test_the_java_example_uses_the_documented_namespace() -> None:
+    java = (ROOT / "examples" / "java" / "ResultsReader.java").read_text(encoding="utf-8")
+    assert f'UUID.fromString("{RUN_NAMESPACE}")' in java
