@@ -27,6 +27,7 @@ from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.errors import ServiceUnreachableError
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
 KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
@@ -164,7 +165,7 @@ def docker_available() -> bool:
 def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
     try:
         admin.list_topics(timeout=timeout)
     except Exception as exc:
