@@ -46,7 +46,7 @@ from agentruns.connectors.api.inputs import (
     encoded_input,
     submitted_task,
 )
-from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
@@ -488,14 +488,32 @@ def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
 
 
 def _bootstrap() -> str:
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import configured_kafka
 
-    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if explicit:
-        return explicit
-    with ServiceStack() as stack:  # the running dev stack, else an error with a hint
-        assert stack.endpoints is not None
-        return stack.endpoints.kafka_bootstrap
+    return configured_kafka()
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` parsed as the JSON object an argument must be."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what} is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"{what} is not a JSON object")
+    return value
+
+
+def _read_task(path: str) -> dict[str, Any]:
+    """The task of ``--task``: a JSON file, or stdin for ``-``."""
+    if path == "-":
+        return _json_object(sys.stdin.read(), "the task on stdin")
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidArgumentError(f"cannot read the task file {path}: {reason}") from exc
+    return _json_object(text, f"the task file {path}")
 
 
 def _print(value: Any) -> None:
@@ -512,8 +530,7 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     task: dict[str, Any] = {}
     if args.task:
-        text = sys.stdin.read() if args.task == "-" else Path(args.task).read_text()
-        task = json.loads(text)
+        task = _read_task(args.task)
     if args.goal:
         task["goal"] = args.goal
     if "goal" not in task:
@@ -559,6 +576,7 @@ def main_reply(argv: Sequence[str] | None = None) -> int:
     )
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    response = _json_object(args.response, "--response")
     client = _api_client(args)
     if client is None:
         parser.error("replies go through the API: set --api-url or AGENTRUNS_API_URL")
@@ -569,7 +587,7 @@ def main_reply(argv: Sequence[str] | None = None) -> int:
             token = question.get("resume_token")
             if not token:
                 raise ClientError(f"run {args.run_id} has no open question")
-        _print(client.reply(args.run_id, token, json.loads(args.response)))
+        _print(client.reply(args.run_id, token, response))
     finally:
         client.close()
     return 0

@@ -17,16 +17,16 @@ import argparse
 import json
 import logging
 import random
-import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
+from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.projection.reading import AuditError, endpoints, read_log, read_snapshots
+from agentruns.connectors.projection.reading import AuditError, read_log, read_snapshots
 from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     OP_COLUMNS,
@@ -409,33 +409,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, help="with --every: serve Prometheus metrics")
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, database_url = endpoints()
-    except AgentrunsError as exc:
-        print(f"agentruns audit: {exc.one_line()}", file=sys.stderr)
-        return 2
-    url = None if args.no_postgres else database_url
-    try:
-        if args.every is not None:
-            from agentruns.connectors.logs import setup_logging
+    bootstrap = configured_kafka()
+    # The projection comparison needs Postgres: without one, say so rather than skip it.
+    url = None if args.no_postgres else configured_postgres(required="pass --no-postgres")
+    if args.every is not None:
+        from agentruns.connectors.logs import setup_logging
 
-            setup_logging("INFO", component="reconcile")
-            if args.metrics_port:
-                from prometheus_client import start_http_server
+        setup_logging("INFO", component="reconcile")
+        if args.metrics_port:
+            from prometheus_client import start_http_server
 
-                start_http_server(args.metrics_port)
-            stop = stop_on_signals()
-            job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
-            job.run(stop, rounds=args.rounds)
-            return 1 if job.differences else 0
-        report = audit(
-            bootstrap, args.prefix, url, sample=args.sample, run_ids=args.runs, seed=args.seed
-        )
-    except AgentrunsError as exc:
-        print(f"agentruns audit: {exc.one_line()}", file=sys.stderr)
-        return 2
-    finally:
-        stack.close()
+            start_http_server(args.metrics_port)
+        stop = stop_on_signals()
+        job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
+        job.run(stop, rounds=args.rounds)
+        return 1 if job.differences else 0
+    report = audit(
+        bootstrap, args.prefix, url, sample=args.sample, run_ids=args.runs, seed=args.seed
+    )
     for d in report.differences:
         if args.json:
             print(json.dumps(asdict(d), default=str, sort_keys=True))

@@ -2,8 +2,7 @@
 
 `read_log` groups `<prefix>.events` by run in seq order (all runs, or some, read from their
 partitions only), `read_snapshots` gives each run's latest `<prefix>.state` record; `AuditError`
-says a topic or the database could not be read. `endpoints` resolves Kafka and Postgres for the
-audit commands.
+says a topic or the database could not be read.
 """
 
 from __future__ import annotations
@@ -146,18 +145,3 @@ def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | No
         if held is None or held["version"] <= record["version"]:
             latest[record["run_id"]] = record
     return latest
-
-
-def endpoints() -> tuple[Any, str, str | None]:
-    """Kafka and Postgres for an audit command: the started stack (to close), the bootstrap
-    servers and the database URL."""
-    from agentruns.connectors.devstack.services import ServiceStack
-
-    stack = ServiceStack()
-    try:
-        stack.start()
-    except BaseException:
-        stack.close()  # never leave a half-started stack behind
-        raise
-    assert stack.endpoints is not None
-    return stack, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url
