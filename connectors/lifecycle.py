@@ -22,6 +22,16 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def progress(command: str) -> Callable[[str], None]:
+    """Where a long command says how far it got: a line on stderr, `<command>: <text>`, so its
+    output on stdout stays what it prints as its result."""
+
+    def say(text: str) -> None:
+        print(f"{command}: {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     """A command's exit code: what `main` returns, 2 after an error the user can act on (one
     line on stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through

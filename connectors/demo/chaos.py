@@ -59,6 +59,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
 BROKER_PAUSE_SECONDS = (5.0, 20.0)
+WAIT_PROGRESS_S = 15.0  # how often the wait for every run's end says how far it got
 # The model route of a hostile run: a stream that never ends is cut after seconds.
 HOSTILE_ROUTE = {"total_timeout_s": 6.0, "read_timeout_s": 3.0}
 KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
@@ -391,6 +392,7 @@ def run_chaos(
                     if case.ending.status is not None and inj.run_id is not None
                 ]
                 results: dict[str, list[dict[str, Any]]] = {}
+                said = time.monotonic()
                 while time.monotonic() < deadline:
                     results = _read_results(ep.kafka_bootstrap, prefix)
                     if (
@@ -399,6 +401,13 @@ def run_chaos(
                         and broker_pauses >= broker_pauses_due
                     ):
                         break
+                    if time.monotonic() - said >= WAIT_PROGRESS_S:
+                        said = time.monotonic()
+                        ended = sum(r in results for r in run_ids)
+                        say(
+                            f"chaos: {ended} of {len(run_ids)} runs ended, "
+                            f"{deadline - said:.0f} s left to wait"
+                        )
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
                             say(f"chaos: {name} exited on its own: {sup.log_tail(name, 5)}")

@@ -25,8 +25,8 @@ from typing import Any
 import psycopg
 from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.projection.reading import AuditError, read_log, read_snapshots
+from agentruns.connectors.lifecycle import progress, stop_on_signals
+from agentruns.connectors.projection.reading import AuditError, Say, read_log, read_snapshots
 from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     OP_COLUMNS,
@@ -300,6 +300,10 @@ class AuditReport:
         }
 
 
+#: From how many runs on an audit says it is comparing them (fewer take no noticeable time).
+PROGRESS_RUNS = 10_000
+
+
 def audit(
     bootstrap: str,
     prefix: str,
@@ -309,17 +313,21 @@ def audit(
     run_ids: Sequence[str] | None = None,
     seed: int | None = None,
     live: bool = False,
+    say: Say | None = None,
 ) -> AuditReport:
     """Rebuild runs from the log and compare them with snapshots and Postgres.
 
     `live=True` (the periodic job) tolerates a projection behind the log and a snapshot ahead
-    of it (both normal while the pipeline runs); a one-shot audit reports them.
+    of it (both normal while the pipeline runs); a one-shot audit reports them. ``say`` hears
+    how far a long audit got.
     """
-    logs = read_log(bootstrap, prefix, run_ids)
+    logs = read_log(bootstrap, prefix, run_ids, say=say)
     chosen = sorted(logs)
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
-    snapshots = read_snapshots(bootstrap, prefix)
+    snapshots = read_snapshots(bootstrap, prefix, say=say)
+    if say is not None and len(chosen) >= PROGRESS_RUNS:
+        say(f"comparing {len(chosen)} runs" + (" with Postgres" if database_url else ""))
     rows = read_postgres(database_url, chosen) if database_url else None
     differences: list[Difference] = []
     lagging: list[str] = []
@@ -425,7 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         job.run(stop, rounds=args.rounds)
         return 1 if job.differences else 0
     report = audit(
-        bootstrap, args.prefix, url, sample=args.sample, run_ids=args.runs, seed=args.seed
+        bootstrap,
+        args.prefix,
+        url,
+        sample=args.sample,
+        run_ids=args.runs,
+        seed=args.seed,
+        say=progress("audit"),
     )
     for d in report.differences:
         if args.json:

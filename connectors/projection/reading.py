@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
@@ -22,6 +22,11 @@ from agentruns.streams.topics import EVENTS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 log = logging.getLogger("agentruns.audit")
+
+#: How often a long read says how far it got (through its ``say``, e.g. a line on stderr).
+PROGRESS_EVERY_S = 5.0
+
+Say = Callable[[str], None]
 
 
 class AuditError(AgentrunsError):
@@ -35,10 +40,11 @@ def read_topic(
     *,
     partitions: Sequence[int] | None = None,
     timeout_s: float = 120.0,
+    say: Say | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every committed record of `topic` (or of some partitions), up to the current end."""
     for _, record in read_keyed(
-        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s
+        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s, say=say
     ):
         if record is not None:
             yield record
@@ -51,9 +57,11 @@ def read_keyed(
     *,
     partitions: Sequence[int] | None = None,
     timeout_s: float = 120.0,
+    say: Say | None = None,
 ) -> Iterator[tuple[bytes | None, dict[str, Any] | None]]:
     """Every committed record of `topic` with its key, tombstones (None) included, in each
-    partition's order, up to the current end."""
+    partition's order, up to the current end. A read that takes long tells ``say`` how far it
+    got every PROGRESS_EVERY_S."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -76,10 +84,19 @@ def read_keyed(
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in wanted])
         pending = set(wanted)
         deadline = time.monotonic() + timeout_s
+        said, count = time.monotonic(), 0
         while pending:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise AuditError(f"reading {topic} partitions {sorted(pending)} timed out")
+            if say is not None and now - said >= PROGRESS_EVERY_S:
+                said = now
+                say(
+                    f"reading {topic}: {count} records, "
+                    f"{len(pending)} of {len(wanted)} partitions to go"
+                )
             for message in consumer.consume(1000, 0.5):
+                count += 1
                 error = message.error()
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
@@ -114,7 +131,7 @@ def partition_count(bootstrap: str, topic: str) -> int:
 
 
 def read_log(
-    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None
+    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None, *, say: Say | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """Event records per run, in seq order (only the partitions of `run_ids` when given)."""
     topic = topic_name(EVENTS, prefix)
@@ -124,7 +141,7 @@ def read_log(
         partitions = sorted({partition_for(r, n) for r in run_ids})
     wanted = None if run_ids is None else set(run_ids)
     logs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for record in read_topic(bootstrap, topic, "Event", partitions=partitions):
+    for record in read_topic(bootstrap, topic, "Event", partitions=partitions, say=say):
         if wanted is None or record["run_id"] in wanted:
             logs[record["run_id"]].append(record)
     for records in logs.values():
@@ -132,11 +149,13 @@ def read_log(
     return dict(logs)
 
 
-def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | None]:
+def read_snapshots(
+    bootstrap: str, prefix: str, *, say: Say | None = None
+) -> dict[str, dict[str, Any] | None]:
     """The latest Snapshot record per run (highest version); None for a run whose last state
     record is a tombstone: the processor evicted it after it ended (its log stays whole)."""
     latest: dict[str, dict[str, Any] | None] = {}
-    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot"):
+    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot", say=say):
         if record is None:
             if key is not None:
                 latest[key.decode("utf-8", "replace")] = None

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from agentruns.connectors.devstack.services import configured_kafka
+from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.timeline import format_timeline, timeline, timeline_json
 from agentruns.streams.topics import default_prefix
@@ -21,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
-    records = read_log(configured_kafka(), args.prefix, [args.run_id]).get(args.run_id, [])
+    logs = read_log(configured_kafka(), args.prefix, [args.run_id], say=progress("replay"))
+    records = logs.get(args.run_id, [])
     if not records:
         print(f"agentruns: no events for run {args.run_id}", file=sys.stderr)
         return 1

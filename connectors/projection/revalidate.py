@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import AuditError, read_log
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.state import RunState
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Candidates stored only as artifacts need Postgres; the others are in the log itself.
     database_url = configured_postgres(required=None)
-    logs = read_log(configured_kafka(), args.prefix, args.runs)
+    logs = read_log(configured_kafka(), args.prefix, args.runs, say=progress("revalidate"))
     results = revalidate_runs(logs, args.validator_version, database_url)
     changed = 0
     for r in results:
