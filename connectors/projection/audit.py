@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
-from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import progress, stop_on_signals
 from agentruns.connectors.projection.reading import AuditError, Say, read_log, read_snapshots
@@ -417,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, help="with --every: serve Prometheus metrics")
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
+    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+
     bootstrap = configured_kafka()
     # The projection comparison needs Postgres: without one, say so rather than skip it.
     url = None if args.no_postgres else configured_postgres(required="pass --no-postgres")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentruns.connectors.devstack.services import configured_kafka
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.timeline import format_timeline, timeline, timeline_json
@@ -22,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
+    from agentruns.connectors.devstack.services import configured_kafka
+
     logs = read_log(configured_kafka(), args.prefix, [args.run_id], say=progress("replay"))
     records = logs.get(args.run_id, [])
     if not records:

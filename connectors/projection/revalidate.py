@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
-from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import AuditError, read_log
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
@@ -126,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed-only", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line per candidate")
     args = parser.parse_args(argv)
+    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+
     # Candidates stored only as artifacts need Postgres; the others are in the log itself.
     database_url = configured_postgres(required=None)
     logs = read_log(configured_kafka(), args.prefix, args.runs, say=progress("revalidate"))
