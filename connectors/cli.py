@@ -176,10 +176,21 @@ def _db_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the one pip reports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentruns")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentruns", description="Durable, restartable LLM-agent runs on Apache Kafka."
     )
+    parser.add_argument("--version", action="version", version=f"agentruns {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="local Kafka and Postgres, and the demo/test servers")

@@ -11,15 +11,26 @@ from agentruns.streams.errors import AgentrunsError, AgentrunsKafkaError
 __all__ = [
     "AgentrunsError",
     "AgentrunsKafkaError",
+    "InvalidArgumentError",
     "MissingToolError",
+    "NotConfiguredError",
     "PortInUseError",
     "ServiceStartError",
     "ServiceUnreachableError",
 ]
 
 
+class InvalidArgumentError(AgentrunsError):
+    """A command's argument is unusable: a file that cannot be read, JSON that does not parse."""
+
+
 class MissingToolError(AgentrunsError):
     """A program the local launchers need (java, mvn, initdb) is not installed."""
+
+
+class NotConfiguredError(AgentrunsError):
+    """A client command found no service to talk to: none in the environment, none running
+    locally (client commands never start one)."""
 
 
 class PortInUseError(AgentrunsError):

@@ -1,5 +1,6 @@
 """How a command's process runs and ends: SIGTERM and SIGINT ask a service's loop to finish
-what it holds; an AgentrunsError ends the command with one line on stderr, never a trace."""
+what it holds; an AgentrunsError, a Kafka client's error that escaped its adapter, or an OS
+error (a file, a port) ends the command with one line on stderr, never a trace."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from agentruns.streams.errors import AgentrunsError
+from confluent_kafka import KafkaException
 
 
 def stop_on_signals() -> threading.Event:
@@ -20,15 +22,33 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def progress(command: str) -> Callable[[str], None]:
+    """Where a long command says how far it got: a line on stderr, `<command>: <text>`, so its
+    output on stdout stays what it prints as its result."""
+
+    def say(text: str) -> None:
+        print(f"{command}: {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
-    """A command's exit code: what `main` returns, 2 after an AgentrunsError (one line on
-    stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through
+    """A command's exit code: what `main` returns, 2 after an error the user can act on (one
+    line on stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through
     this, never the CLI's dispatcher, which would import the module a second time (and
     register its metrics twice)."""
     try:
         return int(main(list(sys.argv[1:] if argv is None else argv)))
     except AgentrunsError as exc:
-        print(f"agentruns: {exc.one_line()}", file=sys.stderr)
-        return 2
+        return _fail(exc.one_line())
+    except KafkaException as exc:
+        return _fail(f"Kafka: {exc.args[0].str() if exc.args else exc}")
+    except OSError as exc:
+        return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _fail(line: str) -> int:
+    print(f"agentruns: {' '.join(line.split())}", file=sys.stderr)  # one line, whatever it holds
+    return 2

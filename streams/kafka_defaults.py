@@ -8,7 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from agentruns.streams.errors import AgentrunsKafkaError
+from agentruns.streams.kafka_logs import KAFKA_LOG
 from confluent_kafka import Consumer, Producer
+
+#: In every client config of ours, producers, consumers and admin clients alike: librdkafka's log
+#: lines go to the ``agentruns.kafka`` logger, rate limited (see ``kafka_logs``), never straight
+#: to stderr.
+KAFKA_LOGS: dict[str, Any] = {"logger": KAFKA_LOG}
 
 #: In every long-lived client of ours. librdkafka leaves Nagle's algorithm on (the Java client
 #: sets TCP_NODELAY on every connection), so a request written while an earlier one on the
@@ -20,6 +26,7 @@ NO_DELAY: dict[str, Any] = {"socket.nagle.disable": True}
 
 TRANSACTIONAL_PRODUCER: dict[str, Any] = {
     **NO_DELAY,
+    **KAFKA_LOGS,
     "enable.idempotence": True,
     # Right after a commit the coordinator is still writing that transaction's markers and
     # answers the next AddOffsetsToTxn/AddPartitionsToTxn with CONCURRENT_TRANSACTIONS;

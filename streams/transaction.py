@@ -48,6 +48,7 @@ from typing import Any, Generic, Protocol, TypeGuard, TypeVar
 
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.kafka_defaults import (
+    KAFKA_LOGS,
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
@@ -132,6 +133,7 @@ class Clients:
         client's own ``settings`` and then ``extra_consumer`` over the shared ones."""
         return {
             "bootstrap.servers": self.bootstrap,
+            **KAFKA_LOGS,
             "group.id": self.group_id,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -153,6 +155,7 @@ class Clients:
         client's own ``settings`` and then ``extra_producer`` over the shared ones."""
         return {
             "bootstrap.servers": self.bootstrap,
+            **KAFKA_LOGS,
             "transactional.id": f"{self.member}-{slot}",
             "transaction.timeout.ms": self.transaction_timeout_ms,
             **TRANSACTIONAL_PRODUCER,

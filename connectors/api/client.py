@@ -46,14 +46,14 @@ from agentruns.connectors.api.inputs import (
     encoded_input,
     submitted_task,
 )
-from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
-from agentruns.streams.kafka_defaults import NO_DELAY, partition_count, release
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, NO_DELAY, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
@@ -124,6 +124,7 @@ class RunsProducer:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 **NO_DELAY,
@@ -281,6 +282,7 @@ class ResultsConsumer:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest" if from_beginning else "latest",
@@ -487,14 +489,32 @@ def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
 
 
 def _bootstrap() -> str:
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import configured_kafka
 
-    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if explicit:
-        return explicit
-    with ServiceStack() as stack:  # the running dev stack, else an error with a hint
-        assert stack.endpoints is not None
-        return stack.endpoints.kafka_bootstrap
+    return configured_kafka()
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` parsed as the JSON object an argument must be."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what} is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"{what} is not a JSON object")
+    return value
+
+
+def _read_task(path: str) -> dict[str, Any]:
+    """The task of ``--task``: a JSON file, or stdin for ``-``."""
+    if path == "-":
+        return _json_object(sys.stdin.read(), "the task on stdin")
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidArgumentError(f"cannot read the task file {path}: {reason}") from exc
+    return _json_object(text, f"the task file {path}")
 
 
 def _print(value: Any) -> None:
@@ -511,8 +531,7 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     task: dict[str, Any] = {}
     if args.task:
-        text = sys.stdin.read() if args.task == "-" else Path(args.task).read_text()
-        task = json.loads(text)
+        task = _read_task(args.task)
     if args.goal:
         task["goal"] = args.goal
     if "goal" not in task:
@@ -558,6 +577,7 @@ def main_reply(argv: Sequence[str] | None = None) -> int:
     )
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    response = _json_object(args.response, "--response")
     client = _api_client(args)
     if client is None:
         parser.error("replies go through the API: set --api-url or AGENTRUNS_API_URL")
@@ -568,7 +588,7 @@ def main_reply(argv: Sequence[str] | None = None) -> int:
             token = question.get("resume_token")
             if not token:
                 raise ClientError(f"run {args.run_id} has no open question")
-        _print(client.reply(args.run_id, token, json.loads(args.response)))
+        _print(client.reply(args.run_id, token, response))
     finally:
         client.close()
     return 0

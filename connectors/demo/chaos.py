@@ -50,7 +50,7 @@ from agentruns.processors.state import Budgets, Policy
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import release
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
@@ -59,6 +59,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
 BROKER_PAUSE_SECONDS = (5.0, 20.0)
+WAIT_PROGRESS_S = 15.0  # how often the wait for every run's end says how far it got
 # The model route of a hostile run: a stream that never ends is cut after seconds.
 HOSTILE_ROUTE = {"total_timeout_s": 6.0, "read_timeout_s": 3.0}
 KILLABLE = ("processor-0", "processor-1", "model-executor", "tool-executor", "timer", "sink")
@@ -120,6 +121,7 @@ def unconsumed(bootstrap: str, group: str, topics: Sequence[str]) -> int:
     reader = Consumer(
         {
             "bootstrap.servers": bootstrap,
+            **KAFKA_LOGS,
             "group.id": group,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -251,7 +253,7 @@ def run_chaos(
             sup.start_all()
             cleanup.callback(sup.stop_all)  # whatever fails below, no component outlives us
             producer = Producer(
-                {"bootstrap.servers": ep.kafka_bootstrap, "enable.idempotence": True}
+                {"bootstrap.servers": ep.kafka_bootstrap, **KAFKA_LOGS, "enable.idempotence": True}
             )
             inbox = topic_name(INBOX, prefix)
             tool_specs = registry_tools()
@@ -390,6 +392,7 @@ def run_chaos(
                     if case.ending.status is not None and inj.run_id is not None
                 ]
                 results: dict[str, list[dict[str, Any]]] = {}
+                said = time.monotonic()
                 while time.monotonic() < deadline:
                     results = _read_results(ep.kafka_bootstrap, prefix)
                     if (
@@ -398,6 +401,13 @@ def run_chaos(
                         and broker_pauses >= broker_pauses_due
                     ):
                         break
+                    if time.monotonic() - said >= WAIT_PROGRESS_S:
+                        said = time.monotonic()
+                        ended = sum(r in results for r in run_ids)
+                        say(
+                            f"chaos: {ended} of {len(run_ids)} runs ended, "
+                            f"{deadline - said:.0f} s left to wait"
+                        )
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
                             say(f"chaos: {name} exited on its own: {sup.log_tail(name, 5)}")

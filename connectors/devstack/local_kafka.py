@@ -31,6 +31,7 @@ from agentruns.connectors.devstack.procs import (
     tail,
 )
 from agentruns.connectors.errors import MissingToolError, ServiceStartError
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 
 KAFKA_VERSION = "4.1.2"
 DEFAULT_HEAP = "-Xms256m -Xmx768m"
@@ -303,7 +304,9 @@ class LocalKafka:
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + max(timeout, 1.0)
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        admin = AdminClient(
+            {"bootstrap.servers": self.bootstrap_servers, **KAFKA_LOGS, "log_level": 0}
+        )
         last_error = "no answer"
         while time.monotonic() < deadline:
             for node in self.nodes:

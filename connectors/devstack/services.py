@@ -7,7 +7,11 @@
 `agentruns.connectors.devstack.local_postgres`: the running
    `agentruns dev up` stack if there is one, otherwise a new one.
 
-`ServiceStack` remembers what it started and `close()` stops exactly that.
+`ServiceStack` remembers what it started and `close()` stops exactly that. The client commands
+(submit, results, cancel, replay, audit, revalidate) start nothing: `configured_kafka` and
+`configured_postgres` take the environment's services or the local stack already running in the
+state directory (`agentruns dev up`, or the one `agentruns run` started), and otherwise say that
+none is configured and how to get one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.errors import ServiceUnreachableError
+from agentruns.connectors.errors import NotConfiguredError, ServiceUnreachableError
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
 KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
@@ -130,6 +135,54 @@ def running_dev_stack() -> LocalStack | None:
     return None
 
 
+def _state_dir_stack() -> LocalStack:
+    """The local stack of the state directory, running or not (`agentruns run` starts one there
+    without saving its config, so the environment's ports are assumed then, as it does)."""
+    directory = state_dir()
+    return LocalStack(directory, StackConfig.load(directory) or StackConfig.from_env())
+
+
+#: How to get a cluster, for the client commands that find none.
+START_ONE = "start one with `agentruns dev up` (or `agentruns run`), or set KAFKA_BOOTSTRAP_SERVERS"
+
+
+def configured_kafka(timeout: float = 10.0) -> str:
+    """The bootstrap servers of a client command: KAFKA_BOOTSTRAP_SERVERS (checked: it must
+    answer within ``timeout``), else the broker running in the state directory; never starts
+    one."""
+    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if explicit:
+        check_kafka(explicit, timeout)
+        return explicit
+    kafka = _state_dir_stack().kafka
+    if kafka.running():
+        return kafka.bootstrap_servers
+    raise NotConfiguredError(
+        f"no Kafka cluster configured (KAFKA_BOOTSTRAP_SERVERS is not set and no local "
+        f"broker runs in {state_dir()})",
+        hint=START_ONE,
+    )
+
+
+def configured_postgres(*, required: str | None, timeout: float = 10.0) -> str | None:
+    """The database URL of a client command: DATABASE_URL (checked), else the Postgres running in
+    the state directory, else None; or, when ``required`` (what to do instead), an error."""
+    explicit = os.environ.get("DATABASE_URL")
+    if explicit:
+        check_postgres(explicit, timeout)
+        return explicit
+    postgres = _state_dir_stack().postgres
+    if postgres.running():
+        return postgres.url
+    if required is None:
+        return None
+    raise NotConfiguredError(
+        f"no Postgres configured (DATABASE_URL is not set and no local server runs in "
+        f"{state_dir()})",
+        hint=f"start one with `agentruns dev up`, set DATABASE_URL, or {required}",
+    )
+
+
 def docker_available() -> bool:
     """True when a Docker daemon answers `GET /_ping` (testcontainers can then run services).
 
@@ -162,14 +215,17 @@ def docker_available() -> bool:
 
 
 def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
+    from confluent_kafka import KafkaError
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
     try:
         admin.list_topics(timeout=timeout)
     except Exception as exc:
+        error = exc.args[0] if exc.args else None
+        reason = error.str() if isinstance(error, KafkaError) else str(exc)
         raise ServiceUnreachableError(
-            f"Kafka at {bootstrap} does not answer ({exc})",
+            f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
             hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
         ) from exc
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import random
-import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,8 +24,8 @@ from typing import Any
 
 import psycopg
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.projection.reading import AuditError, endpoints, read_log, read_snapshots
+from agentruns.connectors.lifecycle import progress, stop_on_signals
+from agentruns.connectors.projection.reading import AuditError, Say, read_log, read_snapshots
 from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     OP_COLUMNS,
@@ -300,6 +299,10 @@ class AuditReport:
         }
 
 
+#: From how many runs on an audit says it is comparing them (fewer take no noticeable time).
+PROGRESS_RUNS = 10_000
+
+
 def audit(
     bootstrap: str,
     prefix: str,
@@ -309,17 +312,21 @@ def audit(
     run_ids: Sequence[str] | None = None,
     seed: int | None = None,
     live: bool = False,
+    say: Say | None = None,
 ) -> AuditReport:
     """Rebuild runs from the log and compare them with snapshots and Postgres.
 
     `live=True` (the periodic job) tolerates a projection behind the log and a snapshot ahead
-    of it (both normal while the pipeline runs); a one-shot audit reports them.
+    of it (both normal while the pipeline runs); a one-shot audit reports them. ``say`` hears
+    how far a long audit got.
     """
-    logs = read_log(bootstrap, prefix, run_ids)
+    logs = read_log(bootstrap, prefix, run_ids, say=say)
     chosen = sorted(logs)
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
-    snapshots = read_snapshots(bootstrap, prefix)
+    snapshots = read_snapshots(bootstrap, prefix, say=say)
+    if say is not None and len(chosen) >= PROGRESS_RUNS:
+        say(f"comparing {len(chosen)} runs" + (" with Postgres" if database_url else ""))
     rows = read_postgres(database_url, chosen) if database_url else None
     differences: list[Difference] = []
     lagging: list[str] = []
@@ -409,33 +416,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, help="with --every: serve Prometheus metrics")
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, database_url = endpoints()
-    except AgentrunsError as exc:
-        print(f"agentruns audit: {exc.one_line()}", file=sys.stderr)
-        return 2
-    url = None if args.no_postgres else database_url
-    try:
-        if args.every is not None:
-            from agentruns.connectors.logs import setup_logging
+    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
 
-            setup_logging("INFO", component="reconcile")
-            if args.metrics_port:
-                from prometheus_client import start_http_server
+    bootstrap = configured_kafka()
+    # The projection comparison needs Postgres: without one, say so rather than skip it.
+    url = None if args.no_postgres else configured_postgres(required="pass --no-postgres")
+    if args.every is not None:
+        from agentruns.connectors.logs import setup_logging
 
-                start_http_server(args.metrics_port)
-            stop = stop_on_signals()
-            job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
-            job.run(stop, rounds=args.rounds)
-            return 1 if job.differences else 0
-        report = audit(
-            bootstrap, args.prefix, url, sample=args.sample, run_ids=args.runs, seed=args.seed
-        )
-    except AgentrunsError as exc:
-        print(f"agentruns audit: {exc.one_line()}", file=sys.stderr)
-        return 2
-    finally:
-        stack.close()
+        setup_logging("INFO", component="reconcile")
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port)
+        stop = stop_on_signals()
+        job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
+        job.run(stop, rounds=args.rounds)
+        return 1 if job.differences else 0
+    report = audit(
+        bootstrap,
+        args.prefix,
+        url,
+        sample=args.sample,
+        run_ids=args.runs,
+        seed=args.seed,
+        say=progress("audit"),
+    )
     for d in report.differences:
         if args.json:
             print(json.dumps(asdict(d), default=str, sort_keys=True))

@@ -2,8 +2,7 @@
 
 `read_log` groups `<prefix>.events` by run in seq order (all runs, or some, read from their
 partitions only), `read_snapshots` gives each run's latest `<prefix>.state` record; `AuditError`
-says a topic or the database could not be read. `endpoints` resolves Kafka and Postgres for the
-audit commands.
+says a topic or the database could not be read.
 """
 
 from __future__ import annotations
@@ -12,16 +11,22 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
 from agentruns.streams.codec import CodecError, decode
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import EVENTS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 log = logging.getLogger("agentruns.audit")
+
+#: How often a long read says how far it got (through its ``say``, e.g. a line on stderr).
+PROGRESS_EVERY_S = 5.0
+
+Say = Callable[[str], None]
 
 
 class AuditError(AgentrunsError):
@@ -35,10 +40,11 @@ def read_topic(
     *,
     partitions: Sequence[int] | None = None,
     timeout_s: float = 120.0,
+    say: Say | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every committed record of `topic` (or of some partitions), up to the current end."""
     for _, record in read_keyed(
-        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s
+        bootstrap, topic, expected_name, partitions=partitions, timeout_s=timeout_s, say=say
     ):
         if record is not None:
             yield record
@@ -51,12 +57,15 @@ def read_keyed(
     *,
     partitions: Sequence[int] | None = None,
     timeout_s: float = 120.0,
+    say: Say | None = None,
 ) -> Iterator[tuple[bytes | None, dict[str, Any] | None]]:
     """Every committed record of `topic` with its key, tombstones (None) included, in each
-    partition's order, up to the current end."""
+    partition's order, up to the current end. A read that takes long tells ``say`` how far it
+    got every PROGRESS_EVERY_S."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
+            **KAFKA_LOGS,
             "group.id": f"agentruns-audit-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -75,10 +84,19 @@ def read_keyed(
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in wanted])
         pending = set(wanted)
         deadline = time.monotonic() + timeout_s
+        said, count = time.monotonic(), 0
         while pending:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise AuditError(f"reading {topic} partitions {sorted(pending)} timed out")
+            if say is not None and now - said >= PROGRESS_EVERY_S:
+                said = now
+                say(
+                    f"reading {topic}: {count} records, "
+                    f"{len(pending)} of {len(wanted)} partitions to go"
+                )
             for message in consumer.consume(1000, 0.5):
+                count += 1
                 error = message.error()
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
@@ -100,7 +118,9 @@ def read_keyed(
 
 
 def partition_count(bootstrap: str, topic: str) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "agentruns-audit-meta"})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "group.id": "agentruns-audit-meta"}
+    )
     try:
         meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
@@ -111,7 +131,7 @@ def partition_count(bootstrap: str, topic: str) -> int:
 
 
 def read_log(
-    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None
+    bootstrap: str, prefix: str, run_ids: Sequence[str] | None = None, *, say: Say | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """Event records per run, in seq order (only the partitions of `run_ids` when given)."""
     topic = topic_name(EVENTS, prefix)
@@ -121,7 +141,7 @@ def read_log(
         partitions = sorted({partition_for(r, n) for r in run_ids})
     wanted = None if run_ids is None else set(run_ids)
     logs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for record in read_topic(bootstrap, topic, "Event", partitions=partitions):
+    for record in read_topic(bootstrap, topic, "Event", partitions=partitions, say=say):
         if wanted is None or record["run_id"] in wanted:
             logs[record["run_id"]].append(record)
     for records in logs.values():
@@ -129,11 +149,13 @@ def read_log(
     return dict(logs)
 
 
-def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | None]:
+def read_snapshots(
+    bootstrap: str, prefix: str, *, say: Say | None = None
+) -> dict[str, dict[str, Any] | None]:
     """The latest Snapshot record per run (highest version); None for a run whose last state
     record is a tombstone: the processor evicted it after it ended (its log stays whole)."""
     latest: dict[str, dict[str, Any] | None] = {}
-    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot"):
+    for key, record in read_keyed(bootstrap, topic_name(STATE, prefix), "Snapshot", say=say):
         if record is None:
             if key is not None:
                 latest[key.decode("utf-8", "replace")] = None
@@ -142,18 +164,3 @@ def read_snapshots(bootstrap: str, prefix: str) -> dict[str, dict[str, Any] | No
         if held is None or held["version"] <= record["version"]:
             latest[record["run_id"]] = record
     return latest
-
-
-def endpoints() -> tuple[Any, str, str | None]:
-    """Kafka and Postgres for an audit command: the started stack (to close), the bootstrap
-    servers and the database URL."""
-    from agentruns.connectors.devstack.services import ServiceStack
-
-    stack = ServiceStack()
-    try:
-        stack.start()
-    except BaseException:
-        stack.close()  # never leave a half-started stack behind
-        raise
-    assert stack.endpoints is not None
-    return stack, stack.endpoints.kafka_bootstrap, stack.endpoints.database_url

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.projection.reading import endpoints, read_log
+from agentruns.connectors.lifecycle import progress
+from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.timeline import format_timeline, timeline, timeline_json
 from agentruns.streams.topics import default_prefix
 
@@ -21,17 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, _ = endpoints()
-        try:
-            records = read_log(bootstrap, args.prefix, [args.run_id]).get(args.run_id, [])
-        finally:
-            stack.close()
-    except AgentrunsError as exc:
-        print(f"agentruns replay: {exc.one_line()}", file=sys.stderr)
-        return 2
+    from agentruns.connectors.devstack.services import configured_kafka
+
+    logs = read_log(configured_kafka(), args.prefix, [args.run_id], say=progress("replay"))
+    records = logs.get(args.run_id, [])
     if not records:
-        print(f"agentruns replay: no events for run {args.run_id}", file=sys.stderr)
+        print(f"agentruns: no events for run {args.run_id}", file=sys.stderr)
         return 1
     entries, state = timeline(records)
     if args.json:

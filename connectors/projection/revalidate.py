@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
-from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.projection.reading import AuditError, endpoints, read_log
+from agentruns.connectors.lifecycle import progress
+from agentruns.connectors.projection.reading import AuditError, read_log
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import Disposition, load_candidate, transition
@@ -126,16 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed-only", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line per candidate")
     args = parser.parse_args(argv)
-    try:
-        stack, bootstrap, database_url = endpoints()
-        try:
-            logs = read_log(bootstrap, args.prefix, args.runs)
-            results = revalidate_runs(logs, args.validator_version, database_url)
-        finally:
-            stack.close()
-    except AgentrunsError as exc:
-        print(f"agentruns revalidate: {exc.one_line()}", file=sys.stderr)
-        return 2
+    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+
+    # Candidates stored only as artifacts need Postgres; the others are in the log itself.
+    database_url = configured_postgres(required=None)
+    logs = read_log(configured_kafka(), args.prefix, args.runs, say=progress("revalidate"))
+    results = revalidate_runs(logs, args.validator_version, database_url)
     changed = 0
     for r in results:
         changed += r.changed

@@ -154,6 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         monolith.start()
         api = _start_api(ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port)
+        if "testcontainers" in (ep.kafka_source, ep.postgres_source):
+            # The client commands find a local stack in the state directory, not containers.
+            print(
+                "agentruns run: in another terminal, first: "
+                f"export KAFKA_BOOTSTRAP_SERVERS={ep.kafka_bootstrap} "
+                f"DATABASE_URL={ep.database_url}",
+                flush=True,
+            )
         print(
             f"agentruns run: {', '.join(monolith.components)}"
             + (f", api on http://127.0.0.1:{args.api_port}" if api else "")

@@ -26,6 +26,7 @@ from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.runtime.timers import fired_input
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -53,9 +54,14 @@ class Diagnosis:
 def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
     """Messages of `topic` not yet committed by `group`; None when the group never committed."""
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-         "log_level": 3}
-    )  # fmt: skip
+        {
+            "bootstrap.servers": bootstrap,
+            **KAFKA_LOGS,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "log_level": 3,
+        }
+    )
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if meta is None:
@@ -128,7 +134,7 @@ def scan(
             waiting, detail = status.lower(), "no progress (paused or waiting on input)"
         diagnosis = Diagnosis(run_id, status, round(idle, 1), waiting, detail)
         if redrive and overdue:
-            producer = producer or Producer({"bootstrap.servers": bootstrap})
+            producer = producer or Producer({"bootstrap.servers": bootstrap, **KAFKA_LOGS})
             inbox = producer.list_topics(timeout=10).topics[topic_name(INBOX, prefix)]
             partitions = len(inbox.partitions)
             for timer_id, (due_at, trace_id) in overdue:

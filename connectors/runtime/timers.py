@@ -42,7 +42,13 @@ from agentruns.streams import dlq
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, partition_count, release
+from agentruns.streams.kafka_defaults import (
+    KAFKA_LOGS,
+    LONG_POLL_MS,
+    NO_DELAY,
+    partition_count,
+    release,
+)
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import check_fatal
 from agentruns.streams.records import input_record, parse_effect_body
@@ -115,6 +121,7 @@ class TimerService:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
@@ -129,7 +136,13 @@ class TimerService:
             }
         )
         self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 2, **NO_DELAY}
+            {
+                "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
+                "enable.idempotence": True,
+                "linger.ms": 2,
+                **NO_DELAY,
+            }
         )
         self.partitions = partition_count(self._producer, self.inbox)
         self._conn: Conn | None = None

@@ -26,6 +26,7 @@ from agentruns.processors.events import RunSubmitted, UserReplied
 from agentruns.processors.ids import canonical_json, operation_key
 from agentruns.processors.state import Budgets, Policy, ToolSpec
 from agentruns.streams.codec import encode
+from agentruns.streams.kafka_defaults import KAFKA_LOGS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import EVENTS, INBOX, effect_suffix, topic_name
@@ -88,7 +89,12 @@ class Doors:
     def producer(self) -> Producer:
         if self._producer is None:
             self._producer = Producer(
-                {"bootstrap.servers": self.bootstrap, "enable.idempotence": True, "log_level": 3}
+                {
+                    "bootstrap.servers": self.bootstrap,
+                    **KAFKA_LOGS,
+                    "enable.idempotence": True,
+                    "log_level": 3,
+                }
             )
         return self._producer
 

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
+from agentruns.connectors.projection import reading
 from agentruns.connectors.projection import replay as replay_cli
 from agentruns.connectors.projection import revalidate as revalidate_cli
 from agentruns.connectors.projection.audit import RECONCILE_DIFFERENCES, Reconciler
@@ -107,6 +108,20 @@ def test_replay_of_a_known_run_matches_the_golden_file(
     assert [e["seq"] for e in doc["events"]] == list(range(1, len(log) + 1))
     assert doc["final"]["status"] == doc["events"][-1]["status_after"]
     assert replay_cli.main(["no-such-run", "--prefix", prefix]) == 1
+
+
+def test_a_long_read_says_how_far_it_got(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = new_log(kafka_bootstrap, None, unique_name)
+    write_runs(writer, scripted_runs(unique_name, 3), per_transaction=7)
+    writer.close()
+    said: list[str] = []
+    monkeypatch.setattr(reading, "PROGRESS_EVERY_S", 0.0)  # every read counts as long here
+    logs = read_log(kafka_bootstrap, unique_name, say=said.append)
+    assert len(logs) == 3
+    assert said and all(line.startswith(f"reading {unique_name}.events: ") for line in said)
+    assert "partitions to go" in said[0]
 
 
 def test_revalidate_reruns_validators_over_stored_candidates(

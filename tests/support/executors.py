@@ -35,7 +35,7 @@ from agentruns.processors.events import Event, ModelCallCompleted
 from agentruns.processors.ids import canonical_json
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import INBOX, effect_suffix, topic_name
@@ -56,6 +56,7 @@ class InboxReader:
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
                 "group.id": f"{prefix}-reader",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
@@ -108,7 +109,9 @@ class Effects:
 
     def __init__(self, bootstrap: str, prefix: str, kind: str) -> None:
         self.topic = topic_name(effect_suffix(kind), prefix)
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
+        self.producer = Producer(
+            {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "linger.ms": 0, "log_level": 3}
+        )
         self.seq = 0
 
     def send(self, *effects: Effect) -> None:

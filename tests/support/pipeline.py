@@ -43,7 +43,7 @@ from agentruns.processors.state import Budgets, ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, release
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ArtifactWriter, Processor, ProcessorConfig
 from agentruns.streams.records import input_record, parse_effect_body
@@ -83,7 +83,12 @@ class Inbox:
         self.topic = topic_name(INBOX, prefix)
         self.partitions = partitions
         self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 1}
+            {
+                "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
+                "enable.idempotence": True,
+                "linger.ms": 1,
+            }
         )
 
     def send(self, record: dict[str, Any]) -> None:
@@ -132,6 +137,7 @@ def read_raw(
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
+            **KAFKA_LOGS,
             "group.id": f"reader-{uuid.uuid4().hex[:8]}",
             "isolation.level": isolation,
             "enable.partition.eof": True,
@@ -223,6 +229,7 @@ class ExecutorDouble(threading.Thread):
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **KAFKA_LOGS,
                 "group.id": f"double-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest",
