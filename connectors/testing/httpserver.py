@@ -82,11 +82,13 @@ class DevHTTPServer(ThreadingHTTPServer):
         self.closing = threading.Event()
         self._conn_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self.accepted = 0
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._conn_lock:
             self._conns.add(request)
+            self.accepted += 1
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
@@ -126,6 +128,11 @@ class ServerHandle:
             daemon=True,
         )
         self._closed = False
+
+    @property
+    def connections_accepted(self) -> int:
+        """TCP connections accepted so far (shows whether clients keep theirs alive)."""
+        return self._server.accepted
 
     def start(self) -> ServerHandle:
         self._thread.start()
