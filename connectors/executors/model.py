@@ -85,6 +85,10 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8700/v1"
 DEFAULT_MAX_STREAM_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_LINE_BYTES = 256 * 1024
 ERROR_BODY_BYTES = 64 * 1024
+# after ``[DONE]`` only the body's end should be left; reading it lets the connection go
+# back to the pool, anything more than this (or later than this) and it is closed instead
+AFTER_DONE_BYTES = 1024
+AFTER_DONE_S = 0.05
 
 
 # --------------------------------------------------------------------------- routes
@@ -758,14 +762,16 @@ def _read_stream(
     """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
     body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
     buffer = bytearray()
+    pieces = _pieces(response, route.max_stream_bytes, deadline)
     try:
-        for piece in _pieces(response, route.max_stream_bytes, deadline):
+        for piece in pieces:
             buffer += piece
             if b"\n" in piece:
                 *lines, rest = bytes(buffer).split(b"\n")
                 buffer = bytearray(rest)
                 for line in lines:
                     if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
+                        _finish_body(pieces)
                         return assembler.result()
             if len(buffer) > route.max_line_bytes:
                 raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
@@ -778,6 +784,19 @@ def _read_stream(
     except MalformedChunkError as exc:
         return assembler.result(untrusted=f"malformed stream: {exc}")
     return assembler.result()
+
+
+def _finish_body(pieces: Iterator[bytes]) -> None:
+    """Read the body's end after ``[DONE]`` so that the connection is kept for the next call;
+    a body that goes on past ``AFTER_DONE_BYTES`` or ``AFTER_DONE_S`` is left unread (closing
+    the response then closes the connection). The answer is complete whatever happens here."""
+    until = time.monotonic() + AFTER_DONE_S
+    extra = 0
+    with contextlib.suppress(_Overrun, httpx.HTTPError):
+        for piece in pieces:
+            extra += len(piece)
+            if extra > AFTER_DONE_BYTES or time.monotonic() > until:
+                return
 
 
 def _fold_line(line: bytes, assembler: StreamAssembler, max_line: int) -> bool:

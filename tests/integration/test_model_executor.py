@@ -16,6 +16,7 @@ import httpx
 import pytest
 from agentruns.connectors.executors.model import (
     ModelExecutor,
+    ModelHandler,
     RouteConfig,
     Routes,
     StreamAssembler,
@@ -233,3 +234,21 @@ def test_assembler_never_passes_half_streamed_arguments() -> None:
     done = assembler.result()
     assert done.outcome is ModelOutcome.FINISHED
     assert done.tool_calls[0]["function"]["arguments"] == '{"query":"x"}'
+
+
+def test_sequential_calls_share_one_connection(database_url: str) -> None:
+    with model_server.serve("127.0.0.1", 0) as server:
+        route = RouteConfig(base_url=server.url + "/v1", model="scenario:multi_tool")
+        handler = ModelHandler(database_url, Routes({}, route))
+        payload = {
+            "model": route.model,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Which printers are high priority?"}],
+        }
+        try:
+            outcomes = [handler.stream(route, payload).outcome for _ in range(5)]
+        finally:
+            handler.close()
+        assert outcomes == [ModelOutcome.FINISHED] * 5
+        # the body is read to its end after [DONE], so the connection goes back to the pool
+        assert server.connections_accepted == 1
