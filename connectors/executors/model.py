@@ -789,7 +789,8 @@ def _read_stream(
 def _finish_body(pieces: Iterator[bytes]) -> None:
     """Read the body's end after ``[DONE]`` so that the connection is kept for the next call;
     a body that goes on past ``AFTER_DONE_BYTES`` or ``AFTER_DONE_S`` is left unread (closing
-    the response then closes the connection). The answer is complete whatever happens here."""
+    the response then closes the connection); one that stalls waits no longer than any read,
+    ``read_timeout_s``. The answer is complete whatever happens here."""
     until = time.monotonic() + AFTER_DONE_S
     extra = 0
     with contextlib.suppress(_Overrun, httpx.HTTPError):

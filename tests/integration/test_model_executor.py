@@ -236,19 +236,44 @@ def test_assembler_never_passes_half_streamed_arguments() -> None:
     assert done.tool_calls[0]["function"]["arguments"] == '{"query":"x"}'
 
 
+QUESTION = {
+    "model": "scenario:multi_tool",
+    "stream": True,
+    "messages": [{"role": "user", "content": "Which printers are high priority?"}],
+}
+
+
 def test_sequential_calls_share_one_connection(database_url: str) -> None:
     with model_server.serve("127.0.0.1", 0) as server:
         route = RouteConfig(base_url=server.url + "/v1", model="scenario:multi_tool")
         handler = ModelHandler(database_url, Routes({}, route))
-        payload = {
-            "model": route.model,
-            "stream": True,
-            "messages": [{"role": "user", "content": "Which printers are high priority?"}],
-        }
         try:
-            outcomes = [handler.stream(route, payload).outcome for _ in range(5)]
+            outcomes = [handler.stream(route, QUESTION).outcome for _ in range(5)]
         finally:
             handler.close()
         assert outcomes == [ModelOutcome.FINISHED] * 5
         # the body is read to its end after [DONE], so the connection goes back to the pool
         assert server.connections_accepted == 1
+
+
+def test_a_body_that_goes_on_after_done_is_closed(database_url: str) -> None:
+    with model_server.serve("127.0.0.1", 0) as server:
+        plain = RouteConfig(base_url=server.url + "/v1", model="scenario:multi_tool")
+        # the whole answer, then a ping every 20 ms for ever; the call's deadline is past the
+        # test's timeout, so only the bound after [DONE] lets this call return
+        pinging = RouteConfig(
+            base_url=plain.base_url,
+            model=plain.model,
+            headers={"X-Fault": "keepalive; delay_ms=20; after_chunks=1000"},
+            read_timeout_s=3600,
+            total_timeout_s=3600,
+        )
+        handler = ModelHandler(database_url, Routes({}, plain))
+        try:
+            first = handler.stream(pinging, QUESTION)
+            second = handler.stream(plain, QUESTION)
+        finally:
+            handler.close()
+        assert first.outcome is ModelOutcome.FINISHED and len(first.tool_calls) == 1
+        assert second.outcome is ModelOutcome.FINISHED
+        assert server.connections_accepted == 2  # the pinging one was not kept
