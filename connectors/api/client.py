@@ -47,6 +47,7 @@ from agentruns.connectors.api.inputs import (
     submitted_task,
 )
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
+from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
@@ -311,12 +312,19 @@ class ResultsConsumer:
             self._assigned -= gone
             self._at_end -= gone
 
-    def results(self, *, follow: bool = False, idle_timeout_s: float = 30.0) -> Iterator[RunResult]:
+    def results(
+        self,
+        *,
+        follow: bool = False,
+        idle_timeout_s: float = 30.0,
+        stop: threading.Event | None = None,
+    ) -> Iterator[RunResult]:
         """Terminal results in partition order. `follow=False` stops at the end of every
         assigned partition (or after `idle_timeout_s` with no assignment); `follow=True`
-        waits for new results until the consumer is closed or the caller stops iterating."""
+        waits for new results until `stop` is set, the consumer is closed or the caller stops
+        iterating."""
         idle_since = time.monotonic()
-        while True:
+        while stop is None or not stop.is_set():
             msg = self._consumer.poll(0.2)
             if msg is None:
                 with self._lock:
@@ -557,12 +565,12 @@ def main_results(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--group", default=f"agentruns-results-{uuid.uuid4().hex[:8]}")
     _common(parser, api=False)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    # Ctrl-C or SIGTERM ends a follow cleanly (offsets committed), also when the shell that
+    # started it in the background left SIGINT ignored.
+    stop = stop_on_signals()
     with ResultsConsumer(_bootstrap(), group_id=args.group, prefix=args.prefix) as consumer:
-        try:
-            for result in consumer.results(follow=args.follow):
-                _print(result.as_json())
-        except KeyboardInterrupt:
-            pass
+        for result in consumer.results(follow=args.follow, stop=stop):
+            _print(result.as_json())
     return 0
 
 

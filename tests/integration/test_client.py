@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -154,3 +159,34 @@ def test_the_producer_refuses_a_task_the_core_would_refuse_and_produces_nothing(
     }
     assert good.run_id in produced
     assert not {run_id_for_key(k) for k in keys.values()} & produced
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_results_follow_ends_cleanly_on_a_signal_even_with_sigint_ignored(
+    kafka_bootstrap: str, prefix: str, signum: int
+) -> None:
+    # A shell's background job inherits SIGINT ignored; Ctrl-C or a supervisor's SIGTERM must
+    # still end the follow, its offsets committed, exit 0.
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "AGENTRUNS_TOPIC_PREFIX": prefix,
+    }
+    with subprocess.Popen(
+        [sys.executable, "-m", "agentruns.connectors.cli", "results", "--follow"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    ) as proc:
+        try:
+            time.sleep(3)  # subscribed and polling
+            assert proc.poll() is None
+            proc.send_signal(signum)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
