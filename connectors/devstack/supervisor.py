@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,9 @@ class Supervisor:
     log_dir: Path
     env: dict[str, str]
     components: dict[str, Component] = field(default_factory=dict)
+    # One change of a component at a time: a chaos driver's killer thread and its watcher
+    # restarting a crashed component would otherwise both start one (two processes, one lost).
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def add(self, name: str, *argv: str) -> Component:
         component = Component(name, list(argv))
@@ -37,6 +41,10 @@ class Supervisor:
         return component
 
     def start(self, name: str) -> None:
+        with self._lock:
+            self._start(name)
+
+    def _start(self, name: str) -> None:
         c = self.components[name]
         if c.process is not None and c.process.poll() is None:
             return
@@ -57,10 +65,15 @@ class Supervisor:
             self.start(name)
 
     def alive(self, name: str) -> bool:
-        process = self.components[name].process
-        return process is not None and process.poll() is None and pid_alive(process.pid)
+        with self._lock:  # not between the kill and the start of a restart
+            process = self.components[name].process
+            return process is not None and process.poll() is None and pid_alive(process.pid)
 
     def kill(self, name: str) -> None:
+        with self._lock:
+            self._kill(name)
+
+    def _kill(self, name: str) -> None:
         """SIGKILL: no cleanup, no commit, no goodbye to the group."""
         c = self.components[name]
         if c.process is not None and c.process.poll() is None:
@@ -69,6 +82,10 @@ class Supervisor:
             c.kills += 1
 
     def pause(self, name: str) -> bool:
+        with self._lock:
+            return self._pause(name)
+
+    def _pause(self, name: str) -> bool:
         """SIGSTOP the component's process group: a process that stops answering without dying
         (a long GC pause, a stalled VM) and comes back as a zombie when `resume`d. False when
         it was not running."""
@@ -79,15 +96,27 @@ class Supervisor:
         return True
 
     def resume(self, name: str) -> None:
+        with self._lock:
+            self._resume(name)
+
+    def _resume(self, name: str) -> None:
         c = self.components[name]
         if c.process is not None and c.process.poll() is None:
             os.killpg(c.process.pid, signal.SIGCONT)
 
     def restart(self, name: str) -> None:
+        with self._lock:
+            self._restart(name)
+
+    def _restart(self, name: str) -> None:
         self.kill(name)
         self.start(name)
 
     def stop(self, name: str, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stop(name, timeout)
+
+    def _stop(self, name: str, timeout: float = 30.0) -> None:
         c = self.components[name]
         if c.process is None:
             return
