@@ -410,7 +410,12 @@ def run_chaos(
                         )
                     for name in sup.components:
                         if not sup.alive(name) and not stop_killing.is_set():
-                            say(f"chaos: {name} exited on its own: {sup.log_tail(name, 5)}")
+                            process = sup.components[name].process
+                            code = None if process is None else process.returncode
+                            say(
+                                f"chaos: {name} exited on its own (exit status {code}):"
+                                f" {sup.log_tail(name, 5)}"
+                            )
                             crashes += 1
                             sup.start(name)
                     time.sleep(2.0)
