@@ -13,7 +13,8 @@ session expires when it goes on). It waits for every run to end, and then checks
 - every run has exactly one terminal result;
 - no tool idempotency key was executed twice (the tool server's counters);
 - `agentruns audit` finds no difference between the log, the snapshots and Postgres;
-- the DLQ holds exactly the injected bad inputs.
+- the DLQ holds exactly the injected bad inputs;
+- no component exited without being killed (a crash is reported with its exit status and log tail).
 
 It prints runs, kills, restarts, duplicates and lost runs, and one JSON object last. Exit code 0
 only when every check holds.
@@ -409,9 +410,7 @@ def run_chaos(
                             f"{deadline - said:.0f} s left to wait"
                         )
                     for name in sup.components:
-                        if not sup.alive(name) and not stop_killing.is_set():
-                            process = sup.components[name].process
-                            code = None if process is None else process.returncode
+                        if (code := sup.exited(name)) is not None:
                             say(
                                 f"chaos: {name} exited on its own (exit status {code}):"
                                 f" {sup.log_tail(name, 5)}"
@@ -440,7 +439,7 @@ def run_chaos(
                 for group, topics in consumer_groups(prefix).items()
                 if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
             }
-            crashes += sum(1 for name in sup.components if not sup.alive(name))
+            crashes += sum(1 for name in sup.components if sup.exited(name) is not None)
         restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
@@ -556,6 +555,7 @@ def ok_figures(figures: dict[str, Any]) -> bool:
         and not figures["dlq_unexpected"]
         and figures["hostile_ended"] == figures["hostile_injected"]
         and not figures["stalls"]
+        and figures["crashes"] == 0
     )
 
 

@@ -433,8 +433,9 @@ def _run(demo: Demo, items: list[Scenario], timeout: float) -> int:
                 mark = "ok" if result["status"] == sc.expect else f"EXPECTED {sc.expect}"
                 demo.say(f"{sc.name}: {result['status']} ({mark})")
         for name in demo.supervisor.components:
-            if not demo.supervisor.alive(name):
-                demo.say(f"{name} exited; last log lines:\n{demo.supervisor.log_tail(name)}")
+            if (code := demo.supervisor.exited(name)) is not None:
+                tail = demo.supervisor.log_tail(name)
+                demo.say(f"{name} exited ({code}); last log lines:\n{tail}")
                 demo.supervisor.start(name)
     missing = [sc.name for sc in items if sc.run_id not in reported]
     wrong = [

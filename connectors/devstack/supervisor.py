@@ -14,8 +14,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentruns.connectors.devstack.procs import pid_alive
-
 
 @dataclass
 class Component:
@@ -24,6 +22,9 @@ class Component:
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
     kills: int = 0
+    # Down on purpose (killed or stopped and not started again yet): a chaos driver holds a
+    # killed component down for a while, and that is not a crash.
+    held_down: bool = False
 
 
 @dataclass
@@ -59,15 +60,20 @@ class Supervisor:
                 start_new_session=True,
             )
         c.starts += 1
+        c.held_down = False
 
     def start_all(self) -> None:
         for name in self.components:
             self.start(name)
 
-    def alive(self, name: str) -> bool:
-        with self._lock:  # not between the kill and the start of a restart
-            process = self.components[name].process
-            return process is not None and process.poll() is None and pid_alive(process.pid)
+    def exited(self, name: str) -> int | None:
+        """The exit status of a component that ended without the supervisor ending it (a
+        crash, or a clean exit nobody asked for); None while it runs or is held down."""
+        with self._lock:
+            c = self.components[name]
+            if c.process is None or c.held_down:
+                return None
+            return c.process.poll()
 
     def kill(self, name: str) -> None:
         with self._lock:
@@ -76,6 +82,7 @@ class Supervisor:
     def _kill(self, name: str) -> None:
         """SIGKILL: no cleanup, no commit, no goodbye to the group."""
         c = self.components[name]
+        c.held_down = True
         if c.process is not None and c.process.poll() is None:
             os.killpg(c.process.pid, signal.SIGKILL)
             c.process.wait()
@@ -118,6 +125,7 @@ class Supervisor:
 
     def _stop(self, name: str, timeout: float = 30.0) -> None:
         c = self.components[name]
+        c.held_down = True
         if c.process is None:
             return
         if c.process.poll() is None:
