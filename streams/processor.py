@@ -73,9 +73,6 @@ from agentruns.streams.transaction import (
     Timings,
     classify,
     committed_offsets,
-    fatal_error,
-    is_fatal,
-    kafka_error,
     seek,
 )
 from confluent_kafka import (
@@ -388,26 +385,15 @@ class Processor:
         owner is aborted by the coordinator within its transaction timeout."""
         if not partitions:
             return
-        bound = max(60.0, 2 * self.config.transaction_timeout_ms / 1000)
-        deadline = time.monotonic() + bound
-        wanted = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
-        while True:
-            try:
-                consumer.committed(wanted, timeout=min(10.0, bound))
-                return
-            except KafkaException as exc:
-                error = kafka_error(exc)
-                if is_fatal(error):
-                    raise fatal_error(error) from exc
-                if time.monotonic() > deadline:
-                    numbers = sorted(tp.partition for tp in wanted)
-                    raise AgentrunsKafkaError(
-                        f"the committed offsets of {self.inbox} {numbers} stayed unstable for"
-                        f" {bound:.0f}s: {exc}",
-                        hint="a transaction of the previous owner is still open; see "
-                        "kafka-transactions.sh --describe",
-                    ) from exc
-                log.warning("waiting for the previous owner's transaction to end: %s", exc)
+        committed_offsets(
+            consumer,
+            self.inbox,
+            [tp.partition for tp in partitions],
+            patience_s=max(60.0, 2 * self.config.transaction_timeout_ms / 1000),
+            stop=self._stop,
+            hint="a transaction of the previous owner is still open; see "
+            "kafka-transactions.sh --describe",
+        )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {tp.partition for tp in partitions}
@@ -738,7 +724,8 @@ class Processor:
         """Drop in-memory state and seek back to the committed offsets of `partitions`."""
         if not partitions:
             return
-        seek(self._consumer, self.inbox, committed_offsets(self._consumer, self.inbox, partitions))
+        offsets = committed_offsets(self._consumer, self.inbox, partitions, stop=self._stop)
+        seek(self._consumer, self.inbox, offsets)
         self._restore(partitions)
 
     # ------------------------------------------------------------------ inspection (tests)

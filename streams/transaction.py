@@ -261,11 +261,45 @@ class Backoff:
 # --------------------------------------------------------------------------- rewinding
 
 
-def committed_offsets(consumer: Consumer, topic: str, partitions: Iterable[int]) -> dict[int, int]:
-    """partition -> the group's committed offset (OFFSET_BEGINNING where none is)."""
-    committed = consumer.committed(
-        [TopicPartition(topic, p) for p in partitions], timeout=TIMEOUT_S
-    )
+def committed_offsets(
+    consumer: Consumer,
+    topic: str,
+    partitions: Iterable[int],
+    *,
+    patience_s: float = 300.0,
+    try_s: float = 10.0,
+    stop: threading.Event | None = None,
+    hint: str | None = None,
+) -> dict[int, int]:
+    """partition -> the group's committed offset (OFFSET_BEGINNING where none is).
+
+    What keeps the fetch from answering is waited out, one bounded try after another: an
+    outage of the broker or of the group coordinator (a timeout), or offsets a transaction of a
+    previous owner still holds open (a read_committed consumer's fetch waits for them, KIP-447
+    `require_stable`; the coordinator aborts a dead owner's within its transaction timeout).
+    Giving up on the first timeout would end the process in the middle of a broker restart.
+    A fatal error raises at once; anything else after `patience_s`, or once `stop` is set."""
+    wanted = [TopicPartition(topic, p) for p in partitions]
+    deadline = time.monotonic() + patience_s
+    waits = Backoff(0.2, 2.0)
+    while True:
+        try:
+            committed = consumer.committed(wanted, timeout=min(try_s, patience_s))
+            break
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if is_fatal(error):
+                raise fatal_error(error) from exc
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                numbers = sorted(tp.partition for tp in wanted)
+                raise AgentrunsKafkaError(
+                    f"the committed offsets of {topic} {numbers} could not be read for"
+                    f" {patience_s:.0f}s: {exc}",
+                    hint=hint,
+                ) from exc
+            log.warning("the committed offsets of %s are not readable yet: %s", topic, exc)
+            waits.failed()
+            waits.wait(stop)
     return {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
 
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 from agentruns.streams import transaction as tx
-from agentruns.streams.errors import AgentrunsKafkaError
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.processor import _Sealed
 from agentruns.streams.transaction import Fault, Record, Timings
@@ -160,6 +160,55 @@ def test_a_partition_without_committed_offset_rewinds_to_its_beginning() -> None
     consumer = _Consumer({0: 42, 1: -1001})
     offsets = tx.committed_offsets(cast(Any, consumer), "t", [0, 1])
     assert offsets == {0: 42, 1: OFFSET_BEGINNING}
+
+
+class _Unreachable(_Consumer):
+    """Times out `failures` times before answering (a broker restart, a paused coordinator)."""
+
+    def __init__(self, committed: dict[int, int], failures: int, error: KafkaError):
+        super().__init__(committed)
+        self.failures = failures
+        self.error = error
+        self.tries = 0
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        self.tries += 1
+        if self.tries <= self.failures:
+            raise KafkaException(self.error)
+        return super().committed(partitions, timeout)
+
+
+TIMED_OUT = KafkaError(KafkaError._TIMED_OUT, "Failed to get committed offsets: Local: Timed out")
+
+
+def test_committed_offsets_wait_out_a_broker_that_does_not_answer() -> None:
+    consumer = _Unreachable({0: 7}, failures=3, error=TIMED_OUT)
+    assert tx.committed_offsets(cast(Any, consumer), "t", [0]) == {0: 7}
+    assert consumer.tries == 4
+
+
+def test_committed_offsets_give_up_after_their_patience_with_the_cause() -> None:
+    consumer = _Unreachable({0: 7}, failures=1_000, error=TIMED_OUT)
+    with pytest.raises(AgentrunsKafkaError, match=r"could not be read.*Timed out") as raised:
+        tx.committed_offsets(cast(Any, consumer), "t", [0], patience_s=0.5, hint="look here")
+    assert raised.value.hint == "look here"
+
+
+def test_committed_offsets_stop_waiting_when_the_service_stops() -> None:
+    stop = threading.Event()
+    stop.set()
+    consumer = _Unreachable({0: 7}, failures=1_000, error=TIMED_OUT)
+    with pytest.raises(AgentrunsKafkaError):
+        tx.committed_offsets(cast(Any, consumer), "t", [0], stop=stop)
+    assert consumer.tries == 1
+
+
+def test_committed_offsets_raise_a_fatal_error_at_once() -> None:
+    fatal = KafkaError(KafkaError._FATAL, "fenced", fatal=True)
+    consumer = _Unreachable({0: 7}, failures=1_000, error=fatal)
+    with pytest.raises(FatalConsumerError):
+        tx.committed_offsets(cast(Any, consumer), "t", [0])
+    assert consumer.tries == 1
 
 
 def test_a_strict_seek_raises_where_a_lenient_one_skips_the_partition() -> None:
