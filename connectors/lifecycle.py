@@ -9,8 +9,13 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from agentruns.streams.errors import AgentrunsError
+from agentruns.streams.errors import AgentrunsError, FatalConsumerError
 from confluent_kafka import KafkaException
+
+#: The exit code of a service that stops so that its supervisor starts it again (its consumer
+#: was fenced: a fresh member joins where this one cannot): sysexits' EX_TEMPFAIL, not the 2 of
+#: an error someone must act on.
+RESTART_ME = 75
 
 
 def stop_on_signals() -> threading.Event:
@@ -34,11 +39,14 @@ def progress(command: str) -> Callable[[str], None]:
 
 def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     """A command's exit code: what `main` returns, 2 after an error the user can act on (one
-    line on stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through
-    this, never the CLI's dispatcher, which would import the module a second time (and
-    register its metrics twice)."""
+    line on stderr), `RESTART_ME` when a service stopped to be started again, 130 after Ctrl-C.
+    A module run with `python -m` calls its own `main` through this, never the CLI's
+    dispatcher, which would import the module a second time (and register its metrics twice)."""
     try:
         return int(main(list(sys.argv[1:] if argv is None else argv)))
+    except FatalConsumerError as exc:
+        _fail(exc.one_line())
+        return RESTART_ME
     except AgentrunsError as exc:
         return _fail(exc.one_line())
     except KafkaException as exc:

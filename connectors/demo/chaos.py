@@ -41,6 +41,7 @@ from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.lifecycle import RESTART_ME
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.audit import audit
 from agentruns.connectors.projection.reading import read_topic
@@ -340,6 +341,7 @@ def run_chaos(
             killing.start()
             injected = 0
             crashes = 0  # components that exited without being killed
+            restarts_asked = 0  # components that stopped for their supervisor to restart them
             try:
                 for i in range(runs):
                     mix = MIXES[i % len(MIXES)]
@@ -410,7 +412,12 @@ def run_chaos(
                             f"{deadline - said:.0f} s left to wait"
                         )
                     for name in sup.components:
-                        if (code := sup.exited(name)) is not None:
+                        if (code := sup.exited(name)) == RESTART_ME:
+                            why = sup.log_tail(name, 1)
+                            say(f"chaos: {name} stopped to be started again: {why}")
+                            restarts_asked += 1
+                            sup.start(name)
+                        elif code is not None:
                             say(
                                 f"chaos: {name} exited on its own (exit status {code}):"
                                 f" {sup.log_tail(name, 5)}"
@@ -439,7 +446,9 @@ def run_chaos(
                 for group, topics in consumer_groups(prefix).items()
                 if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
             }
-            crashes += sum(1 for name in sup.components if sup.exited(name) is not None)
+            crashes += sum(
+                1 for name in sup.components if sup.exited(name) not in (None, RESTART_ME)
+            )
         restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
@@ -482,6 +491,7 @@ def run_chaos(
             if r in results and results[r][-1]["status"] != ends[r]
         },
         "crashes": crashes,
+        "restarts_asked": restarts_asked,
         "statuses": _count(r[-1]["status"] for r in results.values()),
         "seconds": round(time.monotonic() - began, 1),
         "logs": str(log_dir),

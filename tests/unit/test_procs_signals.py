@@ -1,4 +1,5 @@
-"""stop_on_signals: SIGTERM and SIGINT set the returned event instead of killing the process."""
+"""stop_on_signals: SIGTERM and SIGINT set the returned event instead of killing the process;
+run_command: how a command ends."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.lifecycle import RESTART_ME, run_command, stop_on_signals
+from agentruns.streams.errors import AgentrunsError, FatalConsumerError
 
 
 @pytest.fixture
@@ -24,3 +26,21 @@ def test_a_signal_sets_the_stop_event(restored_handlers: None, signum: int) -> N
     assert not stop.is_set()
     os.kill(os.getpid(), signum)  # delivered to the main thread before kill returns here
     assert stop.wait(5)
+
+
+def test_a_fenced_service_exits_to_be_restarted_an_error_to_be_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def fenced(_: list[str]) -> int:
+        raise FatalConsumerError("static consumer fenced", hint="its supervisor starts it again")
+
+    def misconfigured(_: list[str]) -> int:
+        raise AgentrunsError("no such topic", hint="create it")
+
+    assert run_command(fenced, []) == RESTART_ME == 75
+    assert run_command(misconfigured, []) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "agentruns: static consumer fenced — its supervisor starts it again",
+        "agentruns: no such topic — create it",
+    ]
