@@ -1,9 +1,12 @@
 """How a command's process runs and ends: SIGTERM and SIGINT ask a service's loop to finish
 what it holds; an AgentrunsError, a Kafka client's error that escaped its adapter, or an OS
-error (a file, a port) ends the command with one line on stderr, never a trace."""
+error (a file, a port) ends the command with one line on stderr, never a trace. SIGUSR1 writes
+the stack of every thread to stderr and the process goes on (what a service that stands still
+is waiting for)."""
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import threading
@@ -42,6 +45,7 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
     line on stderr), `RESTART_ME` when a service stopped to be started again, 130 after Ctrl-C.
     A module run with `python -m` calls its own `main` through this, never the CLI's
     dispatcher, which would import the module a second time (and register its metrics twice)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return int(main(list(sys.argv[1:] if argv is None else argv)))
     except FatalConsumerError as exc:

@@ -413,8 +413,8 @@ def run_chaos(
                         )
                     for name in sup.components:
                         if (code := sup.exited(name)) == RESTART_ME:
-                            why = sup.log_tail(name, 1)
-                            say(f"chaos: {name} stopped to be started again: {why}")
+                            last = sup.log_tail(name, 1)
+                            say(f"chaos: {name} stopped to be started again: {last}")
                             restarts_asked += 1
                             sup.start(name)
                         elif code is not None:
@@ -446,6 +446,11 @@ def run_chaos(
                 for group, topics in consumer_groups(prefix).items()
                 if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
             }
+            if report.differences or stalls:
+                # whatever stands still says what it waits for, before it is stopped
+                asked = sup.dump_stacks()
+                time.sleep(1.0)
+                say(f"chaos: thread stacks of {', '.join(asked)} written to their logs")
             crashes += sum(
                 1 for name in sup.components if sup.exited(name) not in (None, RESTART_ME)
             )

@@ -75,6 +75,18 @@ class Supervisor:
                 return None
             return c.process.poll()
 
+    def dump_stacks(self) -> list[str]:
+        """Ask every running component for the stacks of its threads (SIGUSR1: written to its
+        log, it goes on); the names of those asked."""
+        asked = []
+        with self._lock:
+            for name, c in self.components.items():
+                if c.process is not None and c.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(c.process.pid, signal.SIGUSR1)
+                        asked.append(name)
+        return asked
+
     def kill(self, name: str) -> None:
         with self._lock:
             self._kill(name)

@@ -787,4 +787,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agentruns.connectors.lifecycle import run_command
+
+    raise SystemExit(run_command(main))

@@ -47,3 +47,20 @@ def test_a_component_that_exits_by_itself_reports_its_status(tmp_path: Path) -> 
         assert sup.components["broken"].starts == 2
     finally:
         sup.stop_all()
+
+
+def test_a_component_writes_its_thread_stacks_when_asked_and_goes_on(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, env={})
+    sup.add("service", "agentruns.connectors.testing.tool_server", "--port", "0")
+    sup.start("service")
+    try:
+        deadline = time.monotonic() + 60
+        while not sup.log_tail("service") and time.monotonic() < deadline:
+            time.sleep(0.1)  # its banner: past start-up, run_command registered the handler
+        assert sup.dump_stacks() == ["service"]
+        while "Thread 0x" not in sup.log_tail("service", 200) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "Thread 0x" in sup.log_tail("service", 200)
+        assert sup.exited("service") is None
+    finally:
+        sup.stop_all()
