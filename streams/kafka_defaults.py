@@ -3,13 +3,16 @@ long-lived consumers' fetch settings, bounded commit and release."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_logs import KAFKA_LOG
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
+
+log = logging.getLogger("agentruns.kafka")
 
 #: In every client config of ours, producers, consumers and admin clients alike: librdkafka's log
 #: lines go to the ``agentruns.kafka`` logger, rate limited (see ``kafka_logs``), never straight
@@ -94,17 +97,26 @@ def release(producer: Producer, timeout_s: float = 5.0) -> int:
     reference goes (one left alive keeps reconnecting to a stopped broker, a logged error each
     time, until its process exits). Records still unacknowledged after ``timeout_s`` are purged
     and their number returned: ``Producer.close()`` alone would wait for them without bound.
-    Callers that must not lose records flush and check first. Releasing twice is harmless."""
+    Callers that must not lose records flush and check first. Releasing twice is harmless, and
+    so is releasing a producer in a fatal state: closing aborts its open transaction, which a
+    fenced producer cannot do (the broker aborts it anyway), and that error must not replace
+    the one the caller is stopping for."""
     try:
         left = producer.flush(timeout_s)
     except RuntimeError:  # "Producer has been closed": released before
         return 0
+    except KafkaException as exc:
+        log.info("releasing a producer in a failed state: %s", exc)
+        left = len(producer)
     if left:
         producer.purge()
         producer.poll(0)  # serve the purged records' delivery reports
     close = getattr(producer, "close", None)  # recent confluent-kafka only; not in its stubs
     if close is not None:
-        close()
+        try:
+            close()
+        except KafkaException as exc:
+            log.info("closing a producer in a failed state: %s", exc)
     return left
 
 

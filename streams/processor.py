@@ -349,8 +349,12 @@ class Processor:
             self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(RuntimeError):  # already closed
+        try:
             self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
+        except RuntimeError:  # already closed
+            pass
+        except KafkaException as exc:  # fenced: the error the process stops for is raised
+            log.info("closing the consumer in a failed state: %s", exc)
         with contextlib.suppress(KafkaException):
             self._wait_in_flight()
         self._artifact_writer.shutdown(wait=True)

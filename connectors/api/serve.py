@@ -36,13 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
     from agentruns.connectors.logs import setup_logging
     from agentruns.connectors.postgres.migrate import migrate
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="api")
-    with ServiceStack() as stack:
+    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)

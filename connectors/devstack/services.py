@@ -17,10 +17,13 @@ none is configured and how to get one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
 import tempfile
+import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +35,12 @@ from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.errors import NotConfiguredError, ServiceUnreachableError
 from agentruns.streams.kafka_defaults import KAFKA_LOGS
+
+log = logging.getLogger("agentruns.services")
+
+#: How long a long-running service started while its configured Kafka or Postgres does not
+#: answer (a broker restart, a database failover) waits for it before it gives up.
+SERVICE_PATIENCE_S = 120.0
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
 KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
@@ -214,33 +223,59 @@ def docker_available() -> bool:
         return False
 
 
-def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
+def check_kafka(bootstrap: str, timeout: float = 10.0, *, patience_s: float = 0.0) -> None:
+    """Raise ServiceUnreachableError unless Kafka answers; with `patience_s`, keep trying that
+    long first (see `_patiently`)."""
     from confluent_kafka import KafkaError
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
-    try:
-        admin.list_topics(timeout=timeout)
-    except Exception as exc:
-        error = exc.args[0] if exc.args else None
-        reason = error.str() if isinstance(error, KafkaError) else str(exc)
-        raise ServiceUnreachableError(
-            f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
-            hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
-        ) from exc
+    def attempt() -> None:
+        admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
+        try:
+            admin.list_topics(timeout=timeout)
+        except Exception as exc:
+            error = exc.args[0] if exc.args else None
+            reason = error.str() if isinstance(error, KafkaError) else str(exc)
+            raise ServiceUnreachableError(
+                f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
+                hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
+            ) from exc
+
+    _patiently(attempt, patience_s)
 
 
-def check_postgres(url: str, timeout: float = 10.0) -> None:
+def check_postgres(url: str, timeout: float = 10.0, *, patience_s: float = 0.0) -> None:
+    """Raise ServiceUnreachableError unless Postgres answers; with `patience_s`, keep trying
+    that long first (see `_patiently`)."""
     import psycopg
 
-    try:
-        with psycopg.connect(url, connect_timeout=int(timeout)) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.Error as exc:
-        raise ServiceUnreachableError(
-            f"Postgres at {url} does not answer ({str(exc).strip().splitlines()[0]})",
-            hint="check DATABASE_URL, or unset it to use a local server",
-        ) from exc
+    def attempt() -> None:
+        try:
+            with psycopg.connect(url, connect_timeout=int(timeout)) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as exc:
+            raise ServiceUnreachableError(
+                f"Postgres at {url} does not answer ({str(exc).strip().splitlines()[0]})",
+                hint="check DATABASE_URL, or unset it to use a local server",
+            ) from exc
+
+    _patiently(attempt, patience_s)
+
+
+def _patiently(attempt: Callable[[], None], patience_s: float) -> None:
+    """Run `attempt` until it succeeds or `patience_s` has passed, then raise its error. A
+    service started while its broker restarts (or its database fails over) waits it out
+    instead of exiting and being restarted in a loop; a command run by hand fails at once."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            attempt()
+            return
+        except ServiceUnreachableError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s; waiting up to %.0fs more", exc, deadline - time.monotonic())
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
 @dataclass
@@ -258,8 +293,11 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
     temporary directory on free ports, throw-away and fast (fsync off).
     """
 
-    def __init__(self, *, ephemeral: bool = False, brokers: int = 1) -> None:
+    def __init__(
+        self, *, ephemeral: bool = False, brokers: int = 1, patience_s: float = 0.0
+    ) -> None:
         self.ephemeral = ephemeral
+        self.patience_s = patience_s  # how long a configured Kafka or Postgres may not answer
         self.brokers = brokers
         self._started: list[Any] = []
         self._tmp: Path | None = None
@@ -287,9 +325,9 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         database = os.environ.get("DATABASE_URL")
         ksrc, psrc = "env", "env"
         if kafka:
-            check_kafka(kafka)
+            check_kafka(kafka, patience_s=self.patience_s)
         if database:
-            check_postgres(database)
+            check_postgres(database, patience_s=self.patience_s)
         if (kafka is None or database is None) and docker_available():
             if kafka is None:
                 kafka, ksrc = self._kafka_container(), "testcontainers"

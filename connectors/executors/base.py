@@ -867,9 +867,9 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
     stack = None
     bootstrap, database = args.bootstrap, args.database_url
     if not bootstrap or not database:
-        from agentruns.connectors.devstack.services import ServiceStack
+        from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
-        stack = ServiceStack()
+        stack = ServiceStack(patience_s=SERVICE_PATIENCE_S)
         endpoints = stack.start()
         bootstrap = bootstrap or endpoints.kafka_bootstrap
         database = database or endpoints.database_url

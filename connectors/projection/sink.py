@@ -757,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
     from agentruns.connectors.logs import setup_logging
     from agentruns.connectors.postgres.migrate import migrate
 
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
 
         start_http_server(args.metrics_port)
     try:
-        with ServiceStack() as stack:
+        with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
             assert stack.endpoints is not None
             migrate(stack.endpoints.database_url)
             sink = Sink(

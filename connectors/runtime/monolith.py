@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry = registry_from_args(args.registry)
     setup_logging(args.log_level, component="run")
     stop = stop_on_signals()
-    with ServiceStack() as stack, ExitStack() as resources:
+    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, ExitStack() as resources:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)

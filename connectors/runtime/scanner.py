@@ -161,10 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every", type=float, help="scan every SECONDS until stopped")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
     stop = stop_on_signals()
-    with ServiceStack() as stack:
+    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         while True:

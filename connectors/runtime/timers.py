@@ -281,9 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="timer")
     stop = stop_on_signals()
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
-    with ServiceStack() as stack:
+    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)

@@ -14,7 +14,7 @@ from agentruns.streams.kafka_defaults import (
     fetch_settings,
     release,
 )
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 
 class _Recorder:
@@ -65,6 +65,42 @@ def test_release_of_an_idle_producer_drops_nothing_and_may_be_repeated() -> None
     producer = Producer({"bootstrap.servers": "127.0.0.1:1", "log_level": 0})
     assert release(producer, 0.1) == 0
     assert release(producer, 0.1) == 0  # a second close() of its owner
+
+
+class _Fenced:
+    """Stands in for a fenced transactional producer: each call that would end its open
+    transaction raises the fatal error librdkafka raises."""
+
+    def __init__(self) -> None:
+        self.purged = False
+        self.closed = False
+
+    def _fatal(self) -> KafkaException:
+        return KafkaException(
+            KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction", fatal=True)
+        )
+
+    def __len__(self) -> int:
+        return 2
+
+    def flush(self, timeout: float) -> int:
+        raise self._fatal()
+
+    def purge(self) -> None:
+        self.purged = True
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+        raise self._fatal()
+
+
+def test_release_of_a_fenced_producer_raises_nothing_over_the_callers_error() -> None:
+    producer = _Fenced()
+    assert release(cast(Producer, producer), 0.1) == 2
+    assert producer.purged and producer.closed
 
 
 def test_fetch_settings_window_or_long_poll() -> None:
