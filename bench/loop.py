@@ -50,9 +50,15 @@ from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
+from agentruns.streams.transaction import RESULTS_MODES
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 STEPS = 10
+
+
+def _numbered(name: str, i: int, count: int) -> str:
+    """A component's name: ``name`` alone when it runs once, else ``name-<i>``."""
+    return name if count == 1 else f"{name}-{i}"
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -216,6 +222,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ExecutorConfig.gather_ms,
         help="the executors' --gather-ms",
     )
+    parser.add_argument(
+        "--results-mode",
+        choices=RESULTS_MODES,
+        default=ExecutorConfig.results_mode,
+        help="the executors' --results-mode",
+    )
+    parser.add_argument("--processors", type=int, default=1, help="processor processes")
+    parser.add_argument(
+        "--executors", type=int, default=1, help="executor processes of each kind (model, tool)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
     parser.add_argument("--floor-hops", type=int, default=40, help="hops per token of the floor")
     parser.add_argument("--out", default="bench/results/loop.json")
@@ -249,31 +265,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model-server", "agentruns.connectors.testing.model_server", "--port", str(model_port)
         )
         sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
-        sup.add(
-            "processor", "agentruns.connectors.runtime.processor", *common, "--log-level", "WARNING"
-        )
-        sup.add(
-            "model-executor",
-            "agentruns.connectors.executors.model",
-            *common,
-            "--base-url",
-            f"http://127.0.0.1:{model_port}",
-            "--registry",
-            str(tool_server.DEFAULT_REGISTRY),
-            "--gather-ms",
-            str(args.gather_ms),
-        )
-        sup.add(
-            "tool-executor",
-            "agentruns.connectors.executors.tool",
-            *common,
-            "--base-url",
-            f"http://127.0.0.1:{tool_port}",
-            "--registry",
-            str(tool_server.DEFAULT_REGISTRY),
-            "--gather-ms",
-            str(args.gather_ms),
-        )
+        for i in range(args.processors):
+            sup.add(
+                _numbered("processor", i, args.processors),
+                "agentruns.connectors.runtime.processor",
+                *common,
+                "--instance-id",
+                str(i),
+                "--log-level",
+                "WARNING",
+            )
+        for kind, port in (("model", model_port), ("tool", tool_port)):
+            for i in range(args.executors):
+                sup.add(
+                    _numbered(f"{kind}-executor", i, args.executors),
+                    f"agentruns.connectors.executors.{kind}",
+                    *common,
+                    "--instance",
+                    str(i),
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--registry",
+                    str(tool_server.DEFAULT_REGISTRY),
+                    "--gather-ms",
+                    str(args.gather_ms),
+                    "--results-mode",
+                    args.results_mode,
+                )
         sup.start_all()
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
         results = []
@@ -308,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps_per_run": STEPS,
         "runs_total": sum(r["runs"] for r in results),
         "gather_ms": args.gather_ms,
+        "results_mode": args.results_mode,
+        "partitions": args.partitions,
+        "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,
         "peak_rss_mib": rss,
         "floor": floor,

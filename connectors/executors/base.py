@@ -71,7 +71,15 @@ from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
-from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings, seek
+from agentruns.streams.transaction import (
+    RESULTS_MODES,
+    Backoff,
+    Clients,
+    Committer,
+    Record,
+    Timings,
+    seek,
+)
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
 log = logging.getLogger("agentruns.executor")
@@ -337,6 +345,11 @@ class ExecutorConfig:
     # call, p99 added latency 53-72 ms against 55-373 (docs/design.md, "Fetching"). Unlike a
     # fetch window (fetch.min.bytes) it costs an idle executor no extra fetches.
     gather_ms: int = 10
+    # "transactional": each commit is a Kafka transaction with the consumed offsets;
+    # "idempotent": the answers are produced without a transaction and the offsets committed
+    # once they are acknowledged (`Committer`), so a crash between the two re-sends answers
+    # that the processor then drops as duplicates.
+    results_mode: str = "transactional"
     # The guard around each effect's handler (one place, Executor._answer): an exception that
     # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
     # all, waiting `handler_backoff_ms`, doubling; then the effect gets its failure answer.
@@ -505,12 +518,16 @@ class Executor:
         # EVERY batch ready when its previous transaction ended in one transaction. So a batch
         # never waits for a transaction that started before it was ready, and the loop never
         # waits for a commit (unless the backlog is over `max_backlog`).
+        if c.results_mode not in RESULTS_MODES:
+            raise ExecutorError(f"results mode {c.results_mode!r} is not one of {RESULTS_MODES}")
+        self._idempotent = c.results_mode == "idempotent"
         self._committer: Committer[_Ready] = Committer(
             self._new_producer,
             self.effects_topic,
             self._on_commit,
             name=f"commit-{c.kind}",
             offsets_first=True,
+            commit_offsets=self._commit_offsets if self._idempotent else None,
             logger=log,
         )
         self._route = _Route(
@@ -527,7 +544,13 @@ class Executor:
         return self._backoff.next_s
 
     def _new_producer(self, slot: str) -> Producer:
+        if self._idempotent:
+            return self._clients.idempotent_producer({"linger.ms": 0})
         return self._clients.producer(slot, {"linger.ms": 0})
+
+    def _commit_offsets(self, positions: list[TopicPartition]) -> None:
+        """The committer thread, results mode idempotent: once every answer is acknowledged."""
+        self._consumer.commit(offsets=positions, asynchronous=False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -856,6 +879,13 @@ def add_common_arguments(parser: Any, kind: str) -> None:
         default=ExecutorConfig.gather_ms,
         help="after a batch's first effect, wait this long for more (0: take what is there)",
     )
+    parser.add_argument(
+        "--results-mode",
+        choices=RESULTS_MODES,
+        default=ExecutorConfig.results_mode,
+        help="answer each batch in a Kafka transaction with its offsets, or produce the answers "
+        "idempotently and commit the offsets once they are acknowledged",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -886,6 +916,7 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
         workers=args.workers,
         max_batch=args.max_batch,
         gather_ms=args.gather_ms,
+        results_mode=args.results_mode,
     )
     return config, stack
 
