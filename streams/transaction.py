@@ -364,7 +364,7 @@ class Committer(Generic[U]):
     offsets of a partition only move forward. The loop thread calls every public method; the
     committer thread runs `_transact` and `on_commit`.
 
-    With ``commit_offsets`` (the consumer's synchronous commit) there are no transactions: one
+    With ``commit_offsets`` (the consumer's commit) there are no transactions: one
     idempotent producer (``new_producer``'s only slot), and each turn produces, waits for every
     acknowledgement and then commits the offsets (`_send`)."""
 
