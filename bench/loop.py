@@ -4,7 +4,9 @@ N concurrent runs (default levels 1, 16, 64) of a 10-step agent loop: each step 
 model call to the scripted model server (zero latency) that asks for one tool call to the
 example tool server (zero latency), whose result starts the next step; the 11th model call
 answers. Every component is its own process (model server, tool server, processor, model
-executor, tool executor), as in production. Figures: durable steps/s (a step counts when the
+executor, tool executor), as in production; ``--processors N --executors N`` runs N processors
+and N executors of each kind (each its own process and instance id, sharing the partitions of
+``--partitions``), reported per process (``processor-0``, ...). Figures: durable steps/s (a step counts when the
 snapshot that starts the next step is committed), per-step latency p50/p99, run latency
 p50/p99, the CPU microseconds per step of every process (the broker, Postgres, each component,
 the bench driver; ``other`` is the rest of the machine) and the peak RSS of each process.
@@ -50,7 +52,6 @@ from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
-from agentruns.streams.transaction import RESULTS_MODES
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 STEPS = 10
@@ -222,12 +223,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ExecutorConfig.gather_ms,
         help="the executors' --gather-ms",
     )
-    parser.add_argument(
-        "--results-mode",
-        choices=RESULTS_MODES,
-        default=ExecutorConfig.results_mode,
-        help="the executors' --results-mode",
-    )
     parser.add_argument("--processors", type=int, default=1, help="processor processes")
     parser.add_argument(
         "--executors", type=int, default=1, help="executor processes of each kind (model, tool)"
@@ -289,8 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     str(tool_server.DEFAULT_REGISTRY),
                     "--gather-ms",
                     str(args.gather_ms),
-                    "--results-mode",
-                    args.results_mode,
                 )
         sup.start_all()
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
@@ -326,7 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps_per_run": STEPS,
         "runs_total": sum(r["runs"] for r in results),
         "gather_ms": args.gather_ms,
-        "results_mode": args.results_mode,
         "partitions": args.partitions,
         "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,

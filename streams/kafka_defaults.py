@@ -119,13 +119,11 @@ class ProducerPair:
     ended a whole turn ago.
     """
 
-    SLOTS: tuple[str, ...] = ("a", "b")
+    SLOTS = ("a", "b")
 
-    def __init__(self, new: Callable[[str], Producer], slots: tuple[str, ...] = SLOTS) -> None:
-        self._new = new  # slot -> an initialized producer
-        # one slot: a producer without transactions, which has no markers to wait for
-        self.slots = slots
-        self._producers = [new(slot) for slot in slots]
+    def __init__(self, new: Callable[[str], Producer]) -> None:
+        self._new = new  # slot -> an initialized transactional producer
+        self._producers = [new(slot) for slot in self.SLOTS]
         self._turn = 0
 
     @property
@@ -135,7 +133,7 @@ class ProducerPair:
 
     def committed(self) -> None:
         """The current producer's transaction committed: the next one uses the other."""
-        self._turn = (self._turn + 1) % len(self._producers)
+        self._turn = 1 - self._turn
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Release both producers (see :func:`release`); the pair is unusable afterwards."""
@@ -144,4 +142,4 @@ class ProducerPair:
 
     def replace_current(self) -> None:
         """After a fatal error (fenced): a new producer for the current slot."""
-        self._producers[self._turn] = self._new(self.slots[self._turn])
+        self._producers[self._turn] = self._new(self.SLOTS[self._turn])

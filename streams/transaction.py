@@ -13,10 +13,7 @@ holds the rest:
   abortable (the transaction is aborted and retried);
 - the back-off between retries (`Backoff`): it doubles with each failure in a row;
 - the committer thread (`Committer`): group commit, one transaction at a time, and what is done
-  with a transaction that failed; or, for a loop whose consumer tolerates a repeated answer (the
-  executors with ``--results-mode idempotent``), one idempotent send at a time: the records
-  produced without a transaction, acknowledged, and only then the consumed offsets committed by
-  the consumer (at least once: a crash between the two sends the records again);
+  with a transaction that failed;
 - rewinding the consumer (`committed_offsets`, `seek`).
 
 The loop thread hands what it has done to the committer as units (`Outgoing`: records, the
@@ -75,10 +72,6 @@ Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 
 #: The bound of every blocking transactional call (seconds).
 TIMEOUT_S = 30.0
-
-#: How a loop answers what it consumed (`Committer`): in a transaction with the consumed
-#: offsets, or with an idempotent producer and the offsets committed after the acknowledgement.
-RESULTS_MODES = ("transactional", "idempotent")
 
 
 # --------------------------------------------------------------------------- clients
@@ -170,21 +163,6 @@ class Clients:
             "log_level": 3,
             **self.extra_producer,
         }
-
-    def idempotent_producer(self, settings: Mapping[str, Any]) -> Producer:
-        """A producer without transactions: idempotent (acks=all, no duplicate or reordering
-        by its own retries), the shared settings, then ``settings`` and ``extra_producer``."""
-        return Producer(
-            {
-                "bootstrap.servers": self.bootstrap,
-                **KAFKA_LOGS,
-                **TRANSACTIONAL_PRODUCER,
-                "acks": "all",
-                **settings,
-                "log_level": 3,
-                **self.extra_producer,
-            }
-        )
 
     def producer(self, slot: str, settings: Mapping[str, Any]) -> Producer:
         """`producer_config`'s producer, its transactions initialized."""
@@ -362,11 +340,7 @@ class Committer(Generic[U]):
     previous one ran, so a unit never waits for a transaction that began before it was ready
     and the loop does not wait for the broker. Transactions never overlap, so the committed
     offsets of a partition only move forward. The loop thread calls every public method; the
-    committer thread runs `_transact` and `on_commit`.
-
-    With ``commit_offsets`` (the consumer's commit) there are no transactions: one
-    idempotent producer (``new_producer``'s only slot), and each turn produces, waits for every
-    acknowledgement and then commits the offsets (`_send`)."""
+    committer thread runs `_transact` and `on_commit`."""
 
     def __init__(
         self,
@@ -376,13 +350,10 @@ class Committer(Generic[U]):
         *,
         name: str = "commit",
         offsets_first: bool = False,
-        commit_offsets: Callable[[list[TopicPartition]], None] | None = None,
         logger: logging.Logger = log,
     ) -> None:
         self.topic = topic  # the consumed topic, whose offsets the transactions commit
-        self._commit_offsets = commit_offsets
-        slots = ProducerPair.SLOTS if commit_offsets is None else ProducerPair.SLOTS[:1]
-        self._producers = ProducerPair(new_producer, slots)
+        self._producers = ProducerPair(new_producer)
         self._on_commit = on_commit
         self._offsets_first = offsets_first
         self._log = logger
@@ -530,9 +501,6 @@ class Committer(Generic[U]):
                 offsets[p] = max(o, offsets.get(p, o))
         positions = [TopicPartition(self.topic, p, o) for p, o in offsets.items()]
         metadata = units[-1].metadata
-        if self._commit_offsets is not None:
-            self._send(units, positions, self._commit_offsets)
-            return
         producer = self._producers.current
         produce = producer.produce
         began = time.monotonic()
@@ -560,48 +528,8 @@ class Committer(Generic[U]):
         ended = time.monotonic()
         self._on_commit(units, Timings(began, sent, produced, durable, flushed, ended))
 
-    def _send(
-        self,
-        units: list[U],
-        positions: list[TopicPartition],
-        commit_offsets: Callable[[list[TopicPartition]], None],
-    ) -> None:
-        """Without a transaction: every unit's records produced (each record's delivery report
-        checked), every unit's `durable()`, `flush`, and only once every record is acknowledged
-        the offsets (``commit_offsets``). A failure anywhere leaves the offsets where they were:
-        the loop rewinds and answers again, and some of the records may then be written twice
-        (the consumer of the answers drops the repeats)."""
-        producer = self._producers.current
-        errors: list[KafkaError] = []
-
-        def delivered(error: KafkaError | None, message: Any) -> None:
-            if error is not None:
-                errors.append(error)
-
-        began = time.monotonic()
-        for unit in units:
-            for topic, key, value, partition, headers in unit.records():
-                kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
-                if partition is not None:
-                    kwargs["partition"] = partition
-                producer.produce(topic, on_delivery=delivered, **kwargs)
-        produced = time.monotonic()
-        for unit in units:
-            unit.durable()
-        durable = time.monotonic()
-        left = producer.flush(TIMEOUT_S)
-        if errors:
-            raise KafkaException(errors[0])
-        if left:
-            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, f"{left} unacknowledged"))
-        flushed = time.monotonic()
-        commit_offsets(positions)
-        ended = time.monotonic()
-        self._on_commit(units, Timings(began, began, produced, durable, flushed, ended))
-
 
 __all__ = [
-    "RESULTS_MODES",
     "Backoff",
     "ClientConfig",
     "Clients",

@@ -71,15 +71,7 @@ from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
-from agentruns.streams.transaction import (
-    RESULTS_MODES,
-    Backoff,
-    Clients,
-    Committer,
-    Record,
-    Timings,
-    seek,
-)
+from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings, seek
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
 log = logging.getLogger("agentruns.executor")
@@ -345,11 +337,6 @@ class ExecutorConfig:
     # call, p99 added latency 53-72 ms against 55-373 (docs/design.md, "Fetching"). Unlike a
     # fetch window (fetch.min.bytes) it costs an idle executor no extra fetches.
     gather_ms: int = 10
-    # "transactional": each commit is a Kafka transaction with the consumed offsets;
-    # "idempotent": the answers are produced without a transaction and the offsets committed
-    # once they are acknowledged (`Committer`), so a crash between the two re-sends answers
-    # that the processor then drops as duplicates.
-    results_mode: str = "transactional"
     # The guard around each effect's handler (one place, Executor._answer): an exception that
     # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
     # all, waiting `handler_backoff_ms`, doubling; then the effect gets its failure answer.
@@ -389,7 +376,6 @@ class ExecutorStats:
     replayed: int = 0
     dead_letters: int = 0
     aborts: int = 0
-    offset_commit_errors: int = 0  # results mode idempotent: commits the group refused
     batch_retries: int = 0  # batches re-read after a failure (database down)
     handler_errors: int = 0  # exceptions out of a handler, caught by the guard
     gave_up: int = 0  # effects answered with their failure by the guard
@@ -417,7 +403,6 @@ class ExecutorStats:
             "replayed": self.replayed,
             "dead_letters": self.dead_letters,
             "aborts": self.aborts,
-            "offset_commit_errors": self.offset_commit_errors,
             "batch_retries": self.batch_retries,
             "handler_errors": self.handler_errors,
             "gave_up": self.gave_up,
@@ -515,13 +500,7 @@ class Executor:
         self._name = self._clients.member
         self._records = ActionRecords(c.database_url, self._name)
         self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
-        if c.results_mode not in RESULTS_MODES:
-            raise ExecutorError(f"results mode {c.results_mode!r} is not one of {RESULTS_MODES}")
-        self._idempotent = c.results_mode == "idempotent"
-        settings: dict[str, Any] = {"max.poll.interval.ms": c.max_poll_interval_ms}
-        if self._idempotent:
-            settings["on_commit"] = self._offsets_committed
-        self._consumer = self._clients.consumer(settings)
+        self._consumer = self._clients.consumer({"max.poll.interval.ms": c.max_poll_interval_ms})
         # Group commit: the loop hands executed batches to one committer thread, which commits
         # EVERY batch ready when its previous transaction ended in one transaction. So a batch
         # never waits for a transaction that started before it was ready, and the loop never
@@ -532,7 +511,6 @@ class Executor:
             self._on_commit,
             name=f"commit-{c.kind}",
             offsets_first=True,
-            commit_offsets=self._commit_offsets if self._idempotent else None,
             logger=log,
         )
         self._route = _Route(
@@ -542,8 +520,6 @@ class Executor:
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()  # counters the pool threads update
         self._backoff = Backoff(c.retry_backoff_s, c.retry_backoff_max_s)
-        self._acked_lock = threading.Lock()
-        self._acked: dict[int, int] = {}  # results mode idempotent: offsets to commit
 
     @property
     def retry_backoff_s(self) -> float:
@@ -551,39 +527,7 @@ class Executor:
         return self._backoff.next_s
 
     def _new_producer(self, slot: str) -> Producer:
-        if self._idempotent:
-            return self._clients.idempotent_producer({"linger.ms": 0})
         return self._clients.producer(slot, {"linger.ms": 0})
-
-    def _commit_offsets(self, positions: list[TopicPartition]) -> None:
-        """The committer thread, results mode idempotent, once every answer is acknowledged:
-        hand the offsets to the loop thread, which commits them (`_commit_acknowledged`). The
-        consumer's commit called from this thread while the loop thread polls never returned
-        (synchronous or not)."""
-        with self._acked_lock:
-            for tp in positions:
-                self._acked[tp.partition] = max(tp.offset, self._acked.get(tp.partition, 0))
-
-    def _commit_acknowledged(self, *, wait: bool = False) -> None:
-        """The loop thread: commit the offsets whose answers are acknowledged, asynchronously.
-        A commit that fails (a rebalance) leaves the offsets behind: the next commit, or whoever
-        reads the partition next, covers them, and what is read again is answered from its
-        record."""
-        with self._acked_lock:
-            acked, self._acked = self._acked, {}
-        if acked:
-            topic = self.effects_topic
-            positions = [TopicPartition(topic, p, o) for p, o in acked.items()]
-            if wait:
-                self._consumer.commit(offsets=positions, asynchronous=False)
-            else:
-                self._consumer.commit(offsets=positions, asynchronous=True)
-
-    def _offsets_committed(self, error: Any, partitions: list[TopicPartition]) -> None:
-        """The loop thread (its polls serve the commits' results)."""
-        if error is not None:
-            self.stats.offset_commit_errors += 1
-            log.warning("offsets not committed (they are read again): %s", error)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -595,7 +539,6 @@ class Executor:
         try:
             while not stop.is_set():
                 self._recover_if_failed()
-                self._commit_acknowledged()
                 batch = poll_batch(
                     self._consumer, c.max_batch, c.poll_timeout_s, gather=c.gather_ms / 1000
                 )
@@ -612,8 +555,6 @@ class Executor:
         with contextlib.suppress(Exception):
             self._drain()
         self._committer.stop()
-        with contextlib.suppress(RuntimeError, KafkaException):
-            self._commit_acknowledged(wait=True)  # nothing polls any more: the last ones
         log.info("executor stats %s", json.dumps(self.stats.summary()))
         with contextlib.suppress(RuntimeError, KafkaException):
             self._consumer.close()
@@ -692,7 +633,6 @@ class Executor:
         began = time.monotonic()
         self._committer.wait()
         self.stats.wait_s += time.monotonic() - began
-        self._commit_acknowledged()
         return not self._recover_if_failed(also_rewind)
 
     def _recover_if_failed(self, also_rewind: dict[int, int] | None = None) -> bool:
@@ -916,13 +856,6 @@ def add_common_arguments(parser: Any, kind: str) -> None:
         default=ExecutorConfig.gather_ms,
         help="after a batch's first effect, wait this long for more (0: take what is there)",
     )
-    parser.add_argument(
-        "--results-mode",
-        choices=RESULTS_MODES,
-        default=ExecutorConfig.results_mode,
-        help="answer each batch in a Kafka transaction with its offsets, or produce the answers "
-        "idempotently and commit the offsets once they are acknowledged",
-    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -953,7 +886,6 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
         workers=args.workers,
         max_batch=args.max_batch,
         gather_ms=args.gather_ms,
-        results_mode=args.results_mode,
     )
     return config, stack
 

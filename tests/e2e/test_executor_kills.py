@@ -22,11 +22,9 @@ from agentruns.connectors.testing.model_server import Scenario
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
-from agentruns.streams.topics import RESULTS, topic_name
-from agentruns.streams.transaction import RESULTS_MODES
 
 from tests.support.executors import fast_registry
-from tests.support.pipeline import Inbox, Pipeline, read_all
+from tests.support.pipeline import Inbox, Pipeline
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,16 +52,13 @@ KILLS = (("tool", 12), ("model", 45), ("tool", 60), ("model", 110))
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("results_mode", RESULTS_MODES)
 def test_e2e_kill_9_of_each_executor_during_runs(
-    kafka_bootstrap: str, database_url: str, tmp_path: Any, results_mode: str
+    kafka_bootstrap: str, database_url: str, tmp_path: Any
 ) -> None:
     """Executors as processes, each killed with SIGKILL twice at random points while 50 runs
     (two side-effecting tool calls each) are under way, and restarted: every run ends
     SUCCEEDED, and at the tool server every executed operation key was executed once and
-    requested once (a started key is looked up, never called blindly again), and each run has
-    one terminal result: in either results mode (an idempotent executor killed after its send
-    and before its offsets sends some answers twice, and the processor drops the repeats)."""
+    requested once (a started key is looked up, never called blindly again)."""
     prefix = f"t-e2e-kill-{os.getpid()}-{int(time.time() * 1000) % 100000}"
     ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
     models = model_server.serve("127.0.0.1", 0)
@@ -75,8 +70,7 @@ def test_e2e_kill_9_of_each_executor_during_runs(
     for tool in spec["tools"]:
         tool["timeout_ms"] = 5000  # no timeouts here: a timed-out call may be resent (same key)
     registry.write_text(json.dumps(spec))
-    common = ["--bootstrap", kafka_bootstrap, "--database-url", database_url, "--prefix", prefix,
-              "--results-mode", results_mode]  # fmt: skip
+    common = ["--bootstrap", kafka_bootstrap, "--database-url", database_url, "--prefix", prefix]
     commands = {
         "model": [sys.executable, "-m", "agentruns.connectors.executors.model", *common,
                   "--base-url", models.url + "/v1", "--registry", str(registry)],
@@ -129,12 +123,6 @@ def test_e2e_kill_9_of_each_executor_during_runs(
         executed = stats["executions"]
         assert len(executed) == 2 * KILL_RUNS, len(executed)  # a ticket and an email per run
         assert set(executed.values()) == {1}, executed
-        ended = [
-            r.value["run_id"]
-            for r in read_all(kafka_bootstrap, topic_name(RESULTS, prefix), "Result")
-            if r.value["run_id"] in results
-        ]
-        assert sorted(ended) == sorted(runs)  # one terminal result per run
         # never a blind second request for an operation that ran: a started key is looked up
         assert all(stats["calls"][k] == 1 for k in executed), (stats["calls"], executed)
     finally:

@@ -39,7 +39,6 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.state import ErrorClass
-from agentruns.streams.transaction import RESULTS_MODES
 
 from tests.support.executors import (
     TICKET,
@@ -465,9 +464,8 @@ def test_callback_url_is_per_operation_and_signed_like_the_api() -> None:
         handler.close()
 
 
-@pytest.mark.parametrize("results_mode", RESULTS_MODES)
 def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
-    env: ToolEnv, request: pytest.FixtureRequest, results_mode: str
+    env: ToolEnv, request: pytest.FixtureRequest
 ) -> None:
     ids = ids_for(request)
     calls = [ids.call("create_ticket", {"title": f"ticket {i}"}) for i in range(400)]
@@ -479,7 +477,6 @@ def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
         "--bootstrap", env.harness.bootstrap, "--database-url", env.harness.database_url,
         "--prefix", env.harness.prefix, "--instance", "k9",
         "--registry", str(env.registry), "--workers", "16", "--max-batch", "50",
-        "--results-mode", results_mode,
     ]  # fmt: skip
     env.harness.stop_executor()  # the subprocesses take over the executor group
     try:

@@ -184,10 +184,6 @@ class _Producer:
     fail: dict[str, Exception] = field(default_factory=dict)
     hold: threading.Event | None = None
     entered: threading.Event = field(default_factory=threading.Event)
-    # without transactions: what each delivery report says, and the records flush leaves
-    delivery_error: KafkaError | None = None
-    unacknowledged: int = 0
-    reports: list[Any] = field(default_factory=list)
 
     def _step(self, *call: Any) -> None:
         self.calls.append((*call, self.slot, self.number))
@@ -200,8 +196,6 @@ class _Producer:
 
     def produce(self, topic: str, **kwargs: Any) -> None:
         self._step("produce", topic, kwargs["key"], kwargs.get("partition"))
-        if "on_delivery" in kwargs:
-            self.reports.append(kwargs["on_delivery"])
 
     def send_offsets_to_transaction(
         self, offsets: list[TopicPartition], metadata: Any, timeout: float
@@ -210,10 +204,7 @@ class _Producer:
 
     def flush(self, timeout: float) -> int:
         self._step("flush")
-        reports, self.reports = self.reports, []
-        for report in reports:
-            report(self.delivery_error, None)
-        return self.unacknowledged
+        return 0
 
     def commit_transaction(self, timeout: float) -> None:
         self.entered.set()
@@ -256,7 +247,7 @@ class _Unit:
 class _Rig:
     """A committer on recording producers; `committed` holds what `on_commit` was given."""
 
-    def __init__(self, offsets_first: bool = False, idempotent: bool = False) -> None:
+    def __init__(self, offsets_first: bool = False) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.made: list[_Producer] = []
         self.committed: list[tuple[list[str], Timings]] = []
@@ -266,13 +257,7 @@ class _Rig:
             self._on_commit,
             name="test-commit",
             offsets_first=offsets_first,
-            commit_offsets=self._commit_offsets if idempotent else None,
         )
-
-    def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
-        """The consumer's commit, recorded like a producer step (slot and number blank)."""
-        positions = [(t.topic, t.partition, t.offset) for t in offsets]
-        self.calls.append(("consumer commit", positions, "-", -1))
 
     def _new(self, slot: str) -> _Producer:
         producer = _Producer(slot, len(self.made), self.calls)
@@ -357,58 +342,6 @@ def test_with_offsets_first_the_offsets_go_before_the_records() -> None:
         assert t.began <= t.sent <= t.produced <= t.durable <= t.flushed <= t.ended
     finally:
         rig.close()
-
-
-@pytest.fixture
-def idempotent() -> Iterator[_Rig]:
-    made = _Rig(offsets_first=True, idempotent=True)
-    yield made
-    made.close()
-
-
-def test_without_transactions_the_offsets_are_committed_once_every_record_is_acknowledged(
-    idempotent: _Rig,
-) -> None:
-    rig = idempotent
-    rig.commit(rig.unit("u", {0: 11, 2: 5}))
-    rig.commit(rig.unit("v", {0: 12}))
-    assert rig.steps()[:6] == [
-        ("records", "u"),
-        ("produce", "out", b"u-1", 0),
-        ("produce", "dlq", b"u-2", None),
-        ("durable", "u"),
-        ("flush",),
-        ("consumer commit", [("in", 0, 11), ("in", 2, 5)]),
-    ]
-    assert [(p.slot, p.number) for p in rig.made] == [("a", 0)]  # one producer, no turns
-    assert rig.slots("produce") == [("a", 0)] * 4
-    assert not [s for s in rig.steps() if s[0] in ("begin", "offsets", "commit", "abort")]
-    assert [names for names, _ in rig.committed] == [["u"], ["v"]]
-    ((_, t), _) = rig.committed
-    assert t.began <= t.produced <= t.durable <= t.flushed <= t.ended
-
-
-@pytest.mark.parametrize(
-    ("error", "unacknowledged"),
-    [(KafkaError(KafkaError.NOT_ENOUGH_REPLICAS, "refused"), 0), (None, 1)],
-    ids=["a delivery report with an error", "a record left unacknowledged"],
-)
-def test_without_transactions_a_record_not_acknowledged_leaves_the_offsets_uncommitted(
-    idempotent: _Rig, error: KafkaError | None, unacknowledged: int
-) -> None:
-    rig = idempotent
-    rig.made[0].delivery_error = error
-    rig.made[0].unacknowledged = unacknowledged
-    unit = rig.unit("a", {0: 1})
-    failure = rig.failed(unit)
-    assert failure.units == [unit]
-    assert not [s for s in rig.steps() if s[0] == "consumer commit"]
-    assert rig.committed == []
-    rig.committer.recover(failure.error)
-    assert rig.slots("abort") == []  # nothing to abort: the loop rewinds and sends again
-    rig.made[0].delivery_error, rig.made[0].unacknowledged = None, 0
-    rig.commit(rig.unit("again", {0: 1}))
-    assert rig.steps()[-1] == ("consumer commit", [("in", 0, 1)])
 
 
 def test_what_is_handed_over_during_a_transaction_commits_together_in_the_next(
