@@ -6,10 +6,11 @@ example tool server (zero latency), whose result starts the next step; the 11th 
 answers. Every component is its own process (model server, tool server, processor, model
 executor, tool executor), as in production; ``--processors N --executors N`` runs N processors
 and N executors of each kind (each its own process and instance id, sharing the partitions of
-``--partitions``), reported per process (``processor-0``, ...). Figures: durable steps/s (a step counts when the
-snapshot that starts the next step is committed), per-step latency p50/p99, run latency
-p50/p99, the CPU microseconds per step of every process (the broker, Postgres, each component,
-the bench driver; ``other`` is the rest of the machine) and the peak RSS of each process.
+``--partitions``), reported per process (``processor-0``, ...). Figures: durable steps/s (a
+step counts when the snapshot that starts the next step is committed), per-step latency
+p50/p99, run latency p50/p99, the CPU microseconds per step of every process (the broker,
+Postgres, each component, the bench driver; ``other`` is the rest of the machine) and the peak
+RSS of each process.
 
 First, on the same broker, the Kafka floor at the same concurrencies (`agentruns.bench.floor`:
 two bare transactional consume -> produce loops, four of whose hops make a step); each level
