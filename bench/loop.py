@@ -4,10 +4,13 @@ N concurrent runs (default levels 1, 16, 64) of a 10-step agent loop: each step 
 model call to the scripted model server (zero latency) that asks for one tool call to the
 example tool server (zero latency), whose result starts the next step; the 11th model call
 answers. Every component is its own process (model server, tool server, processor, model
-executor, tool executor), as in production. Figures: durable steps/s (a step counts when the
-snapshot that starts the next step is committed), per-step latency p50/p99, run latency
-p50/p99, the CPU microseconds per step of every process (the broker, Postgres, each component,
-the bench driver; ``other`` is the rest of the machine) and the peak RSS of each process.
+executor, tool executor), as in production; ``--processors N --executors N`` runs N processors
+and N executors of each kind (each its own process and instance id, sharing the partitions of
+``--partitions``), reported per process (``processor-0``, ...). Figures: durable steps/s (a
+step counts when the snapshot that starts the next step is committed), per-step latency
+p50/p99, run latency p50/p99, the CPU microseconds per step of every process (the broker,
+Postgres, each component, the bench driver; ``other`` is the rest of the machine) and the peak
+RSS of each process.
 
 First, on the same broker, the Kafka floor at the same concurrencies (`agentruns.bench.floor`:
 two bare transactional consume -> produce loops, four of whose hops make a step); each level
@@ -53,6 +56,11 @@ from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 STEPS = 10
+
+
+def _numbered(name: str, i: int, count: int) -> str:
+    """A component's name: ``name`` alone when it runs once, else ``name-<i>``."""
+    return name if count == 1 else f"{name}-{i}"
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -216,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ExecutorConfig.gather_ms,
         help="the executors' --gather-ms",
     )
+    parser.add_argument("--processors", type=int, default=1, help="processor processes")
+    parser.add_argument(
+        "--executors", type=int, default=1, help="executor processes of each kind (model, tool)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
     parser.add_argument("--floor-hops", type=int, default=40, help="hops per token of the floor")
     parser.add_argument("--out", default="bench/results/loop.json")
@@ -249,31 +261,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model-server", "agentruns.connectors.testing.model_server", "--port", str(model_port)
         )
         sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
-        sup.add(
-            "processor", "agentruns.connectors.runtime.processor", *common, "--log-level", "WARNING"
-        )
-        sup.add(
-            "model-executor",
-            "agentruns.connectors.executors.model",
-            *common,
-            "--base-url",
-            f"http://127.0.0.1:{model_port}",
-            "--registry",
-            str(tool_server.DEFAULT_REGISTRY),
-            "--gather-ms",
-            str(args.gather_ms),
-        )
-        sup.add(
-            "tool-executor",
-            "agentruns.connectors.executors.tool",
-            *common,
-            "--base-url",
-            f"http://127.0.0.1:{tool_port}",
-            "--registry",
-            str(tool_server.DEFAULT_REGISTRY),
-            "--gather-ms",
-            str(args.gather_ms),
-        )
+        for i in range(args.processors):
+            sup.add(
+                _numbered("processor", i, args.processors),
+                "agentruns.connectors.runtime.processor",
+                *common,
+                "--instance-id",
+                str(i),
+                "--log-level",
+                "WARNING",
+            )
+        for kind, port in (("model", model_port), ("tool", tool_port)):
+            for i in range(args.executors):
+                sup.add(
+                    _numbered(f"{kind}-executor", i, args.executors),
+                    f"agentruns.connectors.executors.{kind}",
+                    *common,
+                    "--instance",
+                    str(i),
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--registry",
+                    str(tool_server.DEFAULT_REGISTRY),
+                    "--gather-ms",
+                    str(args.gather_ms),
+                )
         sup.start_all()
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
         results = []
@@ -308,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps_per_run": STEPS,
         "runs_total": sum(r["runs"] for r in results),
         "gather_ms": args.gather_ms,
+        "partitions": args.partitions,
+        "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,
         "peak_rss_mib": rss,
         "floor": floor,

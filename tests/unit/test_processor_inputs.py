@@ -7,10 +7,14 @@ import hashlib
 import json
 from typing import Any
 
+from agentruns.connectors.executors.base import event_identity, result_input_id
+from agentruns.processors.effects import Effect
 from agentruns.processors.events import (
     CancelRequested,
     Event,
     GoalChanged,
+    ModelCallCompleted,
+    ModelOutcome,
     RunSubmitted,
     TimerFired,
 )
@@ -29,9 +33,10 @@ from agentruns.streams.inputs import (
     record_size,
 )
 from agentruns.streams.metrics import ProcessorStats
-from agentruns.streams.records import input_record
+from agentruns.streams.records import input_record, parse_effect_body
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 LIMIT = 32 << 10
 AT = 1_700_000_000_000
@@ -370,3 +375,56 @@ def test_a_run_keeps_the_marks_of_the_producers_it_heard_from_last() -> None:
     marks = path.slots[0]["many"].producer_marks
     assert len(marks) == MAX_PRODUCER_MARKS
     assert "api" not in marks and f"p{MAX_PRODUCER_MARKS + 4}" in marks
+
+
+# ------------------------------------------------------------------ repeated answers
+
+
+def _model_effects(batch: Batch, since: int = 0) -> list[Effect]:
+    return [
+        parse_effect_body(decode(r[2], "Effect").record["body"])
+        for r in batch.records[since:]
+        if r[0] == TOPICS.effects["model"]
+    ]
+
+
+def _answer(effect: Effect, input_id: str | None = None) -> Inbound:
+    """The executor's answer to ``effect``: what it sends, and re-sends from its record."""
+    event = ModelCallCompleted(
+        **event_identity(effect, at=AT + 1),
+        step=effect.step,
+        attempt=effect.attempt,
+        outcome=ModelOutcome.INCOMPLETE,  # the core calls the model again: a second attempt
+    )
+    record = input_record(event, input_id=input_id or result_input_id(effect))
+    return inbound(encode("Input", record), key=effect.run_id.encode())
+
+
+def test_a_repeated_answer_to_an_effect_changes_nothing_however_it_comes_back() -> None:
+    """An executor may send an answer again (a crash after the send and before its offsets
+    were committed, or its producer's retry after a new start): byte-identical, same input id.
+    The run applies it once; a repeat is dropped by its input id, and the answer to an older
+    attempt of the effect by its step and attempt, with no new effect either way."""
+    path, batch = new_path(), Batch()
+    path.handle(of_event(submit("r")), batch)
+    (first,) = _model_effects(batch)
+    answer = _answer(first)
+    mark = len(batch.records)
+    path.handle(answer, batch)
+    (second,) = _model_effects(batch, mark)
+    assert (second.step, second.attempt) == (first.step, first.attempt + 1)
+    slot = path.slots[0]["r"]
+    state, seq = slot.state, slot.last_seq
+    repeats = [
+        answer,  # the same record again
+        _answer(first, input_id="another id"),  # the same answer event under another input id
+        _answer(replace(first, idempotency_key="k2")),  # another answer to the older attempt
+    ]
+    for repeat in repeats:
+        mark = len(batch.records)
+        path.handle(repeat, batch)
+        assert _model_effects(batch, mark) == []
+        assert slot.state == state
+    events = [e for e in records_to(batch, TOPICS.events) if e["seq"] > seq]
+    assert [e["disposition"] for e in events] == ["DUPLICATE", "LATE"]
+    assert path.stats.duplicates == 2
