@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 try:
     import faust
     from faust.serializers import codecs
-except ImportError as exc:  # the extra is optional; agentruns itself never imports this module
+except ImportError:  # the extra is optional; agentruns itself never imports this module
     raise ImportError(
         "agentruns.connectors.faust needs faust-streaming: pip install 'agentruns[faust]'"
-    ) from exc
+    ) from None
 
 from agentruns.connectors.api.client import Submission, task_input
 from agentruns.connectors.api.inputs import MAX_RECORD_BYTES, encoded_input
