@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "agentruns needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	# The tests run the Faust extra against the broker; the docker extra is what the stack uses
+	# when a Docker engine answers (the suite's broker then comes from a container).
+	$(PY) -m pip install -q -e '.[dev,faust,docker]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

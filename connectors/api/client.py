@@ -74,6 +74,7 @@ __all__ = [
     "main_reply",
     "main_results",
     "main_submit",
+    "task_input",
 ]
 
 
@@ -102,6 +103,29 @@ class Submission:
 
 
 # --------------------------------------------------------------------------- upstream
+
+
+def task_input(
+    task: Mapping[str, Any],
+    *,
+    idempotency_key: str,
+    producer_id: str,
+    at: int | None = None,
+    trace_id: str | None = None,
+) -> tuple[Submission, dict[str, Any]]:
+    """The inbox record of a task (input 1 of `producer_id` for its run) and what names it;
+    InvalidInputError for a task the core would refuse. Every producer of tasks builds its
+    record here (RunsProducer, agentruns.connectors.faust)."""
+    run_id = run_id_for_key(idempotency_key)
+    event = submitted_task(
+        {k: v for k, v in task.items() if k != "trace_id"},
+        run_id=run_id,
+        event_id=submit_event_id(run_id),
+        at=now_ms() if at is None else at,
+        trace_id=trace_id or task.get("trace_id") or trace_id_for(run_id),
+    )
+    record = input_record(event, input_id=event.event_id, producer_id=producer_id, producer_seq=1)
+    return Submission(run_id, event.trace_id, event.event_id), record
 
 
 class RunsProducer:
@@ -149,19 +173,15 @@ class RunsProducer:
 
         Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
         record is over `max_record_bytes`."""
-        run_id = run_id_for_key(idempotency_key)
-        event = submitted_task(
-            {k: v for k, v in task.items() if k != "trace_id"},
-            run_id=run_id,
-            event_id=submit_event_id(run_id),
-            at=now_ms() if at is None else at,
-            trace_id=trace_id or task.get("trace_id") or trace_id_for(run_id),
-        )
-        record = input_record(
-            event, input_id=event.event_id, producer_id=self.producer_id, producer_seq=1
+        submission, record = task_input(
+            task,
+            idempotency_key=idempotency_key,
+            producer_id=self.producer_id,
+            at=at,
+            trace_id=trace_id,
         )
         self._send(record)
-        return Submission(run_id, event.trace_id, event.event_id)
+        return submission
 
     def cancel(
         self,

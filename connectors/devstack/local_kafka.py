@@ -118,19 +118,13 @@ class KafkaNode:
         return self.directory / "server.out"
 
 
-def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
-    """The broker+controller config of one node; internal topics sized for a local cluster."""
+def broker_settings(replicas: int) -> dict[str, str]:
+    """The settings of every agentruns development broker, whatever runs it: the local nodes
+    here, the containers of `agentruns.connectors.devstack.services` and
+    docker-compose.kafka.yml (unit tests compare them). Internal topics are sized for a local
+    cluster of `replicas` brokers; listeners and storage are each launcher's own."""
     min_isr = 1 if replicas == 1 else 2
-    lines = {
-        "process.roles": "broker,controller",
-        "node.id": str(node.node_id),
-        "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
-        "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "log.dirs": str(node.directory / "data"),
+    return {
         "num.partitions": "1",
         "default.replication.factor": str(replicas),
         "min.insync.replicas": str(min_isr),
@@ -160,7 +154,29 @@ def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
             "AGENTRUNS_KAFKA_TXN_VERIFICATION", "false"
         ),
     }
+
+
+def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
+    """The broker+controller config of one node."""
+    lines = {
+        "process.roles": "broker,controller",
+        "node.id": str(node.node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(node.directory / "data"),
+        **broker_settings(replicas),
+    }
     return "".join(f"{k}={v}\n" for k, v in lines.items())
+
+
+def container_env(settings: dict[str, str]) -> dict[str, str]:
+    """Broker settings as the environment of Kafka's Docker images (Apache's and Confluent's):
+    `KAFKA_` + the name upper-cased, dots as underscores."""
+    return {"KAFKA_" + name.upper().replace(".", "_"): value for name, value in settings.items()}
 
 
 class LocalKafka:

@@ -2,7 +2,8 @@
 
 1. `KAFKA_BOOTSTRAP_SERVERS` / `DATABASE_URL` when set (checked: an unreachable one is an error,
    never a silent fallback);
-2. testcontainers, when a Docker daemon answers a ping;
+2. testcontainers (the `docker` extra), when a Docker daemon answers a ping; without the extra
+   that is an error naming it (AGENTRUNS_NO_DOCKER=1 skips Docker);
 3. the local processes of `agentruns.connectors.devstack.local_kafka` /
 `agentruns.connectors.devstack.local_postgres`: the running
    `agentruns dev up` stack if there is one, otherwise a new one.
@@ -30,10 +31,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from agentruns.connectors.devstack.local_kafka import LocalKafka
+from agentruns.connectors.devstack.local_kafka import LocalKafka, broker_settings, container_env
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.errors import NotConfiguredError, ServiceUnreachableError
+from agentruns.connectors.errors import (
+    MissingToolError,
+    NotConfiguredError,
+    ServiceUnreachableError,
+)
 from agentruns.streams.kafka_defaults import KAFKA_LOGS
 
 log = logging.getLogger("agentruns.services")
@@ -278,6 +283,47 @@ def _patiently(attempt: Callable[[], None], patience_s: float) -> None:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
+ENV, CONTAINER, LOCAL = "env", "container", "local"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each service comes from: ENV (configured), CONTAINER or LOCAL."""
+
+    kafka: str
+    postgres: str
+
+
+def plan_sources(kafka: str | None, database: str | None, *, docker: Callable[[], bool]) -> Plan:
+    """The resolution order of the module's docstring: a configured service is used, a missing
+    one comes from a container when `docker()` says an engine answers (asked only then), else
+    from the local processes."""
+    missing = LOCAL
+    if (kafka is None or database is None) and docker():
+        missing = CONTAINER
+    return Plan(
+        kafka=ENV if kafka is not None else missing,
+        postgres=ENV if database is not None else missing,
+    )
+
+
+def require_testcontainers() -> None:
+    """Raise MissingToolError, in one line, unless the `docker` extra is installed."""
+    try:
+        import testcontainers  # noqa: F401
+    except ImportError as exc:
+        raise MissingToolError(
+            "a Docker engine answers but testcontainers is not installed",
+            hint="pip install 'agentruns[docker]', or set AGENTRUNS_NO_DOCKER=1 to run Kafka"
+            " and Postgres as local processes",
+        ) from exc
+
+
+def kafka_container_env() -> dict[str, str]:
+    """The environment of the Kafka container: the local broker's settings (one node)."""
+    return container_env(broker_settings(1))
+
+
 @dataclass
 class Endpoints:
     kafka_bootstrap: str
@@ -321,18 +367,20 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         self.close()
 
     def start(self) -> Endpoints:
-        kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-        database = os.environ.get("DATABASE_URL")
+        kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
+        database = os.environ.get("DATABASE_URL") or None
         ksrc, psrc = "env", "env"
         if kafka:
             check_kafka(kafka, patience_s=self.patience_s)
         if database:
             check_postgres(database, patience_s=self.patience_s)
-        if (kafka is None or database is None) and docker_available():
-            if kafka is None:
-                kafka, ksrc = self._kafka_container(), "testcontainers"
-            if database is None:
-                database, psrc = self._postgres_container(), "testcontainers"
+        plan = plan_sources(kafka, database, docker=docker_available)
+        if CONTAINER in (plan.kafka, plan.postgres):
+            require_testcontainers()
+        if plan.kafka == CONTAINER:
+            kafka, ksrc = self._kafka_container(), "testcontainers"
+        if plan.postgres == CONTAINER:
+            database, psrc = self._postgres_container(), "testcontainers"
         if kafka is None or database is None:
             running = None if self.ephemeral else running_dev_stack()
             # A running `dev up` stack is used as is: its services are not ours to stop.
@@ -373,8 +421,8 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         from testcontainers.community.kafka import KafkaContainer
 
         container = KafkaContainer(KAFKA_IMAGE).with_kraft()
-        container.with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
-        container.with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+        for name, value in kafka_container_env().items():
+            container.with_env(name, value)
         container.start()
         self._started.append(container)
         return str(container.get_bootstrap_server())
