@@ -36,9 +36,18 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
     """A command's exit code: what `main` returns, 2 after an error the user can act on (one
     line on stderr), 130 after Ctrl-C. A module run with `python -m` calls its own `main` through
     this, never the CLI's dispatcher, which would import the module a second time (and
-    register its metrics twice)."""
+    register its metrics twice).
+
+    Every command takes the global ``--kafka-config FILE`` (anywhere before a ``--``) and
+    loads the settings (`settings.load`) before it runs."""
+    from agentruns.connectors import settings
+
     try:
-        return int(main(list(sys.argv[1:] if argv is None else argv)))
+        words, kafka_config = settings.take_kafka_config_flag(
+            list(sys.argv[1:] if argv is None else argv)
+        )
+        settings.load({"kafka_config": kafka_config})
+        return int(main(words))
     except AgentrunsError as exc:
         return _fail(exc.one_line())
     except KafkaException as exc:

@@ -54,7 +54,7 @@ from agentruns.processors.state import TERMINAL, RunStatus
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, NO_DELAY, partition_count, release
+from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
@@ -125,7 +125,7 @@ class RunsProducer:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 **NO_DELAY,
@@ -283,7 +283,7 @@ class ResultsConsumer:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest" if from_beginning else "latest",

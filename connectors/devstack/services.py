@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from contextlib import AbstractContextManager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.errors import NotConfiguredError, ServiceUnreachableError
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
 KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
@@ -215,19 +216,27 @@ def docker_available() -> bool:
 
 
 def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
-    from confluent_kafka import KafkaError
+    """Kafka at ``bootstrap`` answers within ``timeout`` and takes the client's credentials (a
+    refused login raises at once, from the client's error callback, see ``client_settings``)."""
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
-    try:
-        admin.list_topics(timeout=timeout)
-    except Exception as exc:
-        error = exc.args[0] if exc.args else None
-        reason = error.str() if isinstance(error, KafkaError) else str(exc)
-        raise ServiceUnreachableError(
-            f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
-            hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
-        ) from exc
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
+    deadline = time.monotonic() + timeout
+    while True:
+        admin.poll(0.05)  # serves the error callback
+        try:
+            admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            return
+        except KafkaException as exc:
+            if time.monotonic() < deadline:
+                continue
+            error = exc.args[0] if exc.args else None
+            reason = error.str() if isinstance(error, KafkaError) else str(exc)
+            raise ServiceUnreachableError(
+                f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
+                hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
+            ) from exc
 
 
 def check_postgres(url: str, timeout: float = 10.0) -> None:

@@ -43,9 +43,9 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import (
-    KAFKA_LOGS,
     LONG_POLL_MS,
     NO_DELAY,
+    client_settings,
     partition_count,
     release,
 )
@@ -121,7 +121,7 @@ class TimerService:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
@@ -138,7 +138,7 @@ class TimerService:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 "linger.ms": 2,
                 **NO_DELAY,
