@@ -46,8 +46,8 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
         words, kafka_config = settings.take_kafka_config_flag(
             list(sys.argv[1:] if argv is None else argv)
         )
-        settings.load({"kafka_config": kafka_config})
-        return int(main(words))
+        with settings.loaded({"kafka_config": kafka_config}):
+            return int(main(words))
     except AgentrunsError as exc:
         return _fail(exc.one_line())
     except KafkaException as exc:

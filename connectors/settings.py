@@ -13,18 +13,20 @@ environment so the processes a command starts (the demo's services) use the same
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from agentruns.connectors.kafka_properties import check_with_librdkafka, read_properties_file
-from agentruns.streams.kafka_defaults import use_client_properties
+from agentruns.streams.kafka_defaults import client_properties, use_client_properties
 from agentruns.streams.topics import DEFAULT_PREFIX
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 KAFKA_CONFIG_ENV = "AGENTRUNS_KAFKA_CONFIG"
 KAFKA_CONFIG_FLAG = "--kafka-config"
+TOPIC_PREFIX_ENV = "AGENTRUNS_TOPIC_PREFIX"
 
 
 class Settings(BaseSettings):
@@ -47,8 +49,8 @@ class Settings(BaseSettings):
     )
     topic_prefix: str = Field(
         DEFAULT_PREFIX,
-        alias="AGENTRUNS_TOPIC_PREFIX",
-        description="prefix of every topic name (<prefix>.inbox, ...)",
+        alias=TOPIC_PREFIX_ENV,
+        description="prefix of every topic name (`<prefix>.inbox`, ...) and consumer group",
     )
     database_url: str | None = Field(
         None,
@@ -60,7 +62,9 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_INSTANCE_ID",
         description="stable id of this process among its replicas (transactional.id suffix)",
     )
-    log_level: str = Field("INFO", alias="AGENTRUNS_LOG_LEVEL", description="Python log level")
+    log_level: str = Field(
+        "INFO", alias="AGENTRUNS_LOG_LEVEL", description="log level (logs are JSON lines)"
+    )
     metrics_address: str | None = Field(
         None,
         alias="AGENTRUNS_METRICS_ADDRESS",
@@ -95,6 +99,11 @@ class Settings(BaseSettings):
     model_api_key: str | None = Field(
         None, alias="AGENTRUNS_MODEL_API_KEY", description="API key of that default route"
     )
+    tool_registry: Path | None = Field(
+        None,
+        alias="AGENTRUNS_TOOL_REGISTRY",
+        description="the tools registry file, when --registry is not given",
+    )
     callback_url: str | None = Field(
         None,
         alias="AGENTRUNS_CALLBACK_URL",
@@ -117,28 +126,57 @@ class Settings(BaseSettings):
 _CURRENT: list[Settings] = []
 
 
-def load(flags: Mapping[str, Any] | None = None) -> Settings:
-    """Read the settings (``flags`` by field name over the environment over ``.env``), give the
-    Kafka client properties to every client of the process, and make them `current()`."""
+def read(flags: Mapping[str, Any] | None = None) -> Settings:
+    """The settings: ``flags`` (by field name; None is not given) over the environment over
+    ``.env`` over the defaults. A bad value is one error naming its variable."""
     from agentruns.connectors.errors import InvalidArgumentError
 
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     try:
-        settings = Settings(**given)
+        return Settings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidArgumentError(f"setting {where}: {first['msg']}") from exc
+
+
+def load(flags: Mapping[str, Any] | None = None) -> Settings:
+    """`read` the settings, give the Kafka client properties to every client of the process,
+    and make them `current()`."""
+    settings = read(flags)
     use_client_properties(settings.kafka_properties())
+    # What came from a flag or .env reaches the processes a command starts, and
+    # streams.topics.default_prefix(), the one place topic names get their prefix.
     if settings.kafka_config is not None:
         os.environ[KAFKA_CONFIG_ENV] = str(settings.kafka_config.resolve())
+    os.environ[TOPIC_PREFIX_ENV] = settings.topic_prefix
     _CURRENT[:] = [settings]
     return settings
 
 
+@contextmanager
+def loaded(flags: Mapping[str, Any] | None = None) -> Iterator[Settings]:
+    """`load` for the length of a command; then the process is as before (a command run
+    in-process, as tests do, leaves nothing behind for the next one)."""
+    environ = {name: os.environ.get(name) for name in (KAFKA_CONFIG_ENV, TOPIC_PREFIX_ENV)}
+    previous = _CURRENT[:]
+    properties = client_properties()
+    try:
+        yield load(flags)
+    finally:
+        _CURRENT[:] = previous
+        use_client_properties(properties)
+        for name, value in environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def current() -> Settings:
-    """The settings the process loaded (`load`); loaded from the environment when not yet."""
-    return _CURRENT[0] if _CURRENT else load()
+    """The settings the command loaded when it started (`load`); in a process that loaded none
+    (a library caller, a test), read afresh each time."""
+    return _CURRENT[0] if _CURRENT else read()
 
 
 def take_kafka_config_flag(argv: list[str]) -> tuple[list[str], Path | None]:

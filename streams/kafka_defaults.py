@@ -28,6 +28,11 @@ def use_client_properties(properties: Mapping[str, str]) -> None:
     _CLIENT_PROPERTIES.update(properties)
 
 
+def client_properties() -> dict[str, str]:
+    """The operator's client properties in force (`use_client_properties`)."""
+    return dict(_CLIENT_PROPERTIES)
+
+
 def _on_error(error: KafkaError) -> None:
     # librdkafka retries a refused login for ever, one log line after another; the caller of
     # poll/consume/flush gets this instead and the command ends with one line.

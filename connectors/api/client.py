@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from agentruns.connectors.api.inputs import (
 )
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.settings import current
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
@@ -480,7 +480,7 @@ class ApiClient:
 def _api_client(args: argparse.Namespace) -> ApiClient | None:
     if not args.api_url:
         return None
-    token = os.environ.get("AGENTRUNS_API_TOKEN", "")
+    token = current().api_token
     if not token:
         raise ClientError("AGENTRUNS_API_TOKEN is not set", status=401)
     return ApiClient(args.api_url, token)
@@ -491,7 +491,7 @@ def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
     if api:
         parser.add_argument(
             "--api-url",
-            default=os.environ.get("AGENTRUNS_API_URL"),
+            default=current().api_url,
             help="use the HTTP API (token from AGENTRUNS_API_TOKEN) instead of Kafka",
         )
 
@@ -534,7 +534,7 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key", required=True, help="idempotency key (same key -> same run)")
     parser.add_argument("--goal", help="the task's goal (or give --task)")
     parser.add_argument("--task", help="a JSON file with the task (RunSubmitted fields); - = stdin")
-    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    parser.add_argument("--producer-id", default=current().producer_id)
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
     task: dict[str, Any] = {}
@@ -562,9 +562,10 @@ def main_results(argv: Sequence[str] | None = None) -> int:
         prog="agentruns results", description="Print terminal results, one JSON line each."
     )
     parser.add_argument("--follow", action="store_true", help="keep waiting for new results")
-    parser.add_argument("--group", default=f"agentruns-results-{uuid.uuid4().hex[:8]}")
+    parser.add_argument("--group", default=None, help="consumer group (<prefix>-results-<random>)")
     _common(parser, api=False)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    args.group = args.group or f"{args.prefix}-results-{uuid.uuid4().hex[:8]}"
     # Ctrl-C or SIGTERM ends a follow cleanly (offsets committed), also when the shell that
     # started it in the background left SIGINT ignored.
     stop = stop_on_signals()
@@ -606,7 +607,7 @@ def main_cancel(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns cancel", description="Cancel a run.")
     parser.add_argument("run_id")
     parser.add_argument("--reason", default="requested")
-    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    parser.add_argument("--producer-id", default=current().producer_id)
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
     client = _api_client(args)

@@ -32,6 +32,7 @@ from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.errors import NotConfiguredError, ServiceUnreachableError
+from agentruns.connectors.settings import current
 from agentruns.streams.kafka_defaults import client_settings
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
@@ -151,7 +152,7 @@ def configured_kafka(timeout: float = 10.0) -> str:
     """The bootstrap servers of a client command: KAFKA_BOOTSTRAP_SERVERS (checked: it must
     answer within ``timeout``), else the broker running in the state directory; never starts
     one."""
-    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    explicit = current().kafka_bootstrap_servers
     if explicit:
         check_kafka(explicit, timeout)
         return explicit
@@ -168,7 +169,7 @@ def configured_kafka(timeout: float = 10.0) -> str:
 def configured_postgres(*, required: str | None, timeout: float = 10.0) -> str | None:
     """The database URL of a client command: DATABASE_URL (checked), else the Postgres running in
     the state directory, else None; or, when ``required`` (what to do instead), an error."""
-    explicit = os.environ.get("DATABASE_URL")
+    explicit = current().database_url
     if explicit:
         check_postgres(explicit, timeout)
         return explicit
@@ -292,8 +293,8 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         self.close()
 
     def start(self) -> Endpoints:
-        kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-        database = os.environ.get("DATABASE_URL")
+        kafka = current().kafka_bootstrap_servers
+        database = current().database_url
         ksrc, psrc = "env", "env"
         if kafka:
             check_kafka(kafka)

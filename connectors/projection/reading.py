@@ -66,7 +66,8 @@ def read_keyed(
         {
             "bootstrap.servers": bootstrap,
             **client_settings(),
-            "group.id": f"agentruns-audit-{uuid.uuid4().hex[:12]}",
+            # named after the topic, so the prefix's group ACLs cover it (never committed)
+            "group.id": f"{topic}-audit-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
@@ -119,7 +120,7 @@ def read_keyed(
 
 def partition_count(bootstrap: str, topic: str) -> int:
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, **client_settings(), "group.id": "agentruns-audit-meta"}
+        {"bootstrap.servers": bootstrap, **client_settings(), "group.id": f"{topic}-audit-meta"}
     )
     try:
         meta = consumer.list_topics(topic, timeout=30).topics.get(topic)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from agentruns.connectors import dead_letters
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.settings import current
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.events import TimerFired
 from agentruns.processors.limits import MAX_TIME_MS
@@ -275,9 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--group", default="", help="consumer group (default <prefix>-timer)")
-    parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
+    parser.add_argument("--instance-id", default=current().instance_id)
     parser.add_argument("--tick-ms", type=int, default=50)
-    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=current().log_level)
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="timer")
     stop = stop_on_signals()
