@@ -873,6 +873,10 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
         endpoints = stack.start()
         bootstrap = bootstrap or endpoints.kafka_bootstrap
         database = database or endpoints.database_url
+    else:
+        from agentruns.connectors.devstack.services import check_kafka
+
+        check_kafka(bootstrap)  # unreachable, or the credentials refused: one line, at once
     from agentruns.connectors.postgres.migrate import migrate
 
     migrate(database)

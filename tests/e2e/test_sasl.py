@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from agentruns.connectors.devstack.local_kafka import LocalKafka, ScramUser
 from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.testing.tool_server import DEFAULT_REGISTRY
 
 AGENTRUNS = str(Path(sys.executable).parent / "agentruns")
 USER = ScramUser("agentruns-svc", "s3cret-for-the-test")
@@ -73,7 +74,21 @@ def test_wrong_password_is_one_line_and_exit_2(
 ) -> None:
     config = client_file(tmp_path, "not-the-password")
     env = {**env_for(sasl_kafka, database_url), "AGENTRUNS_KAFKA_CONFIG": str(config)}
-    for command in (["processor", "--prefix", "sasl-wrong"], ["topics", "create"]):
+    services = (
+        ["processor", "--prefix", "sasl-wrong"],
+        ["topics", "create"],
+        [
+            "executor",
+            "tool",
+            "--bootstrap",
+            sasl_kafka.sasl_bootstrap_servers,
+            "--database-url",
+            database_url,
+            "--registry",
+            str(DEFAULT_REGISTRY),
+        ],
+    )
+    for command in services:
         proc = subprocess.run(
             [AGENTRUNS, *command], env=env, capture_output=True, text=True, timeout=120
         )

@@ -14,7 +14,13 @@ from agentruns.connectors.kafka_properties import (
     parse_properties,
     read_properties_file,
 )
-from agentruns.connectors.settings import Settings, load, settings_table, take_kafka_config_flag
+from agentruns.connectors.settings import (
+    KAFKA_CONFIG_ENV,
+    Settings,
+    load,
+    settings_table,
+    take_kafka_config_flag,
+)
 from agentruns.streams import kafka_defaults
 from agentruns.streams.kafka_defaults import client_settings, use_client_properties
 
@@ -176,6 +182,41 @@ def test_kafka_config_reaches_every_client_and_child_processes(
     monkeypatch.delenv("AGENTRUNS_KAFKA_CONFIG")
     load()
     assert "security.protocol" not in client_settings()
+
+
+def test_a_command_leaves_the_process_as_it_was(clean: Path) -> None:
+    """run_command loads the settings for one command (settings.loaded), so commands run
+    in-process one after another do not see each other's."""
+    import os
+
+    from agentruns.connectors.lifecycle import run_command
+
+    path = clean / "client.properties"
+    path.write_text("client.id=seen-by-the-command\n")
+    seen: list[object] = []
+
+    def command(words: list[str]) -> int:
+        seen.append((words, client_settings().get("client.id"), os.environ[KAFKA_CONFIG_ENV]))
+        return 0
+
+    assert run_command(command, ["--kafka-config", str(path), "go"]) == 0
+    assert seen == [(["go"], "seen-by-the-command", str(path.resolve()))]
+    assert "client.id" not in client_settings()
+    assert KAFKA_CONFIG_ENV not in os.environ
+    assert settings_module._CURRENT == [] or settings_module._CURRENT[0].kafka_config is None
+
+
+def test_a_bad_properties_file_ends_the_command_in_one_line(
+    clean: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentruns.connectors.lifecycle import run_command
+
+    path = clean / "client.properties"
+    path.write_text("security.protocol=SASL_SSL\nsasl.username\n")
+    assert run_command(lambda words: 0, ["--kafka-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{path} line 2: no '=' between key and value" in err
 
 
 def test_flag_forms() -> None:
