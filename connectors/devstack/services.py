@@ -225,11 +225,11 @@ def check_kafka(bootstrap: str, timeout: float = 10.0) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
     deadline = time.monotonic() + timeout
     while True:
-        admin.poll(0.05)  # serves the error callback
         try:
             admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             return
         except KafkaException as exc:
+            admin.poll(0.05)  # serves the error callback: a refused login raises here
             if time.monotonic() < deadline:
                 continue
             error = exc.args[0] if exc.args else None
