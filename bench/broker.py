@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 # Per-partition transaction verification (KIP-890 part 1) costs a round trip to the transaction
@@ -12,7 +12,7 @@ SETTINGS = ("transaction.partition.verification.enable",)
 
 def broker_settings(bootstrap: str) -> dict[str, str | None]:
     """The values of `SETTINGS` on the first broker (None if it would not say)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
     broker = min(admin.list_topics(timeout=10).brokers)
     resource = ConfigResource(ConfigResource.Type.BROKER, str(broker))
     try:

@@ -49,7 +49,7 @@ from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
 
 #: per executor process; p99 added latency at 200 calls/s
 TARGETS = (Target("calls_per_s", 1_000), Target("added_latency_ms.p99", 50, at_most=True))
@@ -97,7 +97,7 @@ class Collector:
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": f"bench-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         executor_log = Path(tmp) / "executor.log"
         collector = Collector(bootstrap, topic_name(INBOX, prefix), args.partitions)
         producer = Producer(
-            {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "linger.ms": 0, "log_level": 3}
+            {"bootstrap.servers": bootstrap, **client_settings(), "linger.ms": 0, "log_level": 3}
         )
         try:
             with (

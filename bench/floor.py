@@ -45,6 +45,7 @@ from agentruns.streams.kafka_defaults import (
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
+    client_settings,
     fetch_settings,
     release,
 )
@@ -182,6 +183,7 @@ class Side:
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **client_settings(),
                 "group.id": group,
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
@@ -201,6 +203,7 @@ class Side:
                 producer = Producer(
                     {
                         "bootstrap.servers": bootstrap,
+                        **client_settings(),
                         "transactional.id": f"{group}-{slot}",
                         **TRANSACTIONAL_PRODUCER,
                         "linger.ms": 0,
@@ -215,6 +218,7 @@ class Side:
             self.producer = Producer(
                 {
                     "bootstrap.servers": bootstrap,
+                    **client_settings(),
                     "enable.idempotence": True,
                     **NO_DELAY,
                     "linger.ms": 0,
@@ -357,7 +361,7 @@ class SideProcess:
 
 
 def _create_topics(bootstrap: str, names: Mapping[str, int]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 3})
     futures = admin.create_topics(
         [NewTopic(name, partitions) for name, partitions in names.items()],
         operation_timeout=TIMEOUT_S,
@@ -389,10 +393,13 @@ class Mode:
         except BaseException:
             self.stop()
             raise
-        self.seeder = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "log_level": 3})
+        self.seeder = Producer(
+            {"bootstrap.servers": bootstrap, **client_settings(), "linger.ms": 0, "log_level": 3}
+        )
         self.watcher = Consumer(
             {
                 "bootstrap.servers": bootstrap,
+                **client_settings(),
                 "group.id": f"{tag}-driver",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",

@@ -49,7 +49,7 @@ from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
@@ -79,7 +79,9 @@ class Driver:
     def __init__(self, bootstrap: str, prefix: str, partitions: int) -> None:
         self.prefix = prefix
         self.partitions = partitions
-        self.producer = Producer({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "linger.ms": 1})
+        self.producer = Producer(
+            {"bootstrap.servers": bootstrap, **client_settings(), "linger.ms": 1}
+        )
         self.inbox = topic_name(INBOX, prefix)
         self.tools = registry_tools()
         self.submitted: dict[str, float] = {}
@@ -91,7 +93,7 @@ class Driver:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": f"bench-loop-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,

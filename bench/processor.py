@@ -56,7 +56,7 @@ from agentruns.processors.transition import transition
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
@@ -141,7 +141,7 @@ def _count_events(bootstrap: str, topic: str, total: int, timeout: float) -> tup
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": f"bench-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "auto.offset.reset": "earliest",
@@ -224,7 +224,7 @@ def _latency_phase(
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": f"bench-lat-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
@@ -255,7 +255,12 @@ def _latency_phase(
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     producer = Producer(
-        {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "linger.ms": 0, "enable.idempotence": True}
+        {
+            "bootstrap.servers": bootstrap,
+            **client_settings(),
+            "linger.ms": 0,
+            "enable.idempotence": True,
+        }
     )
     inbox = topic_name(INBOX, prefix)
     count = int(rate * (warmup + seconds))
@@ -300,7 +305,12 @@ def _preload(
     released on return: one left alive past the stack's stop logs a screenful of connection
     errors."""
     producer = Producer(
-        {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "linger.ms": 20, "enable.idempotence": True}
+        {
+            "bootstrap.servers": bootstrap,
+            **client_settings(),
+            "linger.ms": 20,
+            "enable.idempotence": True,
+        }
     )
     inbox = topic_name(INBOX, prefix)
     total = 0
@@ -421,7 +431,7 @@ def _state_records(bootstrap: str, topic: str, partitions: int) -> dict[bytes, l
     reader = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": f"bench-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -481,7 +491,9 @@ def cloned_restore_figures(
     # run's end plus the retention, and it is evicted
     spread = retention_ms + 1000
     at = now_ms() - 2 * spread
-    producer = Producer({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "enable.idempotence": True})
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, **client_settings(), "enable.idempotence": True}
+    )
     inbox = topic_name(INBOX, prefix)
     state = topic_name(STATE, prefix)
     part = partition_for(ended_id, partitions)

@@ -57,7 +57,7 @@ from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.records import (
     event_body,
     parse_event_body,
@@ -184,7 +184,7 @@ def scale_out(
     ]
     try:
         deadline = time.monotonic() + 120
-        admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
+        admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
         while _assigned(admin, group) < 3 * partitions or any(
             scrape(base + i, "agentruns_sink_events_total") is None for i in range(sinks)
         ):

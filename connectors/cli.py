@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentruns", description="Durable, restartable LLM-agent runs on Apache Kafka."
     )
     parser.add_argument("--version", action="version", version=f"agentruns {_version()}")
+    parser.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="Kafka client properties (key=value, as Kafka's --command-config) for every "
+        "Kafka client; also $AGENTRUNS_KAFKA_CONFIG",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="local Kafka and Postgres, and the demo/test servers")

@@ -6,6 +6,7 @@ is waiting for)."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
@@ -44,10 +45,20 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
     """A command's exit code: what `main` returns, 2 after an error the user can act on (one
     line on stderr), `RESTART_ME` when a service stopped to be started again, 130 after Ctrl-C.
     A module run with `python -m` calls its own `main` through this, never the CLI's
-    dispatcher, which would import the module a second time (and register its metrics twice)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dispatcher, which would import the module a second time (and register its metrics twice).
+
+    Every command takes the global ``--kafka-config FILE`` (anywhere before a ``--``) and
+    loads the settings (`settings.load`) before it runs."""
+    from agentruns.connectors import settings
+
+    with contextlib.suppress(OSError, ValueError):  # a stderr with no descriptor: no dumps
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        return int(main(list(sys.argv[1:] if argv is None else argv)))
+        words, kafka_config = settings.take_kafka_config_flag(
+            list(sys.argv[1:] if argv is None else argv)
+        )
+        with settings.loaded({"kafka_config": kafka_config}):
+            return int(main(words))
     except FatalConsumerError as exc:
         _fail(exc.one_line())
         return RESTART_ME

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from agentruns.streams.errors import AgentrunsKafkaError
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.topics import (
     DEFAULT_PARTITIONS,
     DEFAULT_PREFIX,
@@ -34,7 +34,7 @@ TIMEOUT_S = 30.0
 
 
 def _admin(bootstrap: str) -> AdminClient:
-    return AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 3})
+    return AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 3})
 
 
 def ensure_topics(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_logs import KAFKA_LOG
-from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 log = logging.getLogger("agentruns.kafka")
 
@@ -18,6 +18,41 @@ log = logging.getLogger("agentruns.kafka")
 #: lines go to the ``agentruns.kafka`` logger, rate limited (see ``kafka_logs``), never straight
 #: to stderr.
 KAFKA_LOGS: dict[str, Any] = {"logger": KAFKA_LOG}
+
+#: The operator's client properties (security: SASL, TLS), set once when the process starts
+#: (`use_client_properties`).
+_CLIENT_PROPERTIES: dict[str, str] = {}
+
+
+def use_client_properties(properties: Mapping[str, str]) -> None:
+    """From now on every client of this process is made with ``properties`` (librdkafka
+    settings: ``security.protocol``, ``sasl.*``, ``ssl.*``, ...)."""
+    _CLIENT_PROPERTIES.clear()
+    _CLIENT_PROPERTIES.update(properties)
+
+
+def client_properties() -> dict[str, str]:
+    """The operator's client properties in force (`use_client_properties`)."""
+    return dict(_CLIENT_PROPERTIES)
+
+
+def _on_error(error: KafkaError) -> None:
+    # librdkafka retries a refused login for ever, one log line after another; the caller of
+    # poll/consume/flush gets this instead and the command ends with one line.
+    if error.code() == KafkaError._AUTHENTICATION:
+        raise AgentrunsKafkaError(
+            f"Kafka refused the client's credentials: {error.str()}",
+            hint="check sasl.username/sasl.password (or the TLS settings) in the file "
+            "AGENTRUNS_KAFKA_CONFIG names",
+        )
+
+
+def client_settings() -> dict[str, Any]:
+    """What every client config of ours (producers, consumers, admin clients) is made of, before
+    its own settings: the log routing (`KAFKA_LOGS`), the operator's client properties, and a
+    refused login ending the command."""
+    return {**KAFKA_LOGS, **_CLIENT_PROPERTIES, "error_cb": _on_error}
+
 
 #: In every long-lived client of ours. librdkafka leaves Nagle's algorithm on (the Java client
 #: sets TCP_NODELAY on every connection), so a request written while an earlier one on the

@@ -2,9 +2,10 @@
 
 librdkafka writes every log line to stderr itself unless the client is given a ``logger``: a
 broker that restarts makes every client of the process print "Connection refused" lines by the
-hundred. Every client config of ours carries ``KAFKA_LOGS`` (see ``kafka_defaults``), so those
-lines reach the ``agentruns.kafka`` logger instead, rate limited: the first line of a kind is
-logged, repeats within ``interval_s`` are counted and the count goes with the next one logged.
+hundred. Every client config of ours is made from ``client_settings()``, which carries
+``KAFKA_LOGS`` (see ``kafka_defaults``), so those lines reach the ``agentruns.kafka`` logger
+instead, rate limited: the first line of a kind is logged, repeats within ``interval_s`` are
+counted and the count goes with the next one logged.
 A line's kind is its facility and text without the client's name and the numbers that change
 from one repeat to the next (durations, counts); broker addresses stay, so two brokers failing
 are two kinds.

@@ -60,7 +60,7 @@ from agentruns.streams.inputs import (
     RecordLimits,
     Topics,
 )
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, partition_count
+from agentruns.streams.kafka_defaults import client_settings, partition_count
 from agentruns.streams.polling import check_fatal, poll_batch
 from agentruns.streams.records import EFFECT_TOPIC_KIND, RunSlot
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -447,7 +447,7 @@ class Processor:
         reader = Consumer(
             {
                 "bootstrap.servers": self.config.bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": f"{self.config.group_id}-restore",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",

@@ -48,10 +48,10 @@ from typing import Any, Generic, Protocol, TypeGuard, TypeVar
 
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.kafka_defaults import (
-    KAFKA_LOGS,
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
+    client_settings,
     commit_timed,
     fetch_settings,
 )
@@ -133,7 +133,7 @@ class Clients:
         client's own ``settings`` and then ``extra_consumer`` over the shared ones."""
         return {
             "bootstrap.servers": self.bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": self.group_id,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -155,7 +155,7 @@ class Clients:
         client's own ``settings`` and then ``extra_producer`` over the shared ones."""
         return {
             "bootstrap.servers": self.bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "transactional.id": f"{self.member}-{slot}",
             "transaction.timeout.ms": self.transaction_timeout_ms,
             **TRANSACTIONAL_PRODUCER,

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -48,13 +47,14 @@ from agentruns.connectors.api.inputs import (
 )
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.settings import current
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, NO_DELAY, partition_count, release
+from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
@@ -149,7 +149,7 @@ class RunsProducer:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 "linger.ms": 5,
                 **NO_DELAY,
@@ -303,7 +303,7 @@ class ResultsConsumer:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest" if from_beginning else "latest",
@@ -500,7 +500,7 @@ class ApiClient:
 def _api_client(args: argparse.Namespace) -> ApiClient | None:
     if not args.api_url:
         return None
-    token = os.environ.get("AGENTRUNS_API_TOKEN", "")
+    token = current().api_token
     if not token:
         raise ClientError("AGENTRUNS_API_TOKEN is not set", status=401)
     return ApiClient(args.api_url, token)
@@ -511,7 +511,7 @@ def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
     if api:
         parser.add_argument(
             "--api-url",
-            default=os.environ.get("AGENTRUNS_API_URL"),
+            default=current().api_url,
             help="use the HTTP API (token from AGENTRUNS_API_TOKEN) instead of Kafka",
         )
 
@@ -554,7 +554,7 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key", required=True, help="idempotency key (same key -> same run)")
     parser.add_argument("--goal", help="the task's goal (or give --task)")
     parser.add_argument("--task", help="a JSON file with the task (RunSubmitted fields); - = stdin")
-    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    parser.add_argument("--producer-id", default=current().producer_id)
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
     task: dict[str, Any] = {}
@@ -582,9 +582,10 @@ def main_results(argv: Sequence[str] | None = None) -> int:
         prog="agentruns results", description="Print terminal results, one JSON line each."
     )
     parser.add_argument("--follow", action="store_true", help="keep waiting for new results")
-    parser.add_argument("--group", default=f"agentruns-results-{uuid.uuid4().hex[:8]}")
+    parser.add_argument("--group", default=None, help="consumer group (<prefix>-results-<random>)")
     _common(parser, api=False)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    args.group = args.group or f"{args.prefix}-results-{uuid.uuid4().hex[:8]}"
     # Ctrl-C or SIGTERM ends a follow cleanly (offsets committed), also when the shell that
     # started it in the background left SIGINT ignored.
     stop = stop_on_signals()
@@ -626,7 +627,7 @@ def main_cancel(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns cancel", description="Cancel a run.")
     parser.add_argument("run_id")
     parser.add_argument("--reason", default="requested")
-    parser.add_argument("--producer-id", default=os.environ.get("AGENTRUNS_PRODUCER_ID", "cli"))
+    parser.add_argument("--producer-id", default=current().producer_id)
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
     client = _api_client(args)

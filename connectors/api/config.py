@@ -5,7 +5,6 @@ limits, clock), and how it is read from the environment.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import sys
 from collections.abc import Callable, Mapping
@@ -14,6 +13,7 @@ from typing import Any
 
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.settings import current
 from agentruns.streams.clock import now_ms
 from agentruns.streams.topics import DEFAULT_PREFIX
 
@@ -44,14 +44,19 @@ class ApiConfig:
         *,
         prefix: str = DEFAULT_PREFIX,
         production: bool = False,
-        environ: Mapping[str, str] = os.environ,
+        environ: Mapping[str, str] | None = None,
     ) -> ApiConfig:
-        """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET.
+        """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET (in ``environ``, or
+        the settings: `agentruns.connectors.settings`).
 
         In production both are required; otherwise a random value is generated for this
         process with a warning (tokens then do not survive a restart)."""
-        token = environ.get("AGENTRUNS_API_TOKEN", "")
-        secret = environ.get("AGENTRUNS_API_SECRET", "")
+        if environ is None:
+            settings = current()
+            token, secret = settings.api_token, settings.api_secret
+        else:
+            token = environ.get("AGENTRUNS_API_TOKEN", "")
+            secret = environ.get("AGENTRUNS_API_SECRET", "")
         if production and (not token or not secret):
             raise AgentrunsError(
                 "AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET must be set in production",

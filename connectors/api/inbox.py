@@ -9,7 +9,7 @@ import time
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, NO_DELAY, partition_count, release
+from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, topic_name
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -24,7 +24,7 @@ class Inbox:
         self._producer = Producer(
             {
                 "bootstrap.servers": config.bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 "linger.ms": 1,
                 **NO_DELAY,

@@ -8,29 +8,27 @@ stopped.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
+from agentruns.connectors.settings import current
 from agentruns.streams.topics import default_prefix
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentruns api", description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default=os.environ.get("AGENTRUNS_API_HOST", "127.0.0.1"))
-    parser.add_argument(
-        "--port", type=int, default=int(os.environ.get("AGENTRUNS_API_PORT", "8080"))
-    )
+    parser.add_argument("--host", default=current().api_host)
+    parser.add_argument("--port", type=int, default=current().api_port)
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument(
         "--production",
         action="store_true",
-        default=os.environ.get("AGENTRUNS_ENV", "") == "production",
+        default=current().production,
         help="refuse to start without AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET "
         "(also AGENTRUNS_ENV=production)",
     )
-    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=current().log_level)
     return parser
 
 

@@ -52,7 +52,7 @@ from agentruns.processors.state import Budgets, Policy
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, release
+from agentruns.streams.kafka_defaults import client_settings, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
@@ -123,7 +123,7 @@ def unconsumed(bootstrap: str, group: str, topics: Sequence[str]) -> int:
     reader = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": group,
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -255,7 +255,11 @@ def run_chaos(
             sup.start_all()
             cleanup.callback(sup.stop_all)  # whatever fails below, no component outlives us
             producer = Producer(
-                {"bootstrap.servers": ep.kafka_bootstrap, **KAFKA_LOGS, "enable.idempotence": True}
+                {
+                    "bootstrap.servers": ep.kafka_bootstrap,
+                    **client_settings(),
+                    "enable.idempotence": True,
+                }
             )
             inbox = topic_name(INBOX, prefix)
             tool_specs = registry_tools()

@@ -31,7 +31,7 @@ from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState, To
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, release
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record, parse_effect_body, parse_state
 from agentruns.streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -81,7 +81,7 @@ class Demo:
         self.tools_url = tools_url
         self.began = time.monotonic()
         self.producer = Producer(
-            {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "enable.idempotence": True}
+            {"bootstrap.servers": bootstrap, **client_settings(), "enable.idempotence": True}
         )
         self.inbox = topic_name(INBOX, prefix)
         self.states: dict[str, RunState] = {}
@@ -99,7 +99,7 @@ class Demo:
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": f"demo-{uuid.uuid4().hex[:8]}",
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,

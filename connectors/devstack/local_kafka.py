@@ -103,11 +103,27 @@ def new_cluster_id() -> str:
 
 
 @dataclass(frozen=True)
+class ScramUser:
+    """A SCRAM-SHA-256 user created in the cluster's metadata when its storage is formatted."""
+
+    name: str
+    password: str
+
+    MECHANISM = "SCRAM-SHA-256"
+
+    def storage_argument(self) -> str:
+        """`kafka-storage format --add-scram`'s value for this user."""
+        return f"{self.MECHANISM}=[name={self.name},password={self.password}]"
+
+
+@dataclass(frozen=True)
 class KafkaNode:
     node_id: int
     port: int
     controller_port: int
     directory: Path
+    #: The SASL_PLAINTEXT (SCRAM) listener's port, when the cluster has one.
+    sasl_port: int | None = None
 
     @property
     def pid_file(self) -> Path:
@@ -158,15 +174,31 @@ def broker_settings(replicas: int) -> dict[str, str]:
 
 def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
     """The broker+controller config of one node."""
+    listeners = f"PLAINTEXT://127.0.0.1:{node.port}"
+    protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    sasl: dict[str, str] = {}
+    if node.sasl_port is not None:
+        # Clients may authenticate with SCRAM on a second listener; brokers and controllers keep
+        # talking PLAINTEXT among themselves.
+        listeners += f",SASL_PLAINTEXT://127.0.0.1:{node.sasl_port}"
+        protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
+        mechanism = ScramUser.MECHANISM.lower()
+        sasl = {
+            "sasl.enabled.mechanisms": ScramUser.MECHANISM,
+            f"listener.name.sasl_plaintext.{mechanism}.sasl.jaas.config": (
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+            ),
+        }
     lines = {
         "process.roles": "broker,controller",
         "node.id": str(node.node_id),
         "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+        "listeners": f"{listeners},CONTROLLER://127.0.0.1:{node.controller_port}",
+        "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "listener.security.protocol.map": protocols,
+        **sasl,
         "log.dirs": str(node.directory / "data"),
         **broker_settings(replicas),
     }
@@ -190,8 +222,16 @@ class LocalKafka:
         brokers: int = 1,
         heap: str = DEFAULT_HEAP,
         libs: Path | None = None,
+        scram_user: ScramUser | None = None,
+        sasl_port: int | None = None,
     ) -> None:
+        """``scram_user`` adds a SASL_PLAINTEXT listener (SCRAM-SHA-256) on ``sasl_port`` (+i
+        for node i) next to the PLAINTEXT one, with that user; it is created when the storage
+        is first formatted."""
+        if (scram_user is None) != (sasl_port is None):
+            raise ValueError("scram_user and sasl_port go together")
         self.directory = directory
+        self.scram_user = scram_user
         self.brokers = brokers
         self.heap = heap
         self._libs = libs
@@ -200,13 +240,24 @@ class LocalKafka:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         # Node i listens on port+2i (clients) and port+2i+1 (controller quorum).
         self.nodes = [
-            KafkaNode(i + 1, port + 2 * i, port + 2 * i + 1, directory / f"node-{i + 1}")
+            KafkaNode(
+                i + 1,
+                port + 2 * i,
+                port + 2 * i + 1,
+                directory / f"node-{i + 1}",
+                None if sasl_port is None else sasl_port + i,
+            )
             for i in range(brokers)
         ]
 
     @property
     def bootstrap_servers(self) -> str:
         return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    @property
+    def sasl_bootstrap_servers(self) -> str:
+        """The SASL_PLAINTEXT listeners (empty without a ``scram_user``)."""
+        return ",".join(f"127.0.0.1:{n.sasl_port}" for n in self.nodes if n.sasl_port)
 
     def running(self) -> list[int]:
         """The pids of this cluster's live broker processes."""
@@ -220,7 +271,7 @@ class LocalKafka:
             return time.monotonic() - began
         libs = self._libs or ensure_jars()
         ensure_ports_free(
-            [p for n in self.nodes for p in (n.port, n.controller_port)],
+            [p for n in self.nodes for p in (n.port, n.controller_port, n.sasl_port) if p],
             what="Kafka",
             hint="stop the other process, or pick other ports with --kafka-port / "
             "AGENTRUNS_KAFKA_PORT",
@@ -289,6 +340,7 @@ class LocalKafka:
             "--config",
             str(props),
             "--ignore-formatted",
+            *(["--add-scram", self.scram_user.storage_argument()] if self.scram_user else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:

@@ -39,7 +39,8 @@ from agentruns.connectors.errors import (
     NotConfiguredError,
     ServiceUnreachableError,
 )
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.connectors.settings import current
+from agentruns.streams.kafka_defaults import client_settings
 
 log = logging.getLogger("agentruns.services")
 
@@ -164,7 +165,7 @@ def configured_kafka(timeout: float = 10.0) -> str:
     """The bootstrap servers of a client command: KAFKA_BOOTSTRAP_SERVERS (checked: it must
     answer within ``timeout``), else the broker running in the state directory; never starts
     one."""
-    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    explicit = current().kafka_bootstrap_servers
     if explicit:
         check_kafka(explicit, timeout)
         return explicit
@@ -181,7 +182,7 @@ def configured_kafka(timeout: float = 10.0) -> str:
 def configured_postgres(*, required: str | None, timeout: float = 10.0) -> str | None:
     """The database URL of a client command: DATABASE_URL (checked), else the Postgres running in
     the state directory, else None; or, when ``required`` (what to do instead), an error."""
-    explicit = os.environ.get("DATABASE_URL")
+    explicit = current().database_url
     if explicit:
         check_postgres(explicit, timeout)
         return explicit
@@ -229,22 +230,29 @@ def docker_available() -> bool:
 
 
 def check_kafka(bootstrap: str, timeout: float = 10.0, *, patience_s: float = 0.0) -> None:
-    """Raise ServiceUnreachableError unless Kafka answers; with `patience_s`, keep trying that
-    long first (see `_patiently`)."""
-    from confluent_kafka import KafkaError
+    """Kafka at ``bootstrap`` answers within ``timeout`` and takes the client's credentials (a
+    refused login raises at once, from the client's error callback, see ``client_settings``);
+    with `patience_s`, an unreachable one is tried that long first (see `_patiently`)."""
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
 
     def attempt() -> None:
-        admin = AdminClient({"bootstrap.servers": bootstrap, **KAFKA_LOGS, "log_level": 0})
-        try:
-            admin.list_topics(timeout=timeout)
-        except Exception as exc:
-            error = exc.args[0] if exc.args else None
-            reason = error.str() if isinstance(error, KafkaError) else str(exc)
-            raise ServiceUnreachableError(
-                f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
-                hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
-            ) from exc
+        admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                return
+            except KafkaException as exc:
+                admin.poll(0.05)  # serves the error callback: a refused login raises here
+                if time.monotonic() < deadline:
+                    continue
+                error = exc.args[0] if exc.args else None
+                reason = error.str() if isinstance(error, KafkaError) else str(exc)
+                raise ServiceUnreachableError(
+                    f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
+                    hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
+                ) from exc
 
     _patiently(attempt, patience_s)
 
@@ -367,8 +375,8 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         self.close()
 
     def start(self) -> Endpoints:
-        kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
-        database = os.environ.get("DATABASE_URL") or None
+        kafka = current().kafka_bootstrap_servers or None
+        database = current().database_url or None
         ksrc, psrc = "env", "env"
         if kafka:
             check_kafka(kafka, patience_s=self.patience_s)

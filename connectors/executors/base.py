@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -60,6 +59,7 @@ import psycopg
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
 from agentruns.connectors.postgres.bulk import Conn, RetryingConnection
+from agentruns.connectors.settings import current
 from agentruns.processors.effects import Effect
 from agentruns.processors.events import Event
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
@@ -837,8 +837,8 @@ def run_until_signal(executor: Executor) -> int:
 
 
 def add_common_arguments(parser: Any, kind: str) -> None:
-    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
-    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"))
+    parser.add_argument("--bootstrap", default=current().kafka_bootstrap_servers)
+    parser.add_argument("--database-url", default=current().database_url)
     parser.add_argument(
         "--prefix",
         default=default_prefix(),
@@ -873,6 +873,10 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
         endpoints = stack.start()
         bootstrap = bootstrap or endpoints.kafka_bootstrap
         database = database or endpoints.database_url
+    else:
+        from agentruns.connectors.devstack.services import check_kafka
+
+        check_kafka(bootstrap)  # unreachable, or the credentials refused: one line, at once
     from agentruns.connectors.postgres.migrate import migrate
 
     migrate(database)

@@ -64,6 +64,7 @@ from agentruns.connectors.executors.tool import (
     retry_after_ms,
 )
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
+from agentruns.connectors.settings import current
 from agentruns.processors.effects import CallModel, Effect
 from agentruns.processors.events import (
     Candidate,
@@ -127,10 +128,10 @@ class Routes:
 
     @classmethod
     def from_env(cls, path: str | None = None, base_url: str | None = None) -> Routes:
-        env_base = base_url or os.environ.get("AGENTRUNS_MODEL_BASE_URL") or DEFAULT_BASE_URL
+        env_base = base_url or current().model_base_url or DEFAULT_BASE_URL
         if not env_base.rstrip("/").endswith("/v1"):
             env_base = env_base.rstrip("/") + "/v1"
-        fallback = RouteConfig(base_url=env_base, api_key=os.environ.get("AGENTRUNS_MODEL_API_KEY"))
+        fallback = RouteConfig(base_url=env_base, api_key=current().model_api_key)
         routes: dict[str, RouteConfig] = {}
         if path:
             try:
@@ -856,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", default=None, help='per-route JSON: {"route": {...}}')
     parser.add_argument(
         "--registry",
-        default=os.environ.get(REGISTRY_ENV),
+        default=current().tool_registry,
         help=f"the tool registry, a JSON file, for the tools' descriptions (optional; default"
         f" ${REGISTRY_ENV}; without one the model sees the tools without descriptions)",
     )

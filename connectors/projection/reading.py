@@ -16,7 +16,7 @@ from typing import Any
 
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
 from agentruns.streams.codec import CodecError, decode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import EVENTS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
@@ -65,8 +65,9 @@ def read_keyed(
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
-            "group.id": f"agentruns-audit-{uuid.uuid4().hex[:12]}",
+            **client_settings(),
+            # named after the topic, so the prefix's group ACLs cover it (never committed)
+            "group.id": f"{topic}-audit-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
@@ -119,7 +120,7 @@ def read_keyed(
 
 def partition_count(bootstrap: str, topic: str) -> int:
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, **KAFKA_LOGS, "group.id": "agentruns-audit-meta"}
+        {"bootstrap.servers": bootstrap, **client_settings(), "group.id": f"{topic}-audit-meta"}
     )
     try:
         meta = consumer.list_topics(topic, timeout=30).topics.get(topic)

@@ -78,7 +78,7 @@ from agentruns.processors.state import RunState
 from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, NO_DELAY, release
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, client_settings, release
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.topics import (
     DEFAULT_PREFIX,
@@ -291,7 +291,7 @@ class Sink:
         self._dlq = Producer(
             {
                 "bootstrap.servers": config.bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 **NO_DELAY,
                 "log_level": 3,
@@ -303,7 +303,7 @@ class Sink:
         c = self.config
         conf: dict[str, Any] = {
             "bootstrap.servers": c.bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": c.group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,

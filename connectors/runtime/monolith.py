@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -33,6 +32,7 @@ from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.sink import Sink, SinkConfig
 from agentruns.connectors.runtime.timers import TimerService
+from agentruns.connectors.settings import current
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.topics import default_prefix
@@ -118,12 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--registry",
-        default=os.environ.get(REGISTRY_ENV),
+        default=current().tool_registry,
         help=f"the tool registry, a JSON file (required without --dev-servers; default"
         f" ${REGISTRY_ENV})",
     )
     parser.add_argument("--api-port", type=int, default=8080)
-    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=current().log_level)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.dev_servers and not args.registry:
         from agentruns.connectors.testing import tool_server

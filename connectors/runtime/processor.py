@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Sequence
 
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.settings import current
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc, tune_switch_interval
 from agentruns.streams.processor import Processor, ProcessorConfig
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", default="", help="consumer group id (default <prefix>-processor)")
     p.add_argument(
         "--instance-id",
-        default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"),
+        default=current().instance_id,
         help="stable id of this process slot (its transactional.id); distinct per process",
     )
     p.add_argument("--partitions", type=int, default=None, help="when creating missing topics")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "end, in event time; a negative value keeps ended runs",
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
-    p.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=current().log_level)
     return p
 
 

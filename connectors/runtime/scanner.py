@@ -26,7 +26,7 @@ from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.runtime.timers import fired_input
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -56,7 +56,7 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            **KAFKA_LOGS,
+            **client_settings(),
             "group.id": group,
             "enable.auto.commit": False,
             "log_level": 3,
@@ -134,7 +134,7 @@ def scan(
             waiting, detail = status.lower(), "no progress (paused or waiting on input)"
         diagnosis = Diagnosis(run_id, status, round(idle, 1), waiting, detail)
         if redrive and overdue:
-            producer = producer or Producer({"bootstrap.servers": bootstrap, **KAFKA_LOGS})
+            producer = producer or Producer({"bootstrap.servers": bootstrap, **client_settings()})
             inbox = producer.list_topics(timeout=10).topics[topic_name(INBOX, prefix)]
             partitions = len(inbox.partitions)
             for timer_id, (due_at, trace_id) in overdue:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from agentruns.connectors import dead_letters
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.settings import current
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.events import TimerFired
 from agentruns.processors.limits import MAX_TIME_MS
@@ -43,9 +43,9 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import (
-    KAFKA_LOGS,
     LONG_POLL_MS,
     NO_DELAY,
+    client_settings,
     partition_count,
     release,
 )
@@ -121,7 +121,7 @@ class TimerService:
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "group.id": group_id,
                 "isolation.level": "read_committed",
                 "enable.auto.commit": False,
@@ -138,7 +138,7 @@ class TimerService:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "enable.idempotence": True,
                 "linger.ms": 2,
                 **NO_DELAY,
@@ -275,9 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentruns timer", description=__doc__)
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--group", default="", help="consumer group (default <prefix>-timer)")
-    parser.add_argument("--instance-id", default=os.environ.get("AGENTRUNS_INSTANCE_ID", "0"))
+    parser.add_argument("--instance-id", default=current().instance_id)
     parser.add_argument("--tick-ms", type=int, default=50)
-    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=current().log_level)
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="timer")
     stop = stop_on_signals()

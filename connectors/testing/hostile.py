@@ -26,7 +26,7 @@ from agentruns.processors.events import RunSubmitted, UserReplied
 from agentruns.processors.ids import canonical_json, operation_key
 from agentruns.processors.state import Budgets, Policy, ToolSpec
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS
+from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import EVENTS, INBOX, effect_suffix, topic_name
@@ -91,7 +91,7 @@ class Doors:
             self._producer = Producer(
                 {
                     "bootstrap.servers": self.bootstrap,
-                    **KAFKA_LOGS,
+                    **client_settings(),
                     "enable.idempotence": True,
                     "log_level": 3,
                 }
@@ -151,6 +151,7 @@ class Doors:
         reader = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
+                **client_settings(),
                 "group.id": f"hostile-place-{self.prefix}",
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,

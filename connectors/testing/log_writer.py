@@ -15,7 +15,7 @@ from agentruns.processors.effects import PublishResult
 from agentruns.processors.events import Event
 from agentruns.processors.transition import Artifact, transition
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, TRANSACTIONAL_PRODUCER
+from agentruns.streams.kafka_defaults import TRANSACTIONAL_PRODUCER, client_settings
 from agentruns.streams.partitioning import event_key, partition_for, run_key
 from agentruns.streams.records import RunSlot, event_record, input_digest, result_record
 from agentruns.streams.topics import EVENTS, RESULTS, STATE, topic_name
@@ -46,7 +46,7 @@ class LogWriter:
         self._producer = Producer(
             {
                 "bootstrap.servers": self.bootstrap,
-                **KAFKA_LOGS,
+                **client_settings(),
                 "transactional.id": self.transactional_id,
                 **TRANSACTIONAL_PRODUCER,
                 "linger.ms": 2,
