@@ -295,6 +295,11 @@ class Processor:
             self._model_partitions = partition_count(self._consumer, self.topics.effects["model"])
         return self._model_partitions
 
+    @property
+    def consumer(self) -> Consumer:
+        """The loop's consumer (its assignment is what `/healthz` reports)."""
+        return self._consumer
+
     # ------------------------------------------------------------------ lifecycle
 
     def run(self, stop: threading.Event) -> None:

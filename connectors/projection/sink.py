@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from agentruns.connectors import dead_letters
+from agentruns.connectors import dead_letters, health
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.postgres.bulk import prefer_lz4, write_rows
@@ -397,6 +397,11 @@ class Sink:
         self._on_assign(self._consumer, partitions)
 
     # ------------------------------------------------------------------ loop
+
+    @property
+    def consumer(self) -> Consumer:
+        """The loop's consumer (its assignment is what `/healthz` reports)."""
+        return self._consumer
 
     def run(self, stop: threading.Event) -> None:
         """Project until `stop` is set, then close.
@@ -750,7 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--instance-id", help="static group membership id (fast restarts)")
     parser.add_argument("--batch-size", type=int, default=5000, help="max records per batch")
     parser.add_argument("--poll-ms", type=int, default=50, help="max wait to fill a batch")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    health.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -764,29 +769,32 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, component="sink")
     stop = stop_on_signals()
     tune_gc()
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port)
     try:
         with ServiceStack() as stack:
             assert stack.endpoints is not None
-            migrate(stack.endpoints.database_url)
-            sink = Sink(
-                SinkConfig(
-                    bootstrap=stack.endpoints.kafka_bootstrap,
-                    database_url=stack.endpoints.database_url,
-                    prefix=args.prefix,
-                    group_id=args.group,
-                    assign=args.assign,
-                    instance_id=args.instance_id,
-                    batch_size=args.batch_size,
-                    poll_timeout_s=args.poll_ms / 1000,
-                )
+            ep = stack.endpoints
+            serving = health.serving(
+                args, "sink", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
             )
-            log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
-            sink.run(stop)
-            log.info("sink stopped: %s", sink.stats)
+            with serving as status:
+                migrate(ep.database_url)
+                sink = Sink(
+                    SinkConfig(
+                        bootstrap=ep.kafka_bootstrap,
+                        database_url=ep.database_url,
+                        prefix=args.prefix,
+                        group_id=args.group,
+                        assign=args.assign,
+                        instance_id=args.instance_id,
+                        batch_size=args.batch_size,
+                        poll_timeout_s=args.poll_ms / 1000,
+                    )
+                )
+                status.watch_consumer(sink.consumer, sink.config.group_id)
+                status.watch_loop(stop, threading.current_thread())
+                log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
+                sink.run(stop)
+                log.info("sink stopped: %s", sink.stats)
     except AgentrunsError as exc:
         print(f"agentruns sink: {exc.one_line()}", file=sys.stderr)
         return 2
