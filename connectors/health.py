@@ -7,8 +7,8 @@ the same `Health` checks.
 
 - ``/metrics``: the process's Prometheus registry (text exposition);
 - ``/healthz``: readiness. 200 when the service's Kafka answers, its Postgres answers (when it
-  uses one) and its consumer has partitions (or is a member of a settled group that has none
-  for it: the body says which), else 503; the body is JSON with each check's detail;
+  uses one) and its consumer has partitions (or its group's assignment gave it none: the body
+  says which), else 503; the body is JSON with each check's detail;
 - ``/livez``: 200 while the service loop runs, 503 once it stopped or is stopping.
 
 The server is for scrapers and probes on an untrusted network: one thread per connection, at
@@ -35,7 +35,8 @@ from typing import Any
 
 import psycopg
 from agentruns.streams.kafka_defaults import KAFKA_LOGS
-from confluent_kafka import Consumer, ConsumerGroupState, KafkaException
+from agentruns.streams.membership import Membership
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -117,35 +118,15 @@ def postgres_check(database_url: str, timeout: float = CHECK_TIMEOUT_S) -> Check
     return Check(True, "answers")
 
 
-def consumer_check(
-    consumer: Consumer, group: str, admin: AdminClient, timeout: float = CHECK_TIMEOUT_S
-) -> Check:
-    """Partitions assigned; or none for this member in a settled group (more members than
-    partitions): ready too, and said so."""
-    try:
-        assigned = consumer.assignment()
-        member = consumer.memberid()
-    except RuntimeError:  # closed
-        return Check(False, "the consumer is closed")
-    if assigned:
-        return Check(True, f"{len(assigned)} partitions assigned")
-    if not member:
-        return Check(False, f"waiting for partitions: not yet a member of group {group}")
-    try:
-        future = admin.describe_consumer_groups([group], request_timeout=timeout)[group]
-        description = future.result(timeout=timeout)
-    except (KafkaException, TimeoutError) as exc:
-        return Check(False, f"waiting for partitions: group {group} not described: {exc}")
-    state = description.state
-    if state == ConsumerGroupState.STABLE and any(
-        m.member_id == member for m in description.members
-    ):
-        return Check(
-            True,
-            f"no partitions for this member: group {group} is settled with"
-            f" {len(description.members)} members",
-        )
-    return Check(False, f"waiting for partitions: group {group} is {state.name.lower()}")
+def consumer_check(membership: Membership, group: str) -> Check:
+    """This member's partitions as its rebalance callbacks reported them: some, or none in an
+    assignment that arrived (more members than partitions: ready too, and said so)."""
+    settled, partitions = membership.state
+    if not settled:
+        return Check(False, f"waiting for partitions: no assignment from group {group} yet")
+    if partitions:
+        return Check(True, f"{partitions} partitions assigned")
+    return Check(True, f"no partitions for this member: group {group} assigned it none")
 
 
 class Health:
@@ -165,7 +146,7 @@ class Health:
             if bootstrap
             else None
         )
-        self._consumer: tuple[Consumer, str] | None = None
+        self._consumer: tuple[Membership, str] | None = None
         self._loop: tuple[threading.Event, threading.Thread | None] | None = None
         self._lock = threading.Lock()
         self._report: tuple[float, bool, dict[str, Any]] | None = None
@@ -176,8 +157,8 @@ class Health:
         self._expects_consumer = True
         return self
 
-    def watch_consumer(self, consumer: Consumer, group: str) -> None:
-        self._consumer = (consumer, group)
+    def watch_consumer(self, membership: Membership, group: str) -> None:
+        self._consumer = (membership, group)
 
     def watch_loop(self, stop: threading.Event, thread: threading.Thread | None = None) -> None:
         """The service runs until ``stop`` is set (and while ``thread``, its loop, is alive)."""
@@ -215,9 +196,7 @@ class Health:
         if self._database_url is not None:
             checks["postgres"] = postgres_check(self._database_url)
         if self._consumer is not None and not self._stopping():
-            consumer, group = self._consumer
-            if self._admin is not None:
-                checks["consumer"] = consumer_check(consumer, group, self._admin)
+            checks["consumer"] = consumer_check(*self._consumer)
         elif self._expects_consumer and "loop" not in checks:
             checks["consumer"] = Check(False, "starting: no consumer yet")
         ok = all(c.ok for c in checks.values())
@@ -345,6 +324,10 @@ class _Server(ThreadingHTTPServer):
             for sock in late:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client gone mid-answer (a probe's own timeout): not the service's problem
+        log.debug("health request from %s failed", client_address, exc_info=True)
 
     def server_close(self) -> None:
         self._closed.set()

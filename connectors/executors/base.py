@@ -69,6 +69,7 @@ from agentruns.streams import dlq, records
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import partition_count
+from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
@@ -544,6 +545,7 @@ class Executor:
         self._records = ActionRecords(c.database_url, self._name)
         self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
         self._consumer = self._clients.consumer({"max.poll.interval.ms": c.max_poll_interval_ms})
+        self.membership = Membership()  # what /healthz reports
         # Group commit: the loop hands executed batches to one committer thread, which commits
         # EVERY batch ready when its previous transaction ended in one transaction. So a batch
         # never waits for a transaction that started before it was ready, and the loop never
@@ -565,11 +567,6 @@ class Executor:
         self._backoff = Backoff(c.retry_backoff_s, c.retry_backoff_max_s)
 
     @property
-    def consumer(self) -> Consumer:
-        """The loop's consumer (its assignment is what `/healthz` reports)."""
-        return self._consumer
-
-    @property
     def retry_backoff_s(self) -> float:
         """How long the loop waits before re-reading the next batch that fails."""
         return self._backoff.next_s
@@ -582,7 +579,9 @@ class Executor:
     def run(self, stop: threading.Event) -> None:
         """Execute effects until ``stop`` is set; the batch in hand is finished first."""
         self._stop = stop
-        self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
+        self._consumer.subscribe(
+            [self.effects_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
+        )
         c = self.config
         try:
             while not stop.is_set():
@@ -700,8 +699,12 @@ class Executor:
         seek(self._consumer, self.effects_topic, rewind, lenient=True)
         return True
 
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.membership.assigned(partitions)
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Before partitions move: commit what is queued (its offsets are theirs)."""
+        self.membership.revoked()
         self._drain()
 
     def _decode(self, message: Message, dead: list[dict[str, Any]]) -> Effect | None:
@@ -911,7 +914,7 @@ def run_until_signal(executor: Executor, args: Any = None) -> int:
     try:
         with serving as status:
             if status is not None:
-                status.watch_consumer(executor.consumer, c.group)
+                status.watch_consumer(executor.membership, c.group)
                 status.watch_loop(stop, threading.current_thread())
             executor.run(stop)
     finally:

@@ -79,6 +79,7 @@ from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
 from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, NO_DELAY, release
+from agentruns.streams.membership import Membership
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.topics import (
     DEFAULT_PREFIX,
@@ -288,6 +289,7 @@ class Sink:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._consumer = Consumer(self._consumer_config())
+        self.membership = Membership()  # what /healthz reports
         self._dlq = Producer(
             {
                 "bootstrap.servers": config.bootstrap,
@@ -374,11 +376,13 @@ class Sink:
         for tp in partitions:
             tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
+        self.membership.assigned(partitions)
         log.info(
             "assigned %d partitions, seeking to the offsets stored in Postgres", len(partitions)
         )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.membership.revoked()
         self._drain()
         self._cache.clear()
         consumer.unassign()
@@ -397,11 +401,6 @@ class Sink:
         self._on_assign(self._consumer, partitions)
 
     # ------------------------------------------------------------------ loop
-
-    @property
-    def consumer(self) -> Consumer:
-        """The loop's consumer (its assignment is what `/healthz` reports)."""
-        return self._consumer
 
     def run(self, stop: threading.Event) -> None:
         """Project until `stop` is set, then close.
@@ -790,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
                         poll_timeout_s=args.poll_ms / 1000,
                     )
                 )
-                status.watch_consumer(sink.consumer, sink.config.group_id)
+                status.watch_consumer(sink.membership, sink.config.group_id)
                 status.watch_loop(stop, threading.current_thread())
                 log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
                 sink.run(stop)

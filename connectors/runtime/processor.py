@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tune_gc()
             tune_switch_interval()
             processor = Processor(config, store.put_many)
-            status.watch_consumer(processor.consumer, config.group_id)
+            status.watch_consumer(processor.membership, config.group_id)
             status.watch_loop(stop, threading.current_thread())
             log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
             try:

@@ -50,6 +50,7 @@ from agentruns.streams.kafka_defaults import (
     partition_count,
     release,
 )
+from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import check_fatal
 from agentruns.streams.records import input_record, parse_effect_body
@@ -138,6 +139,7 @@ class TimerService:
         self.dlq = topic_name(DLQ, prefix)
         group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
         self.group_id = group_id
+        self.membership = Membership()  # what /healthz reports
         self.fired = 0
         self.scheduled = 0
         self.dead_letters = 0
@@ -171,18 +173,17 @@ class TimerService:
         self.partitions = partition_count(self._producer, self.inbox)
         self._conn: Conn | None = None
 
-    @property
-    def consumer(self) -> Consumer:
-        """The loop's consumer (its assignment is what `/healthz` reports)."""
-        return self._consumer
-
     def _db(self) -> Conn:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.database_url)
         return self._conn
 
     def run(self, stop: threading.Event) -> None:
-        self._consumer.subscribe([topic_name(effect_suffix("timer"), self.prefix)])
+        self._consumer.subscribe(
+            [topic_name(effect_suffix("timer"), self.prefix)],
+            on_assign=lambda _c, partitions: self.membership.assigned(partitions),
+            on_revoke=lambda _c, _partitions: self.membership.revoked(),
+        )
         backoff = RETRY_FIRST_S
         pending: list[Message] | None = None  # consumed, not yet ingested: kept across retries
         try:
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 instance_id=args.instance_id,
                 tick_ms=args.tick_ms,
             )
-            status.watch_consumer(service.consumer, service.group_id)
+            status.watch_consumer(service.membership, service.group_id)
             status.watch_loop(stop, threading.current_thread())
             service.run(stop)
     return 0
