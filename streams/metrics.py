@@ -1,6 +1,7 @@
 """Processor metrics: plain counters for tests and logs, mirrored to Prometheus.
 
-`agentruns processor --metrics-port N` serves them (prometheus-client's own HTTP server).
+`agentruns processor --metrics-address HOST:PORT` serves them (`connectors/health.py`; every
+metric is listed in docs/metrics.md).
 Module-level collectors because Prometheus' registry is per process; several processors in one
 process (monolith mode, tests) add into the same series.
 """

@@ -61,6 +61,7 @@ from agentruns.streams.inputs import (
     Topics,
 )
 from agentruns.streams.kafka_defaults import client_settings, partition_count
+from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
 from agentruns.streams.records import EFFECT_TOPIC_KIND, RunSlot
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -232,6 +233,7 @@ class Processor:
         self._expiring: dict[int, list[tuple[int, str]]] = {}
         self._watermark: dict[int, int] = {}
         self._clients = Clients.of(config, config.group_id)
+        self.membership = Membership()  # what /healthz reports
         self._consumer = self._clients.consumer(
             {
                 # Static membership: a restarted slot gets its partitions back at once instead
@@ -368,6 +370,7 @@ class Processor:
         self._await_stable_offsets(consumer, partitions)
         restored = self._restore(mine)
         self._assigned |= mine
+        self.membership.assigned(partitions)  # ready once restored
         gc.freeze()  # the restored slots live long: out of the collector's way
         log.info(
             "assigned partitions %s: restored %d runs in %.2fs",
@@ -400,6 +403,7 @@ class Processor:
         )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.membership.revoked()
         revoked = {tp.partition for tp in partitions}
         if self._fenced:  # nothing of ours may be committed any more
             self._drop(revoked)
@@ -415,6 +419,7 @@ class Processor:
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # The group moved on without us (a session that expired while the process stood still):
         # our offsets are refused now, so a transaction still in flight fails; drop everything.
+        self.membership.revoked()
         lost = sorted(tp.partition for tp in partitions)
         try:
             self._wait_in_flight()

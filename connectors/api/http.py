@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,8 +26,9 @@ from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
 from agentruns.connectors.api.tokens import callback_signature
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.health import metrics_text
 from agentruns.processors.limits import json_depth
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -37,7 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 log = logging.getLogger("agentruns.api")
 
 
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/metrics", "/openapi.json"})
 
 
 REQUESTS = Counter(
@@ -259,11 +261,17 @@ async def _callback(s: ApiService, r: Request) -> Response:
 
 
 async def _health(s: ApiService, r: Request) -> Response:
-    return JSONResponse(await run_in_threadpool(s.health))
+    ok, body = await run_in_threadpool(s.health)
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _live(s: ApiService, r: Request) -> Response:
+    ok, body = s.status.live()
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def _metrics(s: ApiService, r: Request) -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _openapi(s: ApiService, r: Request) -> Response:
@@ -278,6 +286,7 @@ ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Res
     ("POST", "/runs/{run_id}/cancel", "cancel", _cancel),
     ("POST", "/operations/{key}/callback", "callback", _callback),
     ("GET", "/healthz", "healthz", _health),
+    ("GET", "/livez", "livez", _live),
     ("GET", "/metrics", "metrics", _metrics),
     ("GET", "/openapi.json", "openapi", _openapi),
 )
@@ -287,11 +296,15 @@ def create_app(config: ApiConfig) -> Starlette:
     """The ASGI app. Connects to Kafka (inbox metadata) at once; Postgres lazily."""
     service = ApiService(config)
 
+    stopping = threading.Event()
+    service.status.watch_loop(stopping)  # the app serves until its lifespan ends
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            stopping.set()
             await run_in_threadpool(service.close)
 
     routes = [

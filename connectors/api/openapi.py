@@ -38,7 +38,7 @@ OPENAPI: dict[str, Any] = {
         "title": "agentruns API",
         "version": "1",
         "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel. "
-        "Every endpoint but /healthz, /metrics and /openapi.json needs "
+        "Every endpoint but /healthz, /livez, /metrics and /openapi.json needs "
         "`Authorization: Bearer <AGENTRUNS_API_TOKEN>`.",
     },
     "components": {
@@ -226,7 +226,20 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
-        "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {}}}},
+        "/healthz": {
+            "get": {
+                "summary": "Readiness: Kafka and Postgres answer",
+                "security": [],
+                "responses": {"200": {}, "503": {}},
+            }
+        },
+        "/livez": {
+            "get": {
+                "summary": "Liveness: the app serves",
+                "security": [],
+                "responses": {"200": {}, "503": {}},
+            }
+        },
         "/metrics": {
             "get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {}}}
         },

@@ -34,6 +34,7 @@ from agentruns.connectors.api.inputs import (
 )
 from agentruns.connectors.api.pool import Conn, ConnectionPool
 from agentruns.connectors.api.tokens import ResumeToken, TokenError, sign_token, verify_token
+from agentruns.connectors.health import Health
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -162,6 +163,7 @@ class ApiService:
         self.clock = config.clock
         self.db = ConnectionPool(config.database_url, config.db_pool_size)
         self.inbox = Inbox(config)
+        self.status = Health("api", bootstrap=config.bootstrap, database_url=config.database_url)
 
     def close(self) -> None:
         self.inbox.close()
@@ -616,7 +618,7 @@ class ApiService:
         )
         return 202, {"operation_key": op_key, "run_id": run_id, "accepted": True}
 
-    def health(self) -> dict[str, Any]:
-        with self.db.connection() as conn:
-            conn.execute("SELECT 1")
-        return {"status": "ok", "inbox": self.inbox.topic, "partitions": self.inbox.partitions}
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness (`/healthz`): Kafka and Postgres answer (the checks every service uses)."""
+        ok, body = self.status.ready()
+        return ok, {**body, "inbox": self.inbox.topic, "partitions": self.inbox.partitions}

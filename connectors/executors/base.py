@@ -56,7 +56,9 @@ from typing import Any, Protocol
 
 import msgspec
 import psycopg
+from agentruns.connectors import health
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES, StoredArtifact
 from agentruns.connectors.postgres.bulk import Conn, RetryingConnection
 from agentruns.connectors.settings import current
@@ -67,14 +69,55 @@ from agentruns.streams import dlq, records
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import partition_count
+from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
 from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings, seek
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from prometheus_client import Counter, Histogram
 
 log = logging.getLogger("agentruns.executor")
+
+# Labelled by `kind` (model, tool): both executors may share a process (`agentruns run`).
+EXECUTOR_RECORDS = Counter(
+    "agentruns_executor_records_total", "Effect records consumed by the executor", ["kind"]
+)
+EXECUTOR_EFFECTS = Counter(
+    "agentruns_executor_effects_total",
+    "Effects answered, by outcome: executed (the handler's answer), failed (a failure answer"
+    " from the guard), replayed (the stored answer of a completed effect, sent again)",
+    ["kind", "outcome"],
+)
+EXECUTOR_CALL_SECONDS = Histogram(
+    "agentruns_executor_call_seconds",
+    "Time of one handler call (the model or tool call), by outcome: ok or error (it raised)",
+    ["kind", "outcome"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+EXECUTOR_HANDLER_ERRORS = Counter(
+    "agentruns_executor_handler_errors_total", "Exceptions out of a handler, caught", ["kind"]
+)
+EXECUTOR_DEAD_LETTERS = Counter(
+    "agentruns_executor_dead_letters_total", "Effect records sent to the DLQ", ["kind"]
+)
+EXECUTOR_TRANSACTIONS = Counter(
+    "agentruns_executor_transactions_total",
+    "Executor transactions, by outcome: committed or aborted (the loop rewinds)",
+    ["kind", "outcome"],
+)
+EXECUTOR_BATCH_RETRIES = Counter(
+    "agentruns_executor_batch_retries_total",
+    "Batches re-read after a failure (the database down)",
+    ["kind"],
+)
+EXECUTOR_COMMIT_SECONDS = Histogram(
+    "agentruns_executor_commit_seconds",
+    "Time of one executor transaction (offsets, produce, flush, commit)",
+    ["kind"],
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
 
 
 class ExecutorError(AgentrunsError):
@@ -155,6 +198,7 @@ class Completion:
     input: dict[str, Any]
     detail: str
     artifacts: tuple[StoredArtifact, ...] = ()
+    failed: bool = False  # a failure answer of the guard, not the handler's own
 
 
 def operation_key_of(effect: Effect) -> str | None:
@@ -501,6 +545,7 @@ class Executor:
         self._records = ActionRecords(c.database_url, self._name)
         self._pool = ThreadPoolExecutor(max(1, c.workers), thread_name_prefix=f"exec-{c.kind}")
         self._consumer = self._clients.consumer({"max.poll.interval.ms": c.max_poll_interval_ms})
+        self.membership = Membership()  # what /healthz reports
         # Group commit: the loop hands executed batches to one committer thread, which commits
         # EVERY batch ready when its previous transaction ended in one transaction. So a batch
         # never waits for a transaction that started before it was ready, and the loop never
@@ -534,7 +579,9 @@ class Executor:
     def run(self, stop: threading.Event) -> None:
         """Execute effects until ``stop`` is set; the batch in hand is finished first."""
         self._stop = stop
-        self._consumer.subscribe([self.effects_topic], on_revoke=self._on_revoke)
+        self._consumer.subscribe(
+            [self.effects_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
+        )
         c = self.config
         try:
             while not stop.is_set():
@@ -583,6 +630,7 @@ class Executor:
                 effects.append(effect)
         if not first:
             return
+        EXECUTOR_RECORDS.labels(self.config.kind).inc(sum(last[p] - first[p] for p in first))
         created = _oldest(messages)
         if created is not None:
             self.stats.polled_after.append(time.time() - created)
@@ -600,6 +648,7 @@ class Executor:
                 log.exception("batch failed unexpectedly, retrying it")
             self.stats.aborts += 1
             self.stats.batch_retries += 1
+            EXECUTOR_BATCH_RETRIES.labels(self.config.kind).inc()
             if self._drain(also_rewind=first):  # else already rewound to the failed batch
                 seek(self._consumer, self.effects_topic, first, lenient=True)
             self._backoff.wait(self._stop)
@@ -645,12 +694,17 @@ class Executor:
         rewind = _earliest(*(b.first for b in failure.units), also_rewind or {})
         self._committer.recover(failure.error)  # logged: an abort, or a new producer if fatal
         self.stats.aborts += 1
+        EXECUTOR_TRANSACTIONS.labels(self.config.kind, "aborted").inc()
         # the effects come back and are answered from their records
         seek(self._consumer, self.effects_topic, rewind, lenient=True)
         return True
 
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.membership.assigned(partitions)
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Before partitions move: commit what is queued (its offsets are theirs)."""
+        self.membership.revoked()
         self._drain()
 
     def _decode(self, message: Message, dead: list[dict[str, Any]]) -> Effect | None:
@@ -678,6 +732,7 @@ class Executor:
 
     def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
         self.stats.dead_letters += 1
+        EXECUTOR_DEAD_LETTERS.labels(self.config.kind).inc()
         log.warning("dead letter (%s): %s", error_class, reason)
         _, timestamp = message.timestamp()
         return dlq.dead_letter(
@@ -708,6 +763,9 @@ class Executor:
             else:
                 todo.append(effect)
         self.stats.replayed += len(answers)
+        kind = self.config.kind
+        if answers:
+            EXECUTOR_EFFECTS.labels(kind, "replayed").inc(len(answers))
         if todo:
             futures = [
                 self._pool.submit(self._answer, e, records.get(e.idempotency_key)) for e in todo
@@ -717,6 +775,11 @@ class Executor:
             artifacts = [a for c in completions for a in c.artifacts]
             answers.update(self._records.complete(completions, artifacts))
             self.stats.executed += len(todo)
+            failed = sum(c.failed for c in completions)
+            if failed:
+                EXECUTOR_EFFECTS.labels(kind, "failed").inc(failed)
+            if failed < len(completions):
+                EXECUTOR_EFFECTS.labels(kind, "executed").inc(len(completions) - failed)
         self.stats.effects += len(unique)
         return [(unique[k].run_id, answers[k]) for k in unique]
 
@@ -734,9 +797,16 @@ class Executor:
         attempt = 0
         while True:
             attempt += 1
+            began, called = time.monotonic(), False
             try:
-                return self._checked(effect, self.handler.execute(effect, previous))
+                outcome = self.handler.execute(effect, previous)
+                called = True
+                EXECUTOR_CALL_SECONDS.labels(c.kind, "ok").observe(time.monotonic() - began)
+                # in the guard too: an answer the codec cannot encode is this effect's failure
+                return self._checked(effect, outcome)
             except Exception as exc:
+                if not called:
+                    EXECUTOR_CALL_SECONDS.labels(c.kind, "error").observe(time.monotonic() - began)
                 if _outage(exc):
                     raise
                 with self._stats_lock:
@@ -777,7 +847,8 @@ class Executor:
             self.stats.gave_up += 1
         outcome = self.handler.failure(effect, code, clean_text(message, 500))
         record = input_record(effect, outcome.event)
-        return Completion(effect, record, clean_text(f"{code}: {message}"), outcome.artifacts)
+        detail = clean_text(f"{code}: {message}")
+        return Completion(effect, record, detail, outcome.artifacts, failed=True)
 
     def _on_commit(self, batches: list[_Ready], t: Timings) -> None:
         """The committer thread, once a transaction committed (its offsets went first:
@@ -792,6 +863,8 @@ class Executor:
         wall = time.time()
         stats.committed_after.extend(wall - b.created for b in batches if b.created is not None)
         stats.transactions += 1
+        EXECUTOR_TRANSACTIONS.labels(self.config.kind, "committed").inc()
+        EXECUTOR_COMMIT_SECONDS.labels(self.config.kind).observe(t.ended - t.began)
 
 
 def _outage(exc: Exception) -> bool:
@@ -820,16 +893,30 @@ def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:
 # --------------------------------------------------------------------------- process mains
 
 
-def run_until_signal(executor: Executor) -> int:
-    """Run in this thread until SIGTERM/SIGINT; finish the batch in hand, then exit 0."""
+def run_until_signal(executor: Executor, args: Any = None) -> int:
+    """Run in this thread until SIGTERM/SIGINT; finish the batch in hand, then exit 0.
+
+    With the command's ``args``: serve its health endpoints meanwhile (`health.serving`)."""
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    c = executor.config
+    serving = (
+        health.serving(
+            args, f"executor-{c.kind}", bootstrap=c.bootstrap, database_url=c.database_url
+        )
+        if args is not None
+        else contextlib.nullcontext(None)
+    )
     try:
-        executor.run(stop)
+        with serving as status:
+            if status is not None:
+                status.watch_consumer(executor.membership, c.group)
+                status.watch_loop(stop, threading.current_thread())
+            executor.run(stop)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -857,13 +944,14 @@ def add_common_arguments(parser: Any, kind: str) -> None:
         help="after a batch's first effect, wait this long for more (0: take what is there)",
     )
     parser.add_argument("--log-level", default="WARNING")
+    health.add_arguments(parser)
 
 
 def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
     """The executor config; resolves Kafka/Postgres like every command when not given.
 
     Returns the config and the ServiceStack to close (or None)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, component=f"executor-{kind}")
     stack = None
     bootstrap, database = args.bootstrap, args.database_url
     if not bootstrap or not database:

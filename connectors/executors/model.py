@@ -867,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     config.max_poll_interval_ms = 600_000  # a batch may hold slow streams
     try:
         routes = Routes.from_env(args.routes, args.base_url)
-        return run_until_signal(ModelExecutor(config, routes, registry))
+        return run_until_signal(ModelExecutor(config, routes, registry), args)
     finally:
         if stack is not None:
             stack.close()

@@ -908,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
             summary_bytes=args.summary_bytes,
             max_body_bytes=args.max_body_bytes,
         )
-        return run_until_signal(executor)
+        return run_until_signal(executor, args)
     finally:
         if stack is not None:
             stack.close()

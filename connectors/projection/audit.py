@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
+from agentruns.connectors import health
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import progress, stop_on_signals
 from agentruns.connectors.projection.reading import AuditError, Say, read_log, read_snapshots
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-postgres", action="store_true", help="compare with snapshots only")
     parser.add_argument("--every", type=float, help="reconcile every SECONDS (periodic job)")
     parser.add_argument("--rounds", type=int, help="with --every: stop after N rounds")
-    parser.add_argument("--metrics-port", type=int, help="with --every: serve Prometheus metrics")
+    health.add_arguments(parser)  # with --every
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
     from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
@@ -425,13 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         from agentruns.connectors.logs import setup_logging
 
         setup_logging("INFO", component="reconcile")
-        if args.metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(args.metrics_port)
         stop = stop_on_signals()
-        job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
-        job.run(stop, rounds=args.rounds)
+        serving = health.serving(
+            args, "reconcile", bootstrap=bootstrap, database_url=url, consumer=False
+        )
+        with serving as status:
+            status.watch_loop(stop, threading.current_thread())
+            job = Reconciler(bootstrap, args.prefix, url, every_s=args.every, sample=args.sample)
+            job.run(stop, rounds=args.rounds)
         return 1 if job.differences else 0
     report = audit(
         bootstrap,

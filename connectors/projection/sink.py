@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from agentruns.connectors import dead_letters
+from agentruns.connectors import dead_letters, health
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.postgres.bulk import prefer_lz4, write_rows
@@ -79,6 +79,7 @@ from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, client_settings, release
+from agentruns.streams.membership import Membership
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.topics import (
     DEFAULT_PREFIX,
@@ -288,6 +289,7 @@ class Sink:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._consumer = Consumer(self._consumer_config())
+        self.membership = Membership()  # what /healthz reports
         self._dlq = Producer(
             {
                 "bootstrap.servers": config.bootstrap,
@@ -374,11 +376,13 @@ class Sink:
         for tp in partitions:
             tp.offset = offsets.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
+        self.membership.assigned(partitions)
         log.info(
             "assigned %d partitions, seeking to the offsets stored in Postgres", len(partitions)
         )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.membership.revoked()
         self._drain()
         self._cache.clear()
         consumer.unassign()
@@ -750,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--instance-id", help="static group membership id (fast restarts)")
     parser.add_argument("--batch-size", type=int, default=5000, help="max records per batch")
     parser.add_argument("--poll-ms", type=int, default=50, help="max wait to fill a batch")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    health.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -764,29 +768,32 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, component="sink")
     stop = stop_on_signals()
     tune_gc()
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port)
     try:
         with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
             assert stack.endpoints is not None
-            migrate(stack.endpoints.database_url)
-            sink = Sink(
-                SinkConfig(
-                    bootstrap=stack.endpoints.kafka_bootstrap,
-                    database_url=stack.endpoints.database_url,
-                    prefix=args.prefix,
-                    group_id=args.group,
-                    assign=args.assign,
-                    instance_id=args.instance_id,
-                    batch_size=args.batch_size,
-                    poll_timeout_s=args.poll_ms / 1000,
-                )
+            ep = stack.endpoints
+            serving = health.serving(
+                args, "sink", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
             )
-            log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
-            sink.run(stop)
-            log.info("sink stopped: %s", sink.stats)
+            with serving as status:
+                migrate(ep.database_url)
+                sink = Sink(
+                    SinkConfig(
+                        bootstrap=ep.kafka_bootstrap,
+                        database_url=ep.database_url,
+                        prefix=args.prefix,
+                        group_id=args.group,
+                        assign=args.assign,
+                        instance_id=args.instance_id,
+                        batch_size=args.batch_size,
+                        poll_timeout_s=args.poll_ms / 1000,
+                    )
+                )
+                status.watch_consumer(sink.membership, sink.config.group_id)
+                status.watch_loop(stop, threading.current_thread())
+                log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
+                sink.run(stop)
+                log.info("sink stopped: %s", sink.stats)
     except AgentrunsError as exc:
         print(f"agentruns sink: {exc.one_line()}", file=sys.stderr)
         return 2

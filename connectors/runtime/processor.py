@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from collections.abc import Sequence
 
+from agentruns.connectors import health
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="evict a run from memory and the state topic (a tombstone) this long after its "
         "end, in event time; a negative value keeps ended runs",
     )
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    health.add_arguments(p)
     p.add_argument("--log-level", default=current().log_level)
     return p
 
@@ -85,36 +87,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
-        migrate(ep.database_url)
-        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
-        if args.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(args.metrics_port, addr="127.0.0.1")
-        store = PostgresArtifactStore(ep.database_url)
-        config = ProcessorConfig(
-            bootstrap=ep.kafka_bootstrap,
-            prefix=args.prefix,
-            group_id=args.group,
-            instance_id=args.instance_id,
-            commit_interval_ms=args.commit_interval_ms,
-            fetch_window_ms=args.fetch_window_ms,
-            max_batch=args.max_batch,
-            gap_timeout_ms=args.gap_timeout_ms,
-            buffer_limit=args.buffer_limit,
-            max_record_bytes=args.max_record_bytes,
-            terminal_retention_ms=(
-                None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
-            ),
+        serving = health.serving(
+            args, "processor", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
         )
-        tune_gc()
-        tune_switch_interval()
-        processor = Processor(config, store.put_many)
-        log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
-        try:
-            processor.run(stop)
-        finally:
-            store.close()
+        with serving as status:
+            migrate(ep.database_url)
+            ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+            store = PostgresArtifactStore(ep.database_url)
+            config = ProcessorConfig(
+                bootstrap=ep.kafka_bootstrap,
+                prefix=args.prefix,
+                group_id=args.group,
+                instance_id=args.instance_id,
+                commit_interval_ms=args.commit_interval_ms,
+                fetch_window_ms=args.fetch_window_ms,
+                max_batch=args.max_batch,
+                gap_timeout_ms=args.gap_timeout_ms,
+                buffer_limit=args.buffer_limit,
+                max_record_bytes=args.max_record_bytes,
+                terminal_retention_ms=(
+                    None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+                ),
+            )
+            tune_gc()
+            tune_switch_interval()
+            processor = Processor(config, store.put_many)
+            status.watch_consumer(processor.membership, config.group_id)
+            status.watch_loop(stop, threading.current_thread())
+            log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
+            try:
+                processor.run(stop)
+            finally:
+                store.close()
     log.info("processor %s stopped", args.instance_id)
     return 0
 

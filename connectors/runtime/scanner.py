@@ -17,12 +17,17 @@ if the timer already fired.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import psycopg
+from agentruns.connectors import health
 from agentruns.connectors.lifecycle import stop_on_signals
+from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.runtime.timers import fired_input
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
@@ -160,13 +165,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--redrive", action="store_true", help="fire overdue timers again")
     parser.add_argument("--every", type=float, help="scan every SECONDS until stopped")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
+    health.add_arguments(parser)  # with --every
     args = parser.parse_args(list(argv) if argv is not None else None)
     from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
+    setup_logging(args.log_level, component="scanner")
     stop = stop_on_signals()
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
+    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, contextlib.ExitStack() as serving:
         assert stack.endpoints is not None
         ep = stack.endpoints
+        if args.every is not None:
+            status = serving.enter_context(
+                health.serving(
+                    args,
+                    "scanner",
+                    bootstrap=ep.kafka_bootstrap,
+                    database_url=ep.database_url,
+                    consumer=False,
+                )
+            )
+            status.watch_loop(stop, threading.current_thread())
         while True:
             found = scan(
                 ep.kafka_bootstrap,

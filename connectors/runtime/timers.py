@@ -25,12 +25,13 @@ import argparse
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import psycopg
-from agentruns.connectors import dead_letters
+from agentruns.connectors import dead_letters, health
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.migrate import migrate
@@ -49,11 +50,13 @@ from agentruns.streams.kafka_defaults import (
     partition_count,
     release,
 )
+from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import check_fatal
 from agentruns.streams.records import input_record, parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, KafkaException, Message, Producer
+from prometheus_client import Counter, Histogram
 
 log = logging.getLogger("agentruns.timer")
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -62,6 +65,27 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
 DUE_AT_OUT_OF_RANGE = "invalid_input:due_at_out_of_range"
+
+TIMER_RECORDS = Counter("agentruns_timer_records_total", "Timer effect records consumed")
+TIMER_EFFECTS = Counter(
+    "agentruns_timer_effects_total",
+    "Timer effects ingested, by outcome (scheduled, cancelled, ignored, dead_letter)",
+    ["outcome"],
+)
+TIMERS_FIRED = Counter("agentruns_timers_fired_total", "Due timers fired into the inbox")
+TIMER_FIRE_DELAY = Histogram(
+    "agentruns_timer_fire_delay_seconds",
+    "From a timer's due time to the commit of its firing",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TIMER_FIRE_SECONDS = Histogram(
+    "agentruns_timer_fire_seconds",
+    "Time to fire one round of due timers (produce, flush, mark fired)",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+TIMER_RETRIES = Counter(
+    "agentruns_timer_retries_total", "Batches retried while Postgres or the broker was away"
+)
 
 
 class Refused(Exception):
@@ -114,6 +138,8 @@ class TimerService:
         self.inbox = topic_name(INBOX, prefix)
         self.dlq = topic_name(DLQ, prefix)
         group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
+        self.group_id = group_id
+        self.membership = Membership()  # what /healthz reports
         self.fired = 0
         self.scheduled = 0
         self.dead_letters = 0
@@ -153,7 +179,11 @@ class TimerService:
         return self._conn
 
     def run(self, stop: threading.Event) -> None:
-        self._consumer.subscribe([topic_name(effect_suffix("timer"), self.prefix)])
+        self._consumer.subscribe(
+            [topic_name(effect_suffix("timer"), self.prefix)],
+            on_assign=lambda _c, partitions: self.membership.assigned(partitions),
+            on_revoke=lambda _c, _partitions: self.membership.revoked(),
+        )
         backoff = RETRY_FIRST_S
         pending: list[Message] | None = None  # consumed, not yet ingested: kept across retries
         try:
@@ -169,6 +199,7 @@ class TimerService:
                     # Postgres restarting or the broker away: the same batch is ingested again.
                     log.warning("%s; retrying in %.1fs", dead_letters.first_line(exc), backoff)
                     self.retries += 1
+                    TIMER_RETRIES.inc()
                     self._drop_db()
                     stop.wait(backoff)
                     backoff = min(backoff * 2, RETRY_MAX_S)
@@ -188,6 +219,7 @@ class TimerService:
         if not messages:
             return
         dead: list[dict[str, Any]] = []
+        outcomes: dict[str, int] = {}
         conn = self._db()
         with conn.transaction():
             for msg in messages:
@@ -195,7 +227,8 @@ class TimerService:
                     continue
                 try:
                     with conn.transaction():
-                        self._apply(conn, msg)
+                        outcome = self._apply(conn, msg)
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
                 except Exception as exc:  # the one guard: this effect, and only it, is refused
                     if isinstance(exc, psycopg.OperationalError) and (conn.broken or conn.closed):
                         raise  # Postgres away, not the effect: the whole batch again, later
@@ -204,12 +237,19 @@ class TimerService:
                     dead.append(dead_letters.of_message(msg, refused.reason, refused.error_class))
             dead_letters.send(self._producer, self.dlq, dead)
         self.dead_letters += len(dead)
+        # counted once the batch is in: a batch retried after an outage counts once
+        TIMER_RECORDS.inc(len(messages))
+        if dead:
+            outcomes["dead_letter"] = len(dead)
+        for outcome, n in outcomes.items():
+            TIMER_EFFECTS.labels(outcome).inc(n)
         try:
             self._consumer.commit(asynchronous=False)
         except KafkaException as exc:
             log.warning("offset commit failed (rows are idempotent, will re-read): %s", exc)
 
-    def _apply(self, conn: Conn, msg: Message) -> None:
+    def _apply(self, conn: Conn, msg: Message) -> str:
+        """Ingest one effect; returns its outcome (`agentruns_timer_effects_total`)."""
         effect = parse_effect_body(decode(msg.value() or b"", "Effect").record["body"])
         if isinstance(effect, ScheduleTimer):
             if not 0 <= effect.due_at <= MAX_TIME_MS:
@@ -228,14 +268,18 @@ class TimerService:
                 ),
             )
             self.scheduled += 1
-        elif isinstance(effect, CancelTimer):
+            return "scheduled"
+        if isinstance(effect, CancelTimer):
             conn.execute(
                 "UPDATE timers SET cancelled = true"
                 " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
                 (effect.run_id, effect.timer_id),
             )
+            return "cancelled"
+        return "ignored"
 
     def _fire_due(self) -> None:
+        began = time.monotonic()
         conn = self._db()
         with conn.transaction():
             rows = conn.execute(
@@ -261,6 +305,11 @@ class TimerService:
                 [(now_ms(), r[0], r[1]) for r in rows],
             )
         self.fired += len(rows)
+        TIMERS_FIRED.inc(len(rows))
+        TIMER_FIRE_SECONDS.observe(time.monotonic() - began)
+        fired_at = now_ms()
+        for row in rows:
+            TIMER_FIRE_DELAY.observe(max(0, fired_at - row[2]) / 1000)
         log.info("fired %d timers", len(rows))
 
     def close(self) -> None:
@@ -278,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--instance-id", default=current().instance_id)
     parser.add_argument("--tick-ms", type=int, default=50)
     parser.add_argument("--log-level", default=current().log_level)
+    health.add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="timer")
     stop = stop_on_signals()
@@ -286,17 +336,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
-        migrate(ep.database_url)
-        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
-        service = TimerService(
-            ep.kafka_bootstrap,
-            ep.database_url,
-            prefix=args.prefix,
-            group_id=args.group,
-            instance_id=args.instance_id,
-            tick_ms=args.tick_ms,
+        serving = health.serving(
+            args, "timer", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
         )
-        service.run(stop)
+        with serving as status:
+            migrate(ep.database_url)
+            ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
+            service = TimerService(
+                ep.kafka_bootstrap,
+                ep.database_url,
+                prefix=args.prefix,
+                group_id=args.group,
+                instance_id=args.instance_id,
+                tick_ms=args.tick_ms,
+            )
+            status.watch_consumer(service.membership, service.group_id)
+            status.watch_loop(stop, threading.current_thread())
+            service.run(stop)
     return 0
 
 

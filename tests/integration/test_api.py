@@ -53,7 +53,7 @@ def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
             assert r.headers["www-authenticate"].startswith("Bearer")
         wrong = anon.get("/runs/x", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        assert anon.get("/healthz").json()["status"] == "ok"
+        assert anon.get("/healthz").json()["status"] == "ready"
         assert "agentruns_api_requests_total" in anon.get("/metrics").text
         spec = anon.get("/openapi.json").json()
         assert "/runs/{run_id}/replies" in spec["paths"]
