@@ -11,7 +11,7 @@ A tool's connection settings come from the registry (see docs/executors.md, "Too
 - ``proxy``: a proxy URL, or ``""`` for none; without it ``HTTPS_PROXY``/``HTTP_PROXY``/
   ``NO_PROXY`` apply (https goes through the proxy with ``CONNECT``).
 - ``tls``: ``{"ca_file": ..., "verify": true}``; verification is on unless ``verify`` is
-  false. A registry-wide ``tls``/``proxy`` is the default of every tool.
+  false; ``ca_file`` null means the system's CAs. A registry-wide ``tls``/``proxy`` is the default of every tool.
 
 :class:`KeepAliveHTTP` carries them with the executor's limits: an exchange is over
 ``timeout_s`` after it starts (every read waits only until that deadline, so a backend
@@ -156,8 +156,9 @@ class Connectivity:
         if tls is not None:
             if not isinstance(tls, Mapping):
                 raise ExecutorError(f"{where}: tls must be an object")
-            if tls.get("ca_file") is not None:
-                ca_file = _readable(tls["ca_file"], "ca_file", f"{where} tls")
+            if "ca_file" in tls:  # null: the system's CAs, whatever the registry's default
+                ca = tls["ca_file"]
+                ca_file = None if ca is None else _readable(ca, "ca_file", f"{where} tls")
             verify = bool(tls.get("verify", True))
         proxy = spec.get("proxy", base.proxy)
         if proxy is not None and not isinstance(proxy, str):

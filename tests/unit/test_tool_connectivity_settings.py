@@ -90,6 +90,8 @@ def test_registry_tls_and_proxy_are_every_tools_default(tmp_path: Path) -> None:
     )
     conn = registry.tools["t"].conn
     assert (conn.ca_file, conn.verify, conn.proxy) == (str(ca), True, "")
+    public = _load(tmp_path, {"tls": {"ca_file": None}}, tls={"ca_file": str(ca)})
+    assert public.tools["t"].conn.ca_file is None  # the system's CAs for this one
     with pytest.raises(ExecutorError, match="ca_file"):
         _load(tmp_path, {"tls": {"ca_file": str(tmp_path / "missing.pem")}})
     with pytest.raises(ExecutorError, match="http:// or https://"):
