@@ -1,6 +1,6 @@
 """How the tool executor reaches a tool backend: auth, proxy, TLS and the pooled HTTP client.
 
-A tool's connection settings come from the registry (see docs/executors.md, "Tool registry"):
+A tool's connection settings come from the registry (docs/executors.md, "Auth, proxy and TLS"):
 
 - ``auth``: ``{"type": "bearer", "token_env" | "token_file": ...}``, ``{"type": "api_key",
   "header": "X-API-Key", "key_env" | "key_file": ...}`` or ``{"type": "mtls", "cert_file":
@@ -11,7 +11,8 @@ A tool's connection settings come from the registry (see docs/executors.md, "Too
 - ``proxy``: a proxy URL, or ``""`` for none; without it ``HTTPS_PROXY``/``HTTP_PROXY``/
   ``NO_PROXY`` apply (https goes through the proxy with ``CONNECT``).
 - ``tls``: ``{"ca_file": ..., "verify": true}``; verification is on unless ``verify`` is
-  false; ``ca_file`` null means the system's CAs. A registry-wide ``tls``/``proxy`` is the default of every tool.
+  false; ``ca_file`` null means the system's CAs. A registry-wide ``tls``/``proxy`` is the
+  default of every tool.
 
 :class:`KeepAliveHTTP` carries them with the executor's limits: an exchange is over
 ``timeout_s`` after it starts (every read waits only until that deadline, so a backend
