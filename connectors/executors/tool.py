@@ -17,7 +17,10 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   2xx -> ToolCallSucceeded (raw output kept as an artifact, deterministic summary when large);
   202 -> ToolCallAccepted; a timeout or a connection lost after the request was sent ->
   ToolCallTimedOut (the operation is UNKNOWN, never failed); a connection that could not be
-  opened -> ToolCallFailed TRANSIENT (nothing was sent); status codes -> :func:`error_for_status`.
+  opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
+  failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
+  :func:`error_for_status`. Each tool's auth, proxy and TLS come from the registry
+  (:mod:`agentruns.connectors.executors.tool_http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
   not_executed (safe to resend with the same key), anything else = undeterminable.
 - ``PollTool``: ``GET status_url`` -> running/accepted = ToolStatusReported; succeeded /
