@@ -17,7 +17,10 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   2xx -> ToolCallSucceeded (raw output kept as an artifact, deterministic summary when large);
   202 -> ToolCallAccepted; a timeout or a connection lost after the request was sent ->
   ToolCallTimedOut (the operation is UNKNOWN, never failed); a connection that could not be
-  opened -> ToolCallFailed TRANSIENT (nothing was sent); status codes -> :func:`error_for_status`.
+  opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
+  failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
+  :func:`error_for_status`. Each tool's auth, proxy and TLS come from the registry
+  (:mod:`agentruns.connectors.executors.tool_http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
   not_executed (safe to resend with the same key), anything else = undeterminable.
 - ``PollTool``: ``GET status_url`` -> running/accepted = ToolStatusReported; succeeded /
@@ -38,23 +41,18 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import math
 import os
-import socket
-import ssl
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from agentruns.connectors.executors.base import (
     ActionRecord,
@@ -67,6 +65,13 @@ from agentruns.connectors.executors.base import (
     decode_json,
     event_identity,
     run_until_signal,
+)
+from agentruns.connectors.executors.tool_http import (
+    DEFAULT_MAX_BODY_BYTES,
+    DIRECT,
+    Answer,
+    Connectivity,
+    KeepAliveHTTP,
 )
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
@@ -94,16 +99,11 @@ log = logging.getLogger("agentruns.executor.tool")
 REGISTRY_ENV = "AGENTRUNS_TOOL_REGISTRY"
 DEFAULT_SUMMARY_BYTES = 16_384
 RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
-# A tool answer's body is read up to this size; a larger one fails the call (it could not be
-# stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
 MAX_RETRY_AFTER_MS = 10 * 60 * 1000
 # A Retry-After beyond this is no schedule a backend means (`1e300`): ignored like garbage,
 # so our own back-off applies instead of the longest one.
 ABSURD_RETRY_AFTER_S = 24 * 3600
-# Response head lines (status + headers) a backend may send before the body.
-MAX_HEAD_LINES = 256
 
 
 # --------------------------------------------------------------------------- registry
@@ -122,6 +122,8 @@ class ToolEntry:
     status_url_template: str | None
     is_async: bool
     cancel_url_template: str | None
+    # auth, proxy and TLS of this tool (the registry's defaults where the tool has none)
+    conn: Connectivity = DIRECT
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,14 @@ class ToolRegistry:
 
     @classmethod
     def load(cls, path: Path | str) -> ToolRegistry:
+        """The registry at ``path``, its secrets read (a missing one fails here, once, at
+        start: the error names the tool and the variable or file, never a value)."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ExecutorError(f"cannot read the tool registry {path}: {exc}") from exc
         try:
+            defaults = Connectivity.parse(data, f"tool registry {path}")
             tools = {
                 t["name"]: ToolEntry(
                     name=t["name"],
@@ -153,6 +158,7 @@ class ToolRegistry:
                     status_url_template=t.get("status_url_template"),
                     is_async=bool(t.get("async", False)),
                     cancel_url_template=t.get("cancel_url_template"),
+                    conn=Connectivity.parse(t, f"tool {t['name']!r} in {path}", defaults),
                 )
                 for t in data["tools"]
             }
@@ -238,243 +244,6 @@ def _error_code(payload: Any, default: str) -> str:
     return default
 
 
-@dataclass(frozen=True)
-class Answer:
-    """One HTTP answer, or how the exchange failed before there was one."""
-
-    status: int = 0
-    headers: Mapping[str, str] | None = None
-    body: bytes = b""
-    failure: str | None = None  # "not_sent" | "no_answer"
-    detail: str = ""
-
-    def header(self, name: str) -> str | None:
-        return None if self.headers is None else self.headers.get(name.lower())
-
-
-# --------------------------------------------------------------------------- transport
-
-
-class HTTPWireError(Exception):
-    """The peer broke the HTTP/1.1 framing (or closed the connection) mid-response."""
-
-
-class BodyTooLargeError(HTTPWireError):
-    """The response body is over the client's limit: it was not read (the connection is
-    closed, never reused)."""
-
-    def __init__(self, status: int, size: int, limit: int) -> None:
-        super().__init__(f"HTTP {status} body of {size}+ bytes, over the limit of {limit}")
-        self.status = status
-
-
-class _Connection:
-    """One keep-alive socket and its read buffer. ``deadline`` (monotonic) and ``limit``
-    (body bytes) are set per exchange: every read waits only until the deadline, so a
-    backend dripping bytes cannot extend it."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = bytearray()
-        self.deadline = math.inf
-        self.limit = DEFAULT_MAX_BODY_BYTES
-
-    def _fill(self) -> None:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("no complete answer within the deadline")
-        self.sock.settimeout(min(remaining, 3600.0))
-        data = self.sock.recv(65536)
-        if not data:
-            raise HTTPWireError("connection closed by the server")
-        self.buffer += data
-
-    def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
-        while True:
-            index = self.buffer.find(separator)
-            if index >= 0:
-                line = bytes(self.buffer[:index])
-                del self.buffer[: index + len(separator)]
-                return line
-            if len(self.buffer) > limit:
-                raise HTTPWireError("response head too long")
-            self._fill()
-
-    def read_exactly(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            self._fill()
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    def read_to_close(self, status: int) -> bytes:
-        with contextlib.suppress(HTTPWireError):
-            while len(self.buffer) <= self.limit:
-                self._fill()
-        if len(self.buffer) > self.limit:
-            raise BodyTooLargeError(status, len(self.buffer), self.limit)
-        data = bytes(self.buffer)
-        self.buffer.clear()
-        return data
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
-class KeepAliveHTTP:
-    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin).
-
-    Why not httpx here: measured on the 2-core dev box against the example tool server, httpx's
-    sync client costs ~1 ms of CPU per call and, shared by a thread pool, capped the executor
-    near 300 calls/s; ``http.client`` ~0.8 ms (two ``sendall`` per request and the email
-    header parser). This client writes each request with one ``sendall`` and parses only what
-    a JSON tool API needs (status, headers, Content-Length or chunked bodies).
-
-    Failures are split where idempotency needs it: a connection that could not be opened means
-    nothing was sent (``not_sent``); any failure after the request started means the backend
-    may have executed it (``no_answer``). A failed connection is closed and never reused, and
-    nothing is retried here: the core decides (R11, R12).
-    """
-
-    def __init__(
-        self, connect_timeout_s: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    ) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.max_body_bytes = max_body_bytes
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._all: set[_Connection] = set()
-
-    def _pool(self) -> dict[tuple[str, str, int], _Connection]:
-        pool: dict[tuple[str, str, int], _Connection] | None = getattr(self._local, "pool", None)
-        if pool is None:
-            pool = {}
-            self._local.pool = pool
-        return pool
-
-    def _open(self, origin: tuple[str, str, int], timeout_s: float) -> _Connection:
-        scheme, host, port = origin
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if scheme == "https":
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-        conn = _Connection(sock)
-        with self._lock:
-            self._all.add(conn)
-        return conn
-
-    def _discard(self, pool: dict[tuple[str, str, int], _Connection], origin: Any) -> None:
-        conn = pool.pop(origin, None)
-        if conn is not None:
-            conn.close()
-            with self._lock:
-                self._all.discard(conn)
-
-    def send(
-        self,
-        method: str,
-        url: str,
-        *,
-        timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        body: bytes | None = None,
-    ) -> Answer:
-        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
-        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
-        deadline = time.monotonic() + timeout_s
-        parts = urlsplit(url)
-        https = parts.scheme == "https"
-        host = parts.hostname or ""
-        origin = (parts.scheme, host, parts.port or (443 if https else 80))
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        pool = self._pool()
-        conn = pool.get(origin)
-        if conn is None:
-            try:
-                conn = self._open(origin, min(self.connect_timeout_s, timeout_s))
-            except OSError as exc:
-                return Answer(failure="not_sent", detail=f"{type(exc).__name__}: {exc}")
-            pool[origin] = conn
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        if body is not None or method in ("POST", "PUT", "PATCH"):
-            lines.append(f"Content-Length: {len(body or b'')}")
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
-        conn.deadline, conn.limit = deadline, self.max_body_bytes
-        try:
-            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            conn.sock.sendall(request)
-            status, answer_headers, data, close = _read_response(conn, method)
-        except BodyTooLargeError as exc:
-            self._discard(pool, origin)
-            return Answer(exc.status, failure="too_large", detail=str(exc))
-        except (OSError, HTTPWireError, ValueError) as exc:
-            self._discard(pool, origin)
-            return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
-        if close:
-            self._discard(pool, origin)
-        return Answer(status, answer_headers, data)
-
-    def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
-
-
-def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
-    """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
-    lines = 0
-    while True:
-        status_line = conn.read_until(b"\r\n").decode("latin-1")
-        version, _, rest = status_line.partition(" ")
-        if not version.startswith("HTTP/1."):
-            raise HTTPWireError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        status = int(rest[:3])
-        headers: dict[str, str] = {}
-        while True:
-            line = conn.read_until(b"\r\n").decode("latin-1")
-            if not line:
-                break
-            lines += 1
-            if lines > MAX_HEAD_LINES:
-                raise HTTPWireError("response head has too many lines")
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if not 100 <= status < 200:
-            break
-    connection = headers.get("connection", "").lower()
-    close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
-    if method == "HEAD" or status in (204, 304):
-        return status, headers, b"", close
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        chunks = []
-        total = 0
-        while True:
-            size = int(conn.read_until(b"\r\n").split(b";")[0], 16)
-            if size < 0:
-                raise HTTPWireError(f"negative chunk size {size}")
-            total += size
-            if total > conn.limit:
-                raise BodyTooLargeError(status, total, conn.limit)
-            if size == 0:
-                while conn.read_until(b"\r\n"):  # trailers
-                    pass
-                break
-            chunks.append(conn.read_exactly(size))
-            conn.read_until(b"\r\n")
-        return status, headers, b"".join(chunks), close
-    if "content-length" in headers:
-        length = int(headers["content-length"])
-        if length > conn.limit:
-            raise BodyTooLargeError(status, length, conn.limit)
-        if length < 0:
-            raise HTTPWireError(f"negative Content-Length {length}")
-        return status, headers, conn.read_exactly(length), close
-    return status, headers, conn.read_to_close(status), True
-
-
 # --------------------------------------------------------------------------- handler
 
 
@@ -542,8 +311,20 @@ class ToolHandler:
 
     # ------------------------------------------------------------------ the one network method
 
+    def request_headers(
+        self, entry: ToolEntry, headers: Mapping[str, str] | None
+    ) -> dict[str, str]:
+        """Every header of a request to a tool: the call's own and the tool's auth. The one
+        place a request is built, so a header every tool call carries is added here."""
+        out = dict(headers or {})
+        if entry.conn.auth_header is not None:
+            name, secret = entry.conn.auth_header
+            out[name] = secret.reveal()
+        return out
+
     def _send(
         self,
+        entry: ToolEntry,
         method: str,
         url: str,
         *,
@@ -551,8 +332,25 @@ class ToolHandler:
         headers: Mapping[str, str] | None = None,
         body: bytes | None = None,
     ) -> Answer:
-        """The only method that touches the network (see :class:`KeepAliveHTTP`)."""
-        return self._http.send(method, url, timeout_s=timeout_s, headers=headers, body=body)
+        """The only method that touches the network (see :class:`KeepAliveHTTP`). The answer
+        holds none of the tool's secrets, whatever the backend echoed: its body becomes
+        artifacts and messages, its detail action records and logs."""
+        answer = self._http.send(
+            method,
+            url,
+            timeout_s=timeout_s,
+            headers=self.request_headers(entry, headers),
+            body=body,
+            conn=entry.conn,
+        )
+        if not entry.conn.secrets:
+            return answer
+        scrubbed = answer.body
+        for secret in entry.conn.secrets:
+            value = secret.reveal().encode()
+            if value in scrubbed:
+                scrubbed = scrubbed.replace(value, b"[redacted]")
+        return replace(answer, body=scrubbed, detail=entry.conn.redact(answer.detail))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -626,6 +424,7 @@ class ToolHandler:
         if callback is not None:
             headers["X-Callback-URL"] = callback
         answer = self._send(
+            entry,
             entry.method,
             self._url(entry.endpoint, op.key),
             timeout_s=entry.timeout_ms / 1000,
@@ -637,6 +436,14 @@ class ToolHandler:
                 **ids,
                 error_class=ErrorClass.TRANSIENT,
                 error_code="connect_failed",
+                message=answer.detail[:500],
+            )
+            return Outcome(event, detail=answer.detail)
+        if answer.failure == "tls":  # nothing was sent; a retry would meet the same certificate
+            event = ToolCallFailed(
+                **ids,
+                error_class=ErrorClass.UNKNOWN,
+                error_code="tls_failed",
                 message=answer.detail[:500],
             )
             return Outcome(event, detail=answer.detail)
@@ -720,9 +527,9 @@ class ToolHandler:
         """Status of an operation by key: (found|running|failed|cancelled|not_found|unknown)."""
         entry = self._entry(tool)
         template = entry.status_url_template if entry is not None else None
-        if template is None:
+        if entry is None or template is None:
             return "unknown", None, Answer(detail="no status URL for this tool")
-        answer = self._send("GET", self._url(template, key), timeout_s=self.lookup_timeout_s)
+        answer = self._send(entry, "GET", self._url(template, key), timeout_s=self.lookup_timeout_s)
         if answer.failure is not None:
             return "unknown", None, answer
         payload, problem = _json(answer.body)
@@ -818,9 +625,10 @@ class ToolHandler:
         ids = self._ids(effect, effect.operation_key, effect.dispatch)
         entry = self._entry(effect.tool)
         template = entry.cancel_url_template if entry is not None else None
-        if template is None:
+        if entry is None or template is None:
             return Outcome(CancelUnconfirmed(**ids), detail="no cancel URL for this tool")
         answer = self._send(
+            entry,
             "POST",
             self._url(template, effect.operation_key),
             timeout_s=self.lookup_timeout_s,

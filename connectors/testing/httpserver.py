@@ -11,6 +11,7 @@ import contextlib
 import json
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -120,7 +121,8 @@ class ServerHandle:
         host, port = server.server_address[:2]
         self.host = str(host)
         self.port = int(port)
-        self.url = f"http://{self.host}:{self.port}"
+        scheme = "https" if isinstance(server.socket, ssl.SSLSocket) else "http"
+        self.url = f"{scheme}://{self.host}:{self.port}"
         self._thread = threading.Thread(
             target=server.serve_forever,
             kwargs={"poll_interval": 0.1},
@@ -164,9 +166,17 @@ class ServerHandle:
 
 
 def start_server(
-    host: str, port: int, handler: type[BaseHTTPRequestHandler], app: object
+    host: str,
+    port: int,
+    handler: type[BaseHTTPRequestHandler],
+    app: object,
+    tls: ssl.SSLContext | None = None,
 ) -> ServerHandle:
+    """Serve in a background thread; over TLS when ``tls`` (a server-side context) is given
+    (a client whose handshake fails is dropped at accept)."""
     server = DevHTTPServer((host, port), handler, app)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     return ServerHandle(server, app).start()
 
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
+import os
+import ssl
 import sys
 import threading
 import urllib.error
@@ -183,10 +186,38 @@ def seed_records() -> dict[str, dict[str, Any]]:
     }
 
 
+@dataclass(frozen=True)
+class ServerAuth:
+    """What the tool API (``/tools/*``, ``/operations/*``) asks of a client: a bearer token,
+    an API key in a header, or nothing. The test routes (stats, faults, executions) ask
+    nothing, so a test can look behind the door."""
+
+    bearer_token: str | None = None
+    api_key: str | None = None
+    api_key_header: str = "X-API-Key"
+
+    def allows(self, header: Callable[[str], str | None]) -> bool:
+        if self.bearer_token is not None:
+            given = header("Authorization") or ""
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.bearer_token}".encode()):
+                return False
+        if self.api_key is not None:
+            given = header(self.api_key_header) or ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                return False
+        return True
+
+
 class ToolServerApp:
     """All state behind one lock: operations by key, counters, records, tickets, outbox."""
 
-    def __init__(self, registry: Mapping[str, ToolDef], report_delay_ms: float = 1000.0) -> None:
+    def __init__(
+        self,
+        registry: Mapping[str, ToolDef],
+        report_delay_ms: float = 1000.0,
+        auth: ServerAuth | None = None,
+    ) -> None:
+        self.auth = auth or ServerAuth()
         self.registry = dict(registry)
         self.report_delay_ms = report_delay_ms
         self.lock = threading.Lock()
@@ -512,6 +543,14 @@ class ToolHandler(JSONHandler):
         with self.app.lock:
             self.app.counters[name] += 1
 
+    def _authorized(self) -> bool:
+        """The tool API's door: False (401 sent) when the request lacks the credential."""
+        if self.app.auth.allows(self.header):
+            return True
+        self._count("unauthorized")
+        self.send_json(401, {"error": "unauthorized", "message": "missing or wrong credential"})
+        return False
+
     def do_GET(self) -> None:
         self._count("requests")
         parts = self.path_parts()
@@ -526,6 +565,8 @@ class ToolHandler(JSONHandler):
                     body = {"key": key, "count": app.executions[key], "calls": app.calls[key]}
                 self.send_json(200, body)
             case ["operations", key]:
+                if not self._authorized():
+                    return
                 fault = self._fault("operations", key)
                 if fault is not None and fault.kind in ("unknown", "503", "500"):
                     status = 500 if fault.kind == "500" else 503
@@ -569,6 +610,8 @@ class ToolHandler(JSONHandler):
             body = self.read_json()
         except ValueError:
             self.send_json(400, {"error": "invalid_json"})
+            return
+        if parts[:1] in (["tools"], ["operations"]) and not self._authorized():
             return
         match parts:
             case ["tools", name]:
@@ -722,11 +765,25 @@ def serve(
     port: int = 0,
     registry: Path | str = DEFAULT_REGISTRY,
     report_delay_ms: float = 1000.0,
+    auth: ServerAuth | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> ServerHandle:
     """Start the tool server in a background thread (port 0 picks a free port). The handle's
-    ``app`` is the ``ToolServerApp`` (tests may read its counters directly)."""
-    app = ToolServerApp(load_registry(registry), report_delay_ms=report_delay_ms)
-    return start_server(host, port, ToolHandler, app)
+    ``app`` is the ``ToolServerApp`` (tests may read its counters directly). ``auth``: the
+    credential the tool API asks for; ``tls``: serve HTTPS with this server-side context."""
+    app = ToolServerApp(load_registry(registry), report_delay_ms=report_delay_ms, auth=auth)
+    return start_server(host, port, ToolHandler, app, tls=tls)
+
+
+def server_tls(cert_file: str, key_file: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """A server-side TLS context; with ``client_ca``, clients must show a certificate it
+    signed (mTLS)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca is not None:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -738,9 +795,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--registry", type=Path, default=DEFAULT_REGISTRY)
     parser.add_argument("--report-delay-ms", type=float, default=1000.0)
+    parser.add_argument(
+        "--bearer-token-env", help="ask for 'Authorization: Bearer $VAR' on the tool API"
+    )
+    parser.add_argument("--api-key-env", help="ask for the API key $VAR on the tool API")
+    parser.add_argument("--api-key-header", default="X-API-Key")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--client-ca", help="ask clients for a certificate this CA signed")
     args = parser.parse_args(argv)
     try:
-        handle = serve(args.host, args.port, args.registry, args.report_delay_ms)
+        auth = ServerAuth(
+            bearer_token=os.environ[args.bearer_token_env] if args.bearer_token_env else None,
+            api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+            api_key_header=args.api_key_header,
+        )
+        tls = server_tls(args.tls_cert, args.tls_key, args.client_ca) if args.tls_cert else None
+        handle = serve(args.host, args.port, args.registry, args.report_delay_ms, auth, tls)
+    except KeyError as exc:
+        print(f"error: the environment variable {exc} is not set", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:  # port in use, unreadable or invalid files
         print(f"error: {exc}", file=sys.stderr)
         return 2

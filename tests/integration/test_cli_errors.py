@@ -4,6 +4,7 @@ trace, and within a bounded time when the broker does not answer."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -163,3 +164,18 @@ def test_client_commands_use_the_local_stack_another_command_started(
         assert audited.returncode == 0, audited.stderr
         assert "audited 0 runs" in audited.stdout
     assert not started.local.kafka.running()
+
+
+@pytest.mark.parametrize("source", ["token_env", "token_file"])
+def test_a_tool_secret_that_is_not_there_stops_the_tool_executor_at_start(
+    bare_env: dict[str, str], tmp_path: Path, source: str
+) -> None:
+    missing = "AGENTRUNS_TEST_ABSENT_TOKEN" if source == "token_env" else str(tmp_path / "none")
+    bare_env.pop("AGENTRUNS_TEST_ABSENT_TOKEN", None)
+    registry = tmp_path / "tools.json"
+    tool = {"name": "guarded", "endpoint": "/x", "auth": {"type": "bearer", source: missing}}
+    registry.write_text(json.dumps({"base_url": "http://127.0.0.1:9", "tools": [tool]}))
+    started = time.monotonic()
+    line = one_line(run(["executor", "tool", "--registry", str(registry)], bare_env))
+    assert "guarded" in line and missing in line
+    assert time.monotonic() - started < 30  # before any broker or database is looked for
