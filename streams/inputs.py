@@ -645,7 +645,7 @@ class InputPath:
         event: Event,
         result: Transition,
         input_id: str | None,
-        trace: Sequence[tuple[str, bytes]] = (),
+        trace: Sequence[tuple[str, str | bytes | None]] = (),
     ) -> None:
         record = event_record(run_id, seq, event, result, input_id=input_id)
         self._emit(
@@ -673,7 +673,7 @@ class InputPath:
         *,
         seq: int,
         at: int,
-        trace: Sequence[tuple[str, bytes]] = (),
+        trace: Sequence[tuple[str, str | bytes | None]] = (),
     ) -> None:
         kind = EFFECT_TOPIC_KIND[effect.type]
         topic = self.topics.effects[kind]

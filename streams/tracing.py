@@ -68,15 +68,19 @@ def parse(value: str | bytes | None) -> str | None:
     return f"00-{trace_id}-{span_id}-{flags}"
 
 
-def from_headers(headers: Iterable[tuple[str, str | bytes | None]] | None) -> str | None:
+def from_headers(
+    headers: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]] | None,
+) -> str | None:
     """The valid traceparent among record headers, if any."""
+    if isinstance(headers, Mapping):
+        return parse(headers.get(HEADER))
     for name, value in headers or ():
         if name == HEADER:
             return parse(value)
     return None
 
 
-def headers_of(traceparent: str | None) -> list[tuple[str, bytes]]:
+def headers_of(traceparent: str | None) -> list[tuple[str, str | bytes | None]]:
     """Record headers carrying `traceparent` (none when there is no context)."""
     return [] if traceparent is None else [(HEADER, traceparent.encode())]
 

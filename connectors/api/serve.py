@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
+from agentruns.streams import tracing
 from agentruns.streams.topics import default_prefix
 
 
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="api")
+    tracing.configure_from_env("api")
     with ServiceStack() as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints

@@ -86,6 +86,7 @@ from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
 from agentruns.processors.state import ErrorClass
 from agentruns.processors.summary import summarize
+from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.executor.tool")
@@ -552,6 +553,7 @@ class ToolHandler:
         body: bytes | None = None,
     ) -> Answer:
         """The only method that touches the network (see :class:`KeepAliveHTTP`)."""
+        headers = {**(headers or {}), **tracing.outgoing_headers()}  # the effect's trace
         return self._http.send(method, url, timeout_s=timeout_s, headers=headers, body=body)
 
     # ------------------------------------------------------------------ dispatch
