@@ -81,8 +81,10 @@ def test_submit_passes_a_valid_traceparent_ignores_a_malformed_one_refuses_a_hug
     )
     assert huge.status_code == 400 and huge.json()["error"] == "invalid_header"
 
-    inbox = read_raw(stack.bootstrap, topic_name(INBOX, stack.prefix))
-    headers = {r.key.decode(): dict(r.headers) for r in inbox if r.key is not None}
+    headers: dict[str, dict[str, bytes]] = {}
+    for r in read_raw(stack.bootstrap, topic_name(INBOX, stack.prefix)):
+        if r.key is not None:  # each run's first input is its submit (answers follow it)
+            headers.setdefault(r.key.decode(), dict(r.headers))
     # tracing is off here: the caller's context is passed on as it came, none is made up
     assert headers[sent["valid"]]["traceparent"] == valid.encode()
     assert "traceparent" not in headers[sent["malformed"]]
