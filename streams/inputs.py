@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
 from agentruns.processors.transition import Artifact, Disposition, Transition, transition
-from agentruns.streams import dlq, metrics
+from agentruns.streams import dlq, metrics, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
 from agentruns.streams.records import (
@@ -241,6 +241,7 @@ class InputPath:
         self._model_batches = 0
         self._clock = clock
         self._batch = Batch()
+        self._incoming: str | None = None  # the trace context of the input in hand
         self.sequencer = Sequencer(settings.buffer_limit, settings.gap_timeout_ms, input_digest)
 
     # ------------------------------------------------------------------ the guard
@@ -248,6 +249,7 @@ class InputPath:
     def handle(self, inbound: Inbound, batch: Batch) -> None:
         """Apply one input into `batch`. Never raises: see the module doc."""
         self._batch = batch
+        self._incoming = tracing.from_headers(inbound.headers)
         if inbound.offset >= 0:
             batch.positions[inbound.partition] = inbound.offset + 1
         batch.inputs += 1
@@ -506,13 +508,17 @@ class InputPath:
         """Apply the next input of a producer. Its seq is used up already, so a refusal of it
         (to the DLQ) never blocks the ones behind it."""
         record = step.record
+        incoming = self._incoming
         if step.held:
             original = Inbound.of_record(self.topics.inbox, partition, record)
+            self._incoming = None  # a held input's headers are not kept: the run's context
         self._touch(partition, slot)
         try:
             self._apply(partition, slot, self._parse(record), record["input_id"])
         except _Reject as exc:
             self._dead_letter(original, exc.reason, exc.error_class, run_id=slot.run_id)
+        finally:
+            self._incoming = incoming
 
     def _parse(self, record: dict[str, Any]) -> Event:
         try:
@@ -574,11 +580,43 @@ class InputPath:
                     "ended and been evicted since",
                     dlq.LATE_SUBMISSION,
                 )
+        # The input's trace context, else the run's (a timer, a held input, a reply); the first
+        # one a run sees becomes the run's.
+        context = self._incoming or slot.traceparent
+        span = None
+        if tracing.enabled():
+            span = tracing.start(
+                f"transition {event.type}",
+                context,
+                {"agentruns.run_id": slot.run_id, "agentruns.seq": seq},
+            )
+            context = tracing.traceparent_of(span)
+        try:
+            self._transition(partition, slot, event, input_id, seq, context)
+        except BaseException as exc:
+            if span is not None:
+                tracing.end(span, f"{type(exc).__name__}: {exc}")
+            raise
+        if span is not None:
+            tracing.end(span)
+
+    def _transition(
+        self,
+        partition: int,
+        slot: RunSlot,
+        event: Event,
+        input_id: str | None,
+        seq: int,
+        context: str | None,
+    ) -> None:
         result = transition(slot.state, event)
         if slot.state is None and result.state is None:
             # Nothing to log for a run that does not exist: the input is refused as a whole.
             raise _Reject(result.reason or "no such run", dlq.INVALID_EVENT)
-        self._produce_event(partition, slot.run_id, seq, event, result, input_id)
+        if slot.traceparent is None:
+            slot.traceparent = self._incoming or context
+        trace = tracing.headers_of(context)
+        self._produce_event(partition, slot.run_id, seq, event, result, input_id, trace)
         batch = self._batch
         batch.artifacts.extend(result.artifacts)
         for effect in result.effects:
@@ -589,10 +627,10 @@ class InputPath:
                     slot.run_id.encode(),
                     value,
                     partition,
-                    _headers(effect.trace_id, slot.run_id, effect.step, effect.attempt),
+                    [*_headers(effect.trace_id, slot.run_id, effect.step, effect.attempt), *trace],
                 )
             else:
-                self._produce_effect(partition, effect, seq=seq, at=event.at)
+                self._produce_effect(partition, effect, seq=seq, at=event.at, trace=trace)
         slot.state = result.state
         slot.last_seq = seq
         slot.updated_at = max(slot.updated_at, event.at)
@@ -607,6 +645,7 @@ class InputPath:
         event: Event,
         result: Transition,
         input_id: str | None,
+        trace: Sequence[tuple[str, str | bytes | None]] = (),
     ) -> None:
         record = event_record(run_id, seq, event, result, input_id=input_id)
         self._emit(
@@ -614,7 +653,7 @@ class InputPath:
             event_key(run_id, seq),
             encode("Event", record),
             partition,
-            _headers(event.trace_id, run_id, record["step"], record["attempt"]),
+            [*_headers(event.trace_id, run_id, record["step"], record["attempt"]), *trace],
         )
         if result.disposition is not Disposition.APPLIED:
             log.info(
@@ -627,7 +666,15 @@ class InputPath:
                 extra={"run_id": run_id, "seq": seq, "trace_id": event.trace_id},
             )
 
-    def _produce_effect(self, partition: int, effect: Any, *, seq: int, at: int) -> None:
+    def _produce_effect(
+        self,
+        partition: int,
+        effect: Any,
+        *,
+        seq: int,
+        at: int,
+        trace: Sequence[tuple[str, str | bytes | None]] = (),
+    ) -> None:
         kind = EFFECT_TOPIC_KIND[effect.type]
         topic = self.topics.effects[kind]
         if kind == "model":
@@ -640,6 +687,7 @@ class InputPath:
             [
                 *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
                 ("idempotency_key", effect.idempotency_key.encode()),
+                *trace,
             ],
         )
 

@@ -146,6 +146,9 @@ class RunSlot:
     producer_marks: dict[str, int] = field(default_factory=dict)
     recent: list[tuple[str, str]] = field(default_factory=list)
     updated_at: int = 0
+    # The run's trace context (streams/tracing.py): edge data, so it lives here, not in the
+    # core's state.
+    traceparent: str | None = None
     # Not serialized: an upper estimate of the encoded snapshot (exact after each seal), so
     # the processor measures a snapshot only when it may be near the record limit.
     size_estimate: int = 0
@@ -162,6 +165,7 @@ class RunSlot:
             dict(self.producer_marks),
             list(self.recent),
             self.updated_at,
+            self.traceparent,
             self.size_estimate,
         )
 
@@ -189,6 +193,7 @@ class RunSlot:
             "seen_input_ids": [],
             "updated_at": self.updated_at,
             "recent_inputs": [{"key": k, "digest": d} for k, d in self.recent],
+            "traceparent": self.traceparent,
         }
 
     @classmethod
@@ -203,4 +208,5 @@ class RunSlot:
             producer_marks=dict(record["producer_marks"]),
             recent=[(r["key"], r["digest"]) for r in record.get("recent_inputs", [])],
             updated_at=record["updated_at"],
+            traceparent=record.get("traceparent"),
         )

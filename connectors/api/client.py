@@ -51,6 +51,7 @@ from agentruns.connectors.settings import current
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
+from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
@@ -167,12 +168,36 @@ class RunsProducer:
         idempotency_key: str,
         at: int | None = None,
         trace_id: str | None = None,
+        traceparent: str | None = None,
     ) -> Submission:
         """Queue a task (schemas/json/task.schema.json: the RunSubmitted fields but ids and
         time; `trace_id` here, else the task's, else derived); `flush()` to wait for it.
+        `traceparent` (W3C) is the parent of the run's trace, else a new trace starts (a
+        malformed one is ignored).
 
         Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
         record is over `max_record_bytes`."""
+        context = tracing.parse(traceparent)
+        if not tracing.enabled():
+            return self._submit(task, idempotency_key, at, trace_id, context)
+        span = tracing.start("submit", context)
+        try:
+            out = self._submit(task, idempotency_key, at, trace_id, tracing.traceparent_of(span))
+        except BaseException as exc:
+            tracing.end(span, f"{type(exc).__name__}: {exc}")
+            raise
+        span.set_attribute("agentruns.run_id", out.run_id)
+        tracing.end(span)
+        return out
+
+    def _submit(
+        self,
+        task: Mapping[str, Any],
+        idempotency_key: str,
+        at: int | None,
+        trace_id: str | None,
+        traceparent: str | None,
+    ) -> Submission:
         submission, record = task_input(
             task,
             idempotency_key=idempotency_key,
@@ -180,7 +205,7 @@ class RunsProducer:
             at=at,
             trace_id=trace_id,
         )
-        self._send(record)
+        self._send(record, tracing.headers_of(traceparent))
         return submission
 
     def cancel(
@@ -207,7 +232,9 @@ class RunsProducer:
         self._send(record)
         return Submission(run_id, event.trace_id, input_id)
 
-    def _send(self, record: dict[str, Any]) -> None:
+    def _send(
+        self, record: dict[str, Any], headers: list[tuple[str, str | bytes | None]] | None = None
+    ) -> None:
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             if err is not None:
                 self._errors.append(err)
@@ -220,6 +247,7 @@ class RunsProducer:
                 key=run_id.encode(),
                 value=value,
                 partition=partition_for(run_id, self.partitions),
+                headers=headers or None,
                 on_delivery=delivered,
             )
         except (KafkaException, BufferError) as exc:

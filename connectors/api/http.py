@@ -28,6 +28,7 @@ from agentruns.connectors.api.tokens import callback_signature
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.health import metrics_text
 from agentruns.processors.limits import json_depth
+from agentruns.streams import tracing
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -211,7 +212,10 @@ def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response
 async def _submit(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
     key = r.headers.get("idempotency-key", "")
-    out = await run_in_threadpool(s.submit, key, body, r.headers.get("x-trace-id"))
+    traceparent = r.headers.get(tracing.HEADER)
+    if traceparent is not None and len(traceparent) > tracing.MAX_CHARS:
+        raise ApiError(400, "invalid_header", f"traceparent over {tracing.MAX_CHARS} chars")
+    out = await run_in_threadpool(s.submit, key, body, r.headers.get("x-trace-id"), traceparent)
     return JSONResponse(
         out,
         status_code=202 if out["created"] else 200,

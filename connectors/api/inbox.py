@@ -34,7 +34,9 @@ class Inbox:
         )
         self.partitions = config.partitions or partition_count(self._producer, self.topic)
 
-    def produce(self, run_id: str, value: bytes) -> None:
+    def produce(
+        self, run_id: str, value: bytes, headers: list[tuple[str, str | bytes | None]] | None = None
+    ) -> None:
         done = threading.Event()
         failure: list[KafkaError] = []
 
@@ -49,6 +51,7 @@ class Inbox:
                 key=run_id.encode(),
                 value=value,
                 partition=partition_for(run_id, self.partitions),
+                headers=headers or None,
                 on_delivery=delivered,
             )
             deadline = time.monotonic() + self.timeout

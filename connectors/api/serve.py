@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
 from agentruns.connectors.settings import current
+from agentruns.streams import tracing
 from agentruns.streams.topics import default_prefix
 
 
@@ -40,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="api")
+    tracing.configure_from_env("api")
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints

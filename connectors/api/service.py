@@ -55,6 +55,7 @@ from agentruns.processors.limits import MAX_DURATION_MS, MAX_JSON_DEPTH, json_de
 from agentruns.processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
 from agentruns.processors.summary import summarize
 from agentruns.processors.validation import schema_problem
+from agentruns.streams import tracing
 from agentruns.streams.codec import decode
 from agentruns.streams.records import input_record, parse_state
 from prometheus_client import Counter
@@ -191,6 +192,7 @@ class ApiService:
         conflict: ApiError | None = None,
         single_use: bool = False,
         claim: Callable[[Conn], None] | None = None,
+        traceparent: str | None = None,
     ) -> bool:
         """Produce the input `input_id` once; True if THIS call produced it.
 
@@ -227,7 +229,7 @@ class ApiService:
                     raise conflict
                 if stored[2]:
                     return False
-                self.inbox.produce(run_id, bytes(stored[1]))
+                self.inbox.produce(run_id, bytes(stored[1]), tracing.headers_of(traceparent))
                 conn.execute(
                     "UPDATE api_inputs SET produced = true WHERE input_id = %s", (input_id,)
                 )
@@ -236,7 +238,31 @@ class ApiService:
 
     # ------------------------------------------------------------------ runs
 
-    def submit(self, key: str, body: dict[str, Any], trace_header: str | None) -> dict[str, Any]:
+    def submit(
+        self,
+        key: str,
+        body: dict[str, Any],
+        trace_header: str | None,
+        traceparent: str | None = None,
+    ) -> dict[str, Any]:
+        """Submit a task; `traceparent` (W3C, the caller's span) is the parent of the run's
+        trace, else it starts one (a malformed one is ignored: a new trace)."""
+        context = tracing.parse(traceparent)
+        if not tracing.enabled():
+            return self._submit(key, body, trace_header, context)
+        span = tracing.start("submit", context)
+        try:
+            out = self._submit(key, body, trace_header, tracing.traceparent_of(span))
+        except BaseException as exc:
+            tracing.end(span, f"{type(exc).__name__}: {exc}")
+            raise
+        span.set_attribute("agentruns.run_id", out["run_id"])
+        tracing.end(span)
+        return out
+
+    def _submit(
+        self, key: str, body: dict[str, Any], trace_header: str | None, traceparent: str | None
+    ) -> dict[str, Any]:
         if not key or len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header")
         run_id = run_id_for_key(key)
@@ -259,7 +285,12 @@ class ApiService:
             event, input_id=submit_event_id(run_id), producer_id=API_PRODUCER_ID, producer_seq=1
         )
         created = self._produce_once(
-            record["input_id"], run_id, event.type, request_hash(body), self._encoded(record)
+            record["input_id"],
+            run_id,
+            event.type,
+            request_hash(body),
+            self._encoded(record),
+            traceparent=traceparent,
         )
         run = self.run_row(run_id)
         return {

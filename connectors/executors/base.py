@@ -65,7 +65,7 @@ from agentruns.connectors.settings import current
 from agentruns.processors.effects import Effect
 from agentruns.processors.events import Event
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
-from agentruns.streams import dlq, records
+from agentruns.streams import dlq, records, tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import partition_count
@@ -495,7 +495,7 @@ class _Ready:
     """An executed batch waiting for its transaction (`Outgoing`): its answers, dead letters
     and offsets."""
 
-    inputs: list[tuple[str, dict[str, Any]]]
+    inputs: list[tuple[str, dict[str, Any], str | None]]  # run_id, record, traceparent
     dead: list[dict[str, Any]]
     first: dict[int, int]  # partition -> first offset (where to rewind to)
     offsets: dict[int, int]  # partition -> next offset to commit
@@ -506,13 +506,17 @@ class _Ready:
     def records(self) -> Iterator[Record]:
         """The answers, then the dead letters, encoded as the committer produces them."""
         route = self.route
-        for run_id, record in self.inputs:
+        for run_id, record, traceparent in self.inputs:
             yield (
                 route.inbox,
                 run_key(run_id),
                 encode("Input", record),
                 partition_for(run_id, route.partitions),
-                [("trace_id", record["trace_id"].encode()), ("run_id", run_id.encode())],
+                [
+                    ("trace_id", record["trace_id"].encode()),
+                    ("run_id", run_id.encode()),
+                    *tracing.headers_of(traceparent),
+                ],
             )
         for record in self.dead:
             yield route.dlq, record["original_key"], encode("DeadLetter", record), None, None
@@ -615,6 +619,7 @@ class Executor:
 
     def _process(self, messages: list[Message]) -> None:
         effects: list[Effect] = []
+        contexts: dict[str, str] = {}  # effect key -> the trace context its record carried
         dead: list[dict[str, Any]] = []
         first: dict[int, int] = {}
         last: dict[int, int] = {}
@@ -628,6 +633,9 @@ class Executor:
             effect = self._decode(message, dead)
             if effect is not None:
                 effects.append(effect)
+                context = tracing.from_headers(message.headers())
+                if context is not None:
+                    contexts[effect.idempotency_key] = context
         if not first:
             return
         EXECUTOR_RECORDS.labels(self.config.kind).inc(sum(last[p] - first[p] for p in first))
@@ -636,7 +644,7 @@ class Executor:
             self.stats.polled_after.append(time.time() - created)
         began = time.monotonic()
         try:
-            inputs = self._execute(effects)
+            inputs = self._execute(effects, contexts)
             self.stats.execute_s += time.monotonic() - began
             self.stats.batches += 1
             self._backoff.succeeded()
@@ -748,8 +756,11 @@ class Executor:
             original_timestamp=timestamp if timestamp > 0 else None,
         )
 
-    def _execute(self, effects: list[Effect]) -> list[tuple[str, dict[str, Any]]]:
-        """(run_id, input record) per distinct effect key, in batch order."""
+    def _execute(
+        self, effects: list[Effect], contexts: dict[str, str]
+    ) -> list[tuple[str, dict[str, Any], str | None]]:
+        """(run_id, input record, trace context) per distinct effect key, in batch order: the
+        context of the effect's execution span, else the one the effect came with."""
         unique: dict[str, Effect] = {}
         for effect in effects:
             unique.setdefault(effect.idempotency_key, effect)
@@ -768,7 +779,10 @@ class Executor:
             EXECUTOR_EFFECTS.labels(kind, "replayed").inc(len(answers))
         if todo:
             futures = [
-                self._pool.submit(self._answer, e, records.get(e.idempotency_key)) for e in todo
+                self._pool.submit(
+                    self._traced, e, records.get(e.idempotency_key), contexts, e.idempotency_key
+                )
+                for e in todo
             ]
             completions = [f.result() for f in futures]
             # artifacts and records in one statement, before any input referencing them (R2)
@@ -781,7 +795,37 @@ class Executor:
             if failed < len(completions):
                 EXECUTOR_EFFECTS.labels(kind, "executed").inc(len(completions) - failed)
         self.stats.effects += len(unique)
-        return [(unique[k].run_id, answers[k]) for k in unique]
+        return [(unique[k].run_id, answers[k], contexts.get(k)) for k in unique]
+
+    def _traced(
+        self, effect: Effect, previous: ActionRecord | None, contexts: dict[str, str], key: str
+    ) -> Completion:
+        """`_answer` in the effect's trace: a span when tracing is on (its context replaces
+        the effect's in `contexts`), and the context on the handler's HTTP calls."""
+        context = contexts.get(key)
+        span = None
+        if tracing.enabled():
+            span = tracing.start(
+                f"execute {effect.type}",
+                context,
+                {"agentruns.run_id": effect.run_id, "agentruns.step": effect.step},
+            )
+            context = contexts[key] = tracing.traceparent_of(span)
+        token = tracing.OUTGOING.set(context)
+        error = None
+        try:
+            completion = self._answer(effect, previous)
+            kind = str(completion.input["kind"])
+            if kind.endswith("Failed"):  # the backend's failure, answered to the run
+                error = kind
+            return completion
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            tracing.OUTGOING.reset(token)
+            if span is not None:
+                tracing.end(span, error)
 
     def _answer(self, effect: Effect, previous: ActionRecord | None) -> Completion:
         """The one guard around a handler (a pool thread): the effect's answer, always.
@@ -952,6 +996,7 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
 
     Returns the config and the ServiceStack to close (or None)."""
     setup_logging(args.log_level, component=f"executor-{kind}")
+    tracing.configure_from_env(f"executor-{kind}")
     stack = None
     bootstrap, database = args.bootstrap, args.database_url
     if not bootstrap or not database:

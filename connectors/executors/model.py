@@ -75,6 +75,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_AMOUNT, MAX_ID_CHARS, MAX_ITEMS
+from agentruns.streams import tracing
 
 log = logging.getLogger("agentruns.executor.model")
 
@@ -605,7 +606,7 @@ class ModelHandler:
 
     def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
         """The one method that talks to the model endpoint; every failure is classified."""
-        headers = {"Accept": "text/event-stream", **route.headers}
+        headers = {"Accept": "text/event-stream", **route.headers, **tracing.outgoing_headers()}
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
         # no read may wait past the whole call's deadline

@@ -91,6 +91,7 @@ from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
 from agentruns.processors.state import ErrorClass
 from agentruns.processors.summary import summarize
+from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.executor.tool")
@@ -316,7 +317,7 @@ class ToolHandler:
     ) -> dict[str, str]:
         """Every header of a request to a tool: the call's own and the tool's auth. The one
         place a request is built, so a header every tool call carries is added here."""
-        out = dict(headers or {})
+        out = {**(headers or {}), **tracing.outgoing_headers()}  # the effect's trace
         if entry.conn.auth_header is not None:
             name, secret = entry.conn.auth_header
             out[name] = secret.reveal()

@@ -75,6 +75,7 @@ from agentruns.connectors.projection.sql import (
     read_offsets,
 )
 from agentruns.processors.state import RunState
+from agentruns.streams import tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
@@ -204,6 +205,7 @@ class _Batch:
     questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     parts: list[_Part] = field(default_factory=list)  # the same rows, per record, in order
     dead: list[dict[str, Any]] = field(default_factory=list)  # records refused while folding
+    spans: list[Any] = field(default_factory=list)  # one per event when tracing is on
 
 
 class _Retry(Exception):
@@ -612,11 +614,29 @@ class Sink:
         batch.parts.append(
             _Part(message, row, (seq, projected.state), projected.ops, projected.questions)
         )
+        if tracing.enabled():  # from the fold of the event to the commit of its rows
+            batch.spans.append(
+                tracing.start(
+                    f"project {record['type']}",
+                    tracing.from_headers(message.headers()),
+                    {"agentruns.run_id": run_id, "agentruns.seq": seq},
+                )
+            )
 
     def _commit(self, batch: _Batch) -> None:
         """Write and commit one folded batch (the writer thread), retrying a lost connection
         with the same rows: the guards make a re-applied batch a no-op. A batch that fails
         otherwise is written once more record by record (`_isolate`)."""
+        try:
+            self._write_batch(batch)
+        except BaseException as exc:
+            for span in batch.spans:
+                tracing.end(span, f"{type(exc).__name__}: {exc}")
+            raise
+        for span in batch.spans:
+            tracing.end(span)
+
+    def _write_batch(self, batch: _Batch) -> None:
         began = time.monotonic()
         try:
             self._with_retry(
@@ -766,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentruns.connectors.postgres.migrate import migrate
 
     setup_logging(args.log_level, component="sink")
+    tracing.configure_from_env("sink")
     stop = stop_on_signals()
     tune_gc()
     try:

@@ -33,6 +33,7 @@ from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.sink import Sink, SinkConfig
 from agentruns.connectors.runtime.timers import TimerService
 from agentruns.connectors.settings import current
+from agentruns.streams import tracing
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.topics import default_prefix
@@ -131,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.registry = str(tool_server.DEFAULT_REGISTRY)
     registry = registry_from_args(args.registry)
     setup_logging(args.log_level, component="run")
+    tracing.configure_from_env("run")
     stop = stop_on_signals()
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, ExitStack() as resources:
         assert stack.endpoints is not None

@@ -18,6 +18,7 @@ from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.settings import current
+from agentruns.streams import tracing
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc, tune_switch_interval
 from agentruns.streams.processor import Processor, ProcessorConfig
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="processor")
+    tracing.configure_from_env("processor")
     stop = stop_on_signals()
     from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 

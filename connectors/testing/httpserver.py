@@ -7,6 +7,7 @@ that stops on SIGTERM/SIGINT. Nothing here is used by the production pipeline.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import signal
@@ -84,6 +85,8 @@ class DevHTTPServer(ThreadingHTTPServer):
         self._conn_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self.accepted = 0
+        # the `traceparent` of the latest requests that had one (tests check propagation)
+        self.traceparents: collections.deque[str] = collections.deque(maxlen=1000)
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -118,6 +121,7 @@ class ServerHandle:
     def __init__(self, server: DevHTTPServer, app: object) -> None:
         self._server = server
         self.app = app
+        self.traceparents = server.traceparents
         host, port = server.server_address[:2]
         self.host = str(host)
         self.port = int(port)
@@ -224,6 +228,8 @@ class JSONHandler(BaseHTTPRequestHandler):
             name, _, value = raw.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
         self.req_headers = headers
+        if "traceparent" in headers:
+            self.server.traceparents.append(headers["traceparent"])
         connection = headers.get("connection", "").lower()
         self.close_connection = connection == "close" or (
             self.request_version != "HTTP/1.1" and connection != "keep-alive"

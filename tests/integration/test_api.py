@@ -23,7 +23,7 @@ from agentruns.streams.topics import INBOX, RESULTS, topic_name
 from jsonschema import Draft202012Validator
 
 from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
-from tests.support.pipeline import SEARCH, now_ms, read_all
+from tests.support.pipeline import SEARCH, now_ms, read_all, read_raw
 from tests.support.waiting import wait_for
 
 
@@ -59,6 +59,35 @@ def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
         assert "/runs/{run_id}/replies" in spec["paths"]
         signed = anon.post("/operations/k/callback?sig=forged", json={"status": "succeeded"})
         assert signed.status_code == 401
+
+
+def test_submit_passes_a_valid_traceparent_ignores_a_malformed_one_refuses_a_huge_one(
+    stack: Stack,
+) -> None:
+    body = {"goal": "find three documents", "tools": [SEARCH.model_dump()]}
+    valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sent = {}
+    for name, value in [("valid", valid), ("malformed", "00-not-a-trace-context")]:
+        key = f"traced-{name}-{uuid.uuid4().hex}"
+        answer = stack.http.post(
+            "/runs", json=body, headers={"Idempotency-Key": key, "traceparent": value}
+        )
+        assert answer.status_code == 202, answer.text
+        sent[name] = answer.json()["run_id"]
+    huge = stack.http.post(
+        "/runs",
+        json=body,
+        headers={"Idempotency-Key": f"traced-{uuid.uuid4().hex}", "traceparent": valid * 20},
+    )
+    assert huge.status_code == 400 and huge.json()["error"] == "invalid_header"
+
+    headers: dict[str, dict[str, bytes]] = {}
+    for r in read_raw(stack.bootstrap, topic_name(INBOX, stack.prefix)):
+        if r.key is not None:  # each run's first input is its submit (answers follow it)
+            headers.setdefault(r.key.decode(), dict(r.headers))
+    # tracing is off here: the caller's context is passed on as it came, none is made up
+    assert headers[sent["valid"]]["traceparent"] == valid.encode()
+    assert "traceparent" not in headers[sent["malformed"]]
 
 
 def test_submit_is_idempotent_and_the_result_arrives_through_the_results_consumer(

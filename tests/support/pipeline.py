@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,7 @@ class RawRecord:
     offset: int
     key: bytes | None
     value: bytes | None  # None: a tombstone
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -162,7 +163,8 @@ def read_raw(
                     continue
                 partition, offset = msg.partition(), msg.offset()
                 assert partition is not None and offset is not None
-                out.append(RawRecord(partition, offset, msg.key(), msg.value()))
+                headers = [(k, bytes(v or b"")) for k, v in msg.headers() or []]
+                out.append(RawRecord(partition, offset, msg.key(), msg.value(), headers))
         return out
     finally:
         consumer.close()

@@ -86,6 +86,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "seen_input_ids": ["in-1", "in-2"],
         "updated_at": 1733160000000,
         "recent_inputs": [{"key": "p:api:7", "digest": "0123456789abcdef"}],
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     },
     "Effect": {
         "idempotency_key": "run-1:3:call_tool:ab12",
