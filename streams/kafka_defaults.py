@@ -54,6 +54,11 @@ def client_settings() -> dict[str, Any]:
     return {**KAFKA_LOGS, **_CLIENT_PROPERTIES, "error_cb": _on_error}
 
 
+#: librdkafka's log level for a service's long-lived group consumer: warnings as well as errors
+#: (routed and rate limited, see ``kafka_logs``). A member that leaves its group on its own
+#: ("Application maximum poll interval exceeded", a session lost) says so only as a warning.
+GROUP_CONSUMER_LOG_LEVEL = 4
+
 #: In every long-lived client of ours. librdkafka leaves Nagle's algorithm on (the Java client
 #: sets TCP_NODELAY on every connection), so a request written while an earlier one on the
 #: connection is unacknowledged, such as the next of a transaction's produce requests, waits

@@ -48,6 +48,7 @@ from typing import Any, Generic, Protocol, TypeGuard, TypeVar
 
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.kafka_defaults import (
+    GROUP_CONSUMER_LOG_LEVEL,
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
@@ -143,7 +144,7 @@ class Clients:
             **settings,
             **fetch_settings(fetch_window_ms),
             **NO_DELAY,
-            "log_level": 3,
+            "log_level": GROUP_CONSUMER_LOG_LEVEL,
             **self.extra_consumer,
         }
 

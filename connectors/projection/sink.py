@@ -79,7 +79,13 @@ from agentruns.streams import tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, NO_DELAY, client_settings, release
+from agentruns.streams.kafka_defaults import (
+    GROUP_CONSUMER_LOG_LEVEL,
+    LONG_POLL_MS,
+    NO_DELAY,
+    client_settings,
+    release,
+)
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.topics import (
@@ -318,7 +324,7 @@ class Sink:
             # a commit on the events topic answers a held fetch at once (LONG_POLL_MS)
             "fetch.wait.max.ms": LONG_POLL_MS,
             **NO_DELAY,
-            "log_level": 3,
+            "log_level": GROUP_CONSUMER_LOG_LEVEL,
         }
         if c.instance_id:
             conf["group.instance.id"] = c.instance_id

@@ -44,6 +44,7 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import (
+    GROUP_CONSUMER_LOG_LEVEL,
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
@@ -158,7 +159,7 @@ class TimerService:
                 # Static membership: a restarted timer service resumes its partitions at once.
                 "group.instance.id": f"{group_id}-{instance_id}",
                 **NO_DELAY,
-                "log_level": 3,
+                "log_level": GROUP_CONSUMER_LOG_LEVEL,
             }
         )
         self._producer = Producer(
