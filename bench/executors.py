@@ -47,6 +47,7 @@ from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 open(executor_log, "w") as log_file,
                 _process(executor_cmd, stderr=log_file) as (executor, _),
             ):
-                # warm-up: the executor joins its group, connections open
+                say = progress("bench executors")
+                say("warm-up: 50 calls")  # the executor joins its group, connections open
                 warm = _effects(prefix, 50, 0)
                 for _, value, run_id in warm:
                     producer.produce(effects_topic, key=run_id.encode(), value=value)
@@ -222,9 +224,11 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
                 if not collector.wait([i for i, _, _ in warm], 120):
                     raise RuntimeError("the executor did not answer the warm-up calls")
                 cpu0 = process_cpu_seconds(executor.pid)
+                say(f"throughput: a backlog of {args.calls} calls")
                 throughput = _throughput(args, producer, collector, effects_topic, prefix)
                 cpu1 = process_cpu_seconds(executor.pid)
                 machine = MachineCpu.start({executor.pid: "executor", server.pid: "tool server"})
+                say(f"latency: {args.rate} calls/s for {args.seconds:g} s")
                 latency = _latency(args, producer, collector, effects_topic, prefix)
                 latency["machine"] = machine.stop()  # was the host busy or stolen from?
                 cpu2 = process_cpu_seconds(executor.pid)
@@ -259,11 +263,16 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
 
 
 def _executor_stats(path: Path) -> dict[str, Any] | None:
-    """The stats line the executor logs when it stops (batches, mean ms per stage)."""
+    """The stats line the executor logs when it stops (batches, mean ms per stage): its log is
+    JSON lines, and the stats are the JSON text after the marker in one line's message."""
     marker = "executor stats "
     for line in reversed(path.read_text().splitlines()):
-        if marker in line:
-            stats: dict[str, Any] = json.loads(line.split(marker, 1)[1])
+        try:
+            message = json.loads(line).get("msg", "")
+        except ValueError:
+            continue  # not a log line of ours (a warning printed by a library)
+        if isinstance(message, str) and message.startswith(marker):
+            stats: dict[str, Any] = json.loads(message.removeprefix(marker))
             return stats
     return None
 

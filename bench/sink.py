@@ -50,6 +50,7 @@ from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds, scrape
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.testing.log_writer import LogWriter, Record
 from agentruns.connectors.testing.workload import interleave, simulate
 from agentruns.processors.events import Event
@@ -261,7 +262,9 @@ def run_bench(
     writer = LogWriter(bootstrap, prefix, partitions)
     rng = random.Random(11)
 
+    say = progress("bench sink")
     # phase 1: a backlog, projected from scratch
+    say(f"a backlog of {events} events, projected from scratch")
     backlog = interleave(make_runs(events, f"{tag}-a"), rng)
     writer.write(backlog)
     visible: dict[tuple[str, int], float] = {}
@@ -302,6 +305,7 @@ def run_bench(
     fold_s, write_s = sink.stats.fold_s, sink.stats.write_s
     backlog_batches = sink.stats.batches
 
+    say(f"paced writes: {rate} events/s for {seconds:g} s")
     # phase 2: paced writes, lag from Kafka commit to visible row. The writer runs in its own
     # process (the sink thread would otherwise share its interpreter lock) and plans (folds,
     # encodes) every transaction before its clock starts, so it only produces while pacing.
@@ -326,6 +330,7 @@ def run_bench(
         lags = [visible.get(k, gave_up) - t for k, t in committed.items()]
     missing = sum(1 for k in committed if k not in visible)
     core_s = core_fold_seconds(backlog)
+    say(f"the backlog again, projected by {sinks} sink processes")
     # phase 3: the same kind of backlog, projected by `sinks` processes sharing the partitions
     scaled = (
         scale_out(
