@@ -21,6 +21,7 @@ import msgspec
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
+from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
 from agentruns.connectors.api.tokens import callback_signature
@@ -217,6 +218,11 @@ async def _submit(s: ApiService, r: Request) -> Response:
     )
 
 
+async def _list_runs(s: ApiService, r: Request) -> Response:
+    f = RunFilter.of_query(dict(r.query_params))
+    return JSONResponse(await run_in_threadpool(s.list_runs, f))
+
+
 async def _get_run(s: ApiService, r: Request) -> Response:
     return JSONResponse(await run_in_threadpool(s.get_run, r.path_params["run_id"]))
 
@@ -272,6 +278,7 @@ async def _openapi(s: ApiService, r: Request) -> Response:
 
 ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Response]]], ...] = (
     ("POST", "/runs", "submit", _submit),
+    ("GET", "/runs", "list_runs", _list_runs),
     ("GET", "/runs/{run_id}", "get_run", _get_run),
     ("GET", "/runs/{run_id}/events", "events", _events),
     ("POST", "/runs/{run_id}/replies", "reply", _reply),
