@@ -129,7 +129,7 @@ def list_runs(conn: Conn, f: RunFilter, now_ms: int) -> dict[str, Any]:
     """One page of runs (newest first), the cursor of the next page and counts per status."""
     where, params = _conditions(f, now_ms)
     counted = " AND ".join(where) or "true"
-    counts = dict(
+    counts: dict[str, int] = dict(
         conn.execute(
             f"SELECT status, count(*) FROM runs WHERE {counted} GROUP BY status",
             params,
