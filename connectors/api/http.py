@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.console import UI_PREFIX, Console
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
 from agentruns.connectors.api.listing import RunFilter
@@ -145,9 +146,14 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
+def _console(path: str) -> bool:
+    """The console checks its own session cookie (`agentruns.connectors.api.console`)."""
+    return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+
+
 class _Auth:
-    """Bearer-token check for every path but PUBLIC_PATHS; a callback may instead carry the
-    operation's HMAC ``sig`` query parameter (see `callback_url`)."""
+    """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
+    instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`)."""
 
     def __init__(self, app: ASGIApp, token: str, secret: bytes) -> None:
         self.app = app
@@ -155,7 +161,7 @@ class _Auth:
         self._secret = secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -305,6 +311,7 @@ def create_app(config: ApiConfig) -> Starlette:
         Route(path, _endpoint(name, fn)(service), methods=[method], name=name)
         for method, path, name, fn in ROUTES
     ]
+    routes += Console(service).routes()
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(_Auth, token=config.api_token, secret=config.secret)
     app.add_middleware(_Guard)  # added last: runs first
