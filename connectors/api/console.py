@@ -22,6 +22,7 @@ import math
 import secrets
 import string
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -156,7 +157,14 @@ def _duration(ms: int | None) -> str:
     return f"{ms / 60_000:.1f} min"
 
 
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 _ENV.filters["duration"] = _duration
+_ENV.filters["when"] = _when
 
 
 def _refs(payload: Any) -> list[tuple[str, str]]:
@@ -432,13 +440,15 @@ class Console:
                 bars[-1]["title"] = f"{n} {status}"
         means = {s: latency_sum[s] / latency_n[s] for s in latency_n}
         peak = max(means.values() or [1.0]) or 1.0
-        points = " ".join(
-            f"{s * 10 + 5},{round(100 - 100 * m / peak, 1)}" for s, m in sorted(means.items())
-        )
+        dots = [
+            {"x": s * 10 + 5, "y": round(95 - 90 * m / peak, 1), "title": _duration(int(m))}
+            for s, m in sorted(means.items())
+        ]
         return {
             "bars": bars,
             "top": top,
-            "points": points,
+            "points": " ".join(f"{d['x']},{d['y']}" for d in dots),
+            "dots": dots,
             "peak": _duration(int(peak)),
             "total": sum(sum(v.values()) for v in finished.values()),
         }
