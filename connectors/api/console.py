@@ -262,11 +262,11 @@ def _diagram(current: str) -> dict[str, Any]:
     """The state diagram from the transition table (`agentruns.processors.diagram.edges`), laid
     out on a circle, as SVG shapes."""
     states = [s.value for s in RunStatus]
-    cx, cy, r = 360, 230, 190
+    cx, cy, rx, ry = 410, 240, 320, 205
     pos = {
         s: (
-            cx + r * math.cos(2 * math.pi * i / len(states) - math.pi / 2),
-            cy + r * math.sin(2 * math.pi * i / len(states) - math.pi / 2),
+            cx + rx * math.cos(2 * math.pi * i / len(states) - math.pi / 2),
+            cy + ry * math.sin(2 * math.pi * i / len(states) - math.pi / 2),
         )
         for i, s in enumerate(states)
     }
