@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv broker-jars postgres demo test unit integration lint typecheck fmt bench clean
+.PHONY: help setup venv broker-jars postgres chromium demo test unit integration lint typecheck fmt bench clean
 
 help:
 	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
@@ -43,6 +43,18 @@ postgres: $(STAMP)
 	  echo "PostgreSQL server binaries are missing: install them (e.g. sudo apt-get install -y postgresql)"; exit 2; \
 	fi
 
+# Chromium and its WebDriver for the console's browser test: Debian's packages when missing and
+# we are root, the same way as Postgres.
+chromium:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+	  echo "chromium: $$(command -v chromium), chromedriver: $$(command -v chromedriver)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium and chromium-driver with apt-get"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else \
+	  echo "Chromium is missing: install it (e.g. sudo apt-get install -y chromium chromium-driver)"; exit 2; \
+	fi
+
 setup: venv broker-jars postgres
 
 demo: setup
@@ -66,7 +78,7 @@ unit: $(STAMP)
 integration: setup
 	$(VENV)/bin/pytest tests/integration tests/e2e -q $(PYTEST_ARGS)
 
-test: setup lint typecheck
+test: setup chromium lint typecheck
 	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 fmt: $(STAMP)

@@ -124,6 +124,10 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "processor"): ("agentruns.bench.processor", "the processor against the real broker"),
     ("bench", "executors"): ("agentruns.bench.executors", "tool calls through the tool executor"),
     ("bench", "sink"): ("agentruns.bench.sink", "projection rate and lag"),
+    ("bench", "console"): (
+        "agentruns.bench.console",
+        "GET /runs and the console's pages over 100,000 runs",
+    ),
     ("bench", "floor"): ("agentruns.bench.floor", "the Kafka floor: tokens between two loops"),
     ("bench", "loop"): ("agentruns.bench.loop", "N concurrent 10-step agent loops end to end"),
     ("bench", "repeat"): (

@@ -20,8 +20,10 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.console import UI_PREFIX, Console
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
+from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
 from agentruns.connectors.api.tokens import callback_signature
@@ -147,9 +149,14 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
+def _console(path: str) -> bool:
+    """The console checks its own session cookie (`agentruns.connectors.api.console`)."""
+    return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+
+
 class _Auth:
-    """Bearer-token check for every path but PUBLIC_PATHS; a callback may instead carry the
-    operation's HMAC ``sig`` query parameter (see `callback_url`)."""
+    """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
+    instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`)."""
 
     def __init__(self, app: ASGIApp, token: str, secret: bytes) -> None:
         self.app = app
@@ -157,7 +164,7 @@ class _Auth:
         self._secret = secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -223,6 +230,11 @@ async def _submit(s: ApiService, r: Request) -> Response:
     )
 
 
+async def _list_runs(s: ApiService, r: Request) -> Response:
+    f = RunFilter.of_query(dict(r.query_params))
+    return JSONResponse(await run_in_threadpool(s.list_runs, f))
+
+
 async def _get_run(s: ApiService, r: Request) -> Response:
     return JSONResponse(await run_in_threadpool(s.get_run, r.path_params["run_id"]))
 
@@ -284,6 +296,7 @@ async def _openapi(s: ApiService, r: Request) -> Response:
 
 ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Response]]], ...] = (
     ("POST", "/runs", "submit", _submit),
+    ("GET", "/runs", "list_runs", _list_runs),
     ("GET", "/runs/{run_id}", "get_run", _get_run),
     ("GET", "/runs/{run_id}/events", "events", _events),
     ("POST", "/runs/{run_id}/replies", "reply", _reply),
@@ -315,6 +328,7 @@ def create_app(config: ApiConfig) -> Starlette:
         Route(path, _endpoint(name, fn)(service), methods=[method], name=name)
         for method, path, name, fn in ROUTES
     ]
+    routes += Console(service).routes()
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(_Auth, token=config.api_token, secret=config.secret)
     app.add_middleware(_Guard)  # added last: runs first

@@ -22,6 +22,15 @@ def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, A
     return out
 
 
+def _query(
+    name: str, description: str, enum: list[str] | None = None, kind: str = "string"
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": kind}
+    if enum is not None:
+        schema["enum"] = enum
+    return {"name": name, "in": "query", "description": description, "schema": schema}
+
+
 _RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _ERRS = {
     "400": _resp("a header or the query string is not UTF-8 or holds a control character", _ERROR),
@@ -89,6 +98,34 @@ OPENAPI: dict[str, Any] = {
                     "result": {"type": ["object", "null"]},
                 },
             },
+            "RunList": {
+                "type": "object",
+                "required": ["runs", "next_cursor", "counts"],
+                "properties": {
+                    "runs": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "run_id": {"type": "string"},
+                                "status": {"type": "string"},
+                                "goal": {"type": "string", "description": "first 200 chars"},
+                                "step": {"type": "integer"},
+                                "attempt": {"type": "integer"},
+                                "trace_id": {"type": "string"},
+                                "started_at": {"type": "integer"},
+                                "last_event_at": {"type": "integer"},
+                                "ended_at": {"type": ["integer", "null"]},
+                                "last_seq": {"type": "integer"},
+                                "last_event": {"type": ["string", "null"]},
+                                "waits": {"type": "object"},
+                            },
+                        },
+                    },
+                    "next_cursor": {"type": ["string", "null"]},
+                    "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                },
+            },
             "Reply": {
                 "type": "object",
                 "required": ["resume_token", "response"],
@@ -114,6 +151,29 @@ OPENAPI: dict[str, Any] = {
     "security": [{"bearer": []}],
     "paths": {
         "/runs": {
+            "get": {
+                "summary": "The run list, newest first (by started_at, run_id), with counts",
+                "description": "Filters combine with AND. `counts` are per status over every "
+                "filter but `status`. Pass `next_cursor` back as `cursor` for the next page.",
+                "parameters": [
+                    _query("status", "comma-separated statuses, e.g. WAITING_USER,PAUSED"),
+                    _query("waiting", "user (WAITING_USER, PAUSED) or tool", ["user", "tool"]),
+                    _query(
+                        "stuck_minutes",
+                        "no progress for this many minutes (the rule of `agentruns scan`)",
+                        kind="number",
+                    ),
+                    _query("since", "started at or after (ms since epoch)", kind="integer"),
+                    _query("until", "started before (ms since epoch)", kind="integer"),
+                    _query("q", "a run id, an idempotency key or a trace id"),
+                    _query("limit", "1 to 200, default 50", kind="integer"),
+                    _query("cursor", "next_cursor of the previous page"),
+                ],
+                "responses": {
+                    "200": _resp("a page of runs", {"$ref": "#/components/schemas/RunList"}),
+                    **_ERRS,
+                },
+            },
             "post": {
                 "summary": "Submit a task (idempotent by Idempotency-Key)",
                 "parameters": [
@@ -145,7 +205,7 @@ OPENAPI: dict[str, Any] = {
                     **_TOO_LARGE,
                     **_ERRS,
                 },
-            }
+            },
         },
         "/runs/{run_id}": {
             "get": {

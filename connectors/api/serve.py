@@ -8,10 +8,14 @@ stopped.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
+from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.settings import current
 from agentruns.streams import tracing
 from agentruns.streams.topics import default_prefix
@@ -31,6 +35,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default=current().log_level)
     return parser
+
+
+@contextmanager
+def serving(config: ApiConfig) -> Iterator[str]:
+    """The API on uvicorn, on a free port, in a thread of this process; yields its base URL
+    (the tests and the console bench serve it this way)."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name="api")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise AgentrunsError("the API did not start on uvicorn")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

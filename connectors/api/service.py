@@ -32,6 +32,7 @@ from agentruns.connectors.api.inputs import (
     encoded_input,
     submitted_task,
 )
+from agentruns.connectors.api.listing import RunFilter, list_runs
 from agentruns.connectors.api.pool import Conn, ConnectionPool
 from agentruns.connectors.api.tokens import ResumeToken, TokenError, sign_token, verify_token
 from agentruns.connectors.health import Health
@@ -299,6 +300,12 @@ class ApiService:
             "created": created,
             "status": "PENDING" if run is None else run["status"],
         }
+
+    def list_runs(self, f: RunFilter) -> dict[str, Any]:
+        """A page of the run list (`agentruns.connectors.api.listing`), in one snapshot."""
+        with self.db.connection() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            return list_runs(conn, f, self.clock())
 
     def run_row(self, run_id: str) -> dict[str, Any] | None:
         with self.db.connection() as conn:

@@ -23,12 +23,14 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import psycopg
 from agentruns.connectors import health
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.runtime.timers import fired_input
+from agentruns.processors.state import TERMINAL
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
@@ -86,6 +88,25 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
         consumer.close()
 
 
+#: The terminal statuses as an SQL list, written out so that the planner can match it with the
+#: partial index of live runs (migration 0007 spells the same list).
+TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(t.value for t in TERMINAL)) + ")"
+
+
+def stuck_condition(now_ms: int, stale_after_s: float) -> tuple[str, list[Any]]:
+    """The SQL condition on `runs` (with its parameters) of a run without progress: not
+    terminal, no event for `stale_after_s`, and not merely waiting for a person (a run in
+    WAITING_USER counts only when one of its timers is due and has not fired). The scanner and
+    the run list (`GET /runs?stuck_minutes=`) share it."""
+    sql = (
+        f"status NOT IN {TERMINAL_SQL} AND last_event_at < to_timestamp(%s / 1000.0)"
+        " AND (status <> 'WAITING_USER' OR EXISTS (SELECT 1 FROM"
+        " jsonb_array_elements(coalesce(state::jsonb -> 'timers', '[]'::jsonb)) t"
+        " WHERE (t ->> 'due_at')::bigint <= %s))"
+    )
+    return sql, [now_ms - stale_after_s * 1000, now_ms]
+
+
 def scan(
     bootstrap: str,
     database_url: str,
@@ -96,13 +117,12 @@ def scan(
     now_ms: int | None = None,
 ) -> list[Diagnosis]:
     now = clock.now_ms() if now_ms is None else now_ms
+    condition, params = stuck_condition(now, stale_after_s)
     with psycopg.connect(database_url) as conn:
         rows = conn.execute(
             "SELECT run_id, status, extract(epoch FROM last_event_at) * 1000, state"
-            " FROM runs WHERE status NOT IN"
-            " ('SUCCEEDED','FAILED','CANCELLED','EXPIRED','BUDGET_EXHAUSTED','CANCEL_UNKNOWN')"
-            " AND last_event_at < to_timestamp(%s / 1000.0) ORDER BY last_event_at",
-            (now - stale_after_s * 1000,),
+            f" FROM runs WHERE {condition} ORDER BY last_event_at",
+            params,
         ).fetchall()
     lags: dict[str, int | None] = {}
     found: list[Diagnosis] = []
@@ -119,8 +139,6 @@ def scan(
             if t["due_at"] <= now
         ]
         kind = WAITING_ON.get(status)
-        if status == "WAITING_USER" and not overdue:
-            continue  # waiting for a person: user wait, not a stuck system
         if overdue:
             waiting, detail = "timer", f"{len(overdue)} due timer(s) not fired: timer service down?"
         elif kind is not None:

@@ -58,6 +58,9 @@ def test_the_wheel_holds_agentruns_alone(wheel: Path) -> None:
     assert "agentruns/connectors/testing/scenarios/approval.json" in names
     assert "agentruns/schemas/agentruns.Event.v1.avsc" in names
     assert "agentruns/schemas/json/task.schema.json" in names
+    assert "agentruns/connectors/api/templates/run.html" in names
+    assert "agentruns/connectors/api/static/console.js" in names
+    assert "agentruns/connectors/postgres/migrations/0007_console.sql" in names
     assert not [n for n in names if "/results/" in n]
 
 

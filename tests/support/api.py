@@ -3,7 +3,6 @@ in-process processor, the sink and a scripted executor double, on one topic pref
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -11,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import uvicorn
 from agentruns.connectors.api.config import ApiConfig
-from agentruns.connectors.api.http import create_app
+from agentruns.connectors.api.serve import serving
 from agentruns.processors.effects import CallModel, CallTool, CancelTool
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -119,23 +117,6 @@ class Stack:
 
         wait_for(reached, timeout=timeout, what=f"{run_id} to reach {statuses}", every=0.1)
         return seen
-
-
-@contextmanager
-def serving(config: ApiConfig) -> Iterator[str]:
-    """The API on uvicorn, on a free port, in a thread; yields its base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True, name="api")
-    thread.start()
-    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @contextmanager

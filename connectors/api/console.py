@@ -1,0 +1,652 @@
+"""The web console under /ui: runs, a run, its question and cancel, dead letters.
+
+Server-rendered (Jinja2, autoescaped) over the same `ApiService` the JSON endpoints use: a reply
+or a cancel from a form goes through `ApiService.reply` / `ApiService.cancel`, with the same
+checks and the same refusals. A small script (static/console.js, no build step) polls the page
+it is on and swaps its live part when the run or the list changed.
+
+Access: the login form takes the API's bearer token and sets a session cookie (HttpOnly,
+SameSite=Strict, signed with the API secret, twelve hours). Every page but the login form and the
+script needs it; every POST form carries a CSRF token bound to the session (for the login form,
+to a pre-login cookie) and is refused without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import math
+import secrets
+import string
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.api.listing import RunFilter
+from agentruns.connectors.api.service import ApiService, _state_of
+from agentruns.connectors.errors import AgentrunsError
+from agentruns.processors.diagram import edges
+from agentruns.processors.state import TERMINAL, RunStatus
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+UI_PREFIX = "/ui"
+SESSION_COOKIE = "agentruns_console"
+LOGIN_COOKIE = "agentruns_console_login"
+SESSION_MS = 12 * 3600 * 1000
+#: The most events a run page shows (the API pages through more with /runs/{id}/events).
+MAX_EVENTS = 2000
+#: The newest dead letters the console reads.
+MAX_DEAD_LETTERS = 500
+PREVIEW_BYTES = 512
+MAX_FORM_BYTES = 256 * 1024
+BAD_CSRF = "missing or wrong CSRF token"
+
+_HERE = Path(__file__).parent
+_ENV = Environment(
+    loader=FileSystemLoader(_HERE / "templates"),
+    autoescape=select_autoescape(["html"], default=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_SCRIPT = (_HERE / "static" / "console.js").read_bytes()
+_STYLE = (_HERE / "static" / "console.css").read_bytes()
+_SECURITY_HEADERS = {
+    # nothing but the console's own script and style, never framed
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self';"
+    " script-src 'self'; frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _mac(secret: bytes, purpose: str, value: str) -> str:
+    return _b64(hmac.new(secret, f"console.{purpose}.{value}".encode(), hashlib.sha256).digest())
+
+
+class Sessions:
+    """Signed session cookies and the CSRF tokens bound to them."""
+
+    def __init__(self, secret: bytes, clock: Callable[[], int]) -> None:
+        self.secret = secret
+        self.clock = clock
+
+    def new(self) -> str:
+        body = f"{self.clock() + SESSION_MS}.{secrets.token_urlsafe(16)}"
+        return f"{body}.{_mac(self.secret, 'session', body)}"
+
+    def valid(self, cookie: str | None) -> str | None:
+        """The session id of a valid, unexpired cookie; None otherwise."""
+        if not cookie or cookie.count(".") != 2:
+            return None
+        expires, nonce, mac = cookie.split(".")
+        body = f"{expires}.{nonce}"
+        if not hmac.compare_digest(mac, _mac(self.secret, "session", body)):
+            return None
+        if not expires.isdigit() or int(expires) <= self.clock():
+            return None
+        return nonce
+
+    def csrf(self, session: str) -> str:
+        return _mac(self.secret, "csrf", session)
+
+    def csrf_ok(self, session: str, given: str) -> bool:
+        return hmac.compare_digest(given.encode(), self.csrf(session).encode())
+
+
+def _page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    html = _ENV.get_template(name).render(prefix=UI_PREFIX, **context)
+    return HTMLResponse(html, status_code=status, headers=_SECURITY_HEADERS)
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """The fields of an urlencoded form (the only kind the console's forms post), read up to
+    MAX_FORM_BYTES; a larger or undecodable body is a 413 / 400 `ApiError`."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_FORM_BYTES:
+            raise ApiError(413, "body_too_large", f"form over {MAX_FORM_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode()
+        return dict(parse_qsl(text, keep_blank_values=True, strict_parsing=False))
+    except (UnicodeDecodeError, ValueError):
+        raise ApiError(400, "invalid_form", "the form is not UTF-8 urlencoded") from None
+
+
+def _fragment(request: Request) -> bool:
+    return request.headers.get("x-console-fragment") == "live"
+
+
+def _ago(ms: int | None, now: int) -> str:
+    if ms is None:
+        return ""
+    s = max(0, (now - ms) // 1000)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _duration(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    if ms < 1000:
+        return f"{ms} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms / 60_000:.1f} min"
+
+
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+_ENV.filters["duration"] = _duration
+_ENV.filters["when"] = _when
+
+
+def _refs(payload: Any) -> list[tuple[str, str]]:
+    """(field, artifact ref) of every `*_ref` / `*_refs` field of an event."""
+    found: list[tuple[str, str]] = []
+    if isinstance(payload, dict):
+        for key, value in payload.items():
+            if key.endswith("_ref") and isinstance(value, str):
+                found.append((key, value))
+            elif key.endswith("_refs") and isinstance(value, list):
+                found += [(key, v) for v in value if isinstance(v, str)]
+            elif isinstance(value, dict | list):
+                found += _refs(value)
+    elif isinstance(payload, list):
+        for item in payload:
+            found += _refs(item)
+    return found
+
+
+_PRINTABLE = set(string.printable) - set("\t\n\r\x0b\x0c")
+
+
+def preview(data: bytes | None, limit: int = PREVIEW_BYTES) -> dict[str, Any]:
+    """Hex and printable text of the first `limit` bytes (a dot for anything else): shown as
+    text, never interpreted."""
+    if data is None:
+        return {"hex": "", "text": "", "size": 0, "cut": False}
+    head = data[:limit]
+    lines = []
+    for i in range(0, len(head), 16):
+        chunk = head[i : i + 16]
+        text = "".join(chr(b) if chr(b) in _PRINTABLE else "." for b in chunk)
+        lines.append(f"{i:08x}  {chunk.hex(' '):<47}  {text}")
+    return {
+        "hex": "\n".join(lines),
+        "text": "".join(chr(b) if chr(b) in _PRINTABLE else "." for b in head),
+        "size": len(data),
+        "cut": len(data) > limit,
+    }
+
+
+def _form_response(schema: dict[str, Any], form: dict[str, str]) -> dict[str, Any]:
+    """The reply object of the question form, typed by the response schema's properties; the
+    schema check itself stays in `ApiService.reply`."""
+    out: dict[str, Any] = {}
+    for name, spec in (schema.get("properties") or {}).items():
+        raw = form.get(f"field.{name}", "")
+        if raw == "":
+            continue
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        try:
+            if kind == "boolean":
+                out[name] = raw == "true"
+            elif kind == "integer":
+                out[name] = int(raw)
+            elif kind == "number":
+                out[name] = float(raw)
+            elif kind == "string":
+                out[name] = raw
+            else:
+                out[name] = json.loads(raw)
+        except ValueError:
+            raise ApiError(
+                422, "response_invalid", f"{name}: {raw[:40]!r} is not a valid {kind or 'JSON'}"
+            ) from None
+    return out
+
+
+def _fields(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    required = set(schema.get("required") or ())
+    out = []
+    for name, spec in (schema.get("properties") or {}).items():
+        spec = spec if isinstance(spec, dict) else {}
+        kind = spec.get("type")
+        widget = "json"
+        if kind == "boolean":
+            widget = "boolean"
+        elif kind in ("integer", "number"):
+            widget = "number"
+        elif kind == "string":
+            widget = "enum" if spec.get("enum") else "text"
+        out.append(
+            {
+                "name": name,
+                "widget": widget,
+                "enum": spec.get("enum") or [],
+                "description": spec.get("description") or "",
+                "required": name in required,
+            }
+        )
+    return out
+
+
+def _diagram(current: str) -> dict[str, Any]:
+    """The state diagram from the transition table (`agentruns.processors.diagram.edges`), laid
+    out on a circle, as SVG shapes."""
+    states = [s.value for s in RunStatus]
+    cx, cy, rx, ry = 410, 240, 320, 205
+    pos = {
+        s: (
+            cx + rx * math.cos(2 * math.pi * i / len(states) - math.pi / 2),
+            cy + ry * math.sin(2 * math.pi * i / len(states) - math.pi / 2),
+        )
+        for i, s in enumerate(states)
+    }
+    lines = [
+        {
+            "x1": round(pos[a.value][0]),
+            "y1": round(pos[a.value][1]),
+            "x2": round(pos[b.value][0]),
+            "y2": round(pos[b.value][1]),
+            "from_current": a.value == current,
+        }
+        for (a, b) in edges()
+    ]
+    nodes = [
+        {"name": s, "x": round(x), "y": round(y), "current": s == current}
+        for s, (x, y) in pos.items()
+    ]
+    return {"lines": lines, "nodes": nodes}
+
+
+class Console:
+    """The console's pages over one `ApiService`."""
+
+    def __init__(self, service: ApiService) -> None:
+        self.service = service
+        self.sessions = Sessions(service.config.secret, service.clock)
+
+    # ------------------------------------------------------------------ access
+
+    def _session(self, request: Request) -> str | None:
+        return self.sessions.valid(request.cookies.get(SESSION_COOKIE))
+
+    def guarded(
+        self, fn: Callable[[Request, str], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A page that needs a session (and, for a POST, its CSRF token)."""
+
+        async def handle(request: Request) -> Response:
+            session = self._session(request)
+            if session is None:
+                if request.method == "GET" and not _fragment(request):
+                    return RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
+                return _page("error.html", 401, message="log in first", csrf="")
+            csrf = self.sessions.csrf(session)
+            try:
+                if request.method == "POST":
+                    request.state.form = await _form(request)
+                    given = request.state.form.get("csrf", "")
+                    if not self.sessions.csrf_ok(session, given):
+                        return _page(
+                            "error.html", 403, message="missing or wrong CSRF token", csrf=""
+                        )
+                return await fn(request, session)
+            except ApiError as exc:
+                return _page("error.html", exc.status, message=str(exc), csrf=csrf)
+            except AgentrunsError as exc:
+                return _page("error.html", 503, message=exc.one_line(), csrf=csrf)
+
+        return handle
+
+    async def login_form(self, request: Request) -> Response:
+        nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(16)
+        response = _page(
+            "login.html", csrf=_mac(self.sessions.secret, "login", nonce), error=None, csrf_ok=True
+        )
+        self._cookie(response, LOGIN_COOKIE, nonce, 600)
+        return response
+
+    async def login(self, request: Request) -> Response:
+        try:
+            form = await _form(request)
+        except ApiError as exc:
+            return _page("error.html", exc.status, message=str(exc), csrf="")
+        nonce = request.cookies.get(LOGIN_COOKIE, "")
+        given, token = form.get("csrf"), form.get("token")
+        expected = _mac(self.sessions.secret, "login", nonce)
+        if not nonce or not isinstance(given, str) or not hmac.compare_digest(given, expected):
+            return _page("error.html", 403, message=BAD_CSRF, csrf="")
+        wanted = self.service.config.api_token.encode()
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), wanted):
+            return _page("login.html", 401, csrf=expected, error="wrong token")
+        response = RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
+        self._cookie(response, SESSION_COOKIE, self.sessions.new(), SESSION_MS // 1000)
+        response.delete_cookie(LOGIN_COOKIE, path=UI_PREFIX)
+        return response
+
+    async def logout(self, request: Request, session: str) -> Response:
+        response = RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path=UI_PREFIX)
+        return response
+
+    @staticmethod
+    def _cookie(response: Response, name: str, value: str, max_age: int) -> None:
+        response.set_cookie(
+            name,
+            value,
+            max_age=max_age,
+            path=UI_PREFIX,
+            httponly=True,
+            samesite="strict",
+            secure=False,  # served over plain HTTP locally; behind TLS the proxy adds Secure
+        )
+
+    # ------------------------------------------------------------------ pages
+
+    async def index(self, request: Request) -> Response:
+        return RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
+
+    async def runs(self, request: Request, session: str) -> Response:
+        query = dict(request.query_params)
+        f = RunFilter.of_query(query)
+        page = await run_in_threadpool(self.service.list_runs, f)
+        charts = None if _fragment(request) else await run_in_threadpool(self._charts)
+        now = self.service.clock()
+        for run in page["runs"]:
+            run["age"] = _ago(run["started_at"], now)
+            run["idle"] = _ago(run["last_event_at"], now)
+        kept = {k: v for k, v in query.items() if k != "cursor" and v}
+        version = hashlib.sha256(
+            json.dumps(
+                [[r["run_id"], r["last_seq"], r["status"]] for r in page["runs"]] + [page["counts"]]
+            ).encode()
+        ).hexdigest()[:16]
+        context: dict[str, Any] = {
+            "page": page,
+            "query": query,
+            "statuses": [s.value for s in RunStatus],
+            "next_url": None
+            if page["next_cursor"] is None
+            else f"?{urlencode({**kept, 'cursor': page['next_cursor']})}",
+            "charts": charts,
+            "version": version,
+            "csrf": self.sessions.csrf(session),
+        }
+        if _fragment(request):
+            return _page("_runs_live.html", **context)
+        return _page("runs.html", **context)
+
+    def _charts(self) -> dict[str, Any]:
+        """Runs finished per minute by status, and the mean step latency of those runs (their
+        time without user waits, per step), over the last hour."""
+        with self.service.db.connection() as conn:
+            rows = conn.execute(
+                "SELECT 59 - floor(extract(epoch FROM now() - ended_at) / 60)::int AS slot,"
+                " status, count(*), avg((extract(epoch FROM ended_at - started_at) * 1000"
+                " - user_wait_ms) / greatest(step, 1))"
+                " FROM runs WHERE ended_at > now() - interval '1 hour'"
+                " GROUP BY 1, 2",
+            ).fetchall()
+        finished: dict[int, dict[str, int]] = {}
+        latency_sum: dict[int, float] = {}
+        latency_n: dict[int, int] = {}
+        for slot, status, n, mean in rows:
+            if not 0 <= slot < 60:
+                continue
+            finished.setdefault(slot, {})[status] = int(n)
+            latency_sum[slot] = latency_sum.get(slot, 0.0) + float(mean or 0) * int(n)
+            latency_n[slot] = latency_n.get(slot, 0) + int(n)
+        colors = {"SUCCEEDED": "ok", "FAILED": "bad", "CANCELLED": "warn"}
+        top = max([sum(v.values()) for v in finished.values()] or [1])
+        bars = []
+        for slot, per in sorted(finished.items()):
+            y = 100.0
+            for status, n in sorted(per.items()):
+                h = 100.0 * n / top
+                y -= h
+                klass = colors.get(status, "other")
+                bars.append(
+                    {"x": slot * 10, "y": round(y, 1), "h": round(h, 1), "class": klass, "n": n}
+                )
+                bars[-1]["title"] = f"{n} {status}"
+        means = {s: latency_sum[s] / latency_n[s] for s in latency_n}
+        peak = max(means.values() or [1.0]) or 1.0
+        dots = [
+            {"x": s * 10 + 5, "y": round(95 - 90 * m / peak, 1), "title": _duration(int(m))}
+            for s, m in sorted(means.items())
+        ]
+        return {
+            "bars": bars,
+            "top": top,
+            "points": " ".join(f"{d['x']},{d['y']}" for d in dots),
+            "dots": dots,
+            "peak": _duration(int(peak)),
+            "total": sum(sum(v.values()) for v in finished.values()),
+        }
+
+    def _run_page(self, run_id: str) -> dict[str, Any]:
+        service = self.service
+        view = service.get_run(run_id)
+        with service.db.connection() as conn:
+            cur = conn.execute(
+                "SELECT seq, type, step, attempt, at, disposition, reason, status, payload"
+                " FROM events WHERE run_id = %s ORDER BY seq LIMIT %s",
+                (run_id, MAX_EVENTS),
+            )
+            names = [d.name for d in cur.description or ()]
+            events = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        run = service.run_row(run_id)
+        state = None if run is None else _state_of(run)
+        for e in events:
+            e["refs"] = _refs(e["payload"])
+            e["at_text"] = e["at"].strftime("%H:%M:%S.%f")[:-3]
+        waits = view.get("waits") or {}
+        split = [
+            ("system", int(waits.get("system_ms") or 0)),
+            ("tool", int(waits.get("tool_wait_ms") or 0)),
+            ("user", int(waits.get("user_wait_ms") or 0)),
+        ]
+        current = waits.get("current")
+        if current:
+            split = [
+                (k, v + (current["ms"] if k == current["waiting_for"] else 0)) for k, v in split
+            ]
+        total = sum(v for _, v in split) or 1
+        budgets: list[dict[str, Any]] = []
+        artifacts: list[tuple[str, str]] = []
+        timers: list[dict[str, Any]] = []
+        if state is not None:
+            b = state.config.budgets
+            usage = view.get("usage") or {}
+            tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+            for name, used, limit in (
+                ("steps", state.step, b.max_steps),
+                ("tokens", tokens, b.max_tokens),
+                ("cost (micros)", int(usage.get("cost_micros", 0)), b.max_cost_micros),
+                ("tool calls", int(usage.get("tool_calls", 0)), b.max_tool_calls),
+                ("events", state.version, state.config.loop.max_events),
+            ):
+                pct = None if not limit else min(100, round(100 * used / limit))
+                budgets.append({"name": name, "used": used, "limit": limit, "pct": pct})
+            artifacts = [("run configuration", state.config.config_ref)]
+            if state.context_ref:
+                artifacts.append((f"context of step {state.step}", state.context_ref))
+            if state.candidate_ref:
+                artifacts.append((f"model output of step {state.step}", state.candidate_ref))
+            if state.memory_ref:
+                artifacts.append(("memory", state.memory_ref))
+            timers = [
+                {"timer_id": t.timer_id, "purpose": t.purpose, "due_at": t.due_at}
+                for t in state.timers
+            ]
+        question = view.get("question")
+        return {
+            "run": view,
+            "events": events,
+            "split": [{"name": k, "ms": v, "pct": round(100 * v / total, 1)} for k, v in split],
+            "budgets": budgets,
+            "artifacts": artifacts,
+            "timers": timers,
+            "fields": _fields(question["response_schema"]) if question else [],
+            "diagram": _diagram(view["status"]),
+            "result_json": None
+            if not view.get("result")
+            else json.dumps(view["result"].get("content"), indent=2, ensure_ascii=False),
+            "question_json": None
+            if not question
+            else json.dumps(question.get("content"), indent=2, ensure_ascii=False),
+            "terminal": view["status"] in {s.value for s in TERMINAL},
+            "version": f"{view.get('last_seq')}-{view['status']}",
+        }
+
+    async def run(self, request: Request, session: str, error: ApiError | None = None) -> Response:
+        run_id = request.path_params["run_id"]
+        context = await run_in_threadpool(self._run_page, run_id)
+        context["csrf"] = self.sessions.csrf(session)
+        context["error"] = None if error is None else f"{error.code}: {error}"
+        if _fragment(request):
+            return _page("_run_live.html", **context)
+        return _page("run.html", 200 if error is None else error.status, **context)
+
+    async def reply(self, request: Request, session: str) -> Response:
+        run_id = request.path_params["run_id"]
+        form: dict[str, str] = request.state.form
+        try:
+            view = await run_in_threadpool(self.service.get_run, run_id)
+            question = view.get("question") or {}
+            response = _form_response(question.get("response_schema") or {}, form)
+            body = {"resume_token": form.get("resume_token", ""), "response": response}
+            await run_in_threadpool(self.service.reply, run_id, body)
+        except ApiError as exc:
+            return await self.run(request, session, exc)
+        return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
+
+    async def cancel(self, request: Request, session: str) -> Response:
+        run_id = request.path_params["run_id"]
+        reason = request.state.form.get("reason", "")
+        body = {"reason": reason or "cancelled in console"}
+        try:
+            await run_in_threadpool(self.service.cancel, run_id, body, None)
+        except ApiError as exc:
+            return await self.run(request, session, exc)
+        return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
+
+    async def artifact(self, request: Request, session: str) -> Response:
+        ref = request.path_params["ref"]
+
+        def read() -> tuple[str, int, bytes] | None:
+            with self.service.db.connection() as conn:
+                row = conn.execute(
+                    "SELECT media_type, size_bytes, content FROM artifacts WHERE ref = %s", (ref,)
+                ).fetchone()
+            return None if row is None else (str(row[0]), int(row[1]), bytes(row[2]))
+
+        found = await run_in_threadpool(read)
+        if found is None:
+            raise ApiError(404, "artifact_not_found", f"no artifact {ref}")
+        media_type, size, content = found
+        try:
+            text = content.decode()
+            with contextlib.suppress(ValueError):
+                text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except UnicodeDecodeError:
+            text = preview(content, 64 * 1024)["hex"]
+        return _page(
+            "artifact.html",
+            ref=ref,
+            media_type=media_type,
+            size=size,
+            text=text,
+            csrf=self.sessions.csrf(session),
+        )
+
+    async def dead_letter_page(self, request: Request, session: str) -> Response:
+        reason = request.query_params.get("reason", "")
+        records = await run_in_threadpool(self._read_dead_letters)
+        rows = []
+        for d in reversed(records):
+            if reason and reason not in d["reason"] and reason != d["error_class"]:
+                continue
+            rows.append(
+                {
+                    "reason": d["reason"],
+                    "error_class": d["error_class"],
+                    "source": f"{d['source_topic']}/{d['source_partition']}/{d['source_offset']}",
+                    "at": d["at"],
+                    "run_id": d.get("run_id"),
+                    "key": preview(d.get("original_key"), 64),
+                    "value": preview(d.get("original_value")),
+                }
+            )
+        classes = sorted({d["error_class"] for d in records})
+        return _page(
+            "dead_letters.html",
+            rows=rows,
+            reason=reason,
+            classes=classes,
+            csrf=self.sessions.csrf(session),
+        )
+
+    def _read_dead_letters(self) -> list[dict[str, Any]]:
+        """The newest MAX_DEAD_LETTERS dead letters of `<prefix>.dlq`, read to its current end."""
+        from agentruns.connectors.projection.reading import read_topic
+        from agentruns.streams.topics import DLQ, topic_name
+
+        config = self.service.config
+        topic = topic_name(DLQ, config.prefix)
+        return list(read_topic(config.bootstrap, topic, "DeadLetter", timeout_s=30))[
+            -MAX_DEAD_LETTERS:
+        ]
+
+    async def script(self, request: Request) -> Response:
+        return Response(_SCRIPT, media_type="text/javascript", headers=_SECURITY_HEADERS)
+
+    async def style(self, request: Request) -> Response:
+        return Response(_STYLE, media_type="text/css", headers=_SECURITY_HEADERS)
+
+    def routes(self) -> list[Route]:
+        g = self.guarded
+        return [
+            Route(UI_PREFIX, self.index, methods=["GET"]),
+            Route(f"{UI_PREFIX}/", self.index, methods=["GET"]),
+            Route(f"{UI_PREFIX}/login", self.login_form, methods=["GET"]),
+            Route(f"{UI_PREFIX}/login", self.login, methods=["POST"]),
+            Route(f"{UI_PREFIX}/logout", g(self.logout), methods=["POST"]),
+            Route(f"{UI_PREFIX}/runs", g(self.runs), methods=["GET"]),
+            Route(f"{UI_PREFIX}/runs/{{run_id}}", g(self.run), methods=["GET"]),
+            Route(f"{UI_PREFIX}/runs/{{run_id}}/reply", g(self.reply), methods=["POST"]),
+            Route(f"{UI_PREFIX}/runs/{{run_id}}/cancel", g(self.cancel), methods=["POST"]),
+            Route(f"{UI_PREFIX}/artifacts/{{ref}}", g(self.artifact), methods=["GET"]),
+            Route(f"{UI_PREFIX}/dead-letters", g(self.dead_letter_page), methods=["GET"]),
+            Route(f"{UI_PREFIX}/static/console.js", self.script, methods=["GET"]),
+            Route(f"{UI_PREFIX}/static/console.css", self.style, methods=["GET"]),
+        ]

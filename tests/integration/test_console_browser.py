@@ -1,0 +1,152 @@
+"""The console in a real browser (Debian's chromium through chromium-driver, headless): log in,
+filter the runs waiting for a person, answer a question in its form and watch the run succeed
+without a reload, cancel a running run, find an injected bad input among the dead letters.
+
+Screenshots of each page go to $AGENTRUNS_SCREENSHOTS (docs/img keeps the current ones), else to
+the test's temporary directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agentruns.processors.ids import run_id_for_key
+from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.topics import INBOX, topic_name
+from confluent_kafka import Producer
+from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.wait import WebDriverWait
+
+from tests.support.api import GUARDED, REPORT, TOKEN, Stack
+from tests.support.pipeline import SEARCH
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    driver_path = shutil.which("chromedriver") or CHROMEDRIVER
+    if not (Path(CHROMIUM).exists() and Path(driver_path).exists()):
+        pytest.fail(
+            "chromium is missing: run `make chromium`"
+            " (apt-get install -y chromium chromium-driver)",
+            pytrace=False,
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1400,1100")
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def shots(tmp_path: Path) -> Path:
+    target = Path(os.environ.get("AGENTRUNS_SCREENSHOTS") or tmp_path)
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _text(driver: WebDriver, element_id: str) -> str:
+    return str(driver.find_element(By.ID, element_id).text)
+
+
+def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
+    stack: Stack, browser: WebDriver, shots: Path
+) -> None:
+    # the live part of a page is swapped by its poller: an element found a moment ago may be gone
+    wait = WebDriverWait(
+        browser,
+        60,
+        poll_frequency=0.2,
+        ignored_exceptions=(StaleElementReferenceException, NoSuchElementException),
+    )
+    approval = stack.submit(
+        f"console-approve-{uuid.uuid4().hex}",
+        goal="update the pricing page once a person approves",
+        tools=[GUARDED.model_dump()],
+        policy={"approval_required": ["write"]},
+    )
+    long_key = f"console-long-{uuid.uuid4().hex}"
+    stack.double.async_runs.add(run_id_for_key(long_key))
+    running = stack.submit(
+        long_key,
+        goal="write the quarterly report",
+        tools=[SEARCH.model_dump(), REPORT.model_dump()],
+    )
+    done = stack.submit(f"console-plain-{uuid.uuid4().hex}", goal="find three documents")
+    stack.wait_status(approval, "WAITING_USER")
+    stack.wait_status(running, "WAITING_TOOL")
+    stack.wait_status(done, "SUCCEEDED")
+
+    browser.get(f"{stack.url}/ui/runs")
+    assert browser.current_url.endswith("/ui/login")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    wait.until(lambda d: d.current_url.endswith("/ui/runs"))
+    assert done in browser.page_source
+    browser.save_screenshot(str(shots / "console-runs.png"))
+
+    Select(browser.find_element(By.ID, "f-waiting")).select_by_value("user")
+    browser.find_element(By.ID, "f-apply").click()
+    wait.until(lambda d: "waiting=user" in d.current_url)
+    listed = wait.until(
+        lambda d: {
+            e.get_attribute("data-run") for e in d.find_elements(By.CSS_SELECTOR, "tr[data-run]")
+        }
+    )
+    assert approval in listed and done not in listed and running not in listed
+    browser.save_screenshot(str(shots / "console-waiting-for-user.png"))
+
+    browser.find_element(By.LINK_TEXT, approval).click()
+    wait.until(lambda d: _text(d, "run-status") == "WAITING_USER")
+    browser.save_screenshot(str(shots / "console-question.png"))
+    Select(browser.find_element(By.ID, "field-approved")).select_by_value("true")
+    browser.find_element(By.ID, "answer").click()
+    wait.until(lambda d: d.find_elements(By.ID, "run-status") and "/reply" not in d.current_url)
+    # marks this page load: a reload would drop the mark
+    browser.execute_script("window.consoleMark = 'kept';")
+    wait.until(lambda d: _text(d, "run-status") == "SUCCEEDED")
+    assert browser.execute_script("return window.consoleMark;") == "kept"
+    assert browser.find_elements(By.ID, "result") and not browser.find_elements(By.ID, "reply")
+    browser.set_window_size(1400, 2400)  # the whole run: timeline, effects, state diagram
+    browser.save_screenshot(str(shots / "console-run.png"))
+    browser.set_window_size(1400, 1100)
+
+    browser.get(f"{stack.url}/ui/runs/{running}")
+    wait.until(lambda d: _text(d, "run-status") == "WAITING_TOOL")
+    browser.find_element(By.ID, "cancel-button").click()
+    browser.execute_script("window.consoleMark = 'kept';")
+    wait.until(lambda d: _text(d, "run-status") == "CANCELLED")
+    assert browser.execute_script("return window.consoleMark;") == "kept"
+    assert stack.run(running)["status"] == "CANCELLED"
+
+    marker = f"not-a-record-{uuid.uuid4().hex[:8]}"
+    producer = Producer({"bootstrap.servers": stack.bootstrap, **client_settings()})
+    producer.produce(
+        topic_name(INBOX, stack.prefix), key=b"bad", value=marker.encode(), partition=1
+    )
+    assert producer.flush(30) == 0
+
+    def dead_lettered(d: WebDriver) -> bool:
+        d.get(f"{stack.url}/ui/dead-letters")
+        return marker in d.page_source
+
+    wait.until(dead_lettered)
+    browser.find_element(By.CSS_SELECTOR, "#dead-letters details summary").click()
+    browser.save_screenshot(str(shots / "console-dead-letters.png"))
