@@ -12,6 +12,7 @@ into a cache outside the repo (`~/.cache/agentruns/kafka-<version>/libs`, or
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import signal
@@ -408,6 +409,43 @@ class LocalKafka:
         proc = self._procs.pop(node.node_id, None)
         if proc is not None:
             proc.wait(timeout=10)
+
+    def node(self, node_id: int) -> KafkaNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def node_running(self, node_id: int) -> bool:
+        pid = read_pid(self.node(node_id).pid_file)
+        return pid is not None and pid_alive(pid)
+
+    def start_node(self, node_id: int, *, timeout: float = 60.0) -> float:
+        """Start one node of a started cluster again (after `kill`, fault tests) and wait until
+        every broker is registered again. Returns seconds."""
+        began = time.monotonic()
+        node = self.node(node_id)
+        if not self.node_running(node_id):
+            self._reap(node)
+            log4j = self.directory / "log4j2.properties"
+            self._spawn(f"{self._libs or ensure_jars()}/*", node, log4j)
+        if all(self.node_running(n.node_id) for n in self.nodes):
+            self.wait_ready(timeout)
+        return time.monotonic() - began
+
+    def active_controller(self) -> int | None:
+        """The node id of the KRaft quorum's leader (the active controller), as the live voters
+        last recorded it in their quorum-state files: the highest epoch's leader."""
+        best: tuple[int, int] | None = None
+        for node in self.nodes:
+            if not self.node_running(node.node_id):
+                continue
+            state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
+            try:
+                data = json.loads(state.read_text())
+            except (OSError, ValueError):  # being rewritten: the others say it
+                continue
+            epoch, leader = int(data.get("leaderEpoch", -1)), int(data.get("leaderId", -1))
+            if leader >= 0 and (best is None or epoch > best[0]):
+                best = (epoch, leader)
+        return None if best is None else best[1]
 
     def kill(self, node_ids: Sequence[int] | None = None) -> None:
         """SIGKILL nodes (fault tests)."""
