@@ -18,90 +18,11 @@ import pytest
 from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.netlab import HOST, NetLab
 from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.streams.kafka_defaults import client_settings
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    Message,
-    Producer,
-    TopicPartition,
-)
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 
-TOPIC = "partitioned"
-PARTITIONS = 6
+from tests.support.cluster import PARTITIONS, TOPIC, Writer, create_topic, missing_from_log
+
 CUT_S = 15.0
-
-
-class Writer:
-    """An idempotent acks=all producer writing to every partition in turn, keeping what the
-    brokers acknowledged (partition, offset) -> value, and when."""
-
-    def __init__(self, bootstrap: str) -> None:
-        self.producer = Producer(
-            {
-                "bootstrap.servers": bootstrap,
-                **client_settings(),
-                "enable.idempotence": True,
-                "acks": "all",
-                "linger.ms": 5,
-                "log_level": 0,
-            }
-        )
-        self.acked: dict[tuple[int, int], bytes] = {}
-        self.acked_at: dict[int, list[float]] = {p: [] for p in range(PARTITIONS)}
-        self.failed: list[str] = []
-        self.sent = 0
-
-    def _report(self, error: KafkaError | None, message: Message) -> None:
-        if error is not None:
-            self.failed.append(str(error))
-            return
-        partition, offset = message.partition() or 0, message.offset() or 0
-        self.acked[(partition, offset)] = message.value() or b""
-        self.acked_at[partition].append(time.monotonic())
-
-    def write_for(self, seconds: float) -> None:
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
-            for p in range(PARTITIONS):
-                self.producer.produce(
-                    TOPIC, value=f"r{self.sent}".encode(), partition=p, on_delivery=self._report
-                )
-                self.sent += 1
-            self.producer.poll(0.05)
-
-    def acked_between(self, partition: int, began: float, ended: float) -> int:
-        return sum(began <= t <= ended for t in self.acked_at[partition])
-
-
-def _log(bootstrap: str) -> dict[tuple[int, int], bytes]:
-    reader = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            **client_settings(),
-            "group.id": "partition-check",
-            "enable.partition.eof": True,
-            "log_level": 0,
-        }
-    )
-    found: dict[tuple[int, int], bytes] = {}
-    try:
-        reader.assign([TopicPartition(TOPIC, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
-        pending = set(range(PARTITIONS))
-        deadline = time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
-            for m in reader.consume(1000, 0.5):
-                error = m.error()
-                if error is not None and error.code() == KafkaError._PARTITION_EOF:
-                    pending.discard(m.partition() or 0)
-                elif error is None:
-                    found[(m.partition() or 0, m.offset() or 0)] = m.value() or b""
-        assert not pending, f"partitions {pending} never reached their end"
-    finally:
-        reader.close()
-    return found
 
 
 def _leaders(admin: AdminClient) -> dict[int, int]:
@@ -123,12 +44,7 @@ def test_partitions_of_a_broker_and_of_a_client_lose_no_acknowledged_record(
         )
         try:
             kafka.start(timeout=180)
-            admin = AdminClient(
-                {"bootstrap.servers": kafka.bootstrap_servers, **client_settings(), "log_level": 0}
-            )
-            admin.create_topics(
-                [NewTopic(TOPIC, PARTITIONS, 3, config={"min.insync.replicas": "2"})]
-            )[TOPIC].result(timeout=60)
+            admin = create_topic(kafka.bootstrap_servers)
             writer = Writer(kafka.bootstrap_servers)
             writer.write_for(3.0)
             assert writer.producer.flush(60) == 0
@@ -160,9 +76,7 @@ def test_partitions_of_a_broker_and_of_a_client_lose_no_acknowledged_record(
 
             assert not writer.failed, writer.failed[:5]
             assert len(writer.acked) == writer.sent
-            log = _log(kafka.bootstrap_servers)
-            missing = {k: v for k, v in writer.acked.items() if log.get(k) != v}
-            assert not missing, f"{len(missing)} acknowledged records are not in the log"
+            assert missing_from_log(writer, kafka.bootstrap_servers) == 0
         finally:
             kafka.kill()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
