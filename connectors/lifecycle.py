@@ -66,8 +66,8 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
         return _fail(exc.one_line())
     except KafkaException as exc:
         return _fail(f"Kafka: {exc.args[0].str() if exc.args else exc}")
-    except OSError as exc:
-        return _fail(str(exc))
+    except OSError as exc:  # a TimeoutError of a future says nothing by itself
+        return _fail(str(exc) or f"{type(exc).__name__} (no message)")
     except KeyboardInterrupt:
         return 130
 

@@ -54,6 +54,7 @@ from agentruns.streams.kafka_defaults import (
     client_settings,
     commit_timed,
     fetch_settings,
+    release,
 )
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -72,6 +73,16 @@ Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 
 #: The bound of every blocking transactional call (seconds).
 TIMEOUT_S = 30.0
+#: How long a new transactional producer retries a retriable init_transactions error.
+INIT_PATIENCE_S = 120.0
+_NO_COORDINATOR = frozenset(
+    {
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError._TIMED_OUT,
+    }
+)
 
 
 # --------------------------------------------------------------------------- clients
@@ -166,12 +177,26 @@ class Clients:
 
     def producer(self, slot: str, settings: Mapping[str, Any]) -> Producer:
         """`producer_config`'s producer, its transactions initialized."""
-        producer = Producer(self.producer_config(slot, settings))
-        try:
-            producer.init_transactions(TIMEOUT_S)
-        except KafkaException as exc:
-            raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
-        return producer
+        # No coordinator yet (its broker is down, or the transaction log partition is still
+        # loading on its new leader): a new producer tries again, for INIT_PATIENCE_S.
+        deadline = time.monotonic() + INIT_PATIENCE_S
+        while True:
+            producer = Producer(self.producer_config(slot, settings))
+            try:
+                producer.init_transactions(TIMEOUT_S)
+                return producer
+            except KafkaException as exc:
+                release(producer, 0)
+                error = exc.args[0] if exc.args else None
+                transient = isinstance(error, KafkaError) and (
+                    error.retriable() or error.code() in _NO_COORDINATOR
+                )
+                if not transient or time.monotonic() > deadline:
+                    raise AgentrunsKafkaError(
+                        f"cannot start a transactional producer: {exc}"
+                    ) from exc
+                log.warning("starting a transactional producer, trying again: %s", exc)
+                time.sleep(1.0)
 
 
 # --------------------------------------------------------------------------- failures
