@@ -11,6 +11,7 @@ import faulthandler
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 from agentruns.streams.errors import AgentrunsError, FatalConsumerError
@@ -66,10 +67,18 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
         return _fail(exc.one_line())
     except KafkaException as exc:
         return _fail(f"Kafka: {exc.args[0].str() if exc.args else exc}")
-    except OSError as exc:  # a TimeoutError of a future says nothing by itself
-        return _fail(str(exc) or f"{type(exc).__name__} (no message)")
+    except OSError as exc:
+        return _fail(str(exc) or _where(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _where(exc: BaseException) -> str:
+    """What an error without a message is and where it was raised (a future's TimeoutError
+    says nothing by itself)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{type(exc).__name__}{at}"
 
 
 def _fail(line: str) -> int:

@@ -49,6 +49,7 @@ _TRANSIENT = frozenset(
         KafkaError._ALL_BROKERS_DOWN,
         KafkaError.REQUEST_TIMED_OUT,
         KafkaError.NOT_CONTROLLER,
+        KafkaError._DESTROY_BROKER,  # a broker leaving the metadata while a request waited
     }
 )
 

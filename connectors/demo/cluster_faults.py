@@ -71,6 +71,8 @@ def most_leading(bootstrap: str, topic: str) -> int:
 def transaction_coordinator(bootstrap: str, transactional_id: str) -> int:
     """The broker coordinating ``transactional_id``'s transactions."""
     by_partition = leaders(bootstrap, TRANSACTION_STATE)
+    if not by_partition:  # made when the cluster's first transactional producer starts
+        raise RuntimeError(f"{TRANSACTION_STATE} does not exist yet")
     return by_partition[transaction_state_partition(transactional_id, len(by_partition))]
 
 
