@@ -84,11 +84,14 @@ def ensure_topics(
     A timeout or a retriable error (a cluster electing a controller, brokers coming back) is
     retried for ``patience_s``, with a warning each time."""
     deadline = time.monotonic() + patience_s
+    answered = False
     while True:
         try:
             return _ensure_topics(bootstrap, prefix, partitions, specs)
         except (AgentrunsKafkaError, KafkaException, TimeoutError) as exc:
-            unreachable = isinstance(exc, KafkaUnreachableError)
+            # unreachable from the start: fail fast; after it answered: brokers coming back
+            unreachable = isinstance(exc, KafkaUnreachableError) and not answered
+            answered = True
             if unreachable or not _transient(exc) or time.monotonic() > deadline:
                 if isinstance(exc, TimeoutError):
                     raise AgentrunsKafkaError(
@@ -96,7 +99,9 @@ def ensure_topics(
                         f"{TIMEOUT_S:.0f} s while the topics were checked"
                     ) from exc
                 raise
-            log.warning("checking the topics failed, trying again: %s", exc or type(exc).__name__)
+            log.warning(
+                "checking the topics failed, trying again: %s", str(exc) or type(exc).__name__
+            )
             time.sleep(1.0)
 
 
