@@ -77,7 +77,9 @@ def _where(exc: BaseException) -> str:
     """What an error without a message is and where it was raised (a future's TimeoutError
     says nothing by itself)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    at = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    # the last frame of ours, not the standard library's future that raised it
+    ours = [f for f in frames if "/lib/python" not in f.filename] or frames
+    at = f" at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
     return f"{type(exc).__name__}{at}"
 
 

@@ -228,7 +228,7 @@ def record_limits(bootstrap: str, topics: list[str], timeout_s: float = 10.0) ->
         name = "max.message.bytes" if resource.restype == ResourceType.TOPIC else None
         try:
             configs = future.result(timeout=timeout_s)
-        except KafkaException:
+        except (KafkaException, TimeoutError):  # a broker down: its answer never comes
             continue
         entry = configs.get(name or "message.max.bytes")
         if entry is not None and entry.value is not None and str(entry.value).isdigit():

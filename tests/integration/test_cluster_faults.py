@@ -4,7 +4,9 @@ for them instead of exiting (found by `agentruns chaos --brokers 3`).
 - the topic check (`ensure_topics`) while two brokers are down (no controller quorum: config
   changes time out) goes on once they are back;
 - a transactional producer whose coordinator's broker is down starts once it is back (or its
-  transaction log partition has moved).
+  transaction log partition has moved);
+- the processor's look-up of the record size limits leaves out what a broker that is down
+  cannot answer (it exited on the future's TimeoutError).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from agentruns.connectors.demo.cluster_faults import transaction_coordinator
 from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.streams import admin, transaction
-from agentruns.streams.admin import ensure_topics
+from agentruns.streams.admin import ensure_topics, record_limits
 from agentruns.streams.kafka_defaults import release
 from agentruns.streams.topics import INBOX, topic_name
 from agentruns.streams.transaction import Clients
@@ -85,3 +87,17 @@ def test_a_transactional_producer_starts_once_its_coordinator_is_back(
         producer.commit_transaction(30)
     finally:
         release(producer)
+
+
+def test_record_limits_leave_out_what_a_broker_down_cannot_answer(
+    cluster: LocalKafka, unique_name: str
+) -> None:
+    bootstrap = cluster.bootstrap_servers
+    ensure_topics(bootstrap, prefix=unique_name, partitions=2)
+    inbox = topic_name(INBOX, unique_name)
+    thread = _down_for(cluster, (1,), DOWN_S)  # the broker whose config is asked for
+    try:
+        limits = record_limits(bootstrap, [inbox], timeout_s=2.0)
+    finally:
+        thread.join()
+    assert "" not in limits  # the broker's own limit never came
