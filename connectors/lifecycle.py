@@ -11,6 +11,7 @@ import faulthandler
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 from agentruns.streams.errors import AgentrunsError, FatalConsumerError
@@ -67,9 +68,19 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
     except KafkaException as exc:
         return _fail(f"Kafka: {exc.args[0].str() if exc.args else exc}")
     except OSError as exc:
-        return _fail(str(exc))
+        return _fail(str(exc) or _where(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _where(exc: BaseException) -> str:
+    """What an error without a message is and where it was raised (a future's TimeoutError
+    says nothing by itself)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    # the last frame of ours, not the standard library's future that raised it
+    ours = [f for f in frames if "/lib/python" not in f.filename] or frames
+    at = f" at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
+    return f"{type(exc).__name__}{at}"
 
 
 def _fail(line: str) -> int:

@@ -7,6 +7,7 @@ configs are brought to the spec with an incremental alter; a partition mismatch 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -31,10 +32,44 @@ from confluent_kafka.admin import (
 )
 
 TIMEOUT_S = 30.0
+log = logging.getLogger("agentruns.admin")
 
 
 def _admin(bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 3})
+
+
+#: How long `ensure_topics` retries what a cluster without a controller, or with brokers
+#: coming back, answers with a timeout or a retriable error.
+PATIENCE_S = 120.0
+_TRANSIENT = frozenset(
+    {
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NOT_CONTROLLER,
+        KafkaError._DESTROY_BROKER,  # a broker leaving the metadata while a request waited
+    }
+)
+
+
+class KafkaUnreachableError(AgentrunsKafkaError):
+    """No broker answered the first request."""
+
+
+def _transient(exc: BaseException) -> bool:
+    """A timeout or a retriable Kafka error, itself or as the cause of ours."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, TimeoutError):  # a future's result(timeout=...) ran out
+            return True
+        if isinstance(seen, KafkaException) and seen.args:
+            error = seen.args[0]
+            if isinstance(error, KafkaError) and (error.retriable() or error.code() in _TRANSIENT):
+                return True
+        seen = seen.__cause__
+    return False
 
 
 def ensure_topics(
@@ -43,13 +78,45 @@ def ensure_topics(
     prefix: str = DEFAULT_PREFIX,
     partitions: int | None = None,
     specs: list[TopicSpec] | None = None,
+    patience_s: float = PATIENCE_S,
 ) -> dict[str, str]:
-    """Create missing topics, align configs of existing ones; return name -> what was done."""
+    """Create missing topics, align configs of existing ones; return name -> what was done.
+    A timeout or a retriable error (a cluster electing a controller, brokers coming back) is
+    retried for ``patience_s``, with a warning each time."""
+    deadline = time.monotonic() + patience_s
+    answered = False
+    while True:
+        try:
+            return _ensure_topics(bootstrap, prefix, partitions, specs)
+        except (AgentrunsKafkaError, KafkaException, TimeoutError) as exc:
+            # unreachable from the start: fail fast; after it answered: brokers coming back
+            unreachable = isinstance(exc, KafkaUnreachableError) and not answered
+            answered = True
+            if unreachable or not _transient(exc) or time.monotonic() > deadline:
+                if isinstance(exc, TimeoutError):
+                    raise AgentrunsKafkaError(
+                        f"Kafka at {bootstrap} did not answer an admin request within "
+                        f"{TIMEOUT_S:.0f} s while the topics were checked"
+                    ) from exc
+                raise
+            log.warning(
+                "checking the topics failed, trying again: %s", str(exc) or type(exc).__name__
+            )
+            time.sleep(1.0)
+
+
+def _ensure_topics(
+    bootstrap: str,
+    prefix: str,
+    partitions: int | None,
+    specs: list[TopicSpec] | None,
+) -> dict[str, str]:
     admin = _admin(bootstrap)
     try:
         metadata = admin.list_topics(timeout=TIMEOUT_S)
     except KafkaException as exc:
-        raise AgentrunsKafkaError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+        # not retried: the services wait for Kafka before (ServiceStack), commands fail fast
+        raise KafkaUnreachableError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
     existing = metadata.topics
     if specs is None:
         if partitions is None:
@@ -161,7 +228,7 @@ def record_limits(bootstrap: str, topics: list[str], timeout_s: float = 10.0) ->
         name = "max.message.bytes" if resource.restype == ResourceType.TOPIC else None
         try:
             configs = future.result(timeout=timeout_s)
-        except KafkaException:
+        except (KafkaException, TimeoutError):  # a broker down: its answer never comes
             continue
         entry = configs.get(name or "message.max.bytes")
         if entry is not None and entry.value is not None and str(entry.value).isdigit():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -154,7 +155,11 @@ def release(producer: Producer, timeout_s: float = 5.0) -> int:
     close = getattr(producer, "close", None)  # recent confluent-kafka only; not in its stubs
     if close is not None:
         try:
-            close()
+            # closing aborts an open transaction; one that cannot be (fenced, or an abort
+            # still in progress) is only warned about: the broker aborts it anyway
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                close()
         except KafkaException as exc:
             log.info("closing a producer in a failed state: %s", exc)
     return left
@@ -193,5 +198,8 @@ class ProducerPair:
             release(producer, timeout_s)
 
     def replace_current(self) -> None:
-        """After a fatal error (fenced): a new producer for the current slot."""
+        """After a fatal error (fenced), or an abort that could not finish: a new producer for
+        the current slot (its `init_transactions` fences the old one); the old one released."""
+        old = self._producers[self._turn]
+        release(old, 0)
         self._producers[self._turn] = self._new(self.SLOTS[self._turn])

@@ -55,6 +55,7 @@ from agentruns.streams.kafka_defaults import (
     client_settings,
     commit_timed,
     fetch_settings,
+    release,
 )
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -73,6 +74,17 @@ Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 
 #: The bound of every blocking transactional call (seconds).
 TIMEOUT_S = 30.0
+#: How long an abort is resumed after it timed out, before its producer is replaced.
+ABORT_PATIENCE_S = 60.0
+#: How long a new transactional producer retries a retriable init_transactions error.
+INIT_PATIENCE_S = 120.0
+_NO_COORDINATOR = frozenset(
+    {
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
+)
 
 
 # --------------------------------------------------------------------------- clients
@@ -167,12 +179,29 @@ class Clients:
 
     def producer(self, slot: str, settings: Mapping[str, Any]) -> Producer:
         """`producer_config`'s producer, its transactions initialized."""
+        # No coordinator yet (its broker is down, or the transaction log partition is still
+        # loading on its new leader): tried again for INIT_PATIENCE_S. A retriable error (a
+        # timeout) leaves the call in progress: the same producer resumes it; after another
+        # coordinator error a new producer starts over.
+        deadline = time.monotonic() + INIT_PATIENCE_S
         producer = Producer(self.producer_config(slot, settings))
-        try:
-            producer.init_transactions(TIMEOUT_S)
-        except KafkaException as exc:
-            raise AgentrunsKafkaError(f"cannot start a transactional producer: {exc}") from exc
-        return producer
+        while True:
+            try:
+                producer.init_transactions(TIMEOUT_S)
+                return producer
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                retriable = isinstance(error, KafkaError) and error.retriable()
+                no_coordinator = isinstance(error, KafkaError) and error.code() in _NO_COORDINATOR
+                if not (retriable or no_coordinator) or time.monotonic() > deadline:
+                    raise AgentrunsKafkaError(
+                        f"cannot start a transactional producer: {exc}"
+                    ) from exc
+                log.warning("starting a transactional producer, trying again: %s", exc)
+                if not retriable:
+                    release(producer, 0)
+                    time.sleep(1.0)
+                    producer = Producer(self.producer_config(slot, settings))
 
 
 # --------------------------------------------------------------------------- failures
@@ -466,10 +495,23 @@ class Committer(Generic[U]):
         if not self._open:
             return
         self._open = False
-        try:
-            self._producers.current.abort_transaction(TIMEOUT_S)
-        except KafkaException as exc:
-            self._log.warning("abort failed: %s", exc)
+        # A timed-out abort is still in progress in librdkafka: every later transactional call
+        # fails as conflicting with it until the abort is resumed. So it is resumed, while the
+        # coordinator is unreachable; if it still fails, a new producer with the same id
+        # fences this one and aborts what it left open.
+        deadline = time.monotonic() + ABORT_PATIENCE_S
+        while True:
+            try:
+                self._producers.current.abort_transaction(TIMEOUT_S)
+                return
+            except KafkaException as exc:
+                self._log.warning("abort failed: %s", exc)
+                error = exc.args[0] if exc.args else None
+                if not (isinstance(error, KafkaError) and error.retriable()):
+                    break
+                if time.monotonic() > deadline:
+                    break
+        self._producers.replace_current()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """End the committer thread once it has committed what is queued (unless a transaction

@@ -37,10 +37,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from agentruns.connectors.demo.cluster_faults import (
+    CLUSTER_FAULTS,
+    ClusterFaults,
+    FaultRecord,
+    ProgressWatch,
+    acknowledged_missing,
+    percentiles,
+)
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import RESTART_ME
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.audit import audit
@@ -55,12 +64,16 @@ from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
-from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
+from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, effect_suffix, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts
 BROKER_PAUSE_SECONDS = (5.0, 20.0)
+# How long a killed broker stays down; two at once stay longer, past the sessions (6 s) and
+# transaction timeouts (10 s).
+BROKER_DOWN_SECONDS = (2.0, 8.0)
+BELOW_MIN_ISR_SECONDS = (10.0, 20.0)
 WAIT_PROGRESS_S = 15.0  # how often the wait for every run's end says how far it got
 # The model route of a hostile run: a stream that never ends is cut after seconds.
 HOSTILE_ROUTE = {"total_timeout_s": 6.0, "read_timeout_s": 3.0}
@@ -172,6 +185,7 @@ def run_chaos(
     submit_seconds: float = 60.0,
     pause_share: float = 0.0,
     hostile: bool = False,
+    brokers: int = 1,
     say: Any = print,
 ) -> dict[str, Any]:
     """Submit `runs` runs spread over `submit_seconds` (so faults land while runs are in
@@ -179,13 +193,15 @@ def run_chaos(
     `pause_share` pause one, until every run is terminal. Bad inputs go in among the runs: a
     garbage record every 50 runs, or with `hostile` every case of
     `agentruns.connectors.testing.hostile`
-    through its door (the API then runs too), each checked against its one allowed ending."""
+    through its door (the API then runs too), each checked against its one allowed ending.
+    With `brokers` >= 3 (a local cluster), one fault in three is a cluster fault
+    (`agentruns.connectors.demo.cluster_faults`), each kind at least once."""
     # Two streams, so that the sequence of faults depends on the seed alone, not on how the
     # submitting thread's draws interleave with the killer's.
     rng = random.Random(seed)
     pacing = random.Random(f"{seed}:pacing")
     prefix = f"chaos-{uuid.uuid4().hex[:8]}"
-    with ServiceStack(ephemeral=True) as stack:
+    with ServiceStack(ephemeral=True, brokers=brokers) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
@@ -259,9 +275,32 @@ def run_chaos(
                     "bootstrap.servers": ep.kafka_bootstrap,
                     **client_settings(),
                     "enable.idempotence": True,
+                    "acks": "all",
                 }
             )
             inbox = topic_name(INBOX, prefix)
+            # (partition, offset) -> key of every input the brokers acknowledged
+            acknowledged: dict[tuple[int, int], bytes] = {}
+
+            def on_delivery(error: KafkaError | None, message: Any) -> None:
+                if error is None:
+                    acknowledged[(message.partition(), message.offset())] = message.key()
+
+            stop_killing = threading.Event()
+            watch = ProgressWatch(ep.kafka_bootstrap, topic_name(EVENTS, prefix))
+            cleanup.callback(watch.close)
+            cluster = (
+                ClusterFaults(
+                    stack.local.kafka,
+                    ep.kafka_bootstrap,
+                    inbox,
+                    f"{prefix}-processor-0-a",
+                    wait=stop_killing.wait,
+                    say=say,
+                )
+                if stack.local is not None and brokers >= 3
+                else None
+            )
             tool_specs = registry_tools()
             doors = hostile_cases.Doors(
                 bootstrap=ep.kafka_bootstrap,
@@ -290,7 +329,7 @@ def run_chaos(
             restarts = 0
             broker_restarts = 0
             broker_pauses = 0
-            stop_killing = threading.Event()
+            component_faults = 0
             local = stack.local
             # The broker faults, once each when the broker is ours; the runs may end before
             # them, so the run goes on until they happened.
@@ -311,7 +350,22 @@ def run_chaos(
                 nonlocal kills, pauses, restarts, broker_restarts, broker_pauses
                 if kill_every <= 0:
                     return
+                nonlocal component_faults
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
+                    if cluster is not None and component_faults >= 2 * (len(cluster.done) + 1):
+                        fault = cluster.next_fault()
+                        cluster.inject(
+                            fault,
+                            rng.uniform(
+                                *(
+                                    BELOW_MIN_ISR_SECONDS
+                                    if fault == "below_min_isr"
+                                    else BROKER_DOWN_SECONDS
+                                )
+                            ),
+                        )
+                        continue
+                    component_faults += 1
                     if broker_restarts < broker_restarts_due and kills >= 3:
                         say("chaos: restarting the Kafka broker")
                         assert local is not None
@@ -372,6 +426,7 @@ def run_chaos(
                         key=run_id.encode(),
                         value=encode("Input", record),
                         partition=partition_for(run_id, PARTITIONS),
+                        on_delivery=on_delivery,
                     )
                     run_ids.append(run_id)
                     ends[run_id] = mix.ends
@@ -401,11 +456,17 @@ def run_chaos(
                 results: dict[str, list[dict[str, Any]]] = {}
                 said = time.monotonic()
                 while time.monotonic() < deadline:
-                    results = _read_results(ep.kafka_bootstrap, prefix)
+                    try:
+                        results = _read_results(ep.kafka_bootstrap, prefix)
+                    except AgentrunsError as exc:
+                        # brokers down (a fault) can hold a read past its bound: the next
+                        # round reads again, and the reads after the faults must succeed
+                        say(f"chaos: reading the results failed, reading again: {exc}")
                     if (
                         all(r in results for r in (*run_ids, *ending_runs))
                         and broker_restarts >= broker_restarts_due
                         and broker_pauses >= broker_pauses_due
+                        and (cluster is None or cluster.kinds_done() >= set(CLUSTER_FAULTS))
                     ):
                         break
                     if time.monotonic() - said >= WAIT_PROGRESS_S:
@@ -458,6 +519,12 @@ def run_chaos(
             crashes += sum(
                 1 for name in sup.components if sup.exited(name) not in (None, RESTART_ME)
             )
+            lost_inputs, unconsumed_inputs = acknowledged_missing(
+                ep.kafka_bootstrap, inbox, acknowledged, f"{prefix}-processor"
+            )
+            faults: list[FaultRecord] = list(cluster.done) if cluster is not None else []
+            for f in faults:
+                f.stall_s = watch.stall(f.began, f.ended)
         restartable = local is not None
     lost = [r for r in run_ids if r not in results]
     terminal_twice = [
@@ -502,6 +569,21 @@ def run_chaos(
         "crashes": crashes,
         "restarts_asked": restarts_asked,
         "statuses": _count(r[-1]["status"] for r in results.values()),
+        "brokers": brokers,
+        "acknowledged": len(acknowledged),
+        "acknowledged_lost": len(lost_inputs),
+        "acknowledged_unconsumed": len(unconsumed_inputs),
+        "cluster_faults": [f.figures(began) for f in faults],
+        "cluster_faults_missing": (
+            sorted(set(CLUSTER_FAULTS) - {f.fault for f in faults}) if cluster is not None else []
+        ),
+        "fault_stall_s": {
+            kind: percentiles(
+                [f.stall_s for f in faults if f.fault == kind and f.stall_s is not None]
+            )
+            for kind in CLUSTER_FAULTS
+            if any(f.fault == kind for f in faults)
+        },
         "seconds": round(time.monotonic() - began, 1),
         "logs": str(log_dir),
     }
@@ -529,6 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-broker-pause", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--brokers",
+        type=int,
+        default=1,
+        help="brokers of the local cluster; with 3, every topic has 3 replicas"
+        " (min.insync.replicas=2) and partition leaders, transaction coordinators, the active"
+        " controller and two brokers at once are killed too",
+    )
+    parser.add_argument(
         "--hostile",
         action="store_true",
         help="inject every hostile case (bad tasks, replies, records, backend answers) among the"
@@ -548,6 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         submit_seconds=args.submit_seconds,
         pause_share=args.pause_share,
         hostile=args.hostile,
+        brokers=args.brokers,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     ok = ok_figures(figures)
@@ -575,6 +666,10 @@ def ok_figures(figures: dict[str, Any]) -> bool:
         and figures["hostile_ended"] == figures["hostile_injected"]
         and not figures["stalls"]
         and figures["crashes"] == 0
+        and figures["acknowledged_lost"] == 0
+        and figures["acknowledged_unconsumed"] == 0
+        and figures["acknowledged"] >= figures["runs"]
+        and not figures["cluster_faults_missing"]
     )
 
 

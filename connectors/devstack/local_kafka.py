@@ -12,6 +12,7 @@ into a cache outside the repo (`~/.cache/agentruns/kafka-<version>/libs`, or
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import signal
@@ -124,6 +125,10 @@ class KafkaNode:
     directory: Path
     #: The SASL_PLAINTEXT (SCRAM) listener's port, when the cluster has one.
     sasl_port: int | None = None
+    #: Where it listens, and what its command runs in (fault tests: a network namespace, see
+    #: `agentruns.connectors.devstack.netlab`).
+    host: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
 
     @property
     def pid_file(self) -> Path:
@@ -174,13 +179,13 @@ def broker_settings(replicas: int) -> dict[str, str]:
 
 def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
     """The broker+controller config of one node."""
-    listeners = f"PLAINTEXT://127.0.0.1:{node.port}"
+    listeners = f"PLAINTEXT://{node.host}:{node.port}"
     protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
     sasl: dict[str, str] = {}
     if node.sasl_port is not None:
         # Clients may authenticate with SCRAM on a second listener; brokers and controllers keep
         # talking PLAINTEXT among themselves.
-        listeners += f",SASL_PLAINTEXT://127.0.0.1:{node.sasl_port}"
+        listeners += f",SASL_PLAINTEXT://{node.host}:{node.sasl_port}"
         protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
         mechanism = ScramUser.MECHANISM.lower()
         sasl = {
@@ -193,7 +198,7 @@ def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
         "process.roles": "broker,controller",
         "node.id": str(node.node_id),
         "controller.quorum.voters": voters,
-        "listeners": f"{listeners},CONTROLLER://127.0.0.1:{node.controller_port}",
+        "listeners": f"{listeners},CONTROLLER://{node.host}:{node.controller_port}",
         "advertised.listeners": listeners,
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
@@ -224,10 +229,12 @@ class LocalKafka:
         libs: Path | None = None,
         scram_user: ScramUser | None = None,
         sasl_port: int | None = None,
+        placed: Sequence[tuple[str, Sequence[str]]] | None = None,
     ) -> None:
         """``scram_user`` adds a SASL_PLAINTEXT listener (SCRAM-SHA-256) on ``sasl_port`` (+i
         for node i) next to the PLAINTEXT one, with that user; it is created when the storage
-        is first formatted."""
+        is first formatted. ``placed`` gives node i an address to listen on and a command
+        prefix to run in (a network namespace of `netlab`) instead of 127.0.0.1."""
         if (scram_user is None) != (sasl_port is None):
             raise ValueError("scram_user and sasl_port go together")
         self.directory = directory
@@ -246,18 +253,19 @@ class LocalKafka:
                 port + 2 * i + 1,
                 directory / f"node-{i + 1}",
                 None if sasl_port is None else sasl_port + i,
+                *(() if placed is None else (placed[i][0], tuple(placed[i][1]))),
             )
             for i in range(brokers)
         ]
 
     @property
     def bootstrap_servers(self) -> str:
-        return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return ",".join(f"{n.host}:{n.port}" for n in self.nodes)
 
     @property
     def sasl_bootstrap_servers(self) -> str:
         """The SASL_PLAINTEXT listeners (empty without a ``scram_user``)."""
-        return ",".join(f"127.0.0.1:{n.sasl_port}" for n in self.nodes if n.sasl_port)
+        return ",".join(f"{n.host}:{n.sasl_port}" for n in self.nodes if n.sasl_port)
 
     def running(self) -> list[int]:
         """The pids of this cluster's live broker processes."""
@@ -276,7 +284,7 @@ class LocalKafka:
             hint="stop the other process, or pick other ports with --kafka-port / "
             "AGENTRUNS_KAFKA_PORT",
         )
-        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        voters = ",".join(f"{n.node_id}@{n.host}:{n.controller_port}" for n in self.nodes)
         replicas = min(self.brokers, 3)
         cluster_file = self.directory / "cluster.id"
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -352,6 +360,7 @@ class LocalKafka:
 
     def _spawn(self, classpath: str, node: KafkaNode, log4j: Path) -> None:
         cmd = [
+            *node.wrap,
             *self._java(classpath, log4j),
             "kafka.Kafka",
             str(node.directory / "server.properties"),
@@ -408,6 +417,43 @@ class LocalKafka:
         proc = self._procs.pop(node.node_id, None)
         if proc is not None:
             proc.wait(timeout=10)
+
+    def node(self, node_id: int) -> KafkaNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def node_running(self, node_id: int) -> bool:
+        pid = read_pid(self.node(node_id).pid_file)
+        return pid is not None and pid_alive(pid)
+
+    def start_node(self, node_id: int, *, timeout: float = 60.0) -> float:
+        """Start one node of a started cluster again (after `kill`, fault tests) and wait until
+        every broker is registered again. Returns seconds."""
+        began = time.monotonic()
+        node = self.node(node_id)
+        if not self.node_running(node_id):
+            self._reap(node)
+            log4j = self.directory / "log4j2.properties"
+            self._spawn(f"{self._libs or ensure_jars()}/*", node, log4j)
+        if all(self.node_running(n.node_id) for n in self.nodes):
+            self.wait_ready(timeout)
+        return time.monotonic() - began
+
+    def active_controller(self) -> int | None:
+        """The node id of the KRaft quorum's leader (the active controller), as the live voters
+        last recorded it in their quorum-state files: the highest epoch's leader."""
+        best: tuple[int, int] | None = None
+        for node in self.nodes:
+            if not self.node_running(node.node_id):
+                continue
+            state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
+            try:
+                data = json.loads(state.read_text())
+            except (OSError, ValueError):  # being rewritten: the others say it
+                continue
+            epoch, leader = int(data.get("leaderEpoch", -1)), int(data.get("leaderId", -1))
+            if leader >= 0 and (best is None or epoch > best[0]):
+                best = (epoch, leader)
+        return None if best is None else best[1]
 
     def kill(self, node_ids: Sequence[int] | None = None) -> None:
         """SIGKILL nodes (fault tests)."""

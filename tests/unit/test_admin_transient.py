@@ -1,0 +1,34 @@
+"""Which admin failures `ensure_topics` waits out: timeouts and retriable errors (a cluster
+electing a controller, brokers coming back), not a broker that never answered nor a refusal."""
+
+from __future__ import annotations
+
+from agentruns.streams.admin import KafkaUnreachableError, _transient
+from agentruns.streams.errors import AgentrunsKafkaError
+from confluent_kafka import KafkaError, KafkaException
+
+
+def _wrapped(error: KafkaError) -> AgentrunsKafkaError:
+    try:
+        try:
+            raise KafkaException(error)
+        except KafkaException as exc:
+            raise AgentrunsKafkaError("aligning the configs failed") from exc
+    except AgentrunsKafkaError as outer:
+        return outer
+
+
+def test_a_futures_timeout_is_transient() -> None:
+    assert _transient(TimeoutError())
+
+
+def test_timeouts_and_retriable_errors_are_transient_through_our_errors() -> None:
+    assert _transient(_wrapped(KafkaError(KafkaError.REQUEST_TIMED_OUT)))
+    assert _transient(_wrapped(KafkaError(KafkaError.NOT_CONTROLLER)))
+    assert _transient(_wrapped(KafkaError(KafkaError.UNKNOWN, retriable=True)))
+
+
+def test_refusals_are_not() -> None:
+    assert not _transient(_wrapped(KafkaError(KafkaError.POLICY_VIOLATION)))
+    assert not _transient(AgentrunsKafkaError("topic x has 2 partitions, the spec says 6"))
+    assert issubclass(KafkaUnreachableError, AgentrunsKafkaError)
