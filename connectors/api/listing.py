@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from agentruns.connectors.api.errors import ApiError
@@ -18,6 +18,7 @@ from agentruns.connectors.api.pool import Conn
 from agentruns.connectors.runtime.scanner import stuck_condition
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.state import RunStatus
+from agentruns.streams.clock import datetime_of, ms_of
 
 #: Statuses in which a run waits for a person or for a tool (the core's TimeAccount split).
 WAITING: dict[str, tuple[str, ...]] = {
@@ -94,14 +95,6 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise ApiError(400, "invalid_parameter", "cursor is not one this API returned") from None
 
 
-def _ms(value: datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp() * 1000)
-
-
-def _at(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
-
-
 def _conditions(f: RunFilter, now_ms: int) -> tuple[list[str], list[Any]]:
     """The WHERE conditions of every filter but status (the counts are taken over these)."""
     where: list[str] = []
@@ -115,10 +108,10 @@ def _conditions(f: RunFilter, now_ms: int) -> tuple[list[str], list[Any]]:
         params.extend(more)
     if f.since_ms is not None:
         where.append("started_at >= %s")
-        params.append(_at(f.since_ms))
+        params.append(datetime_of(f.since_ms))
     if f.until_ms is not None:
         where.append("started_at < %s")
-        params.append(_at(f.until_ms))
+        params.append(datetime_of(f.until_ms))
     if f.search is not None:
         where.append("(run_id = %s OR run_id = %s OR trace_id = %s)")
         params.extend([f.search, run_id_for_key(f.search), f.search])
@@ -168,9 +161,9 @@ def list_runs(conn: Conn, f: RunFilter, now_ms: int) -> dict[str, Any]:
             "step": r["step"],
             "attempt": r["attempt"],
             "trace_id": r["trace_id"],
-            "started_at": _ms(r["started_at"]),
-            "last_event_at": _ms(r["last_event_at"]),
-            "ended_at": _ms(r["ended_at"]),
+            "started_at": ms_of(r["started_at"]),
+            "last_event_at": ms_of(r["last_event_at"]),
+            "ended_at": ms_of(r["ended_at"]),
             "last_seq": r["last_seq"],
             "last_event": r["last_event"],
             "waits": {

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 from agentruns.connectors.api.config import ApiConfig
@@ -57,6 +56,7 @@ from agentruns.processors.state import SETTLED, TERMINAL, ErrorClass, RunState, 
 from agentruns.processors.summary import summarize
 from agentruns.processors.validation import schema_problem
 from agentruns.streams import tracing
+from agentruns.streams.clock import ms_of
 from agentruns.streams.codec import decode
 from agentruns.streams.records import input_record, parse_state
 from prometheus_client import Counter
@@ -72,10 +72,6 @@ INPUTS = Counter("agentruns_api_inputs_total", "Inputs produced to the inbox", [
 REPLIES_REJECTED = Counter(
     "agentruns_api_replies_rejected_total", "Replies refused before reaching the core", ["error"]
 )
-
-
-def _ms(value: datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp() * 1000)
 
 
 RUN_FIELDS = (
@@ -359,9 +355,9 @@ class ApiService:
             "version": run["version"],
             "resolution": run["resolution"],
             "last_seq": run["last_seq"],
-            "started_at": _ms(run["started_at"]),
-            "last_event_at": _ms(run["last_event_at"]),
-            "ended_at": _ms(run["ended_at"]),
+            "started_at": ms_of(run["started_at"]),
+            "last_event_at": ms_of(run["last_event_at"]),
+            "ended_at": ms_of(run["ended_at"]),
             "waits": waits,
             "usage": {
                 "input_tokens": run["input_tokens"],
@@ -413,7 +409,7 @@ class ApiService:
                 if known is None:
                     raise ApiError(404, "run_not_found", f"no events for run {run_id}")
         for r in rows:
-            r["at"] = _ms(r["at"])
+            r["at"] = ms_of(r["at"])
         next_after = rows[-1]["seq"] if rows else after_seq
         return {"run_id": run_id, "events": rows, "next_after_seq": next_after}
 
