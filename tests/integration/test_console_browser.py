@@ -23,6 +23,7 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
@@ -117,7 +118,9 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     wait.until(lambda d: _text(d, "run-status") == "WAITING_USER")
     browser.save_screenshot(str(shots / "console-question.png"))
     Select(browser.find_element(By.ID, "field-approved")).select_by_value("true")
-    browser.find_element(By.ID, "answer").click()
+    answer = browser.find_element(By.ID, "answer")
+    answer.click()
+    wait.until(staleness_of(answer))  # the form's post and its redirect have loaded a new page
     wait.until(lambda d: d.find_elements(By.ID, "run-status") and "/reply" not in d.current_url)
     # marks this page load: a reload would drop the mark
     browser.execute_script("window.consoleMark = 'kept';")
@@ -130,7 +133,10 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
 
     browser.get(f"{stack.url}/ui/runs/{running}")
     wait.until(lambda d: _text(d, "run-status") == "WAITING_TOOL")
-    browser.find_element(By.ID, "cancel-button").click()
+    cancel = browser.find_element(By.ID, "cancel-button")
+    cancel.click()
+    wait.until(staleness_of(cancel))  # the form's post and its redirect have loaded a new page
+    wait.until(lambda d: d.find_elements(By.ID, "run-status"))
     browser.execute_script("window.consoleMark = 'kept';")
     wait.until(lambda d: _text(d, "run-status") == "CANCELLED")
     assert browser.execute_script("return window.consoleMark;") == "kept"
