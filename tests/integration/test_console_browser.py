@@ -23,7 +23,6 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
@@ -65,6 +64,14 @@ def shots(tmp_path: Path) -> Path:
 
 def _text(driver: WebDriver, element_id: str) -> str:
     return str(driver.find_element(By.ID, element_id).text)
+
+
+def _post_form(driver: WebDriver, wait: WebDriverWait[WebDriver], button_id: str) -> None:
+    """Clicks a form's submit button and returns once its post and redirect loaded a new page."""
+    driver.execute_script("window.formPage = 'old';")  # a page load drops it; a poll does not
+    driver.find_element(By.ID, button_id).click()
+    wait.until(lambda d: d.execute_script("return window.formPage;") is None)
+    wait.until(lambda d: d.find_elements(By.ID, "run-status"))
 
 
 def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
@@ -118,9 +125,7 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     wait.until(lambda d: _text(d, "run-status") == "WAITING_USER")
     browser.save_screenshot(str(shots / "console-question.png"))
     Select(browser.find_element(By.ID, "field-approved")).select_by_value("true")
-    answer = browser.find_element(By.ID, "answer")
-    answer.click()
-    wait.until(staleness_of(answer))  # the form's post and its redirect have loaded a new page
+    _post_form(browser, wait, "answer")
     wait.until(lambda d: d.find_elements(By.ID, "run-status") and "/reply" not in d.current_url)
     # marks this page load: a reload would drop the mark
     browser.execute_script("window.consoleMark = 'kept';")
@@ -133,9 +138,7 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
 
     browser.get(f"{stack.url}/ui/runs/{running}")
     wait.until(lambda d: _text(d, "run-status") == "WAITING_TOOL")
-    cancel = browser.find_element(By.ID, "cancel-button")
-    cancel.click()
-    wait.until(staleness_of(cancel))  # the form's post and its redirect have loaded a new page
+    _post_form(browser, wait, "cancel-button")
     wait.until(lambda d: d.find_elements(By.ID, "run-status"))
     browser.execute_script("window.consoleMark = 'kept';")
     wait.until(lambda d: _text(d, "run-status") == "CANCELLED")
