@@ -6,15 +6,23 @@ for them instead of exiting (found by `agentruns chaos --brokers 3`).
 - a transactional producer whose coordinator's broker is down starts once it is back (or its
   transaction log partition has moved);
 - the processor's look-up of the record size limits leaves out what a broker that is down
-  cannot answer (it exited on the future's TimeoutError).
+  cannot answer (it exited on the future's TimeoutError);
+- a transaction that fails while its coordinator's broker is down is aborted once the
+  coordinator answers: the abort that timed out is resumed, not left in progress (every later
+  transaction of the producer failed as conflicting with it).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agentruns.connectors.demo.cluster_faults import transaction_coordinator
@@ -22,9 +30,10 @@ from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.streams import admin, transaction
 from agentruns.streams.admin import ensure_topics, record_limits
-from agentruns.streams.kafka_defaults import release
+from agentruns.streams.kafka_defaults import client_settings, release
 from agentruns.streams.topics import INBOX, topic_name
-from agentruns.streams.transaction import Clients
+from agentruns.streams.transaction import Clients, Committer, Record, Timings
+from confluent_kafka import Consumer
 
 DOWN_S = 12.0
 SHORT_TIMEOUT_S = 4.0  # each call's bound, shorter than the brokers stay down
@@ -47,6 +56,19 @@ def _down_for(kafka: LocalKafka, brokers: tuple[int, ...], seconds: float) -> th
         time.sleep(seconds)
         for broker in brokers:
             kafka.start_node(broker, timeout=120)
+
+    thread = threading.Thread(target=back)
+    thread.start()
+    return thread
+
+
+def _paused_for(kafka: LocalKafka, broker: int, seconds: float) -> threading.Thread:
+    pid = int(kafka.node(broker).pid_file.read_text())
+    os.kill(pid, signal.SIGSTOP)
+
+    def back() -> None:
+        time.sleep(seconds)
+        os.kill(pid, signal.SIGCONT)
 
     thread = threading.Thread(target=back)
     thread.start()
@@ -101,3 +123,84 @@ def test_record_limits_leave_out_what_a_broker_down_cannot_answer(
     finally:
         thread.join()
     assert "" not in limits  # the broker's own limit never came
+
+
+@dataclass
+class _Unit:
+    """One record and the offset after it, for the committer; `durable` may fail the
+    transaction (as an artifact store that cannot be reached does)."""
+
+    topic: str
+    metadata: Any
+    offset: int
+    fail: bool = False
+    offsets: Mapping[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = {0: self.offset}
+
+    def records(self) -> Iterable[Record]:
+        return [(self.topic, b"key", f"value {self.offset}".encode(), 0, None)]
+
+    def durable(self) -> None:
+        if self.fail:
+            raise RuntimeError("the store is down")
+
+
+def test_an_abort_that_timed_out_is_resumed_and_the_next_transaction_commits(
+    cluster: LocalKafka,
+    unique_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bootstrap = cluster.bootstrap_servers
+    ensure_topics(bootstrap, prefix=unique_name, partitions=2)
+    inbox = topic_name(INBOX, unique_name)
+    clients = Clients(bootstrap, f"{unique_name}-group", "0", 6000, 10000, {}, {})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, **client_settings(), "group.id": clients.group_id}
+    )
+    metadata = consumer.consumer_group_metadata()
+    committed: list[_Unit] = []
+
+    def on_commit(units: list[_Unit], _: Timings) -> None:
+        committed.extend(units)
+
+    committer: Committer[_Unit] = Committer(
+        lambda slot: clients.producer(slot, {}), inbox, on_commit
+    )
+    coordinator = transaction_coordinator(bootstrap, f"{clients.member}-a")
+    monkeypatch.setattr(transaction, "TIMEOUT_S", SHORT_TIMEOUT_S)
+    try:
+        assert committer.submit(_Unit(inbox, metadata, 1))
+        committer.wait()
+        assert [u.offset for u in committed] == [1]
+        # the next transaction (the other id) commits too; the one after is the first id's
+        assert committer.submit(_Unit(inbox, metadata, 2))
+        committer.wait()
+        producer = committer.producer
+        # a transaction fails (its unit cannot be made durable), and the coordinator stands
+        # still (connections open, nothing answered) as the failed transaction is aborted
+        failing = _Unit(inbox, metadata, 3, fail=True)
+        assert committer.submit(failing)
+        committer.wait()
+        failure = committer.take_failure()
+        assert failure is not None and failure.units == [failing]
+        thread = _paused_for(cluster, coordinator, 2 * SHORT_TIMEOUT_S)
+        try:
+            with caplog.at_level(logging.WARNING, logger=transaction.log.name):
+                committer.recover(failure.error)
+        finally:
+            thread.join()
+        # the abort timed out and was resumed until the coordinator answered: nothing is left
+        # in progress, the same producer goes on and its next transaction commits
+        timed_out = [r for r in caplog.records if "retry call to resume" in r.getMessage()]
+        assert timed_out, caplog.text
+        assert committer.producer is producer
+        assert committer.submit(_Unit(inbox, metadata, 3))
+        committer.wait()
+        assert committer.take_failure() is None
+        assert [u.offset for u in committed] == [1, 2, 3]
+    finally:
+        committer.close()
+        consumer.close()
