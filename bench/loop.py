@@ -51,6 +51,7 @@ from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
 from agentruns.streams.partitioning import partition_for
+from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -226,6 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ExecutorConfig.gather_ms,
         help="the executors' --gather-ms",
     )
+    parser.add_argument(
+        "--fetch-window-ms",
+        type=int,
+        default=ProcessorConfig.fetch_window_ms,
+        help="the processors' --fetch-window-ms (0: each input fetched as it lands)",
+    )
     parser.add_argument("--processors", type=int, default=1, help="processor processes")
     parser.add_argument(
         "--executors", type=int, default=1, help="executor processes of each kind (model, tool)"
@@ -270,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--instance-id",
                 str(i),
+                "--fetch-window-ms",
+                str(args.fetch_window_ms),
                 "--log-level",
                 "WARNING",
             )
@@ -322,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps_per_run": STEPS,
         "runs_total": sum(r["runs"] for r in results),
         "gather_ms": args.gather_ms,
+        "fetch_window_ms": args.fetch_window_ms,
         "partitions": args.partitions,
         "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,
