@@ -8,7 +8,10 @@ and restarts it, or pauses one (SIGSTOP) for 1-15 s and lets it go on (SIGCONT):
 session timeout (6 s) the group has moved on and it resumes as a zombie, past the transaction
 timeout (10 s) the coordinator has aborted its open transaction. When the broker is ours it
 restarts it once and pauses it once (SIGSTOP, 5-20 s: every client's requests time out, every
-session expires when it goes on). It waits for every run to end, and then checks:
+session expires when it goes on). With ``--brokers 3`` (a local cluster, every topic 3 replicas)
+one fault in three is a cluster fault (`agentruns.connectors.demo.cluster_faults`): kill -9 of
+the leading broker, of a transaction coordinator, of the active controller, of two brokers at
+once, and, as root, network partitions. It waits for every run to end, and then checks:
 
 - every run has exactly one terminal result;
 - no tool idempotency key was executed twice (the tool server's counters);
@@ -38,7 +41,7 @@ from typing import Any
 
 import httpx
 from agentruns.connectors.demo.cluster_faults import (
-    CLUSTER_FAULTS,
+    PARTITION_FAULTS,
     ClusterFaults,
     FaultRecord,
     ProgressWatch,
@@ -46,6 +49,8 @@ from agentruns.connectors.demo.cluster_faults import (
     percentiles,
 )
 from agentruns.connectors.demo.run import registry_tools
+from agentruns.connectors.devstack import netlab
+from agentruns.connectors.devstack.netlab import NetLab
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
@@ -74,6 +79,7 @@ BROKER_PAUSE_SECONDS = (5.0, 20.0)
 # transaction timeouts (10 s).
 BROKER_DOWN_SECONDS = (2.0, 8.0)
 BELOW_MIN_ISR_SECONDS = (10.0, 20.0)
+PARTITION_SECONDS = (5.0, 15.0)
 WAIT_PROGRESS_S = 15.0  # how often the wait for every run's end says how far it got
 # The model route of a hostile run: a stream that never ends is cut after seconds.
 HOSTILE_ROUTE = {"total_timeout_s": 6.0, "read_timeout_s": 3.0}
@@ -201,7 +207,25 @@ def run_chaos(
     rng = random.Random(seed)
     pacing = random.Random(f"{seed}:pacing")
     prefix = f"chaos-{uuid.uuid4().hex[:8]}"
-    with ServiceStack(ephemeral=True, brokers=brokers) as stack:
+    lab_missing = None if brokers < 3 else netlab.usable()
+    with contextlib.ExitStack() as lab_scope:
+        # each broker in a network namespace of its own, for the partition faults
+        lab = (
+            lab_scope.enter_context(NetLab([f"broker-{i + 1}" for i in range(brokers)]))
+            if brokers >= 3 and lab_missing is None
+            else None
+        )
+        placed = (
+            None
+            if lab is None
+            else [
+                (lab.members[f"broker-{i + 1}"].address, lab.members[f"broker-{i + 1}"].command([]))
+                for i in range(brokers)
+            ]
+        )
+        stack = lab_scope.enter_context(
+            ServiceStack(ephemeral=True, brokers=brokers, placed=placed)
+        )
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
@@ -297,6 +321,7 @@ def run_chaos(
                     f"{prefix}-processor-0-a",
                     wait=stop_killing.wait,
                     say=say,
+                    lab=lab,
                 )
                 if stack.local is not None and brokers >= 3
                 else None
@@ -360,6 +385,8 @@ def run_chaos(
                                 *(
                                     BELOW_MIN_ISR_SECONDS
                                     if fault == "below_min_isr"
+                                    else PARTITION_SECONDS
+                                    if fault in PARTITION_FAULTS
                                     else BROKER_DOWN_SECONDS
                                 )
                             ),
@@ -466,7 +493,7 @@ def run_chaos(
                         all(r in results for r in (*run_ids, *ending_runs))
                         and broker_restarts >= broker_restarts_due
                         and broker_pauses >= broker_pauses_due
-                        and (cluster is None or cluster.kinds_done() >= set(CLUSTER_FAULTS))
+                        and (cluster is None or cluster.kinds_done() >= set(cluster.kinds))
                     ):
                         break
                     if time.monotonic() - said >= WAIT_PROGRESS_S:
@@ -523,6 +550,7 @@ def run_chaos(
                 ep.kafka_bootstrap, inbox, acknowledged, f"{prefix}-processor"
             )
             faults: list[FaultRecord] = list(cluster.done) if cluster is not None else []
+            cluster_kinds = cluster.kinds if cluster is not None else ()
             for f in faults:
                 f.stall_s = watch.stall(f.began, f.ended)
         restartable = local is not None
@@ -574,14 +602,15 @@ def run_chaos(
         "acknowledged_lost": len(lost_inputs),
         "acknowledged_unconsumed": len(unconsumed_inputs),
         "cluster_faults": [f.figures(began) for f in faults],
-        "cluster_faults_missing": (
-            sorted(set(CLUSTER_FAULTS) - {f.fault for f in faults}) if cluster is not None else []
+        "cluster_faults_missing": (sorted(set(cluster_kinds) - {f.fault for f in faults})),
+        "partition_faults": (
+            "" if brokers < 3 else "made" if lab_missing is None else f"not made: {lab_missing}"
         ),
         "fault_stall_s": {
             kind: percentiles(
                 [f.stall_s for f in faults if f.fault == kind and f.stall_s is not None]
             )
-            for kind in CLUSTER_FAULTS
+            for kind in cluster_kinds
             if any(f.fault == kind for f in faults)
         },
         "seconds": round(time.monotonic() - began, 1),
@@ -616,7 +645,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="brokers of the local cluster; with 3, every topic has 3 replicas"
         " (min.insync.replicas=2) and partition leaders, transaction coordinators, the active"
-        " controller and two brokers at once are killed too",
+        " controller and two brokers at once are killed too; and, as root, each broker in a"
+        " network namespace of its own, the leading broker is cut off from the others and the"
+        " clients from a transaction coordinator for a while",
     )
     parser.add_argument(
         "--hostile",

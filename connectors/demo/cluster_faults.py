@@ -9,6 +9,15 @@ Each fault finds its broker the way an operator would, then kill -9s it and star
 - ``below_min_isr``: two of the three brokers at once, for long enough that every partition is
   below ``min.insync.replicas`` (and the controller quorum has no majority), then both back.
 
+With a `NetLab` (each broker in a network namespace of its own; needs root), two more, each a
+partition that drops packets silently, then healed:
+
+- ``partition_broker``: the broker leading the most inbox partitions cut off from the other two
+  (it still reaches and is reached by the clients);
+- ``partition_clients``: every pipeline process and client (the machine's own namespace) cut
+  off from the transaction coordinator of a processor's transactional id, the brokers still
+  reaching each other.
+
 `ProgressWatch` tails the run log, so that the time each fault stalled the pipeline can be told
 apart from the time it was injected.
 """
@@ -24,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentruns.connectors.devstack.local_kafka import LocalKafka
+from agentruns.connectors.devstack.netlab import HOST, NetLab
 from agentruns.streams.kafka_defaults import client_settings
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 CLUSTER_FAULTS = ("leader", "coordinator", "controller", "below_min_isr")
+PARTITION_FAULTS = ("partition_broker", "partition_clients")
 TRANSACTION_STATE = "__transaction_state"
 #: After a fault is over, how long its stall may still last (what comes later is not its own).
 STALL_HORIZON_S = 20.0
@@ -81,7 +92,7 @@ class FaultRecord:
     fault: str
     brokers: tuple[int, ...]
     began: float  # time.monotonic() of the kill
-    ended: float = 0.0  # when the killed brokers were running again
+    ended: float = 0.0  # when the killed brokers were running again, or the partition healed
     stall_s: float | None = None
 
     def figures(self, origin: float) -> dict[str, Any]:
@@ -104,16 +115,25 @@ class ClusterFaults:
     transactional_id: str
     wait: Callable[[float], object]  # sleeps, shorter when the chaos run ends
     say: Callable[[str], object] = print
+    lab: NetLab | None = None  # its members ``broker-<id>``: the brokers' namespaces
     done: list[FaultRecord] = field(default_factory=list)
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The faults this cluster can be given, in the order they come."""
+        return CLUSTER_FAULTS + (PARTITION_FAULTS if self.lab is not None else ())
+
     def next_fault(self) -> str:
-        return CLUSTER_FAULTS[len(self.done) % len(CLUSTER_FAULTS)]
+        return self.kinds[len(self.done) % len(self.kinds)]
 
     def kinds_done(self) -> set[str]:
         return {f.fault for f in self.done}
 
     def inject(self, fault: str, down_s: float) -> FaultRecord:
-        """Kill -9 the fault's broker(s), leave them down for ``down_s``, start them again."""
+        """Kill -9 the fault's broker(s), leave them down for ``down_s``, start them again; or
+        make the fault's partition, leave it for ``down_s``, heal it."""
+        if fault in PARTITION_FAULTS:
+            return self._partition(fault, down_s)
         if fault == "leader":
             victims: tuple[int, ...] = (most_leading(self.bootstrap, self.inbox),)
         elif fault == "coordinator":
@@ -140,6 +160,32 @@ class ClusterFaults:
             f"chaos: {fault}: kill -9 broker {', '.join(map(str, victims))}, restarted after"
             f" {record.ended - record.began:.1f} s"
         )
+        return record
+
+    def _partition(self, fault: str, down_s: float) -> FaultRecord:
+        if self.lab is None:
+            raise ValueError(f"{fault} needs the brokers in network namespaces")
+        lab = self.lab
+        if fault == "partition_broker":
+            victim = most_leading(self.bootstrap, self.inbox)
+            pairs = [(f"broker-{victim}", f"broker-{n.node_id}") for n in self.kafka.nodes]
+            pairs = [(a, b) for a, b in pairs if a != b]
+            what = f"broker {victim} cut off from the other brokers"
+        else:
+            victim = transaction_coordinator(self.bootstrap, self.transactional_id)
+            pairs = [(HOST, f"broker-{victim}")]
+            what = f"the clients cut off from broker {victim}"
+        record = FaultRecord(fault, (victim,), time.monotonic())
+        try:
+            for a, b in pairs:
+                lab.partition(a, b)
+            self.wait(down_s)
+        finally:
+            for a, b in pairs:
+                lab.heal(a, b)
+            record.ended = time.monotonic()
+        self.done.append(record)
+        self.say(f"chaos: {fault}: {what}, healed after {record.ended - record.began:.1f} s")
         return record
 
 

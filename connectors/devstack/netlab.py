@@ -6,8 +6,8 @@ namespace (where the test runs) is a member too, so it reaches every other one.
 A partition is a pair of policy rules in the router (``ip rule ... blackhole``): packets between
 the two members are dropped silently, as on a network that lost a link (connections hang and
 time out; nothing is refused). No iptables or nft needed. Needs root and ``ip`` (iproute2).
-`NetLab` is a context manager: its namespaces and links go away at the end, whatever happened,
-and `cleanup_stale` removes those a killed test left behind.
+`NetLab` is a context manager: its namespaces and links go away at the end, whatever happened
+(a process killed -9 leaves them: they are named ``arn-<tag>-*``, `ip netns list` shows them).
 """
 
 from __future__ import annotations

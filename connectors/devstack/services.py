@@ -24,7 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,12 +96,16 @@ class LocalStack:
 
     directory: Path
     config: StackConfig
+    # node i's address and command prefix (a network namespace of `netlab`); None: 127.0.0.1
+    placed: Sequence[tuple[str, Sequence[str]]] | None = None
     kafka: LocalKafka = field(init=False)
     postgres: LocalPostgres = field(init=False)
 
     def __post_init__(self) -> None:
         c = self.config
-        self.kafka = LocalKafka(self.directory / "kafka", port=c.kafka_port, brokers=c.brokers)
+        self.kafka = LocalKafka(
+            self.directory / "kafka", port=c.kafka_port, brokers=c.brokers, placed=self.placed
+        )
         self.postgres = LocalPostgres(
             self.directory / "postgres", port=c.pg_port, durable=c.durable
         )
@@ -348,11 +352,17 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
     """
 
     def __init__(
-        self, *, ephemeral: bool = False, brokers: int = 1, patience_s: float = 0.0
+        self,
+        *,
+        ephemeral: bool = False,
+        brokers: int = 1,
+        patience_s: float = 0.0,
+        placed: Sequence[tuple[str, Sequence[str]]] | None = None,
     ) -> None:
         self.ephemeral = ephemeral
         self.patience_s = patience_s  # how long a configured Kafka or Postgres may not answer
         self.brokers = brokers
+        self.placed = placed  # an ephemeral local cluster's brokers, each where `placed` says
         self._started: list[Any] = []
         self._tmp: Path | None = None
         self.local: LocalStack | None = None
@@ -423,7 +433,7 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         config = StackConfig(
             kafka_port=kafka_port, pg_port=pg_port, brokers=self.brokers, durable=False
         )
-        return LocalStack(self._tmp, config)
+        return LocalStack(self._tmp, config, self.placed)
 
     def _kafka_container(self) -> str:
         from testcontainers.community.kafka import KafkaContainer
