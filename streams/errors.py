@@ -29,3 +29,10 @@ class FatalConsumerError(AgentrunsKafkaError):
     ``group.instance.id`` (librdkafka can also fence itself this way when it rejoins after a
     broker restart). The partitions belong to somebody else from now on, so the process must
     stop without committing what it holds; its supervisor starts it again."""
+
+
+class StuckClientError(FatalConsumerError):
+    """A Kafka client call has not returned long past its own timeout: the client is stuck
+    inside librdkafka and nothing the loop does reaches it. The process stops as after a fatal
+    consumer error, for its supervisor to start it again (the successor's transactional
+    producer fences this one's and aborts what it left open)."""

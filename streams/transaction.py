@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeGuard, TypeVar
 
-from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
     GROUP_CONSUMER_LOG_LEVEL,
     NO_DELAY,
@@ -78,6 +78,11 @@ TIMEOUT_S = 30.0
 ABORT_PATIENCE_S = 60.0
 #: How long a new transactional producer retries a retriable init_transactions error.
 INIT_PATIENCE_S = 120.0
+#: A committer's call still running after this many times its bound (`TIMEOUT_S`) is stuck:
+#: librdkafka's send_offsets_to_transaction can ignore its timeout while the group coordinator
+#: is away (confluentinc/librdkafka#5456, #5511), which wedged an executor for good after a
+#: broker was killed and a partition healed.
+STUCK_AFTER_TIMEOUTS = 2.0
 _NO_COORDINATOR = frozenset(
     {
         KafkaError.COORDINATOR_NOT_AVAILABLE,
@@ -427,6 +432,9 @@ class Committer(Generic[U]):
         self._failure: Failure[U] | None = None
         self._stopping = False
         self._open = False  # a transaction is begun and neither committed nor aborted
+        # the committer thread's blocking call now running, and since when (None: none)
+        self._call: tuple[str, float] | None = None
+        self._stuck = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
 
@@ -442,7 +450,8 @@ class Committer(Generic[U]):
         False, and not queued, if a transaction failed: the loop takes the failure first."""
         with self._cond:
             while self._failure is None and full is not None and full(self._queued):
-                self._cond.wait()
+                self._check_stuck()
+                self._cond.wait(1.0)
             if self._failure is not None:
                 return False
             if not self._started:
@@ -454,6 +463,7 @@ class Committer(Generic[U]):
 
     def settled(self) -> bool:
         """Nothing is being committed or waits to be: idle, or held by a failure."""
+        self._check_stuck()
         with self._cond:
             return self._failure is not None or not (self._queued or self._in_flight)
 
@@ -463,11 +473,29 @@ class Committer(Generic[U]):
             while self._failure is None and (self._queued or self._in_flight):
                 if not self._thread.is_alive():
                     raise AgentrunsKafkaError("the committer thread stopped with units queued")
+                self._check_stuck()
                 self._cond.wait(1.0)
+
+    def _check_stuck(self) -> None:
+        """Raise StuckClientError when the committer thread's call has run for
+        `STUCK_AFTER_TIMEOUTS` times its bound (the loop thread calls this as it waits)."""
+        call = self._call
+        if call is None:
+            return
+        what, began = call
+        running = time.monotonic() - began
+        if running > STUCK_AFTER_TIMEOUTS * TIMEOUT_S:
+            self._stuck = True
+            raise StuckClientError(
+                f"the Kafka client's {what} has not returned in {running:.0f} s, past its"
+                f" bound of {TIMEOUT_S:.0f} s: the client is stuck",
+                hint="the process stops; its supervisor (or you) starts it again",
+            )
 
     def take_failure(self) -> Failure[U] | None:
         """The transaction that failed, if one did, with every unit queued behind it (all of
         them dropped: the loop rewinds). From here the committer takes units again."""
+        self._check_stuck()
         with self._cond:
             failure, self._failure = self._failure, None
             if failure is None:
@@ -519,13 +547,14 @@ class Committer(Generic[U]):
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._started:
+        if self._started and not self._stuck:  # a stuck thread never ends: the process does
             self._thread.join(timeout_s)
 
     def close(self) -> None:
-        """`stop`, then release both producers."""
+        """`stop`, then release both producers (not a stuck one: the process is ending)."""
         self.stop()
-        self._producers.close()
+        if not self._stuck:
+            self._producers.close()
 
     # ------------------------------------------------------------------ the committer thread
 
@@ -546,6 +575,7 @@ class Committer(Generic[U]):
             except Exception as exc:  # a bug: a failed transaction all the same
                 self._log.exception("commit failed unexpectedly")
                 error = exc
+            self._call = None  # a call that raised returned all the same
             with self._cond:
                 self._in_flight = 0
                 if error is not None:
@@ -584,7 +614,9 @@ class Committer(Generic[U]):
         producer.begin_transaction()
         self._open = True
         if self._offsets_first:
+            self._call = ("send_offsets_to_transaction", time.monotonic())
             producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
+            self._call = None
         sent = time.monotonic()
         for unit in units:
             for topic, key, value, partition, headers in unit.records():
@@ -594,12 +626,16 @@ class Committer(Generic[U]):
                     produce(topic, key=key, value=value, partition=partition, headers=headers)
         produced = time.monotonic()
         if not self._offsets_first:
+            self._call = ("send_offsets_to_transaction", time.monotonic())
             producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
+            self._call = None
             sent = time.monotonic()
         for unit in units:
             unit.durable()
         durable = time.monotonic()
+        self._call = ("commit_transaction", time.monotonic())
         flushed = commit_timed(producer, TIMEOUT_S)
+        self._call = None
         self._open = False
         self._producers.committed()
         ended = time.monotonic()

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 from agentruns.streams import transaction as tx
-from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.processor import _Sealed
 from agentruns.streams.transaction import Fault, Record, Timings
@@ -515,3 +515,40 @@ def test_waiting_on_a_committer_that_stopped_with_units_queued_raises() -> None:
     rig.committer.submit(rig.unit("b", {0: 1}))
     with pytest.raises(AgentrunsKafkaError, match="committer thread stopped"):
         rig.committer.wait()
+
+
+def test_a_call_that_never_returns_stops_the_loop_instead_of_wedging_it(
+    rig: _Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # librdkafka's send_offsets_to_transaction can ignore its timeout; here commit stands still
+    monkeypatch.setattr(tx, "TIMEOUT_S", 0.05)
+    hold = rig.committing(rig.unit("a", {0: 1}))
+    try:
+        with pytest.raises(StuckClientError, match="commit_transaction has not returned"):
+            rig.committer.wait()
+        with pytest.raises(StuckClientError):
+            rig.committer.settled()
+        with pytest.raises(StuckClientError):
+            rig.committer.take_failure()
+        began = time.monotonic()
+        rig.committer.close()  # no join of the stuck thread, no release of its producers
+        assert time.monotonic() - began < 1.0
+        assert not any(c[0] == "flush" and c[-1] == 1 for c in rig.calls)
+    finally:
+        hold.set()
+
+
+def test_a_call_that_raised_is_not_taken_for_a_stuck_one(
+    rig: _Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tx, "TIMEOUT_S", 0.05)
+    rig.made[0].fail["commit"] = KafkaException(
+        KafkaError(KafkaError._TIMED_OUT, "x", retriable=True)
+    )
+    failure = rig.failed(rig.unit("a", {0: 1}))
+    time.sleep(0.2)  # well past the bound: the call that raised is over
+    assert rig.committer.settled()
+    rig.committer.recover(failure.error)
+    assert rig.committer.submit(rig.unit("b", {0: 1}))
+    rig.committer.wait()
+    assert [names for names, _ in rig.committed] == [["b"]]
