@@ -379,18 +379,21 @@ def run_chaos(
                 while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
                     if cluster is not None and component_faults >= 2 * (len(cluster.done) + 1):
                         fault = cluster.next_fault()
-                        cluster.inject(
-                            fault,
-                            rng.uniform(
-                                *(
-                                    BELOW_MIN_ISR_SECONDS
-                                    if fault == "below_min_isr"
-                                    else PARTITION_SECONDS
-                                    if fault in PARTITION_FAULTS
-                                    else BROKER_DOWN_SECONDS
-                                )
-                            ),
-                        )
+                        try:
+                            cluster.inject(
+                                fault,
+                                rng.uniform(
+                                    *(
+                                        BELOW_MIN_ISR_SECONDS
+                                        if fault == "below_min_isr"
+                                        else PARTITION_SECONDS
+                                        if fault in PARTITION_FAULTS
+                                        else BROKER_DOWN_SECONDS
+                                    )
+                                ),
+                            )
+                        except Exception as exc:  # the fault is tried again next time
+                            say(f"chaos: {fault} could not be injected: {exc}")
                         continue
                     component_faults += 1
                     if broker_restarts < broker_restarts_due and kills >= 3:

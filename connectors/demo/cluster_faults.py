@@ -70,13 +70,20 @@ def leaders(bootstrap: str, topic: str) -> dict[int, int]:
     return {p: info.leader for p, info in meta.partitions.items()}
 
 
-def most_leading(bootstrap: str, topic: str) -> int:
-    """The broker leading the most partitions of ``topic``."""
-    counts: dict[int, int] = {}
-    for broker in leaders(bootstrap, topic).values():
-        if broker >= 0:
-            counts[broker] = counts.get(broker, 0) + 1
-    return max(sorted(counts), key=lambda b: counts[b])
+def most_leading(bootstrap: str, topic: str, patience_s: float = 60.0) -> int:
+    """The broker leading the most partitions of ``topic``; right after brokers came back no
+    partition may have a leader yet, so that is waited for (up to ``patience_s``)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        counts: dict[int, int] = {}
+        for broker in leaders(bootstrap, topic).values():
+            if broker >= 0:
+                counts[broker] = counts.get(broker, 0) + 1
+        if counts:
+            return max(sorted(counts), key=lambda b: counts[b])
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no partition of {topic} has had a leader for {patience_s:.0f} s")
+        time.sleep(1.0)
 
 
 def transaction_coordinator(bootstrap: str, transactional_id: str) -> int:
