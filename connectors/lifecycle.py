@@ -42,6 +42,10 @@ def progress(command: str) -> Callable[[str], None]:
     return say
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     """A command's exit code: what `main` returns, 2 after an error the user can act on (one
     line on stderr), `RESTART_ME` when a service stopped to be started again, 130 after Ctrl-C.
@@ -54,6 +58,12 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
 
     with contextlib.suppress(OSError, ValueError):  # a stderr with no descriptor: no dumps
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # SIGTERM ends a command as Ctrl-C does, through its cleanup (a bench or a chaos run stops
+    # the broker and processes it started), not at once; services install their own handler.
+    main_thread = threading.current_thread() is threading.main_thread()
+    terminate = main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if terminate:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         words, kafka_config = settings.take_kafka_config_flag(
             list(sys.argv[1:] if argv is None else argv)
@@ -71,6 +81,9 @@ def run_command(main: Callable[[list[str]], int], argv: Sequence[str] | None = N
         return _fail(str(exc) or _where(exc))
     except KeyboardInterrupt:
         return 130
+    finally:
+        if terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _where(exc: BaseException) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import pytest
@@ -44,3 +47,32 @@ def test_a_fenced_service_exits_to_be_restarted_an_error_to_be_read(
         "agentruns: static consumer fenced — its supervisor starts it again",
         "agentruns: no such topic — create it",
     ]
+
+
+def test_sigterm_ends_a_command_through_its_cleanup() -> None:
+    # a bench or a chaos run killed by SIGTERM stops what it started on the way out
+    program = textwrap.dedent(
+        """
+        import sys, time
+        from agentruns.connectors.lifecycle import run_command
+
+        def main(_):
+            try:
+                print("running", flush=True)
+                time.sleep(60)
+            finally:
+                print("cleaned up", flush=True)
+            return 0
+
+        sys.exit(run_command(main, []))
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", program], stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "running"
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=30)
+    assert out.strip() == "cleaned up"
+    assert child.returncode == 128 + signal.SIGTERM
