@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from agentruns.processors.effects import CallModel, PublishResult, ScheduleTimer
+from agentruns.processors.effects import PublishResult, ScheduleTimer
 from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
 from agentruns.processors.transition import Artifact, Disposition, Transition, transition
-from agentruns.streams import dlq, inlined, metrics, tracing
+from agentruns.streams import dlq, metrics, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
 from agentruns.streams.records import (
@@ -630,9 +630,7 @@ class InputPath:
                     [*_headers(effect.trace_id, slot.run_id, effect.step, effect.attempt), *trace],
                 )
             else:
-                self._produce_effect(
-                    partition, effect, seq=seq, at=event.at, trace=trace, made=result.artifacts
-                )
+                self._produce_effect(partition, effect, seq=seq, at=event.at, trace=trace)
         slot.state = result.state
         slot.last_seq = seq
         slot.updated_at = max(slot.updated_at, event.at)
@@ -676,30 +674,22 @@ class InputPath:
         seq: int,
         at: int,
         trace: Sequence[tuple[str, str | bytes | None]] = (),
-        made: Sequence[Artifact] = (),
     ) -> None:
-        """An effect record; a CallModel's carries the artifacts of its transition that its
-        conversation needs (`agentruns.streams.inlined`), if the record stays under its limit."""
         kind = EFFECT_TOPIC_KIND[effect.type]
         topic = self.topics.effects[kind]
         if kind == "model":
             partition = self._model_partition()
-        key = effect.run_id.encode()
-        value = encode("Effect", effect_record(effect, seq=seq, at=at))
-        headers: Headers = [
-            *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
-            ("idempotency_key", effect.idempotency_key.encode()),
-            *trace,
-        ]
-        if isinstance(effect, CallModel) and made:
-            carried = inlined.for_call(effect.context_ref, made)
-            if carried is not None:
-                header: tuple[str, str | bytes | None] = (inlined.HEADER, carried)
-                if record_size((topic, key, value, partition, [*headers, header])) <= (
-                    self.limits.of(topic)
-                ):
-                    headers.append(header)
-        self._emit(topic, key, value, partition, headers)
+        self._emit(
+            topic,
+            effect.run_id.encode(),
+            encode("Effect", effect_record(effect, seq=seq, at=at)),
+            partition,
+            [
+                *_headers(effect.trace_id, effect.run_id, effect.step, effect.attempt),
+                ("idempotency_key", effect.idempotency_key.encode()),
+                *trace,
+            ],
+        )
 
     def _model_partition(self) -> int:
         """One partition for all of a batch's model effects, the next one for the next batch.

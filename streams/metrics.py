@@ -55,13 +55,6 @@ COMMIT_STAGE_SECONDS = Histogram(
 EVICTED = Counter(
     "agentruns_evicted_runs_total", "Ended runs evicted from memory and the state topic"
 )
-INLINED_ARTIFACTS = Counter(
-    "agentruns_inlined_artifacts_total",
-    "Artifacts an executor found in an effect record's header (agentruns.streams.inlined), by"
-    " outcome: used, or ignored: mismatched (content not of its ref), duplicate, malformed or"
-    " too_large (a whole header)",
-    ["outcome"],
-)
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
 
 

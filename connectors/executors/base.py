@@ -633,7 +633,6 @@ class Executor:
             effect = self._decode(message, dead)
             if effect is not None:
                 effects.append(effect)
-                self._received(effect, message)
                 context = tracing.from_headers(message.headers())
                 if context is not None:
                     contexts[effect.idempotency_key] = context
@@ -738,10 +737,6 @@ class Executor:
             dead.append(self._dead_letter(message, reason, dlq.INVALID_EVENT))
             return None
         return effect
-
-    def _received(self, effect: Effect, message: Message) -> None:
-        """An effect of this batch, decoded, before it is executed: what a kind of executor
-        takes from its record besides the effect (the loop thread; nothing by default)."""
 
     def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
         self.stats.dead_letters += 1

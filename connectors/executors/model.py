@@ -51,7 +51,6 @@ from agentruns.connectors.executors.base import (
     ExecutorConfig,
     ExecutorError,
     Outcome,
-    _header_list,
     add_common_arguments,
     config_from_args,
     decode_json,
@@ -76,8 +75,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_AMOUNT, MAX_ID_CHARS, MAX_ITEMS
-from agentruns.streams import inlined, tracing
-from confluent_kafka import Message
+from agentruns.streams import tracing
 
 log = logging.getLogger("agentruns.executor.model")
 
@@ -480,14 +478,6 @@ def build_conversation(
 # --------------------------------------------------------------------------- handler
 
 
-def _parsed(text: str) -> Any:
-    """An artifact as the conversation reads it: its JSON, else its text."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 class _ArtifactCache:
     """Artifacts are immutable: parsed JSON cached by ref (bounded), one store per thread."""
 
@@ -519,20 +509,18 @@ class _ArtifactCache:
                 else:
                     missing.append(ref)
         if missing:
-            loaded = {ref: _parsed(text) for ref, text in self._store().get_many(missing).items()}
-            found.update(loaded)
-            self.put(loaded)
+            for ref, text in self._store().get_many(missing).items():
+                try:
+                    found[ref] = json.loads(text)
+                except ValueError:
+                    found[ref] = text
+            with self._lock:
+                for ref in missing:
+                    if ref in found:
+                        self._items[ref] = found[ref]
+                while len(self._items) > self._size:
+                    self._items.popitem(last=False)
         return found
-
-    def put(self, items: Mapping[str, Any]) -> None:
-        """Parsed artifacts known to be of their refs (read from the store, verified, or made
-        here)."""
-        with self._lock:
-            for ref, value in items.items():
-                self._items[ref] = value
-                self._items.move_to_end(ref)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
 
     def close(self) -> None:
         with self._lock:
@@ -563,13 +551,6 @@ class ModelHandler:
     def close(self) -> None:
         self._client.close()
         self._cache.close()
-
-    def offer(self, header: bytes | str | None) -> None:
-        """The artifacts an effect record carries (`agentruns.streams.inlined`): those that
-        are of their refs are kept for the conversation, the rest is read from the store."""
-        verified = inlined.decode(header)
-        if verified:
-            self._cache.put({ref: _parsed(text) for ref, text in verified.items()})
 
     def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
         if not isinstance(effect, CallModel):
@@ -690,9 +671,6 @@ class ModelHandler:
         if assembled.outcome not in (ModelOutcome.TRANSPORT_ERROR, ModelOutcome.RATE_LIMITED):
             artifact, _ = candidate_artifact(assembled, effect, effect.model_route)
             artifacts, candidate_ref = (artifact,), artifact.ref
-            if inlined.ENABLED:
-                # the run's next call reads it as its previous candidate
-                self._cache.put({artifact.ref: _parsed(artifact.content)})
         calls = tuple(
             ToolCallRequest(
                 id=str(c["id"]),
@@ -861,15 +839,11 @@ class ModelExecutor(Executor):
             registry,
             connections=config.workers,
         )
-        self._model = handler
         try:
             super().__init__(config, handler)
         except BaseException:
             handler.close()
             raise
-
-    def _received(self, effect: Effect, message: Message) -> None:
-        self._model.offer(inlined.header_value(_header_list(message)))
 
 
 def main(argv: list[str] | None = None) -> int:

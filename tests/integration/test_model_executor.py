@@ -25,13 +25,9 @@ from agentruns.connectors.executors.model import (
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.effects import RepairNote
-from agentruns.processors.events import ModelCallCompleted, ModelOutcome
+from agentruns.processors.events import ModelOutcome
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.transition import load_candidate
-from agentruns.streams import inlined
-from agentruns.streams.codec import encode
-from agentruns.streams.records import effect_record
-from prometheus_client import REGISTRY
 
 from tests.support.executors import ModelEnv, make_harness
 from tests.support.waiting import wait_for
@@ -281,71 +277,3 @@ def test_a_body_that_goes_on_after_done_is_closed(database_url: str) -> None:
         assert first.outcome is ModelOutcome.FINISHED and len(first.tool_calls) == 1
         assert second.outcome is ModelOutcome.FINISHED
         assert server.connections_accepted == 2  # the pinging one was not kept
-
-
-def _send_with_header(env: ModelEnv, effect: Any, header: bytes) -> ModelCallCompleted:
-    """A CallModel record as the processor writes it, with an `agentruns-artifacts` header."""
-    effects = env.harness.effects
-    effects.seq += 1
-    record = effect_record(effect, seq=effects.seq, at=int(time.time() * 1000))
-    effects.producer.produce(
-        effects.topic,
-        key=effect.run_id.encode(),
-        value=encode("Effect", record),
-        headers=[(inlined.HEADER, header)],
-    )
-    effects.producer.flush(10)
-    return env.harness.inbox.typed(effect, ModelCallCompleted)
-
-
-def _ignored(outcome: str) -> float:
-    value = REGISTRY.get_sample_value("agentruns_inlined_artifacts_total", {"outcome": outcome})
-    return value or 0.0
-
-
-@pytest.mark.parametrize("kind", ["honest", "forged", "not_encoded", "oversized", "duplicates"])
-def test_a_step_is_answered_from_the_right_conversation_whatever_its_header(
-    env: ModelEnv, request: pytest.FixtureRequest, kind: str
-) -> None:
-    """Step 2's context comes in the record's header: as it is, forged (the content of another
-    context under its ref: a first turn), not the encoding, over the cap, or twice (forged, then
-    right). The executor answers the second turn every time: what it cannot verify it reads from
-    Postgres."""
-    run_id = run_id_for(request)
-    first_context = env.context(run_id)
-    step1 = env.call(env.effect(run_id, first_context))
-    assert step1.candidate is not None and step1.candidate_ref is not None
-    (call,) = step1.candidate.tool_calls
-    result = env.store.put(
-        canonical_json(
-            {
-                "tool": "search_docs",
-                "arguments": json.loads(call.arguments_json),
-                "output": {"hits": ["policy: printers are high priority"]},
-            }
-        )
-    )
-    second_context = env.context(
-        run_id, step=2, previous=first_context, candidate=step1.candidate_ref, inputs=(result,)
-    )
-    content = env.store.get(second_context) or ""
-    forged = env.store.get(env.context(f"{run_id}-other")) or ""
-    header = {
-        "honest": inlined.encode([(second_context, content)]) or b"",
-        "forged": inlined.encode([(second_context, forged)]) or b"",
-        "not_encoded": b'{"' + second_context.encode() + b'": 1}',
-        "oversized": b'[["' + second_context.encode() + b'","' + b" " * inlined.MAX_BYTES + b'"]]',
-        "duplicates": inlined.encode([(second_context, forged), (second_context, content)]) or b"",
-    }[kind]
-    counter = {
-        "honest": "used",
-        "forged": "mismatched",
-        "not_encoded": "malformed",
-        "oversized": "too_large",
-        "duplicates": "mismatched",
-    }[kind]
-    before = _ignored(counter)
-    step2 = _send_with_header(env, env.effect(run_id, second_context, step=2), header)
-    assert step2.outcome is ModelOutcome.FINISHED and step2.candidate is not None
-    assert [c.name for c in step2.candidate.tool_calls] == ["create_ticket"]
-    assert _ignored(counter) >= before + 1
