@@ -86,6 +86,30 @@ def most_leading(bootstrap: str, topic: str, patience_s: float = 60.0) -> int:
         time.sleep(1.0)
 
 
+def under_replicated(bootstrap: str) -> int:
+    """How many partitions of the cluster have fewer in-sync replicas than replicas."""
+    topics = _admin(bootstrap).list_topics(timeout=30).topics.values()
+    return sum(1 for t in topics for p in t.partitions.values() if len(p.isrs) < len(p.replicas))
+
+
+def wait_replicated(bootstrap: str, patience_s: float = 120.0) -> None:
+    """Return once every partition has all its replicas in sync; raise after ``patience_s``.
+
+    A fault lands on a fully replicated cluster: replication factor 3 with
+    ``min.insync.replicas=2`` tolerates one broker down, not two more while a third catches up.
+    Killed -9 while the only others in sync, the replicas of a partition all leave its ISR and,
+    their shutdown unclean, its eligible leader replicas (Kafka 4.1's ELR, KIP-966): with
+    unclean leader election off the partition stays without a leader until an operator elects
+    one."""
+    deadline = time.monotonic() + patience_s
+    while (behind := under_replicated(bootstrap)) > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{behind} partitions still under-replicated after {patience_s:.0f} s"
+            )
+        time.sleep(1.0)
+
+
 def transaction_coordinator(bootstrap: str, transactional_id: str) -> int:
     """The broker coordinating ``transactional_id``'s transactions."""
     by_partition = leaders(bootstrap, TRANSACTION_STATE)
@@ -139,6 +163,7 @@ class ClusterFaults:
     def inject(self, fault: str, down_s: float) -> FaultRecord:
         """Kill -9 the fault's broker(s), leave them down for ``down_s``, start them again; or
         make the fault's partition, leave it for ``down_s``, heal it."""
+        wait_replicated(self.bootstrap)
         if fault in PARTITION_FAULTS:
             return self._partition(fault, down_s)
         if fault == "leader":

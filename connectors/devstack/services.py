@@ -457,7 +457,12 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         while self._started:
             service = self._started.pop()
             with suppress(Exception):
-                service.stop()
+                if self._tmp is not None and isinstance(service, LocalKafka):
+                    # thrown away with its directory: no controlled shutdown to wait for (the
+                    # last nodes of a cluster wait 30 s for a quorum they cannot have)
+                    service.kill()
+                else:
+                    service.stop()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
