@@ -8,10 +8,13 @@ Fills the projection with ``--runs`` runs (default 100,000) and one run of ``--e
 * the console's runs page (``/ui/runs``) under the same filters (with its counts and charts);
 * the console's page of the run with ``--events`` events.
 
-Rows are what the sink writes (``agentruns.connectors.projection.rows.run_values``): states
-folded by the real core from simulated runs (``agentruns.connectors.testing.workload``), each
-copied under many run ids with start times spread over the last week, so the status mix is
-the one the simulated world ends in, plus a share of resting runs. Each request is repeated
+Rows are what the sink writes (``agentruns.connectors.projection.rows.run_values`` and
+``event_values``): states and events folded by the real core from simulated runs
+(``agentruns.connectors.testing.workload``), each copied under many run ids with start times
+spread over the last week, so the status mix is the one the simulated world ends in, plus a
+share of resting runs. Every run has its events (one row per event, each with its step), so the
+runs page's step latency chart reads the per-step rows of the runs that moved in the last hour
+among those of the whole week. Each request is repeated
 ``--repeat`` times per filter after one warm-up; the p50/p95 are over all of them.
 
 The last stdout line is one JSON object.
@@ -36,6 +39,7 @@ from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     RUN_COLUMNS,
+    event_values,
     ms_time,
     run_row,
     run_values,
@@ -45,7 +49,7 @@ from agentruns.processors.events import Event
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition
-from agentruns.streams.records import event_body
+from agentruns.streams.records import event_body, event_record
 
 TARGETS = (
     Target("list_ms.p95", 100, at_most=True),
@@ -55,41 +59,71 @@ TARGETS = (
 DAY_MS = 86_400_000
 
 
-def _states(rng: random.Random, count: int) -> list[tuple[RunState, list[Event]]]:
+class _Template:
+    """A simulated run folded by the core: its state and log, and its events rows as the
+    sink stages them (``event_values``)."""
+
+    def __init__(self, state: RunState, log: list[Event], events: list[tuple[Any, ...]]) -> None:
+        self.state, self.log, self.events = state, log, events
+
+
+def _states(rng: random.Random, count: int) -> list[_Template]:
     """Folded states of simulated runs: each at its end, or, for a fifth of them, resting
     part-way (a run waiting for a model, a tool or a person)."""
-    out: list[tuple[RunState, list[Event]]] = []
+    out: list[_Template] = []
     for i in range(count):
         log = simulate(rng, f"tpl-{i:04d}", steps=rng.randint(2, 12))
         cut = len(log) if rng.random() < 0.8 else rng.randint(1, len(log))
         state: RunState | None = None
+        rows: list[tuple[Any, ...]] = []
         for event in log[:cut]:
-            state = transition(state, event).state or state
+            result = transition(state, event)
+            state = result.state or state
+            assert state is not None
+            record = event_record(state.run_id, len(rows) + 1, event, result, input_id=None)
+            rows.append(event_values(record, str(state.status)))
         assert state is not None
-        out.append((state, log[:cut]))
+        out.append(_Template(state, log[:cut], rows))
     return out
 
 
-def _run_rows(
-    templates: list[tuple[RunState, list[Event]]], runs: int, now: int, rng: random.Random
-) -> Iterator[tuple[Any, ...]]:
+def _placed(runs: int, templates: list[_Template], now: int, rng: random.Random) -> list[Any]:
+    """(template, run id, trace id, time shift) of every run: its last event in the last week."""
+    last_col = RUN_COLUMNS.index("last_event_at")
+    out = []
+    for i in range(runs):
+        t = templates[i % len(templates)]
+        last = run_values(t.state, len(t.log))[last_col]
+        shift = now - rng.randrange(7 * DAY_MS) - last
+        trace = uuid.UUID(int=rng.getrandbits(128)).hex
+        out.append((t, run_id_for_key(f"bench-console-{i}"), trace, shift))
+    return out
+
+
+def _run_rows(placed: list[Any]) -> Iterator[tuple[Any, ...]]:
     started_col = RUN_COLUMNS.index("started_at")
     last_col = RUN_COLUMNS.index("last_event_at")
     ended_col = RUN_COLUMNS.index("ended_at")
-    for i in range(runs):
-        state, log = templates[i % len(templates)]
-        values = list(run_values(state, len(log)))
-        shift = now - rng.randrange(7 * DAY_MS) - values[last_col]
-        values[0] = run_id_for_key(f"bench-console-{i}")
-        values[RUN_COLUMNS.index("trace_id")] = uuid.UUID(int=rng.getrandbits(128)).hex
-        values[started_col] += shift
-        values[last_col] += shift
-        if values[ended_col] is not None:
-            values[ended_col] += shift
+    for t, run_id, trace, shift in placed:
+        values = list(run_values(t.state, len(t.log)))
+        values[0] = run_id
+        values[RUN_COLUMNS.index("trace_id")] = trace
         for c in (started_col, last_col, ended_col):
             if values[c] is not None:
-                values[c] = ms_time(values[c])
+                values[c] = ms_time(values[c] + shift)
         yield tuple(values)
+
+
+def _event_rows(placed: list[Any]) -> Iterator[tuple[Any, ...]]:
+    """Every run's events: its template's rows under its id, trace and times."""
+    trace_col, at_col = EVENT_COLUMNS.index("trace_id"), EVENT_COLUMNS.index("at")
+    for t, run_id, trace, shift in placed:
+        for row in t.events:
+            values = list(row)
+            values[0] = run_id
+            values[trace_col] = trace
+            values[at_col] = ms_time(values[at_col] + shift)
+            yield tuple(values)
 
 
 def fill(database_url: str, runs: int, events: int, seed: int = 11) -> str:
@@ -97,12 +131,17 @@ def fill(database_url: str, runs: int, events: int, seed: int = 11) -> str:
     rng = random.Random(seed)
     templates = _states(rng, 200)
     now = int(time.time() * 1000)
+    placed = _placed(runs, templates, now, rng)
     with psycopg.connect(database_url) as conn:
         with conn.cursor().copy(f"COPY runs ({', '.join(RUN_COLUMNS)}) FROM STDIN") as copy:
-            for row in _run_rows(templates, runs, now, rng):
+            for row in _run_rows(placed):
+                copy.write_row(row)
+        with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN") as copy:
+            for row in _event_rows(placed):
                 copy.write_row(row)
         # the big run: a waiting run whose log is repeated to `events` events
-        state, log = next((s, lg) for s, lg in templates if not s.terminal and len(lg) > 3)
+        big_t = next(t for t in templates if not t.state.terminal and len(t.log) > 3)
+        state, log = big_t.state, big_t.log
         big = state.run_id
         with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN") as copy:
             for seq in range(1, events + 1):
@@ -209,9 +248,14 @@ def run_bench(
             run_page = _timed(ui, f"/ui/runs/{big}", {}, repeat)
             body = ui.get(f"/ui/runs/{big}").text
             shown = body.count("</tr>")
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM events").fetchone()
+        assert row is not None
+        event_rows = int(row[0])
     figures: dict[str, Any] = {
         "bench": "console",
         "runs": runs,
+        "event_rows": event_rows,
         "events_of_big_run": events,
         "rows_shown_on_run_page": shown,
         "repeat": repeat,

@@ -34,7 +34,7 @@ from typing import Any
 from agentruns.bench.machine import neighbours
 from agentruns.bench.targets import evaluate, figure, targets_of
 
-BENCHES = ("core", "processor", "executors", "sink", "floor", "loop")
+BENCHES = ("core", "processor", "executors", "sink", "floor", "loop", "console")
 
 Json = dict[str, Any]
 

@@ -85,6 +85,12 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_API_SECRET",
         description="key signing resume tokens and tool callbacks; unset: random (dev)",
     )
+    console_secure_cookies: bool = Field(
+        False,
+        alias="AGENTRUNS_CONSOLE_SECURE_COOKIES",
+        description="mark the console's cookies Secure (HTTPS only); set behind a TLS proxy,"
+        " automatic for a request that came over https",
+    )
     api_url: str | None = Field(
         None, alias="AGENTRUNS_API_URL", description="the API the client commands talk to"
     )

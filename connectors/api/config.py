@@ -34,6 +34,8 @@ class ApiConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_record_bytes: int = MAX_RECORD_BYTES
     clock: Callable[[], int] = now_ms
+    #: Mark the console's cookies Secure even on a plain-HTTP request (TLS ends at a proxy).
+    secure_cookies: bool = False
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -47,10 +49,12 @@ class ApiConfig:
         environ: Mapping[str, str] | None = None,
     ) -> ApiConfig:
         """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET (in ``environ``, or
-        the settings: `agentruns.connectors.settings`).
+        the settings: `agentruns.connectors.settings`); Secure console cookies from the
+        settings.
 
         In production both are required; otherwise a random value is generated for this
         process with a warning (tokens then do not survive a restart)."""
+        secure_cookies = current().console_secure_cookies
         if environ is None:
             settings = current()
             token, secret = settings.api_token, settings.api_secret
@@ -80,4 +84,5 @@ class ApiConfig:
             api_token=token,
             secret=secret.encode() if secret else secrets.token_bytes(32),
             prefix=prefix,
+            secure_cookies=secure_cookies,
         )

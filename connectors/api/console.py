@@ -6,9 +6,11 @@ checks and the same refusals. A small script (static/console.js, no build step) 
 it is on and swaps its live part when the run or the list changed.
 
 Access: the login form takes the API's bearer token and sets a session cookie (HttpOnly,
-SameSite=Strict, signed with the API secret, twelve hours). Every page but the login form and the
-script needs it; every POST form carries a CSRF token bound to the session (for the login form,
-to a pre-login cookie) and is refused without it.
+SameSite=Strict, signed with the API secret, twelve hours; Secure over https or with the
+`console_secure_cookies` setting). Every page but the login form and the script needs it; every
+POST form carries a CSRF token bound to the session (for the login form, to a pre-login cookie)
+and is refused without it. A client address with LOGIN_FAILURES wrong tokens in a minute is
+refused (429, Retry-After) until the oldest of them is a minute old.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ import json
 import math
 import secrets
 import string
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
+import psycopg
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
+from agentruns.connectors.api.pool import Conn
 from agentruns.connectors.api.service import ApiService, _state_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.diagram import edges
-from agentruns.processors.state import TERMINAL, RunStatus
+from agentruns.processors.state import TERMINAL, RunState, RunStatus
+from agentruns.streams.clock import datetime_of, ms_of
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -45,11 +51,20 @@ LOGIN_COOKIE = "agentruns_console_login"
 SESSION_MS = 12 * 3600 * 1000
 #: The most events a run page shows (the API pages through more with /runs/{id}/events).
 MAX_EVENTS = 2000
-#: The newest dead letters the console reads.
-MAX_DEAD_LETTERS = 500
+#: The newest steps whose frozen context, model output and tool results a run page lists.
+MAX_STEPS = 50
+#: Dead letters per page (newest first; older ones through the page's cursor).
+DEAD_LETTERS_PAGE = 100
+#: Error classes offered by the dead-letter filter.
+MAX_CLASSES = 100
 PREVIEW_BYTES = 512
 MAX_FORM_BYTES = 256 * 1024
 BAD_CSRF = "missing or wrong CSRF token"
+#: Wrong tokens a client address may post to the login form per LOGIN_WINDOW_MS.
+LOGIN_FAILURES = 5
+LOGIN_WINDOW_MS = 60_000
+#: Addresses whose failures are remembered; past it the one that failed longest ago goes.
+LOGIN_ADDRESSES = 10_000
 
 _HERE = Path(__file__).parent
 _ENV = Environment(
@@ -106,6 +121,56 @@ class Sessions:
 
     def csrf_ok(self, session: str, given: str) -> bool:
         return hmac.compare_digest(given.encode(), self.csrf(session).encode())
+
+
+class LoginLimiter:
+    """Failed logins per client address in a sliding window, in a table of at most
+    `capacity` addresses (each holding at most `failures` times)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], int],
+        failures: int = LOGIN_FAILURES,
+        window_ms: int = LOGIN_WINDOW_MS,
+        capacity: int = LOGIN_ADDRESSES,
+    ) -> None:
+        self.clock = clock
+        self.failures = failures
+        self.window_ms = window_ms
+        self.capacity = capacity
+        self._failed: OrderedDict[str, deque[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._failed)
+
+    def retry_after(self, address: str) -> int | None:
+        """Seconds until `address` may try again; None when it may now."""
+        times = self._failed.get(address)
+        if times is None:
+            return None
+        now = self.clock()
+        while times and times[0] <= now - self.window_ms:
+            times.popleft()
+        if not times:
+            del self._failed[address]
+            return None
+        if len(times) < self.failures:
+            return None
+        return max(1, math.ceil((times[0] + self.window_ms - now) / 1000))
+
+    def failed(self, address: str) -> None:
+        times = self._failed.pop(address, None) or deque(maxlen=self.failures)
+        times.append(self.clock())
+        self._failed[address] = times  # the newest failure last
+        while len(self._failed) > self.capacity:
+            self._failed.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        self._failed.pop(address, None)
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client is not None else ""
 
 
 def _page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -258,6 +323,56 @@ def _fields(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: Step latency per minute of the last hour, from the per-step events: a step ends at the
+#: last event of its step number and took the time since the previous step of its run ended
+#: (the first step: since its first event, the submission). Read through `events_at`
+#: (migration 0009) over two hours, so a step that ended in the hour finds its predecessor
+#: when that ended up to an hour earlier; a longer step (waiting for a person) is left out.
+STEP_LATENCY_SQL = (
+    "WITH steps AS ("
+    " SELECT run_id, step, min(at) AS began, max(at) AS ended FROM events"
+    " WHERE at > %(now)s - interval '2 hours' AND at <= %(now)s GROUP BY run_id, step),"
+    " took AS ("
+    " SELECT ended, ended - CASE WHEN lag(step) OVER w = step - 1 THEN lag(ended) OVER w"
+    " WHEN step <= 1 THEN began END AS took"
+    " FROM steps WINDOW w AS (PARTITION BY run_id ORDER BY step))"
+    " SELECT 59 - floor(extract(epoch FROM %(now)s - ended) / 60)::int AS slot,"
+    " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM took) * 1000),"
+    " percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM took) * 1000), count(*)"
+    " FROM took WHERE took IS NOT NULL AND ended > %(now)s - interval '1 hour' GROUP BY 1"
+)
+
+
+def step_latency(conn: Conn, now_ms: int) -> list[tuple[int, float, float, int]]:
+    """(minute slot 0-59 of the hour before `now_ms`, p50 ms, p95 ms, steps) per minute."""
+    rows = conn.execute(STEP_LATENCY_SQL, {"now": datetime_of(now_ms)}).fetchall()
+    return [(int(slot), float(p50), float(p95), int(n)) for slot, p50, p95, n in rows]
+
+
+def _dead_letter_cursor(row: dict[str, Any]) -> str:
+    key = [
+        row["at"].isoformat(),
+        row["source_topic"],
+        row["source_partition"],
+        row["source_offset"],
+    ]
+    return _b64(json.dumps(key).encode())
+
+
+def _of_dead_letter_cursor(cursor: str) -> tuple[datetime, str, int, int]:
+    """The position a dead-letter page's cursor names; anything else is a 400 `ApiError`."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor[:2000] + "=" * (-len(cursor) % 4))
+        at, topic, partition, offset = json.loads(raw)
+        if not (isinstance(topic, str) and type(partition) is int and type(offset) is int):
+            raise ValueError(cursor)
+        if not (-(2**31) <= partition < 2**31 and -(2**63) <= offset < 2**63):
+            raise ValueError(cursor)
+        return datetime.fromisoformat(at), topic, partition, offset
+    except (ValueError, TypeError):
+        raise ApiError(400, "invalid_parameter", "cursor is not one this page made") from None
+
+
 def _diagram(current: str) -> dict[str, Any]:
     """The state diagram from the transition table (`agentruns.processors.diagram.edges`), laid
     out on a circle, as SVG shapes."""
@@ -293,6 +408,7 @@ class Console:
     def __init__(self, service: ApiService) -> None:
         self.service = service
         self.sessions = Sessions(service.config.secret, service.clock)
+        self.logins = LoginLimiter(service.clock)
 
     # ------------------------------------------------------------------ access
 
@@ -332,7 +448,7 @@ class Console:
         response = _page(
             "login.html", csrf=_mac(self.sessions.secret, "login", nonce), error=None, csrf_ok=True
         )
-        self._cookie(response, LOGIN_COOKIE, nonce, 600)
+        self._cookie(request, response, LOGIN_COOKIE, nonce, 600)
         return response
 
     async def login(self, request: Request) -> Response:
@@ -345,21 +461,32 @@ class Console:
         expected = _mac(self.sessions.secret, "login", nonce)
         if not nonce or not isinstance(given, str) or not hmac.compare_digest(given, expected):
             return _page("error.html", 403, message=BAD_CSRF, csrf="")
+        address = _address(request)
+        wait_s = self.logins.retry_after(address)
+        if wait_s is not None:  # refused before the token is compared, right or wrong
+            refused = _page("login.html", 429, csrf=expected, error="too many wrong tokens")
+            refused.headers["Retry-After"] = str(wait_s)
+            return refused
         wanted = self.service.config.api_token.encode()
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), wanted):
+            self.logins.failed(address)
             return _page("login.html", 401, csrf=expected, error="wrong token")
+        self.logins.succeeded(address)
         response = RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
-        self._cookie(response, SESSION_COOKIE, self.sessions.new(), SESSION_MS // 1000)
-        response.delete_cookie(LOGIN_COOKIE, path=UI_PREFIX)
+        self._cookie(request, response, SESSION_COOKIE, self.sessions.new(), SESSION_MS // 1000)
+        self._cookie(request, response, LOGIN_COOKIE, "", 0)
         return response
 
     async def logout(self, request: Request, session: str) -> Response:
         response = RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
-        response.delete_cookie(SESSION_COOKIE, path=UI_PREFIX)
+        self._cookie(request, response, SESSION_COOKIE, "", 0)
         return response
 
-    @staticmethod
-    def _cookie(response: Response, name: str, value: str, max_age: int) -> None:
+    def _cookie(
+        self, request: Request, response: Response, name: str, value: str, max_age: int
+    ) -> None:
+        """Set (or, with max_age 0, delete) a console cookie: Secure when the request came
+        over https or the setting says TLS ends in front of the API."""
         response.set_cookie(
             name,
             value,
@@ -367,7 +494,7 @@ class Console:
             path=UI_PREFIX,
             httponly=True,
             samesite="strict",
-            secure=False,  # served over plain HTTP locally; behind TLS the proxy adds Secure
+            secure=self.service.config.secure_cookies or request.url.scheme == "https",
         )
 
     # ------------------------------------------------------------------ pages
@@ -406,25 +533,19 @@ class Console:
         return _page("runs.html", **context)
 
     def _charts(self) -> dict[str, Any]:
-        """Runs finished per minute by status, and the mean step latency of those runs (their
-        time without user waits, per step), over the last hour."""
+        """Runs finished per minute by status (from the runs table), and the p50 and p95 step
+        latency per minute (from the events table), over the last hour."""
         with self.service.db.connection() as conn:
             rows = conn.execute(
                 "SELECT 59 - floor(extract(epoch FROM now() - ended_at) / 60)::int AS slot,"
-                " status, count(*), avg((extract(epoch FROM ended_at - started_at) * 1000"
-                " - user_wait_ms) / greatest(step, 1))"
-                " FROM runs WHERE ended_at > now() - interval '1 hour'"
+                " status, count(*) FROM runs WHERE ended_at > now() - interval '1 hour'"
                 " GROUP BY 1, 2",
             ).fetchall()
+            latency = step_latency(conn, self.service.clock())
         finished: dict[int, dict[str, int]] = {}
-        latency_sum: dict[int, float] = {}
-        latency_n: dict[int, int] = {}
-        for slot, status, n, mean in rows:
-            if not 0 <= slot < 60:
-                continue
-            finished.setdefault(slot, {})[status] = int(n)
-            latency_sum[slot] = latency_sum.get(slot, 0.0) + float(mean or 0) * int(n)
-            latency_n[slot] = latency_n.get(slot, 0) + int(n)
+        for slot, status, n in rows:
+            if 0 <= slot < 60:
+                finished.setdefault(slot, {})[status] = int(n)
         colors = {"SUCCEEDED": "ok", "FAILED": "bad", "CANCELLED": "warn"}
         top = max([sum(v.values()) for v in finished.values()] or [1])
         bars = []
@@ -438,18 +559,31 @@ class Console:
                     {"x": slot * 10, "y": round(y, 1), "h": round(h, 1), "class": klass, "n": n}
                 )
                 bars[-1]["title"] = f"{n} {status}"
-        means = {s: latency_sum[s] / latency_n[s] for s in latency_n}
-        peak = max(means.values() or [1.0]) or 1.0
-        dots = [
-            {"x": s * 10 + 5, "y": round(95 - 90 * m / peak, 1), "title": _duration(int(m))}
-            for s, m in sorted(means.items())
-        ]
+        per_minute = {slot: (p50, p95, n) for slot, p50, p95, n in latency if 0 <= slot < 60}
+        peak = max([p95 for _, p95, _ in per_minute.values()] or [1.0]) or 1.0
+        lines: dict[str, list[dict[str, Any]]] = {"p50": [], "p95": []}
+        for slot, (p50, p95, n) in sorted(per_minute.items()):
+            for name, ms in (("p50", p50), ("p95", p95)):
+                lines[name].append(
+                    {
+                        "x": slot * 10 + 5,
+                        "y": round(95 - 90 * ms / peak, 1),
+                        "title": f"{name} {_duration(int(ms))} over {n} steps",
+                    }
+                )
         return {
             "bars": bars,
             "top": top,
-            "points": " ".join(f"{d['x']},{d['y']}" for d in dots),
-            "dots": dots,
+            "latency": [
+                {
+                    "name": name,
+                    "points": " ".join(f"{d['x']},{d['y']}" for d in dots),
+                    "dots": dots,
+                }
+                for name, dots in lines.items()
+            ],
             "peak": _duration(int(peak)),
+            "steps": sum(n for _, _, n in per_minute.values()),
             "total": sum(sum(v.values()) for v in finished.values()),
         }
 
@@ -483,6 +617,8 @@ class Console:
         total = sum(v for _, v in split) or 1
         budgets: list[dict[str, Any]] = []
         artifacts: list[tuple[str, str]] = []
+        steps: list[dict[str, Any]] = []
+        older: int | None = None
         timers: list[dict[str, Any]] = []
         if state is not None:
             b = state.config.budgets
@@ -498,10 +634,7 @@ class Console:
                 pct = None if not limit else min(100, round(100 * used / limit))
                 budgets.append({"name": name, "used": used, "limit": limit, "pct": pct})
             artifacts = [("run configuration", state.config.config_ref)]
-            if state.context_ref:
-                artifacts.append((f"context of step {state.step}", state.context_ref))
-            if state.candidate_ref:
-                artifacts.append((f"model output of step {state.step}", state.candidate_ref))
+            steps, older = self._steps(state)
             if state.memory_ref:
                 artifacts.append(("memory", state.memory_ref))
             timers = [
@@ -515,6 +648,8 @@ class Console:
             "split": [{"name": k, "ms": v, "pct": round(100 * v / total, 1)} for k, v in split],
             "budgets": budgets,
             "artifacts": artifacts,
+            "steps": steps,
+            "older_steps": older,
             "timers": timers,
             "fields": _fields(question["response_schema"]) if question else [],
             "diagram": _diagram(view["status"]),
@@ -527,6 +662,49 @@ class Console:
             "terminal": view["status"] in {s.value for s in TERMINAL},
             "version": f"{view.get('last_seq')}-{view['status']}",
         }
+
+    def _steps(self, state: RunState) -> tuple[list[dict[str, Any]], int | None]:
+        """The newest MAX_STEPS steps of the frozen context chain, newest first: each step's
+        context, its model output and its tool results (the refs the NEXT context names, or
+        the state's for the current step), in one query that walks `previous_context` in
+        Postgres. Also the step of the newest context left out, if the chain goes on."""
+        if not state.context_ref:
+            return [], None
+        try:
+            with self.service.db.connection() as conn:
+                rows = conn.execute(
+                    "WITH RECURSIVE chain(ref, doc, depth) AS ("
+                    " SELECT ref, convert_from(content, 'UTF8')::jsonb, 1"
+                    " FROM artifacts WHERE ref = %s"
+                    " UNION ALL SELECT a.ref, convert_from(a.content, 'UTF8')::jsonb, c.depth + 1"
+                    " FROM chain c JOIN artifacts a ON a.ref = c.doc->>'previous_context'"
+                    " WHERE c.depth <= %s)"
+                    " SELECT ref, doc->'step', doc->>'previous_candidate', doc->'inputs'"
+                    " FROM chain ORDER BY depth",
+                    (state.context_ref, MAX_STEPS),
+                ).fetchall()
+        except psycopg.DataError:  # an artifact of the chain is not JSON: list none of it
+            return [], None
+        steps: list[dict[str, Any]] = []
+        candidate, inputs = state.candidate_ref, list(state.step_inputs)
+        for ref, step, previous_candidate, previous_inputs in rows[:MAX_STEPS]:
+            steps.append(
+                {
+                    "step": step if isinstance(step, int) else "?",
+                    "context": ref,
+                    "candidate": candidate,
+                    "results": [
+                        i for i in inputs if isinstance(i, str) and i.startswith("sha256:")
+                    ],
+                }
+            )
+            candidate = previous_candidate
+            inputs = previous_inputs if isinstance(previous_inputs, list) else []
+        older = None
+        if len(rows) > MAX_STEPS:
+            step = rows[MAX_STEPS][1]
+            older = step if isinstance(step, int) else 0
+        return steps, older
 
     async def run(self, request: Request, session: str, error: ApiError | None = None) -> Response:
         run_id = request.path_params["run_id"]
@@ -590,42 +768,93 @@ class Console:
         )
 
     async def dead_letter_page(self, request: Request, session: str) -> Response:
-        reason = request.query_params.get("reason", "")
-        records = await run_in_threadpool(self._read_dead_letters)
-        rows = []
-        for d in reversed(records):
-            if reason and reason not in d["reason"] and reason != d["error_class"]:
-                continue
-            rows.append(
+        reason = request.query_params.get("reason", "").strip()[:400]
+        cursor = request.query_params.get("cursor") or None
+        rows, classes, more = await run_in_threadpool(self._read_dead_letters, reason, cursor)
+        shown = []
+        for d in rows:
+            key, value = preview(d["original_key"], 64), preview(d["original_value"])
+            key["size"], value["size"] = d["key_bytes"], d["value_bytes"]
+            value["cut"] = d["value_bytes"] > PREVIEW_BYTES
+            shown.append(
                 {
                     "reason": d["reason"],
                     "error_class": d["error_class"],
                     "source": f"{d['source_topic']}/{d['source_partition']}/{d['source_offset']}",
-                    "at": d["at"],
-                    "run_id": d.get("run_id"),
-                    "key": preview(d.get("original_key"), 64),
-                    "value": preview(d.get("original_value")),
+                    "at": ms_of(d["at"]),
+                    "run_id": d["run_id"],
+                    "key": key,
+                    "value": value,
                 }
             )
-        classes = sorted({d["error_class"] for d in records})
+        next_url = None
+        if more and rows:
+            kept = {"reason": reason} if reason else {}
+            next_url = f"?{urlencode({**kept, 'cursor': _dead_letter_cursor(rows[-1])})}"
         return _page(
             "dead_letters.html",
-            rows=rows,
+            rows=shown,
             reason=reason,
             classes=classes,
+            next_url=next_url,
             csrf=self.sessions.csrf(session),
         )
 
-    def _read_dead_letters(self) -> list[dict[str, Any]]:
-        """The newest MAX_DEAD_LETTERS dead letters of `<prefix>.dlq`, read to its current end."""
-        from agentruns.connectors.projection.reading import read_topic
-        from agentruns.streams.topics import DLQ, topic_name
-
-        config = self.service.config
-        topic = topic_name(DLQ, config.prefix)
-        return list(read_topic(config.bootstrap, topic, "DeadLetter", timeout_s=30))[
-            -MAX_DEAD_LETTERS:
-        ]
+    def _read_dead_letters(
+        self, reason: str, cursor: str | None
+    ) -> tuple[list[dict[str, Any]], list[str], bool]:
+        """One page of the `dead_letters` table (the sink's projection of `<prefix>.dlq`),
+        newest first, after `cursor`; `reason` is an error class (through its index) or else
+        a piece of the reason. Returns (rows, the error classes there are, whether more)."""
+        with self.service.db.connection() as conn:
+            # the distinct classes by a walk of the class index, one probe per class
+            classes = [
+                str(c)
+                for (c,) in conn.execute(
+                    "WITH RECURSIVE c(error_class) AS ("
+                    " (SELECT error_class FROM dead_letters ORDER BY error_class LIMIT 1)"
+                    " UNION ALL SELECT (SELECT d.error_class FROM dead_letters d"
+                    "  WHERE d.error_class > c.error_class ORDER BY d.error_class LIMIT 1)"
+                    " FROM c WHERE c.error_class IS NOT NULL)"
+                    " SELECT error_class FROM c WHERE error_class IS NOT NULL LIMIT %s",
+                    (MAX_CLASSES,),
+                ).fetchall()
+            ]
+            where: list[str] = []
+            params: list[Any] = []
+            known = reason in classes or (
+                bool(reason)
+                and conn.execute(
+                    "SELECT EXISTS (SELECT 1 FROM dead_letters WHERE error_class = %s)", (reason,)
+                ).fetchone()
+                == (True,)
+            )
+            if known:
+                where.append("error_class = %s")
+                params.append(reason)
+            elif reason:
+                where.append("strpos(reason, %s) > 0")
+                params.append(reason)
+            if cursor is not None:
+                where.append(
+                    "(at, source_topic, source_partition, source_offset) < (%s, %s, %s, %s)"
+                )
+                params.extend(_of_dead_letter_cursor(cursor))
+            cur = conn.execute(
+                "SELECT source_topic, source_partition, source_offset, reason, error_class, at,"
+                " run_id, original_key, key_bytes, original_value, value_bytes FROM dead_letters"
+                f" WHERE {' AND '.join(where) or 'true'}"
+                " ORDER BY at DESC, source_topic DESC, source_partition DESC, source_offset DESC"
+                " LIMIT %s",
+                [*params, DEAD_LETTERS_PAGE + 1],
+            )
+            names = [d.name for d in cur.description or ()]
+            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        for row in rows:
+            for column in ("original_key", "original_value"):
+                if row[column] is not None:
+                    row[column] = bytes(row[column])
+        return rows[:DEAD_LETTERS_PAGE], classes, len(rows) > DEAD_LETTERS_PAGE
 
     async def script(self, request: Request) -> Response:
         return Response(_SCRIPT, media_type="text/javascript", headers=_SECURITY_HEADERS)

@@ -2,12 +2,13 @@
 
 `project_event` folds one record with the current core and returns the rows it changes (the
 run, its event, the operations and questions that moved); the column lists and the row
-builders say what each table holds. No I/O: the sink writes these rows, the audit compares
-them with what Postgres holds.
+builders say what each table holds (`dead_letter_values`: the row of a DeadLetter record).
+No I/O: the sink writes these rows, the audit compares them with what Postgres holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -25,8 +26,10 @@ from agentruns.processors.events import (
     ToolCallSucceeded,
     UserReplied,
 )
+from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import SETTLED, Operation, OpStatus, Question, RunState
 from agentruns.processors.transition import Disposition, transition
+from agentruns.streams.dlq import MAX_REASON_CHARS, text
 from agentruns.streams.records import parse_event_body
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -364,3 +367,101 @@ def result_values(r: dict[str, Any]) -> tuple[Any, ...]:
 
 def snapshot_values(s: dict[str, Any]) -> tuple[Any, ...]:
     return (s["run_id"], s["last_seq"], s["version"], s["status"], s["updated_at"])
+
+
+DEAD_LETTER_COLUMNS = (
+    "source_topic",
+    "source_partition",
+    "source_offset",
+    "reason",
+    "error_class",
+    "at",
+    "run_id",
+    "original_key",
+    "key_bytes",
+    "original_value",
+    "value_bytes",
+    "original_timestamp",
+    "dlq_partition",
+    "dlq_offset",
+)
+#: The bytes of an original key or value a dead_letters row keeps (the size of the whole
+#: beside them): what the console previews, never the whole of a hostile record.
+STORED_BYTES = 4096
+#: Characters kept of a dead letter's texts: a foreign writer's may be of any length.
+REASON_CHARS = MAX_REASON_CHARS
+CLASS_CHARS = 100
+TOPIC_CHARS = 249  # Kafka's longest topic name
+UNDECODABLE = "undecodable dead letter"
+
+
+def _stored_text(value: str | None, limit: int) -> str | None:
+    """A text as Postgres stores it: UTF-8 (lone surrogates replaced), no NUL, cut."""
+    if value is None:
+        return None
+    return text(value).replace("\x00", "\ufffd")[:limit]
+
+
+def _whole_size(stored: bytes | None, notes: Sequence[tuple[str, bytes | None]]) -> int:
+    """The size of an original value: the `original_length` header `dlq.fit` adds when it cut
+    the value to fit the topic, else the bytes the dead letter holds."""
+    for key, raw in notes:
+        if key == "original_length" and raw is not None and raw.isdigit() and len(raw) < 19:
+            return max(int(raw), len(stored or b""))
+    return len(stored or b"")
+
+
+def dead_letter_values(
+    record: dict[str, Any],
+    dlq_partition: int,
+    dlq_offset: int,
+    notes: Sequence[tuple[str, bytes | None]] = (),
+) -> tuple[Any, ...]:
+    """The dead_letters row of a DeadLetter record in DEAD_LETTER_COLUMNS order (times in epoch
+    milliseconds), from its position on the DLQ topic and that record's headers (`notes`)."""
+    key: bytes | None = record.get("original_key")
+    value: bytes | None = record.get("original_value")
+    return (
+        _stored_text(record["source_topic"], TOPIC_CHARS),
+        record["source_partition"],
+        record["source_offset"],
+        _stored_text(record["reason"], REASON_CHARS),
+        _stored_text(record["error_class"], CLASS_CHARS),
+        record["at"],
+        _stored_text(record.get("run_id"), MAX_ID_CHARS),
+        None if key is None else key[:STORED_BYTES],
+        len(key or b""),
+        None if value is None else value[:STORED_BYTES],
+        _whole_size(value, notes),
+        record.get("original_timestamp"),
+        dlq_partition,
+        dlq_offset,
+    )
+
+
+def undecodable_dead_letter_values(
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    at: int,
+    reason: str,
+    error_class: str,
+) -> tuple[Any, ...]:
+    """The row of a record on the DLQ topic that is not a DeadLetter: keyed by its own
+    position, its bytes kept as an original's (it is not sent to the DLQ again)."""
+    return dead_letter_values(
+        {
+            "source_topic": topic,
+            "source_partition": partition,
+            "source_offset": offset,
+            "reason": f"{UNDECODABLE}: {reason}",
+            "error_class": error_class,
+            "at": at,
+            "original_key": key,
+            "original_value": value,
+        },
+        partition,
+        offset,
+    )

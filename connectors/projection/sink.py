@@ -1,9 +1,10 @@
 """`agentruns sink`: the exactly-once Postgres projection of the run log (R27).
 
-The sink consumes `<prefix>.events`, `<prefix>.state` and `<prefix>.results` (read_committed) and
-folds every run's events with the CURRENT core (`agentruns.processors.transition.transition`) into
-the
-tables of migration 0002: runs, events, operations, questions, results, run_snapshots.
+The sink consumes `<prefix>.events`, `<prefix>.state`, `<prefix>.results` and `<prefix>.dlq`
+(read_committed) and folds every run's events with the CURRENT core
+(`agentruns.processors.transition.transition`) into the tables of migration 0002: runs, events,
+operations, questions, results, run_snapshots; the dead letters of every component go to
+`dead_letters` (migration 0008), which the console reads.
 
 Exactly once, in the order `_commit` writes it down, in ONE Postgres transaction per batch:
 
@@ -23,10 +24,12 @@ re-applied, which the guards make a no-op.
 
 Hostile records never stop the projection. A record the sink cannot decode or fold becomes a
 dead-letter record on `<prefix>.dlq` (its reason, bytes, headers, topic/partition/offset) and the
-batch goes on. A batch whose SQL fails for any reason but a lost connection is written again
-record by record, each in its own savepoint, once: the records that fail alone are dead-lettered,
-the rest committed. Dead letters are flushed before the transaction that moves the offsets past
-them commits. Times outside what datetime holds are stored as the nearest bound (`clamp_ms`).
+batch goes on; a record on the DLQ topic itself is never sent back to it (one that is not a
+DeadLetter is stored as an undecodable dead letter). A batch whose SQL fails for any reason but a
+lost connection is written again record by record, each in its own savepoint, once: the records
+that fail alone are dead-lettered, the rest committed. Dead letters are flushed before the
+transaction that moves the offsets past them commits. Times outside what datetime holds are
+stored as the nearest bound (`clamp_ms`).
 
 This module holds the loop (consumer, batching, retries, dead letters) and its command; the rows
 come from `agentruns.connectors.projection.rows`, the statements from `.sql`.
@@ -54,6 +57,7 @@ from agentruns.connectors.projection.rows import (
     OP_COLUMNS,
     QUESTION_COLUMNS,
     SNAPSHOT_COLUMNS,
+    dead_letter_values,
     event_values,
     merge_op,
     merge_question,
@@ -61,8 +65,10 @@ from agentruns.connectors.projection.rows import (
     result_values,
     run_values,
     snapshot_values,
+    undecodable_dead_letter_values,
 )
 from agentruns.connectors.projection.sql import (
+    DEAD_LETTERS_TABLE,
     EVENTS_TABLE,
     OPS_TABLE,
     QUESTIONS_TABLE,
@@ -76,6 +82,7 @@ from agentruns.connectors.projection.sql import (
 )
 from agentruns.processors.state import RunState
 from agentruns.streams import tracing
+from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
@@ -196,6 +203,7 @@ class _Part:
     questions: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
     snapshot: dict[str, Any] | None = None
+    dead_letter: tuple[Any, ...] | None = None  # a dead_letters row (of a DLQ record)
 
 
 @dataclass
@@ -211,6 +219,7 @@ class _Batch:
     questions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     parts: list[_Part] = field(default_factory=list)  # the same rows, per record, in order
     dead: list[dict[str, Any]] = field(default_factory=list)  # records refused while folding
+    dead_letters: list[tuple[Any, ...]] = field(default_factory=list)  # rows of DLQ records
     spans: list[Any] = field(default_factory=list)  # one per event when tracing is on
 
 
@@ -288,7 +297,7 @@ class Sink:
         self.state_topic = topic_name(STATE, p)
         self.results_topic = topic_name(RESULTS, p)
         self.dlq_topic = topic_name(DLQ, p)
-        self.topics = [self.events_topic, self.state_topic, self.results_topic]
+        self.topics = [self.events_topic, self.state_topic, self.results_topic, self.dlq_topic]
         self.stats = SinkStats()
         self._cache: dict[str, tuple[int, RunState]] = {}
         self._writer_pg = _Pg(config.database_url)  # the writer thread's transactions
@@ -491,7 +500,7 @@ class Sink:
         # event, each carrying the whole state), and of it only the leading fields the
         # run_snapshots row needs, not the state; the version guard still applies in Postgres.
         latest: dict[bytes | str | None, Message] = {}
-        events_topic, state_topic = self.events_topic, self.state_topic
+        events_topic, state_topic, dlq_topic = self.events_topic, self.state_topic, self.dlq_topic
         for message in messages:
             error = message.error()
             if error is not None:
@@ -506,6 +515,11 @@ class Sink:
                 continue
             if topic == state_topic:
                 latest[message.key()] = message
+                continue
+            if topic == dlq_topic:
+                row = self._dead_letter_row(message, value)
+                batch.dead_letters.append(row)
+                batch.parts.append(_Part(message, dead_letter=row))
                 continue
             try:
                 if topic == events_topic:
@@ -536,6 +550,24 @@ class Sink:
         SINK_CACHED_RUNS.set(len(self._cache))
         self.stats.fold_s += time.monotonic() - began
         return batch
+
+    @staticmethod
+    def _dead_letter_row(message: Message, value: bytes) -> tuple[Any, ...]:
+        """The dead_letters row of a record on the DLQ topic."""
+        partition, offset = message.partition() or 0, message.offset() or 0
+        headers = message.headers()
+        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or ())
+        notes = [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+        try:
+            record = decode(value, expected_name="DeadLetter").record
+        except CodecError as exc:
+            log.error("record on %s[%s]@%s is not a dead letter: %s", message.topic(),
+                      partition, offset, exc)  # fmt: skip
+            return undecodable_dead_letter_values(
+                message.topic() or "", partition, offset, message.key(), value,
+                now_ms(), str(exc), exc.error_class,
+            )  # fmt: skip
+        return dead_letter_values(record, partition, offset, notes)
 
     def _refused(
         self, message: Message, reason: str, error_class: str = INVALID_EVENT
@@ -677,6 +709,7 @@ class Sink:
                 batch.questions.values(),
                 batch.results.values(),
                 batch.snapshots.values(),
+                batch.dead_letters,
             )
             self._finish(cur, batch, batch.dead)
 
@@ -697,11 +730,15 @@ class Sink:
                             part.questions,
                             [part.result] if part.result is not None else [],
                             [part.snapshot] if part.snapshot is not None else [],
+                            [part.dead_letter] if part.dead_letter is not None else [],
                             clear=True,
                         )
                 except Exception as exc:  # the one guard of the write: this record is refused
                     if _away(exc, conn) or isinstance(exc, _CONFLICTS):
                         raise  # not this record's doing: the whole batch again, later
+                    if part.dead_letter is not None:  # already a dead letter: not sent back
+                        self._skip_dead_letter(part.message, exc)
+                        continue
                     reason = f"invalid_input:unwritable: {dead_letters.first_line(exc)}"
                     dead.append(self._refused(part.message, reason))
             self._finish(cur, batch, dead)
@@ -721,6 +758,7 @@ class Sink:
         questions: Collection[dict[str, Any]],
         results: Collection[dict[str, Any]],
         snapshots: Collection[dict[str, Any]],
+        dlq_rows: Collection[tuple[Any, ...]],
         *,
         clear: bool = False,
     ) -> None:
@@ -739,6 +777,16 @@ class Sink:
             write_rows(cur, RESULTS_TABLE, map(result_values, results), clear=clear)
         if snapshots:
             write_rows(cur, SNAPSHOTS_TABLE, map(snapshot_values, snapshots), clear=clear)
+        if dlq_rows:
+            write_rows(cur, DEAD_LETTERS_TABLE, dlq_rows, clear=clear)
+
+    def _skip_dead_letter(self, message: Message, exc: Exception) -> None:
+        """A DLQ record whose row cannot be written: counted and logged, its offset moves on
+        (a dead letter of a dead letter would come back here)."""
+        self.stats.skipped += 1
+        SINK_SKIPPED.labels("unwritable_dead_letter").inc()
+        log.error("dead letter %s[%s]@%s not projected: %s", message.topic(),
+                  message.partition(), message.offset(), dead_letters.first_line(exc))  # fmt: skip
 
     def _finish(self, cur: psycopg.Cursor[Any], batch: _Batch, dead: list[dict[str, Any]]) -> None:
         """The consumed positions, after the dead letters of the batch are flushed (inside

@@ -1,6 +1,7 @@
 """The projection's SQL: one bulk upsert per table (`Table`, written with
 `agentruns.connectors.postgres.bulk.write_rows`), each guarded by seq or version so a row never
-moves backwards, and the sink's own offsets (`sink_offsets`).
+moves backwards (a dead letter by its source position, so it is written once), and the sink's
+own offsets (`sink_offsets`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import psycopg
 from agentruns.connectors.postgres.bulk import Table
 from agentruns.connectors.projection.rows import (
+    DEAD_LETTER_COLUMNS,
     EVENT_COLUMNS,
     OP_COLUMNS,
     QUESTION_COLUMNS,
@@ -89,7 +91,24 @@ SNAPSHOTS_TABLE = Table(
     + " WHERE run_snapshots.version < EXCLUDED.version",
     ms_columns=frozenset({"updated_at"}),
 )
-TABLES = (EVENTS_TABLE, RUNS_TABLE, OPS_TABLE, QUESTIONS_TABLE, RESULTS_TABLE, SNAPSHOTS_TABLE)
+#: Keyed by the refused record's position: a dead letter written twice is one row.
+DEAD_LETTERS_TABLE = Table(
+    "dead_letters",
+    DEAD_LETTER_COLUMNS,
+    "text integer bigint text text bigint text bytea integer bytea bigint bigint integer bigint",
+    "(source_topic, source_partition, source_offset)",
+    "DO NOTHING",
+    ms_columns=frozenset({"at", "original_timestamp"}),
+)
+TABLES = (
+    EVENTS_TABLE,
+    RUNS_TABLE,
+    OPS_TABLE,
+    QUESTIONS_TABLE,
+    RESULTS_TABLE,
+    SNAPSHOTS_TABLE,
+    DEAD_LETTERS_TABLE,
+)
 
 SQL_OFFSETS = (
     "INSERT INTO sink_offsets (consumer, topic, partition, next_offset)"

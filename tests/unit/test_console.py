@@ -1,11 +1,26 @@
 """The console's pure parts: session cookies and CSRF tokens, the byte preview, the typing of
-a question form."""
+a question form, the failed-login limiter, the dead-letter page's cursor and the rows the sink
+makes of dead letters."""
 
 from __future__ import annotations
 
 import pytest
-from agentruns.connectors.api.console import Sessions, _form_response, preview
+from agentruns.connectors.api.console import (
+    LoginLimiter,
+    Sessions,
+    _form_response,
+    _of_dead_letter_cursor,
+    preview,
+)
 from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.projection.rows import (
+    DEAD_LETTER_COLUMNS,
+    STORED_BYTES,
+    UNDECODABLE,
+    dead_letter_values,
+    undecodable_dead_letter_values,
+)
+from agentruns.streams import dlq
 
 
 def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_key() -> None:
@@ -72,3 +87,77 @@ def test_the_partial_index_of_live_runs_spells_the_terminal_statuses_of_the_stuc
 
     sql = dict(migration_files())["0007_console"]
     assert f"WHERE status NOT IN {TERMINAL_SQL};" in sql
+
+
+def test_failed_logins_are_limited_per_address_for_a_minute_in_a_bounded_table() -> None:
+    now = [1_000_000]
+    limiter = LoginLimiter(lambda: now[0], failures=5, window_ms=60_000, capacity=3)
+    for _ in range(4):
+        limiter.failed("198.51.100.1")
+        now[0] += 1000
+    assert limiter.retry_after("198.51.100.1") is None  # four failures: still allowed
+    limiter.failed("198.51.100.1")
+    assert limiter.retry_after("198.51.100.1") == 56  # until the first failure is a minute old
+    assert limiter.retry_after("198.51.100.2") is None  # another address is not limited
+    now[0] = 1_000_000 + 59_999
+    assert limiter.retry_after("198.51.100.1") == 1
+    now[0] += 1
+    assert limiter.retry_after("198.51.100.1") is None  # the first is a minute old: four left
+    limiter.failed("198.51.100.1")
+    assert limiter.retry_after("198.51.100.1") == 1  # five again, the oldest 59 s old
+    limiter.succeeded("198.51.100.1")
+    assert len(limiter) == 0
+    for i in range(1000):  # a flood of addresses: the table keeps the newest three
+        limiter.failed(f"2001:db8::{i:x}")
+    assert len(limiter) == 3
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    ["", "%%%", "bm90IGpzb24", "WzEsMl0", "WyJ4IiwgIngiLCAxLCAxXQ", "W251bGwsIG51bGwsIDEsIDFd",
+     "WyIyMDI2LTAxLTAxVDAwOjAwOjAwKzAwOjAwIiwgIngiLCAxZTMwMCwgMV0", "A" * 5000],
+)  # fmt: skip
+def test_a_forged_dead_letter_cursor_is_a_400(cursor: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        _of_dead_letter_cursor(cursor)
+    assert refused.value.status == 400
+
+
+def test_a_hostile_dead_letter_is_stored_bounded_and_as_postgres_text_can_hold() -> None:
+    huge = b"\xff\xfe" + b"<script>alert(1)</script>" * 40_000  # ~1 MB, not UTF-8
+    record = dlq.dead_letter(
+        "bad \x00 <script>x</script> " + "r" * 5000,
+        "NOT\x00A_CLASS" * 20,
+        "t" * 400,
+        2,
+        41,
+        b"k" * 10_000,
+        huge,
+        [("h", b"v")],
+        1_700_000_000_000,
+        run_id="run-\x00-" + "x" * 1000,
+    )
+    row = dict(zip(DEAD_LETTER_COLUMNS, dead_letter_values(record, 0, 7), strict=True))
+    assert row["original_value"] == huge[:STORED_BYTES] and row["value_bytes"] == len(huge)
+    assert row["original_key"] == b"k" * STORED_BYTES and row["key_bytes"] == 10_000
+    texts = ("reason", "error_class", "source_topic", "run_id")
+    assert all("\x00" not in row[c] for c in texts)
+    assert len(row["reason"]) == dlq.MAX_REASON_CHARS and row["reason"].startswith("bad \ufffd <")
+    assert len(row["source_topic"]) == 249 and len(row["error_class"]) == 100
+    assert (row["source_partition"], row["source_offset"], row["dlq_offset"]) == (2, 41, 7)
+    # a value `dlq.fit` cut to fit its topic: the whole size is the one its header names
+    cut = dict(record, original_value=huge[:1000])
+    values = dead_letter_values(cut, 0, 8, [("original_length", str(len(huge)).encode())])
+    assert values[DEAD_LETTER_COLUMNS.index("value_bytes")] == len(huge)
+    forged = dead_letter_values(cut, 0, 8, [("original_length", b"9" * 40)])
+    assert forged[DEAD_LETTER_COLUMNS.index("value_bytes")] == 1000
+
+
+def test_a_record_on_the_dlq_that_is_no_dead_letter_is_kept_by_its_own_position() -> None:
+    values = undecodable_dead_letter_values(
+        "p.dlq", 1, 9, None, b"\x00" * 9000, 5, "not avro\x00", "NOT_AVRO"
+    )
+    row = dict(zip(DEAD_LETTER_COLUMNS, values, strict=True))
+    assert (row["source_topic"], row["source_partition"], row["source_offset"]) == ("p.dlq", 1, 9)
+    assert row["reason"].startswith(UNDECODABLE) and "\x00" not in row["reason"]
+    assert len(row["original_value"]) == STORED_BYTES and row["value_bytes"] == 9000
