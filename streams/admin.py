@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from agentruns.streams.errors import AgentrunsKafkaError
@@ -176,13 +177,33 @@ def _wait_listed(admin: AdminClient, names: list[str]) -> dict[str, Any]:
         time.sleep(0.1)
 
 
+def configs_to_set(current: Mapping[str, str | None], wanted: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``wanted`` whose value ``current`` (a topic's effective configs) does not
+    have already."""
+    return {k: v for k, v in wanted.items() if current.get(k) != v}
+
+
 def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> None:
+    """Set what differs from the spec, and nothing else: every service checks the topics when
+    it starts, and a config change is not free. A change of ``min.insync.replicas`` (even to the
+    value it has) clears the partitions' eligible leader replicas (Kafka 4.1's ELR, KIP-966),
+    so services restarting after two brokers were down left every pipeline partition whose ISR
+    had emptied without a leader for good."""
+    topic = ConfigResource(ResourceType.TOPIC, name)
+    try:
+        (described,) = admin.describe_configs([topic]).values()
+        current = {k: e.value for k, e in described.result(timeout=TIMEOUT_S).items()}
+    except KafkaException as exc:
+        raise AgentrunsKafkaError(f"reading the configs of {name} failed: {exc}") from exc
+    changed = configs_to_set(current, spec.kafka_configs())
+    if not changed:
+        return
     resource = ConfigResource(
         ResourceType.TOPIC,
         name,
         incremental_configs=[
             ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
-            for k, v in spec.kafka_configs().items()
+            for k, v in changed.items()
         ],
     )
     futures = admin.incremental_alter_configs([resource])

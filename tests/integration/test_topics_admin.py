@@ -6,7 +6,13 @@ import pytest
 from agentruns.connectors.errors import AgentrunsKafkaError
 from agentruns.streams.admin import describe_topics, ensure_topics
 from agentruns.streams.topics import topic_specs
-from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
 
 
 def test_topics_created_with_their_configs_and_idempotent(
@@ -34,6 +40,22 @@ def test_topics_created_with_their_configs_and_idempotent(
         row.startswith(f"{prefix}.events")
         for row in describe_topics(kafka_bootstrap, prefix=prefix)
     )
+
+    # a config changed by hand is set back to the spec's (and only what differs is set)
+    inbox = next(s for s in specs if s.suffix == "inbox")
+    drifted = ConfigResource(
+        ResourceType.TOPIC,
+        inbox.name(prefix),
+        incremental_configs=[
+            ConfigEntry("retention.ms", "1234567", incremental_operation=AlterConfigOpType.SET)
+        ],
+    )
+    for future in admin.incremental_alter_configs([drifted]).values():
+        future.result(timeout=10)
+    ensure_topics(kafka_bootstrap, prefix=prefix, partitions=3)
+    resource = ConfigResource(ResourceType.TOPIC, inbox.name(prefix))
+    configs = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert configs["retention.ms"].value == inbox.kafka_configs()["retention.ms"]
 
 
 def test_partition_mismatch_is_a_clear_error(kafka_bootstrap: str, unique_name: str) -> None:

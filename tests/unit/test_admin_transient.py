@@ -3,7 +3,7 @@ electing a controller, brokers coming back), not a broker that never answered no
 
 from __future__ import annotations
 
-from agentruns.streams.admin import KafkaUnreachableError, _transient
+from agentruns.streams.admin import KafkaUnreachableError, _transient, configs_to_set
 from agentruns.streams.errors import AgentrunsKafkaError
 from confluent_kafka import KafkaError, KafkaException
 
@@ -32,3 +32,13 @@ def test_refusals_are_not() -> None:
     assert not _transient(_wrapped(KafkaError(KafkaError.POLICY_VIOLATION)))
     assert not _transient(AgentrunsKafkaError("topic x has 2 partitions, the spec says 6"))
     assert issubclass(KafkaUnreachableError, AgentrunsKafkaError)
+
+
+def test_only_configs_that_differ_are_set() -> None:
+    wanted = {"cleanup.policy": "compact", "retention.ms": "-1", "min.insync.replicas": "2"}
+    current = {"cleanup.policy": "compact", "retention.ms": "604800000", "min.insync.replicas": "2"}
+    assert configs_to_set(current, wanted) == {"retention.ms": "-1"}
+    # an aligned topic gets no config change at all (a no-op change still clears ELR)
+    assert configs_to_set({**current, "retention.ms": "-1", "segment.ms": "1"}, wanted) == {}
+    assert configs_to_set({}, wanted) == wanted
+    assert configs_to_set({"min.insync.replicas": None}, wanted)["min.insync.replicas"] == "2"
