@@ -96,11 +96,10 @@ def wait_replicated(bootstrap: str, patience_s: float = 120.0) -> None:
     """Return once every partition has all its replicas in sync; raise after ``patience_s``.
 
     A fault lands on a fully replicated cluster: replication factor 3 with
-    ``min.insync.replicas=2`` tolerates one broker down, not two more while a third catches up.
-    Killed -9 while the only others in sync, the replicas of a partition all leave its ISR and,
-    their shutdown unclean, its eligible leader replicas (Kafka 4.1's ELR, KIP-966): with
-    unclean leader election off the partition stays without a leader until an operator elects
-    one."""
+    ``min.insync.replicas=2`` tolerates one broker down, not two more while a third catches up
+    (their unclean shutdowns would take them out of the partitions' eligible leader replicas,
+    Kafka 4.1's ELR, KIP-966, and with unclean leader election off a partition left with none
+    waits for an operator)."""
     deadline = time.monotonic() + patience_s
     while (behind := under_replicated(bootstrap)) > 0:
         if time.monotonic() > deadline:
