@@ -23,6 +23,7 @@ import json
 import math
 import secrets
 import string
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -60,6 +61,8 @@ MAX_CLASSES = 100
 PREVIEW_BYTES = 512
 MAX_FORM_BYTES = 256 * 1024
 BAD_CSRF = "missing or wrong CSRF token"
+#: How long the runs page's charts are reused before they are read again.
+CHARTS_TTL_MS = 10_000
 #: Wrong tokens a client address may post to the login form per LOGIN_WINDOW_MS.
 LOGIN_FAILURES = 5
 LOGIN_WINDOW_MS = 60_000
@@ -409,6 +412,8 @@ class Console:
         self.service = service
         self.sessions = Sessions(service.config.secret, service.clock)
         self.logins = LoginLimiter(service.clock)
+        self._charts_lock = threading.Lock()
+        self._charts_made: tuple[int, dict[str, Any]] | None = None  # (when, charts)
 
     # ------------------------------------------------------------------ access
 
@@ -506,7 +511,7 @@ class Console:
         query = dict(request.query_params)
         f = RunFilter.of_query(query)
         page = await run_in_threadpool(self.service.list_runs, f)
-        charts = None if _fragment(request) else await run_in_threadpool(self._charts)
+        charts = None if _fragment(request) else await run_in_threadpool(self._recent_charts)
         now = self.service.clock()
         for run in page["runs"]:
             run["age"] = _ago(run["started_at"], now)
@@ -531,6 +536,19 @@ class Console:
         if _fragment(request):
             return _page("_runs_live.html", **context)
         return _page("runs.html", **context)
+
+    def _recent_charts(self) -> dict[str, Any]:
+        """`_charts`, made at most once per CHARTS_TTL_MS: per-minute figures of the last hour
+        need not be read again for every page load (two aggregates over an hour of events)."""
+        now = self.service.clock()
+        with self._charts_lock:
+            made = self._charts_made
+            if made is not None and now - made[0] < CHARTS_TTL_MS:
+                return made[1]
+        charts = self._charts()
+        with self._charts_lock:
+            self._charts_made = (now, charts)
+        return charts
 
     def _charts(self) -> dict[str, Any]:
         """Runs finished per minute by status (from the runs table), and the p50 and p95 step

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import psycopg
-from agentruns.connectors.api.console import MAX_STEPS, step_latency
+from agentruns.connectors.api.console import CHARTS_TTL_MS, MAX_STEPS, step_latency
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.connectors.projection.rows import STORED_BYTES, UNDECODABLE, run_row
 from agentruns.processors.state import RunState
@@ -378,5 +379,13 @@ def test_step_latency_is_per_minute_from_the_events_of_each_step(
     assert (round(p50, 3), round(p95, 3)) == (3000, 5700)  # of 1 s, 3 s and 6 s
     with logged_in(stack) as console:
         stack.wait_status(stack.submit(f"console-latency-{uuid.uuid4().hex}"), "SUCCEEDED")
-        chart = console.get("/ui/runs").text.split('id="step-latency"')[1].split("</svg>")[0]
+        deadline = time.monotonic() + CHARTS_TTL_MS / 1000 + 10  # charts made a moment ago
+        while True:
+            page = console.get("/ui/runs").text
+            chart = page.split('id="step-latency"')[1].split("</svg>")[0]
+            if ('class="dot p50"' in chart and 'class="dot p95"' in chart) or (
+                time.monotonic() > deadline
+            ):
+                break
+            time.sleep(1.0)
         assert 'class="dot p50"' in chart and 'class="dot p95"' in chart
