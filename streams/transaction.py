@@ -76,6 +76,8 @@ Record = tuple[str, bytes | None, bytes | None, int | None, Headers | None]
 TIMEOUT_S = 30.0
 #: How long an abort is resumed after it timed out, before its producer is replaced.
 ABORT_PATIENCE_S = 60.0
+#: How long a commit that timed out is resumed before its process stops (`Committer._commit`).
+COMMIT_PATIENCE_S = 120.0
 #: How long a new transactional producer retries a retriable init_transactions error.
 INIT_PATIENCE_S = 120.0
 #: A committer's call still running after this many times its bound (`TIMEOUT_S`) is stuck:
@@ -508,6 +510,8 @@ class Committer(Generic[U]):
         """After a failed transaction, the committer settled: a fatal error replaces the current
         producer (its successor's `init_transactions` aborts what it left open), any other
         aborts the open transaction. Logged; returns the fault (`classify`)."""
+        if isinstance(error, FatalConsumerError):  # a commit of unknown outcome: stop
+            raise error
         fault = classify(error)
         fatal = fault is Fault.FATAL
         self._log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", error)
@@ -572,6 +576,10 @@ class Committer(Generic[U]):
                 self._transact(units)
             except KafkaException as exc:
                 error = exc
+            except StuckClientError as exc:  # a commit of unknown outcome: the process stops
+                self._log.error("%s", exc)
+                self._stuck = True
+                error = exc
             except Exception as exc:  # a bug: a failed transaction all the same
                 self._log.exception("commit failed unexpectedly")
                 error = exc
@@ -581,6 +589,35 @@ class Committer(Generic[U]):
                 if error is not None:
                     self._failure = Failure(error, units)
                 self._cond.notify_all()
+
+    def _commit(self, producer: Producer) -> float:
+        """Commit the open transaction; return when its records were acknowledged.
+
+        A retriable error (a timeout) leaves the commit in progress inside librdkafka, its
+        outcome unknown: the commit may reach the coordinator all the same. So it is resumed,
+        never aborted: an abort would fail as conflicting, the producer be replaced, and the new
+        one's `init_transactions` complete the commit, while the loop rewound and applied the
+        batch again (the same seq committed twice for a run, seen in a cluster chaos run). Past
+        COMMIT_PATIENCE_S the outcome is still unknown and the process must stop: a successor
+        restores from what was committed."""
+        deadline = time.monotonic() + COMMIT_PATIENCE_S
+        while True:
+            self._call = ("commit_transaction", time.monotonic())
+            try:
+                return commit_timed(producer, TIMEOUT_S)
+            except KafkaException as exc:
+                error = kafka_error(exc)
+                if error is None or is_fatal(error) or not error.retriable():
+                    raise
+                if error.txn_requires_abort():
+                    raise
+                if time.monotonic() > deadline:
+                    raise StuckClientError(
+                        f"a transaction's commit did not finish in {COMMIT_PATIENCE_S:.0f} s,"
+                        f" its outcome unknown: {error.str()}",
+                        hint="the process stops; its supervisor (or you) starts it again",
+                    ) from exc
+                self._log.warning("the commit did not finish, resuming it: %s", error.str())
 
     def _transact(self, units: list[U]) -> None:
         """One transaction for ``units``, in this order:
@@ -633,9 +670,7 @@ class Committer(Generic[U]):
         for unit in units:
             unit.durable()
         durable = time.monotonic()
-        self._call = ("commit_transaction", time.monotonic())
-        flushed = commit_timed(producer, TIMEOUT_S)
-        self._call = None
+        flushed = self._commit(producer)
         self._open = False
         self._producers.committed()
         ended = time.monotonic()

@@ -542,9 +542,7 @@ def test_a_call_that_raised_is_not_taken_for_a_stuck_one(
     rig: _Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tx, "TIMEOUT_S", 0.05)
-    rig.made[0].fail["commit"] = KafkaException(
-        KafkaError(KafkaError._TIMED_OUT, "x", retriable=True)
-    )
+    rig.made[0].fail["commit"] = KafkaException(KafkaError(KafkaError._FAIL, "x"))
     failure = rig.failed(rig.unit("a", {0: 1}))
     time.sleep(0.2)  # well past the bound: the call that raised is over
     assert rig.committer.settled()
@@ -552,3 +550,40 @@ def test_a_call_that_raised_is_not_taken_for_a_stuck_one(
     assert rig.committer.submit(rig.unit("b", {0: 1}))
     rig.committer.wait()
     assert [names for names, _ in rig.committed] == [["b"]]
+
+
+def _timed_out() -> KafkaException:
+    return KafkaException(KafkaError(KafkaError._TIMED_OUT, "retry call to resume", retriable=True))
+
+
+def test_a_commit_that_timed_out_is_resumed_not_aborted(rig: _Rig) -> None:
+    # its outcome is unknown: aborted, it could still commit, and the batch be applied twice
+    rig.made[0].fail["commit"] = _timed_out()
+    assert rig.committer.submit(rig.unit("a", {0: 1}))
+    rig.committer.wait()
+    assert rig.committer.take_failure() is None
+    assert [names for names, _ in rig.committed] == [["a"]]
+    assert [c[0] for c in rig.calls].count("commit") == 2
+    assert not any(c[0] == "abort" for c in rig.calls)
+
+
+def test_a_commit_that_never_finishes_stops_the_process_without_an_abort(
+    rig: _Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tx, "COMMIT_PATIENCE_S", 0.0)
+    rig.made[0].fail["commit"] = _timed_out()
+    failure = rig.failed(rig.unit("a", {0: 1}))
+    assert isinstance(failure.error, StuckClientError)
+    with pytest.raises(StuckClientError, match="outcome unknown"):
+        rig.committer.recover(failure.error)
+    assert not any(c[0] == "abort" for c in rig.calls)
+    assert rig.committed == []
+
+
+def test_a_commit_refused_as_abortable_is_aborted(rig: _Rig) -> None:
+    rig.made[0].fail["commit"] = KafkaException(
+        KafkaError(KafkaError._FENCED, "x", retriable=True, txn_requires_abort=True)
+    )
+    failure = rig.failed(rig.unit("a", {0: 1}))
+    rig.committer.recover(failure.error)
+    assert any(c[0] == "abort" for c in rig.calls)
