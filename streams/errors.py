@@ -32,7 +32,8 @@ class FatalConsumerError(AgentrunsKafkaError):
 
 
 class StuckClientError(FatalConsumerError):
-    """A Kafka client call has not returned long past its own timeout: the client is stuck
-    inside librdkafka and nothing the loop does reaches it. The process stops as after a fatal
-    consumer error, for its supervisor to start it again (the successor's transactional
-    producer fences this one's and aborts what it left open)."""
+    """A Kafka client call has not finished long past its own timeout: stuck inside librdkafka
+    where nothing the loop does reaches it, or a commit resumed for minutes whose outcome is
+    still unknown. The process stops as after a fatal consumer error, for its supervisor to
+    start it again (the successor's transactional producer fences this one's and completes or
+    aborts what it left open; the successor restores from what was committed)."""

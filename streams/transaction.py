@@ -509,7 +509,8 @@ class Committer(Generic[U]):
     def recover(self, error: Exception) -> Fault:
         """After a failed transaction, the committer settled: a fatal error replaces the current
         producer (its successor's `init_transactions` aborts what it left open), any other
-        aborts the open transaction. Logged; returns the fault (`classify`)."""
+        aborts the open transaction. Logged; returns the fault (`classify`). A StuckClientError
+        (a commit whose outcome stayed unknown) is raised: the process must stop."""
         if isinstance(error, FatalConsumerError):  # a commit of unknown outcome: stop
             raise error
         fault = classify(error)
@@ -597,7 +598,7 @@ class Committer(Generic[U]):
         outcome unknown: the commit may reach the coordinator all the same. So it is resumed,
         never aborted: an abort would fail as conflicting, the producer be replaced, and the new
         one's `init_transactions` complete the commit, while the loop rewound and applied the
-        batch again (the same seq committed twice for a run, seen in a cluster chaos run). Past
+        batch again (the same seq committed twice for a run). Past
         COMMIT_PATIENCE_S the outcome is still unknown and the process must stop: a successor
         restores from what was committed."""
         deadline = time.monotonic() + COMMIT_PATIENCE_S
