@@ -194,7 +194,11 @@ def test_an_abort_that_timed_out_is_resumed_and_the_next_transaction_commits(
             thread.join()
         # the abort timed out and was resumed until the coordinator answered: nothing is left
         # in progress, the same producer goes on and its next transaction commits
-        timed_out = [r for r in caplog.records if "retry call to resume" in r.getMessage()]
+        timed_out = [
+            r
+            for r in caplog.records
+            if "abort failed" in r.getMessage() and "_TIMED_OUT" in r.getMessage()
+        ]
         assert timed_out, caplog.text
         assert committer.producer is producer
         assert committer.submit(_Unit(inbox, metadata, 3))
