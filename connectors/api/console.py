@@ -26,7 +26,7 @@ import string
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -228,7 +228,7 @@ def _duration(ms: int | None) -> str:
 def _when(ms: int | None) -> str:
     if ms is None:
         return ""
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime_of(ms).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 _ENV.filters["duration"] = _duration
