@@ -38,6 +38,7 @@ from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
 from agentruns.streams.records import (
     EFFECT_TOPIC_KIND,
+    Parked,
     RunSlot,
     effect_record,
     event_record,
@@ -229,6 +230,8 @@ class InputPath:
         self.stats = stats
         self.limits = limits or RecordLimits()
         self.slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
+        # partition -> run_id -> a run held after its end, encoded (`park`)
+        self.parked: dict[int, dict[str, Parked]] = {}
         # partition -> run_id -> what is kept of a run evicted after its end (Processor._evict)
         self.ended: dict[int, dict[str, Ended]] = {}
         # Inputs a transaction of their own failed on (see Processor._recover), by (partition,
@@ -438,10 +441,26 @@ class InputPath:
         mark.dirty = self._batch.dirty.get(slot.run_id)
         return slot.copy()
 
+    def park(self, partition: int, run_id: str, parked: Parked) -> None:
+        """Hold an ended run as its snapshot until an input for it arrives (`_held`)."""
+        self.slots.get(partition, {}).pop(run_id, None)
+        self.parked.setdefault(partition, {})[run_id] = parked
+
+    def _held(self, partition: int, run_id: str) -> RunSlot | None:
+        """The slot of a run held on `partition`, decoded again if it was parked."""
+        slot = self.slots.get(partition, {}).get(run_id)
+        if slot is None:
+            parked = self.parked.get(partition, {})
+            held = parked.get(run_id)
+            if held is not None:
+                slot = self.slots.setdefault(partition, {})[run_id] = held.slot()
+                del parked[run_id]
+        return slot
+
     def _accept(self, inbound: Inbound, record: dict[str, Any], mark: _Mark) -> RunSlot | None:
         run_id = record["run_id"]
         partition = inbound.partition
-        slot = self.slots.get(partition, {}).get(run_id)
+        slot = self._held(partition, run_id)
         ended = None if slot is not None else self.ended.get(partition, {}).get(run_id)
         work = None if ended is not None else self._work_on(slot or RunSlot(run_id), mark)
         try:

@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
 from agentruns.streams import admin, metrics
 from agentruns.streams.codec import decode, encode
@@ -63,7 +64,7 @@ from agentruns.streams.inputs import (
 from agentruns.streams.kafka_defaults import client_settings, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
-from agentruns.streams.records import EFFECT_TOPIC_KIND, RunSlot
+from agentruns.streams.records import EFFECT_TOPIC_KIND, Parked, RunSlot
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
 from agentruns.streams.transaction import (
     Backoff,
@@ -434,6 +435,7 @@ class Processor:
     def _drop(self, partitions: set[int]) -> None:
         for p in partitions:
             self._slots.pop(p, None)
+            self._path.parked.pop(p, None)
             self._path.ended.pop(p, None)
             self._expiring.pop(p, None)
             self._watermark.pop(p, None)
@@ -444,6 +446,7 @@ class Processor:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
         for p in partitions:
             self._slots[p] = {}
+            self._path.parked[p] = {}
             self._path.ended[p] = {}
             self._expiring[p] = []
             self._watermark[p] = 0
@@ -495,16 +498,23 @@ class Processor:
                         continue
                     latest[partition][key] = value
             for p, values in latest.items():
-                runs = self._slots[p]
+                runs, parked = self._slots[p], self._path.parked[p]
                 for value in values.values():
-                    slot = RunSlot.from_record(decode(value, expected_name="Snapshot").record)
-                    slot.size_estimate = len(value) + len(slot.run_id)
-                    runs[slot.run_id] = slot
+                    record = decode(value, expected_name="Snapshot").record
+                    run_id = record["run_id"]
+                    if record["status"] in TERMINAL and not record["buffer"]:
+                        held = Parked(
+                            value, record["status"], record["last_seq"], record["updated_at"]
+                        )
+                        parked[run_id] = held
+                        self._track(p, run_id, held.updated_at, terminal=True)
+                        continue
+                    slot = RunSlot.from_record(record)
+                    slot.size_estimate = len(value) + len(run_id)
+                    runs[run_id] = slot
+                    self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
                 values.clear()
-            for p in partitions:
-                for slot in self._slots[p].values():
-                    self._track(p, slot)
-            return sum(len(self._slots[p]) for p in partitions)
+            return sum(len(self._slots[p]) + len(self._path.parked[p]) for p in partitions)
         finally:
             reader.close()
 
@@ -593,9 +603,14 @@ class Processor:
             key = run_id.encode()
             slot.size_estimate = len(key) + len(value)
             batch.records.append((self.state_topic, key, value, partition, None))
-            self._track(partition, slot)
+            ended = _ended(slot)
+            self._track(partition, run_id, slot.updated_at, terminal=ended)
+            if ended and not slot.buffer and self._slots.get(partition, {}).get(run_id) is slot:
+                status = str(slot.state.status) if slot.state is not None else ""
+                held = Parked(value, status, slot.last_seq, slot.updated_at)
+                self._path.park(partition, run_id, held)
         self._evict(batch)
-        self.stats.publish(sum(len(slots) for slots in self._slots.values()))
+        self.stats.publish(self._held_count())
         sealed = time.monotonic()
         self.stats.stage("seal", sealed - began)
         self.stats.stage("batch_open", began - batch.started)
@@ -609,14 +624,20 @@ class Processor:
             sealed=sealed,
         )
 
-    def _track(self, partition: int, slot: RunSlot) -> None:
-        """Note the event time a slot reached and, if it ended, when it may be evicted."""
-        if slot.updated_at > self._watermark.get(partition, 0):
-            self._watermark[partition] = slot.updated_at
+    def _held_count(self) -> int:
+        """Runs held: in slots, and parked after their end."""
+        return sum(len(runs) for runs in self._slots.values()) + sum(
+            len(runs) for runs in self._path.parked.values()
+        )
+
+    def _track(self, partition: int, run_id: str, updated_at: int, *, terminal: bool) -> None:
+        """Note the event time a run reached and, if it ended, when it may be evicted."""
+        if updated_at > self._watermark.get(partition, 0):
+            self._watermark[partition] = updated_at
         retention = self.config.terminal_retention_ms
-        if retention is not None and slot.state is not None and slot.state.terminal:
+        if retention is not None and terminal:
             heap = self._expiring.setdefault(partition, [])
-            heapq.heappush(heap, (slot.updated_at + retention, slot.run_id))
+            heapq.heappush(heap, (updated_at + retention, run_id))
 
     def _submitted_after(self, partition: int) -> int | None:
         """A run is evicted once its partition's event time (capped by the clock) is
@@ -638,16 +659,24 @@ class Processor:
         for partition, heap in self._expiring.items():
             horizon = min(self._watermark.get(partition, 0), now)
             runs = self._slots.get(partition, {})
+            parked = self._path.parked.get(partition, {})
             ended = self._path.ended.setdefault(partition, {})
             while heap and heap[0][0] <= horizon and evicted < EVICT_PER_SEAL:
                 _, run_id = heapq.heappop(heap)
-                slot = runs.get(run_id)
-                if slot is None or slot.state is None or not slot.state.terminal:
-                    continue
-                if slot.buffer or slot.updated_at + retention > horizon:
-                    continue  # touched since: pushed again with its new time
-                del runs[run_id]
-                ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
+                held = parked.get(run_id)
+                if held is not None:
+                    if held.updated_at + retention > horizon:
+                        continue  # parked again since: pushed again with its new time
+                    del parked[run_id]
+                    ended[run_id] = Ended(held.status, held.last_seq)
+                else:
+                    slot = runs.get(run_id)
+                    if slot is None or slot.state is None or not slot.state.terminal:
+                        continue
+                    if slot.buffer or slot.updated_at + retention > horizon:
+                        continue  # touched since: pushed again with its new time
+                    del runs[run_id]
+                    ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
                 if len(ended) > self.config.max_ended_runs:
                     del ended[next(iter(ended))]
                 batch.records.append((self.state_topic, run_id.encode(), None, partition, None))
@@ -740,8 +769,16 @@ class Processor:
     # ------------------------------------------------------------------ inspection (tests)
 
     def slots(self) -> Iterable[RunSlot]:
+        """Every run held, parked ones decoded (copies)."""
         for runs in self._slots.values():
             yield from runs.values()
+        for parked in self._path.parked.values():
+            for held in parked.values():
+                yield held.slot()
+
+
+def _ended(slot: RunSlot) -> bool:
+    return slot.state is not None and slot.state.terminal
 
 
 __all__ = ["Processor", "ProcessorConfig"]

@@ -15,6 +15,7 @@ from agentruns.processors.effects import EFFECT_DECODER, Effect, PublishResult
 from agentruns.processors.events import EVENT_DECODER, Event
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import Transition
+from agentruns.streams.codec import decode
 
 EFFECT_TOPIC_KIND: dict[str, str] = {
     "CallModel": "model",
@@ -131,6 +132,24 @@ def result_record(effect: PublishResult, *, seq: int, at: int) -> dict[str, Any]
         "at": at,
         "body": effect.model_dump_json(),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """A run held after its end as the snapshot its last transaction wrote, decoded into a
+    `RunSlot` again only if an input for it arrives. Ended runs are held for the terminal
+    retention, and a decoded one takes several times its snapshot's bytes (docs/benchmarks.md,
+    "Processor memory")."""
+
+    value: bytes  # the encoded Snapshot
+    status: str
+    last_seq: int
+    updated_at: int
+
+    def slot(self) -> RunSlot:
+        slot = RunSlot.from_record(decode(self.value, expected_name="Snapshot").record)
+        slot.size_estimate = len(self.value) + len(slot.run_id)
+        return slot
 
 
 @dataclass

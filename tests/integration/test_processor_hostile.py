@@ -248,6 +248,60 @@ def test_an_ended_run_is_evicted_answered_late_and_not_restored(
     assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "ends"
 
 
+def test_an_ended_run_is_held_as_its_snapshot_and_answered_late_across_a_restart(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """Within the retention an ended run is held parked (its encoded snapshot, not a decoded
+    slot); an input for it decodes it again, is answered LATE at the next seq, and the run is
+    parked again. A restart restores it parked, and it answers the same way."""
+    config = _config(kafka_bootstrap, prefix)  # the default retention: nothing is evicted here
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
+    double.start()
+    partition = partition_for("held", PARTITIONS)
+
+    def parked(proc: Processor) -> bool:
+        return "held" in proc._path.parked.get(partition, {}) and "held" not in (
+            proc._path.slots.get(partition, {})
+        )
+
+    def late_cancel(event_id: str) -> None:
+        before = len(_log(kafka_bootstrap, prefix, "held"))
+        cancel = CancelRequested(run_id="held", event_id=event_id, at=now_ms(), trace_id="t")
+        inbox.send(input_record(cancel))
+        inbox.flush()
+        wait_for(
+            lambda: len(_log(kafka_bootstrap, prefix, "held")) == before + 1,
+            timeout=60,
+            what=f"the late answer to {event_id}",
+        )
+
+    try:
+        with running_processor(config, database_url) as proc:
+            inbox.send(input_record(submitted("held")))
+            inbox.flush()
+            wait_for(
+                lambda: result_statuses(kafka_bootstrap, prefix).get("held") == "SUCCEEDED",
+                timeout=60,
+                what="the run's end",
+            )
+            wait_for(lambda: parked(proc), timeout=30, what="the ended run parked")
+            late_cancel("late-1")
+            wait_for(lambda: parked(proc), timeout=30, what="the run parked again")
+            (held,) = [slot for slot in proc.slots() if slot.run_id == "held"]
+            assert held.state is not None and str(held.state.status) == "SUCCEEDED"
+        with running_processor(config, database_url) as proc:
+            wait_for(lambda: parked(proc), timeout=60, what="the run restored parked")
+            late_cancel("late-2")
+    finally:
+        double.close()
+        inbox.close()
+    log = _log(kafka_bootstrap, prefix, "held")
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    assert [(e["type"], e["disposition"]) for e in log[-2:]] == [("CancelRequested", "LATE")] * 2
+    assert _dead(kafka_bootstrap, prefix) == []
+
+
 def _last_state(bootstrap: str, prefix: str, run_id: str) -> bytes | None:
     """The value of the last committed state record of `run_id` (None: a tombstone)."""
     partition = partition_for(run_id, PARTITIONS)

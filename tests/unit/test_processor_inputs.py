@@ -33,7 +33,7 @@ from agentruns.streams.inputs import (
     record_size,
 )
 from agentruns.streams.metrics import ProcessorStats
-from agentruns.streams.records import input_record, parse_effect_body
+from agentruns.streams.records import Parked, input_record, parse_effect_body
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
@@ -331,6 +331,32 @@ def test_every_input_ends_applied_rejected_refused_or_dead_lettered(
 
 
 # ------------------------------------------------------------------ ended and evicted runs
+
+
+def test_a_parked_run_answers_an_input_as_the_slot_it_was_parked_from() -> None:
+    """An ended run held as its encoded snapshot gives the same records for a late input as
+    the decoded slot it came from, and is held decoded again after it."""
+    held, parked = new_path(), new_path()
+    for path in (held, parked):
+        batch = Batch()
+        path.handle(of_event(submit("r1")), batch)
+        path.handle(
+            of_event(CancelRequested(run_id="r1", event_id="c", at=AT, trace_id="t")), batch
+        )
+    slot = parked.slots[0]["r1"]
+    assert slot.state is not None and slot.state.terminal
+    value = encode("Snapshot", slot.to_record())
+    parked.park(0, "r1", Parked(value, str(slot.state.status), slot.last_seq, slot.updated_at))
+    assert "r1" not in parked.slots[0]
+    outputs = []
+    for path in (held, parked):
+        batch = Batch()
+        late = CancelRequested(run_id="r1", event_id="late", at=AT + 5, trace_id="t")
+        path.handle(of_event(late, offset=2), batch)
+        outputs.append(records_to(batch, TOPICS.events))
+    assert outputs[0] == outputs[1] and outputs[0][0]["disposition"] == "LATE"
+    assert parked.slots[0]["r1"].to_record() == held.slots[0]["r1"].to_record()
+    assert "r1" not in parked.parked[0]
 
 
 def test_an_input_of_a_run_evicted_after_its_end_is_answered_late_from_its_last_seq() -> None:
