@@ -20,7 +20,7 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
   failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
   :func:`error_for_status`. Each tool's auth, proxy and TLS come from the registry
-  (:mod:`agentruns.connectors.executors.tool_http`).
+  (:mod:`agentruns.connectors.executors.http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
   not_executed (safe to resend with the same key), anything else = undeterminable.
 - ``PollTool``: ``GET status_url`` -> running/accepted = ToolStatusReported; succeeded /
@@ -66,7 +66,7 @@ from agentruns.connectors.executors.base import (
     event_identity,
     run_until_signal,
 )
-from agentruns.connectors.executors.tool_http import (
+from agentruns.connectors.executors.http import (
     DEFAULT_MAX_BODY_BYTES,
     DIRECT,
     Answer,
