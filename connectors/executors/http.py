@@ -1,23 +1,21 @@
-"""How the tool executor reaches a tool backend: auth, proxy, TLS and the pooled HTTP client.
+"""How the executors reach a backend (a tool, a model route): the pooled HTTP client, its
+auth, proxy and TLS settings.
 
-A tool's connection settings come from the registry (docs/executors.md, "Auth, proxy and TLS"):
-
-- ``auth``: ``{"type": "bearer", "token_env" | "token_file": ...}``, ``{"type": "api_key",
-  "header": "X-API-Key", "key_env" | "key_file": ...}`` or ``{"type": "mtls", "cert_file":
-  ..., "key_file": ...}``. The secret itself is never in the registry: it is read from the
-  environment or a file when the registry is loaded (a missing one is an error then, naming
-  the variable or file, never a value), held in a :class:`Secret` whose ``repr`` is masked,
-  and scrubbed from every message the executor writes (:meth:`Connectivity.redact`).
-- ``proxy``: a proxy URL, or ``""`` for none; without it ``HTTPS_PROXY``/``HTTP_PROXY``/
-  ``NO_PROXY`` apply (https goes through the proxy with ``CONNECT``).
-- ``tls``: ``{"ca_file": ..., "verify": true}``; verification is on unless ``verify`` is
-  false; ``ca_file`` null means the system's CAs. A registry-wide ``tls``/``proxy`` is the
-  default of every tool.
+The tool executor sends whole exchanges (:meth:`KeepAliveHTTP.send`); the model executor reads a
+streamed body as it arrives (:meth:`KeepAliveHTTP.stream`). A backend's connection settings
+(:class:`Connectivity`: docs/executors.md, "Auth, proxy and TLS") are read from the tool
+registry by :mod:`agentruns.connectors.executors.tool_http`; a model route uses the default,
+:data:`DIRECT` (the system's CAs, ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY`` from the
+environment; https goes through a proxy with ``CONNECT``). A secret is held in a
+:class:`Secret` whose ``repr`` is masked and scrubbed from every message the executor writes
+(:meth:`Connectivity.redact`).
 
 :class:`KeepAliveHTTP` carries them with the executor's limits: an exchange is over
 ``timeout_s`` after it starts (every read waits only until that deadline, so a backend
-dripping bytes cannot extend it), a body over ``max_body_bytes`` or a head over
-``MAX_HEAD_LINES`` is not read, nothing is retried or redirected (the core decides, R11, R12).
+dripping bytes cannot extend it; a streamed exchange's reads also wait at most
+``read_timeout_s`` each), a body over its byte limit, a head over ``MAX_HEAD_LINES`` or a
+chunk-size line over ``MAX_CHUNK_LINE_BYTES`` is not read, nothing is retried or redirected
+(the core decides, R11, R12).
 """
 
 from __future__ import annotations
@@ -25,25 +23,23 @@ from __future__ import annotations
 import base64
 import contextlib
 import math
-import os
+import select
 import socket
 import ssl
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
-
-from agentruns.connectors.executors.base import ExecutorError
 
 # A tool answer's body is read up to this size; a larger one fails the call (it could not be
 # stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Response head lines (status + headers) a backend may send before the body.
 MAX_HEAD_LINES = 256
+# A chunk-size line (the size in hex and any extensions): real ones are a few bytes.
+MAX_CHUNK_LINE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -53,7 +49,7 @@ class Answer:
     status: int = 0
     headers: Mapping[str, str] | None = None
     body: bytes = b""
-    # "not_sent" | "tls" (nothing reached the tool) | "no_answer" | "too_large"
+    # "not_sent" | "tls" (nothing reached the backend) | "no_answer" | "too_large"
     failure: str | None = None
     detail: str = ""
 
@@ -80,38 +76,10 @@ class Secret:
     __str__ = __repr__
 
 
-def _read_secret(spec: Mapping[str, Any], stem: str, where: str) -> Secret:
-    """The secret ``<stem>_env`` or ``<stem>_file`` of ``spec`` names (exactly one)."""
-    env, path = spec.get(f"{stem}_env"), spec.get(f"{stem}_file")
-    if (env is None) == (path is None):
-        raise ExecutorError(f"{where}: give exactly one of {stem}_env and {stem}_file")
-    if env is not None:
-        value = os.environ.get(str(env), "")
-        if not value:
-            raise ExecutorError(f"{where}: the environment variable {env} is not set or empty")
-        return Secret(value.strip(), f"${env}")
-    try:
-        value = Path(str(path)).read_text().strip()
-    except OSError as exc:
-        raise ExecutorError(f"{where}: cannot read {stem}_file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ExecutorError(f"{where}: {stem}_file {path} is not UTF-8 text") from None
-    if not value:
-        raise ExecutorError(f"{where}: {stem}_file {path} is empty")
-    return Secret(value, str(path))
-
-
-def _readable(path: Any, what: str, where: str) -> str:
-    if not isinstance(path, str) or not path:
-        raise ExecutorError(f"{where}: {what} must be a file path")
-    if not os.access(path, os.R_OK):
-        raise ExecutorError(f"{where}: {what} {path} does not exist or is not readable")
-    return path
-
-
 @dataclass(frozen=True)
 class Connectivity:
-    """How one tool is reached: headers its auth adds, the proxy, the TLS settings."""
+    """How one backend is reached: headers its auth adds, the proxy, the TLS settings
+    (:func:`agentruns.connectors.executors.tool_http.parse_connectivity` reads a tool's)."""
 
     auth_header: tuple[str, Secret] | None = None
     cert_file: str | None = None
@@ -120,53 +88,6 @@ class Connectivity:
     verify: bool = True
     proxy: str | None = None  # None: from the environment; "": none; else the proxy URL
     secrets: tuple[Secret, ...] = field(default=(), repr=False)
-
-    @classmethod
-    def parse(
-        cls, spec: Mapping[str, Any], where: str, defaults: Connectivity | None = None
-    ) -> Connectivity:
-        """The ``auth``/``tls``/``proxy`` of a registry entry (``defaults``: the registry's)."""
-        base = defaults or Connectivity()
-        auth, tls = spec.get("auth"), spec.get("tls")
-        header: tuple[str, Secret] | None = base.auth_header
-        cert_file, key_file = base.cert_file, base.key_file
-        secrets = list(base.secrets)
-        if auth is not None:
-            if not isinstance(auth, Mapping):
-                raise ExecutorError(f"{where}: auth must be an object")
-            kind = auth.get("type")
-            if kind == "bearer":
-                secret = _read_secret(auth, "token", f"{where} auth")
-                header = ("Authorization", Secret(f"Bearer {secret.reveal()}", secret.source))
-                secrets.append(secret)
-            elif kind == "api_key":
-                name = auth.get("header", "X-API-Key")
-                if not isinstance(name, str) or not name.isascii() or not name.strip():
-                    raise ExecutorError(f"{where} auth: header must be a header name")
-                secret = _read_secret(auth, "key", f"{where} auth")
-                header = (name.strip(), secret)
-                secrets.append(secret)
-            elif kind == "mtls":
-                cert_file = _readable(auth.get("cert_file"), "cert_file", f"{where} auth")
-                key_file = _readable(auth.get("key_file"), "key_file", f"{where} auth")
-            else:
-                raise ExecutorError(
-                    f"{where} auth: type must be bearer, api_key or mtls, not {kind!r}"
-                )
-        ca_file, verify = base.ca_file, base.verify
-        if tls is not None:
-            if not isinstance(tls, Mapping):
-                raise ExecutorError(f"{where}: tls must be an object")
-            if "ca_file" in tls:  # null: the system's CAs, whatever the registry's default
-                ca = tls["ca_file"]
-                ca_file = None if ca is None else _readable(ca, "ca_file", f"{where} tls")
-            verify = bool(tls.get("verify", True))
-        proxy = spec.get("proxy", base.proxy)
-        if proxy is not None and not isinstance(proxy, str):
-            raise ExecutorError(f"{where}: proxy must be a URL or an empty string")
-        if proxy and urlsplit(proxy).scheme not in ("http", "https"):
-            raise ExecutorError(f"{where}: proxy must be an http:// or https:// URL")
-        return cls(header, cert_file, key_file, ca_file, verify, proxy, tuple(secrets))
 
     def redact(self, text: str) -> str:
         """``text`` without any of this tool's secrets (an error, a body the tool echoed)."""
@@ -213,6 +134,14 @@ class HTTPWireError(Exception):
     """The peer broke the HTTP/1.1 framing (or closed the connection) mid-response."""
 
 
+class ConnectionClosedError(HTTPWireError):
+    """The peer closed the connection (the end of a body read to the close, else an error)."""
+
+
+class DeadlineError(TimeoutError):
+    """The exchange's deadline (its total timeout) passed, as opposed to one read's wait."""
+
+
 class BodyTooLargeError(HTTPWireError):
     """The response body is over the client's limit: it was not read (the connection is
     closed, never reused)."""
@@ -223,24 +152,31 @@ class BodyTooLargeError(HTTPWireError):
 
 
 class _Connection:
-    """One keep-alive socket and its read buffer. ``deadline`` (monotonic) and ``limit``
-    (body bytes) are set per exchange: every read waits only until the deadline, so a
-    backend dripping bytes cannot extend it."""
+    """One keep-alive socket and its read buffer. ``deadline`` (monotonic), ``read_timeout``
+    (seconds one read may wait) and ``limit`` (body bytes) are set per exchange: every read
+    waits only until the deadline, so a backend dripping bytes cannot extend it."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buffer = bytearray()
         self.deadline = math.inf
+        self.read_timeout = math.inf
         self.limit = DEFAULT_MAX_BODY_BYTES
 
     def _fill(self) -> None:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError("no complete answer within the deadline")
-        self.sock.settimeout(min(remaining, 3600.0))
-        data = self.sock.recv(65536)
+            raise DeadlineError("no complete answer within the deadline")
+        wait = min(remaining, self.read_timeout, 3600.0)
+        self.sock.settimeout(wait)
+        try:
+            data = self.sock.recv(65536)
+        except TimeoutError:
+            if wait >= remaining:
+                raise DeadlineError("no complete answer within the deadline") from None
+            raise TimeoutError(f"nothing received for {wait:g} s") from None
         if not data:
-            raise HTTPWireError("connection closed by the server")
+            raise ConnectionClosedError("connection closed by the server")
         self.buffer += data
 
     def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
@@ -251,24 +187,15 @@ class _Connection:
                 del self.buffer[: index + len(separator)]
                 return line
             if len(self.buffer) > limit:
-                raise HTTPWireError("response head too long")
+                raise HTTPWireError(f"a line of the answer over {limit} bytes")
             self._fill()
 
-    def read_exactly(self, size: int) -> bytes:
-        while len(self.buffer) < size:
+    def take(self, size: int) -> bytes:
+        """Up to ``size`` bytes, at least one: what the buffer holds, else the next read."""
+        if not self.buffer:
             self._fill()
         data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    def read_to_close(self, status: int) -> bytes:
-        with contextlib.suppress(HTTPWireError):
-            while len(self.buffer) <= self.limit:
-                self._fill()
-        if len(self.buffer) > self.limit:
-            raise BodyTooLargeError(status, len(self.buffer), self.limit)
-        data = bytes(self.buffer)
-        self.buffer.clear()
+        del self.buffer[: len(data)]
         return data
 
     def close(self) -> None:
@@ -276,20 +203,65 @@ class _Connection:
             self.sock.close()
 
 
+class StreamedAnswer:
+    """The head of a streamed answer (or how the exchange failed before there was one: then
+    ``failure`` is set as in :class:`Answer`), its body read with :meth:`pieces`."""
+
+    def __init__(
+        self,
+        status: int = 0,
+        headers: Mapping[str, str] | None = None,
+        failure: str | None = None,
+        detail: str = "",
+        *,
+        connection: _Connection | None = None,
+        head: _Head | None = None,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.failure = failure
+        self.detail = detail
+        self.complete = False  # the body was read to its end
+        self._connection = connection
+        self._head = head
+
+    def header(self, name: str) -> str | None:
+        return None if self.headers is None else self.headers.get(name.lower())
+
+    def pieces(self, limit: int) -> Iterator[bytes]:
+        """The body's bytes as they arrive. Raises :class:`BodyTooLargeError` past ``limit``
+        bytes, :class:`DeadlineError` at the exchange's deadline, ``TimeoutError`` when one
+        read waits ``read_timeout_s``, :class:`HTTPWireError` or OSError when the framing
+        breaks or the connection is lost."""
+        connection, head = self._connection, self._head
+        if connection is None or head is None:
+            return
+        connection.limit = limit
+        yield from _body(connection, head)
+        self.complete = True
+
+    def wait_at_most(self, seconds: float) -> None:
+        """From now on no read waits longer than ``seconds``."""
+        if self._connection is not None:
+            self._connection.read_timeout = min(self._connection.read_timeout, seconds)
+
+
 class KeepAliveHTTP:
-    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin, tool
-    settings), through a proxy and over TLS as each tool's :class:`Connectivity` says.
+    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin,
+    :class:`Connectivity`), through a proxy and over TLS as the settings say.
 
     Why not a library: on the executor bench (docs/benchmarks.md, "Tool executor HTTP
     client") urllib3 and httpcore cost the executor several times this client's CPU per call.
-    This client writes each request with one ``sendall`` and parses only what a JSON tool API
-    needs (status, headers, Content-Length or chunked bodies).
+    This client writes each request with one ``sendall`` and parses only what a JSON API or
+    a server-sent event stream needs (status, headers, Content-Length, chunked or read-to-close
+    bodies).
 
     Failures are split where idempotency needs it: a connection (or proxy tunnel) that could
     not be opened means nothing was sent (``not_sent``; ``tls`` when the TLS handshake or the
-    tool's certificates failed); any failure after the request started means the backend may
-    have executed it (``no_answer``). A failed connection is closed and never reused, and
-    nothing is retried here: the core decides (R11, R12).
+    certificates failed); any failure after the request started means the backend may have
+    executed it (``no_answer``). A connection goes back to the pool only after its answer was
+    read to the end; a failed or abandoned one is closed, and nothing is retried here: the
+    core decides (R11, R12).
     """
 
     def __init__(
@@ -332,12 +304,12 @@ class KeepAliveHTTP:
             self._local.pool = pool
         return pool
 
-    def _open(self, origin: _Origin, deadline: float) -> _Connection:
-        """A connection to the tool: direct or through the proxy (``CONNECT`` for https),
-        TLS as the tool's settings say. Raises OSError (ssl.SSLError for TLS) before any
-        byte of the request is sent."""
+    def _open(self, origin: _Origin, deadline: float, connect_timeout_s: float) -> _Connection:
+        """A connection to the backend: direct or through the proxy (``CONNECT`` for https),
+        TLS as its settings say. Raises OSError (ssl.SSLError for TLS) before any byte of the
+        request is sent."""
         scheme, host, port, proxy, conn = origin
-        timeout_s = max(0.001, min(self.connect_timeout_s, deadline - time.monotonic()))
+        timeout_s = max(0.001, min(connect_timeout_s, deadline - time.monotonic()))
         if proxy:
             proxy_parts = urlsplit(proxy)
             if proxy_parts.scheme != "http":
@@ -361,25 +333,32 @@ class KeepAliveHTTP:
             self._all.add(connection)
         return connection
 
-    def _discard(self, pool: dict[_Origin, _Connection], origin: _Origin) -> None:
-        conn = pool.pop(origin, None)
-        if conn is not None:
-            conn.close()
-            with self._lock:
-                self._all.discard(conn)
+    def _keep(self, origin: _Origin, connection: _Connection) -> None:
+        """Back to this thread's pool, for the next exchange with ``origin``."""
+        pool = self._pool()
+        previous = pool.get(origin)
+        pool[origin] = connection
+        if previous is not None and previous is not connection:
+            self._forget(previous)
 
-    def send(
+    def _forget(self, connection: _Connection) -> None:
+        connection.close()
+        with self._lock:
+            self._all.discard(connection)
+
+    def _start(
         self,
         method: str,
         url: str,
-        *,
         timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-        body: bytes | None = None,
-        conn: Connectivity = DIRECT,
-    ) -> Answer:
-        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
-        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        read_timeout_s: float,
+        connect_timeout_s: float | None,
+        headers: Mapping[str, str] | None,
+        body: bytes | None,
+        conn: Connectivity,
+    ) -> tuple[_Origin, _Connection] | Answer:
+        """Send the request on a pooled connection or a new one: the connection (out of the
+        pool while the exchange lasts), or the failure."""
         deadline = time.monotonic() + timeout_s
         parts = urlsplit(url)
         https = parts.scheme == "https"
@@ -393,34 +372,102 @@ class KeepAliveHTTP:
             authorization = _proxy_authorization(proxy)
             if authorization:
                 lines.append(f"Proxy-Authorization: {authorization}")
-        pool = self._pool()
-        connection = pool.get(origin)
+        connection = self._pool().pop(origin, None)
+        if connection is not None and not _idle(connection):
+            self._forget(connection)  # closed by the backend, or bytes nobody asked for
+            connection = None
         if connection is None:
             try:
-                connection = self._open(origin, deadline)
+                connect_s = (
+                    self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
+                )
+                connection = self._open(origin, deadline, connect_s)
             except (ssl.SSLError, ssl.CertificateError, ValueError) as exc:
                 return Answer(failure="tls", detail=f"{type(exc).__name__}: {exc}")
             except OSError as exc:
                 return Answer(failure="not_sent", detail=f"{type(exc).__name__}: {exc}")
-            pool[origin] = connection
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         if body is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body or b'')}")
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
-        connection.deadline, connection.limit = deadline, self.max_body_bytes
+        connection.deadline, connection.read_timeout = deadline, read_timeout_s
+        connection.limit = self.max_body_bytes
         try:
             connection.sock.settimeout(max(0.001, deadline - time.monotonic()))
             connection.sock.sendall(request)
+        except OSError as exc:
+            self._forget(connection)
+            return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+        return origin, connection
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        conn: Connectivity = DIRECT,
+    ) -> Answer:
+        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
+        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        started = self._start(method, url, timeout_s, math.inf, None, headers, body, conn)
+        if isinstance(started, Answer):
+            return started
+        origin, connection = started
+        try:
             status, answer_headers, data, close = _read_response(connection, method)
         except BodyTooLargeError as exc:
-            self._discard(pool, origin)
+            self._forget(connection)
             return Answer(exc.status, failure="too_large", detail=str(exc))
         except (OSError, HTTPWireError, ValueError) as exc:
-            self._discard(pool, origin)
+            self._forget(connection)
             return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
         if close:
-            self._discard(pool, origin)
+            self._forget(connection)
+        else:
+            self._keep(origin, connection)
         return Answer(status, answer_headers, data)
+
+    @contextlib.contextmanager
+    def stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        read_timeout_s: float = math.inf,
+        connect_timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        conn: Connectivity = DIRECT,
+    ) -> Iterator[StreamedAnswer]:
+        """One exchange whose body is read as it arrives (:meth:`StreamedAnswer.pieces`):
+        over by ``timeout_s`` after it starts, no read waiting longer than ``read_timeout_s``
+        (nor past that deadline). The head's failures are those of :meth:`send`. The
+        connection is kept only when the body was read to its end inside the ``with``."""
+        started = self._start(
+            method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
+        )
+        if isinstance(started, Answer):
+            yield StreamedAnswer(failure=started.failure, detail=started.detail)
+            return
+        origin, connection = started
+        try:
+            head = _read_head(connection, method)
+        except (OSError, HTTPWireError, ValueError) as exc:
+            self._forget(connection)
+            yield StreamedAnswer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+            return
+        answer = StreamedAnswer(head.status, head.headers, connection=connection, head=head)
+        try:
+            yield answer
+        finally:
+            if answer.complete and not head.close:
+                self._keep(origin, connection)
+            else:
+                self._forget(connection)
 
     def close(self) -> None:
         with self._lock:
@@ -429,8 +476,21 @@ class KeepAliveHTTP:
             self._all.clear()
 
 
-# (scheme, host, port, proxy URL or "", the tool's settings): what a kept connection serves
+# (scheme, host, port, proxy URL or "", the backend's settings): what a kept connection serves
 _Origin = tuple[str, str, int, str, Connectivity]
+
+
+def _idle(connection: _Connection) -> bool:
+    """Whether a pooled connection can carry a request: nothing left in its buffer and
+    nothing to read (a readable idle socket is one the backend closed)."""
+    if connection.buffer:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(connection.sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
 
 
 def _proxy_authorization(proxy: str) -> str | None:
@@ -444,7 +504,7 @@ def _proxy_authorization(proxy: str) -> str | None:
 
 def _tunnel(sock: socket.socket, host: str, port: int, auth: str | None, deadline: float) -> None:
     """Ask the proxy on ``sock`` for a tunnel to ``host:port`` (``CONNECT``); raises OSError
-    when it refuses (the tool has seen nothing)."""
+    when it refuses (the backend has seen nothing)."""
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
     if auth:
@@ -469,15 +529,30 @@ def _tunnel(sock: socket.socket, host: str, port: int, auth: str | None, deadlin
         raise OSError(f"proxy sent data before the tunnel to {authority} opened")
 
 
-def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
-    """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
+# how a body is framed, besides a Content-Length (>= 0)
+_CHUNKED = -1
+_TO_CLOSE = -2
+
+
+@dataclass(frozen=True)
+class _Head:
+    status: int
+    headers: dict[str, str]
+    close: bool  # the connection cannot carry another exchange
+    framing: int  # the Content-Length, _CHUNKED or _TO_CLOSE (0: no body)
+
+
+def _read_head(conn: _Connection, method: str) -> _Head:
+    """The status and lower-cased headers of one HTTP/1.x response (interim 1xx skipped), and
+    how its body is framed."""
     lines = 0
     while True:
         status_line = conn.read_until(b"\r\n").decode("latin-1")
         version, _, rest = status_line.partition(" ")
-        if not version.startswith("HTTP/1."):
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
             raise HTTPWireError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        status = int(rest[:3])
+        status = int(code)
         headers: dict[str, str] = {}
         while True:
             line = conn.read_until(b"\r\n").decode("latin-1")
@@ -490,49 +565,96 @@ def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str],
             headers[name.strip().lower()] = value.strip()
         if not 100 <= status < 200:
             break
+        lines += 1  # an endless run of interim answers is a head too long
     connection = headers.get("connection", "").lower()
     close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
     if method == "HEAD" or status in (204, 304):
-        return status, headers, b"", close
+        return _Head(status, headers, close, 0)
     if "chunked" in headers.get("transfer-encoding", "").lower():
-        chunks = []
-        total = 0
-        while True:
-            size = int(conn.read_until(b"\r\n").split(b";")[0], 16)
-            if size < 0:
-                raise HTTPWireError(f"negative chunk size {size}")
-            total += size
-            if total > conn.limit:
-                raise BodyTooLargeError(status, total, conn.limit)
-            if size == 0:
-                while conn.read_until(b"\r\n"):  # trailers
-                    pass
-                break
-            chunks.append(conn.read_exactly(size))
-            conn.read_until(b"\r\n")
-        return status, headers, b"".join(chunks), close
+        return _Head(status, headers, close, _CHUNKED)
     if "content-length" in headers:
-        length = int(headers["content-length"])
-        if length > conn.limit:
-            raise BodyTooLargeError(status, length, conn.limit)
+        raw = headers["content-length"]
+        try:
+            length = int(raw)
+        except ValueError:
+            raise HTTPWireError(f"invalid Content-Length {raw[:40]!r}") from None
         if length < 0:
             raise HTTPWireError(f"negative Content-Length {length}")
-        return status, headers, conn.read_exactly(length), close
-    return status, headers, conn.read_to_close(status), True
+        return _Head(status, headers, close, length)
+    return _Head(status, headers, True, _TO_CLOSE)
 
 
-# --------------------------------------------------------------------------- handler
+def _chunk_size(line: bytes) -> int:
+    field = line.split(b";", 1)[0].strip()
+    if not field or len(field) > 16 or field.strip(b"0123456789abcdefABCDEF"):
+        raise HTTPWireError(f"invalid chunk size line {line[:40]!r}")
+    return int(field, 16)
+
+
+def _body(conn: _Connection, head: _Head) -> Iterator[bytes]:
+    """The body's bytes as they arrive (chunked, Content-Length or read to the close), at
+    most ``conn.limit`` of them (:class:`BodyTooLargeError`). Ends normally only at the
+    body's end."""
+    limit = conn.limit
+    if head.framing == _TO_CLOSE:
+        total = 0
+        while True:
+            try:
+                piece = conn.take(limit + 1)
+            except ConnectionClosedError:
+                return
+            total += len(piece)
+            if total > limit:
+                raise BodyTooLargeError(head.status, total, limit)
+            yield piece
+    if head.framing == _CHUNKED:
+        total = 0
+        while True:
+            size = _chunk_size(conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES))
+            total += size
+            if total > limit:
+                raise BodyTooLargeError(head.status, total, limit)
+            if size == 0:
+                break
+            while size:
+                piece = conn.take(size)
+                size -= len(piece)
+                yield piece
+            if conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES):
+                raise HTTPWireError("a chunk longer than its size")
+        for _ in range(MAX_HEAD_LINES):  # trailers, up to the empty line
+            if not conn.read_until(b"\r\n"):
+                return
+        raise HTTPWireError("response trailers have too many lines")
+    remaining = head.framing
+    if remaining > limit:
+        raise BodyTooLargeError(head.status, remaining, limit)
+    while remaining:
+        piece = conn.take(remaining)
+        remaining -= len(piece)
+        yield piece
+
+
+def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
+    """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
+    head = _read_head(conn, method)
+    return head.status, head.headers, b"".join(_body(conn, head)), head.close
 
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DIRECT",
+    "MAX_CHUNK_LINE_BYTES",
+    "MAX_HEAD_LINES",
     "Answer",
     "BodyTooLargeError",
+    "ConnectionClosedError",
     "Connectivity",
+    "DeadlineError",
     "HTTPWireError",
     "KeepAliveHTTP",
     "Secret",
+    "StreamedAnswer",
     "environment_proxy",
     "ssl_context",
 ]
