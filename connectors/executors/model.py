@@ -116,7 +116,7 @@ class RouteConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = 30.0  # between two chunks
     # The whole call, from the request: whatever arrives (keep-alive comments, a drip), the
-    # stream is cut at this point (at the first read after it; reads wait at most this long).
+    # stream is cut at this point (no read waits past it).
     total_timeout_s: float = 120.0
     max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
