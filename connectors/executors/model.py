@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import msgspec
 from agentruns.connectors.executors.base import (
     ActionRecord,
     Executor,
@@ -56,6 +56,13 @@ from agentruns.connectors.executors.base import (
     decode_json,
     event_identity,
     run_until_signal,
+)
+from agentruns.connectors.executors.http import (
+    BodyTooLargeError,
+    DeadlineError,
+    HTTPWireError,
+    KeepAliveHTTP,
+    StreamedAnswer,
 )
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
@@ -81,6 +88,7 @@ log = logging.getLogger("agentruns.executor.model")
 
 CANDIDATE_MEDIA_TYPE = "application/vnd.agentruns.candidate+json"
 DEFAULT_BASE_URL = "http://127.0.0.1:8700/v1"
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Bounds on one model answer (per route, RouteConfig): the SSE bytes of a whole stream (or a
 # JSON body), one SSE line (real chunks carry a few tokens), and an error body kept for the
 # record (only its start is used).
@@ -91,6 +99,8 @@ ERROR_BODY_BYTES = 64 * 1024
 # back to the pool, anything more than this (or later than this) and it is closed instead
 AFTER_DONE_BYTES = 1024
 AFTER_DONE_S = 0.05
+
+_JSON = msgspec.json.Encoder()
 
 
 # --------------------------------------------------------------------------- routes
@@ -103,10 +113,10 @@ class RouteConfig:
     base_url: str = DEFAULT_BASE_URL
     api_key: str | None = None
     model: str | None = None
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = 30.0  # between two chunks
     # The whole call, from the request: whatever arrives (keep-alive comments, a drip), the
-    # stream is cut at this point (at the first read after it; reads wait at most this long).
+    # stream is cut at this point (no read waits past it).
     total_timeout_s: float = 120.0
     max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
@@ -539,17 +549,16 @@ class ModelHandler:
         database_url: str,
         routes: Routes,
         registry: ToolRegistry | None = None,
-        *,
-        connections: int = 16,
     ) -> None:
         self.routes = routes
         self.registry = registry
         self._cache = _ArtifactCache(database_url)
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self._client = httpx.Client(limits=limits)
+        # One keep-alive connection per worker thread and origin: the executor's workers bound
+        # the connections to a route. Connect timeouts and byte limits are the route's, per call.
+        self._http = KeepAliveHTTP(connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
         self._cache.close()
 
     def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
@@ -606,48 +615,52 @@ class ModelHandler:
 
     def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
         """The one method that talks to the model endpoint; every failure is classified."""
-        headers = {"Accept": "text/event-stream", **route.headers, **tracing.outgoing_headers()}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            **route.headers,
+            **tracing.outgoing_headers(),
+        }
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
-        # no read may wait past the whole call's deadline
-        read_s = min(route.read_timeout_s, route.total_timeout_s)
-        connect = route.connect_timeout_s
-        timeout = httpx.Timeout(read_s, connect=connect, pool=connect)
-        deadline = time.monotonic() + route.total_timeout_s
         assembler = StreamAssembler()
-        try:
-            with self._client.stream(
-                "POST", route.chat_url(), json=payload, headers=headers, timeout=timeout
-            ) as response:
-                if response.status_code != 200:
-                    body = _read_capped(response, ERROR_BODY_BYTES, deadline)
-                    return self._http_error(response, body)
-                if "json" in response.headers.get("content-type", ""):
-                    return _whole_answer(response, route, deadline, assembler)
-                return _read_stream(response, route, deadline, assembler)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            return replace_outcome(
-                StreamAssembler().result(interrupted=f"{type(exc).__name__}: {exc}"),
-                ModelOutcome.TRANSPORT_ERROR,
-            )
-        except httpx.HTTPError as exc:
-            if assembler.chunks == 0:
+        with self._http.stream(
+            "POST",
+            route.chat_url(),
+            timeout_s=route.total_timeout_s,
+            read_timeout_s=route.read_timeout_s,
+            connect_timeout_s=route.connect_timeout_s,
+            headers=headers,
+            body=_JSON.encode(payload),
+        ) as answer:
+            if answer.failure is not None:  # not connected, or no answer's head
                 return replace_outcome(
-                    assembler.result(interrupted=f"{type(exc).__name__}: {exc}"),
-                    ModelOutcome.TRANSPORT_ERROR,
+                    assembler.result(interrupted=answer.detail), ModelOutcome.TRANSPORT_ERROR
                 )
-            return assembler.result(interrupted=f"connection lost: {type(exc).__name__}: {exc}")
+            try:
+                if answer.status != 200:
+                    return self._http_error(answer, _read_capped(answer, ERROR_BODY_BYTES))
+                if "json" in (answer.header("content-type") or ""):
+                    return _whole_answer(answer, route, assembler)
+                return _read_stream(answer, route, assembler)
+            except (OSError, HTTPWireError, ValueError) as exc:
+                if assembler.chunks == 0:
+                    return replace_outcome(
+                        assembler.result(interrupted=f"{type(exc).__name__}: {exc}"),
+                        ModelOutcome.TRANSPORT_ERROR,
+                    )
+                return assembler.result(interrupted=f"connection lost: {type(exc).__name__}: {exc}")
 
     @staticmethod
-    def _http_error(response: httpx.Response, body: bytes) -> Assembled:
-        status = response.status_code
+    def _http_error(answer: StreamedAnswer, body: bytes) -> Assembled:
+        status = answer.status
         text = body[:300].decode("utf-8", "replace")
         detail = f"HTTP {status}: {text}"
         if status == 429:
             assembled = replace_outcome(
                 StreamAssembler().result(interrupted=detail), ModelOutcome.RATE_LIMITED
             )
-            after = retry_after_ms(response.headers.get("retry-after"))
+            after = retry_after_ms(answer.header("retry-after"))
             return Assembled(**{**assembled.__dict__, "retry_after_ms": after})
         return replace_outcome(
             StreamAssembler().result(interrupted=detail), ModelOutcome.TRANSPORT_ERROR
@@ -714,24 +727,22 @@ class _Overrun(Exception):
     """The answer went past one of the call's bounds (size or deadline)."""
 
 
-def _pieces(response: httpx.Response, limit: int, deadline: float) -> Iterator[bytes]:
+def _pieces(answer: StreamedAnswer, limit: int) -> Iterator[bytes]:
     """The body's bytes as they arrive, ended by ``_Overrun`` past ``limit`` bytes or the
-    deadline: every piece counts, a keep-alive comment as much as a token."""
-    total = 0
-    for piece in response.iter_bytes():
-        total += len(piece)
-        if total > limit:
-            raise _Overrun(f"answer over {limit} bytes")
-        if time.monotonic() > deadline:
-            raise _Overrun("total timeout exceeded")
-        yield piece
+    call's deadline: every piece counts, a keep-alive comment as much as a token."""
+    try:
+        yield from answer.pieces(limit)
+    except BodyTooLargeError:
+        raise _Overrun(f"answer over {limit} bytes") from None
+    except DeadlineError:
+        raise _Overrun("total timeout exceeded") from None
 
 
-def _read_capped(response: httpx.Response, limit: int, deadline: float) -> bytes:
+def _read_capped(answer: StreamedAnswer, limit: int) -> bytes:
     """Up to ``limit`` bytes of an (error) body; the rest is not read."""
     body = bytearray()
-    with contextlib.suppress(_Overrun, httpx.HTTPError):
-        for piece in _pieces(response, 1 << 62, deadline):
+    with contextlib.suppress(_Overrun, OSError, HTTPWireError, ValueError):
+        for piece in _pieces(answer, 1 << 62):
             body += piece
             if len(body) >= limit:
                 break
@@ -739,12 +750,12 @@ def _read_capped(response: httpx.Response, limit: int, deadline: float) -> bytes
 
 
 def _whole_answer(
-    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+    answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
 ) -> Assembled:
     """A non-streamed ``chat.completion`` (a server that ignored ``stream: true``)."""
     body = bytearray()
     try:
-        for piece in _pieces(response, route.max_stream_bytes, deadline):
+        for piece in _pieces(answer, route.max_stream_bytes):
             body += piece
     except _Overrun as exc:
         return assembler.result(untrusted=str(exc))
@@ -759,12 +770,12 @@ def _whole_answer(
 
 
 def _read_stream(
-    response: httpx.Response, route: RouteConfig, deadline: float, assembler: StreamAssembler
+    answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
 ) -> Assembled:
     """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
     body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
     buffer = bytearray()
-    pieces = _pieces(response, route.max_stream_bytes, deadline)
+    pieces = _pieces(answer, route.max_stream_bytes)
     try:
         for piece in pieces:
             buffer += piece
@@ -773,7 +784,7 @@ def _read_stream(
                 buffer = bytearray(rest)
                 for line in lines:
                     if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
-                        _finish_body(pieces)
+                        _finish_body(answer, pieces)
                         return assembler.result()
             if len(buffer) > route.max_line_bytes:
                 raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
@@ -788,14 +799,14 @@ def _read_stream(
     return assembler.result()
 
 
-def _finish_body(pieces: Iterator[bytes]) -> None:
+def _finish_body(answer: StreamedAnswer, pieces: Iterator[bytes]) -> None:
     """Read the body's end after ``[DONE]`` so that the connection is kept for the next call;
-    a body that goes on past ``AFTER_DONE_BYTES`` or ``AFTER_DONE_S`` is left unread (closing
-    the response then closes the connection); one that stalls waits no longer than any read,
-    ``read_timeout_s``. The answer is complete whatever happens here."""
+    a body that goes on past ``AFTER_DONE_BYTES`` or ``AFTER_DONE_S`` (no read waits longer)
+    is left unread, and its connection closed. The answer is complete whatever happens here."""
+    answer.wait_at_most(AFTER_DONE_S)
     until = time.monotonic() + AFTER_DONE_S
     extra = 0
-    with contextlib.suppress(_Overrun, httpx.HTTPError):
+    with contextlib.suppress(_Overrun, OSError, HTTPWireError, ValueError):
         for piece in pieces:
             extra += len(piece)
             if extra > AFTER_DONE_BYTES or time.monotonic() > until:
@@ -837,7 +848,6 @@ class ModelExecutor(Executor):
             config.database_url,
             routes or Routes.from_env(),
             registry,
-            connections=config.workers,
         )
         try:
             super().__init__(config, handler)

@@ -20,7 +20,8 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
   failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
   :func:`error_for_status`. Each tool's auth, proxy and TLS come from the registry
-  (:mod:`agentruns.connectors.executors.tool_http`).
+  (read by :mod:`agentruns.connectors.executors.tool_http`, carried by
+  :mod:`agentruns.connectors.executors.http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
   not_executed (safe to resend with the same key), anything else = undeterminable.
 - ``PollTool``: ``GET status_url`` -> running/accepted = ToolStatusReported; succeeded /
@@ -66,13 +67,14 @@ from agentruns.connectors.executors.base import (
     event_identity,
     run_until_signal,
 )
-from agentruns.connectors.executors.tool_http import (
+from agentruns.connectors.executors.http import (
     DEFAULT_MAX_BODY_BYTES,
     DIRECT,
     Answer,
     Connectivity,
     KeepAliveHTTP,
 )
+from agentruns.connectors.executors.tool_http import parse_connectivity
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
 from agentruns.processors.events import (
@@ -145,7 +147,7 @@ class ToolRegistry:
         except (OSError, ValueError) as exc:
             raise ExecutorError(f"cannot read the tool registry {path}: {exc}") from exc
         try:
-            defaults = Connectivity.parse(data, f"tool registry {path}")
+            defaults = parse_connectivity(data, f"tool registry {path}")
             tools = {
                 t["name"]: ToolEntry(
                     name=t["name"],
@@ -159,7 +161,7 @@ class ToolRegistry:
                     status_url_template=t.get("status_url_template"),
                     is_async=bool(t.get("async", False)),
                     cancel_url_template=t.get("cancel_url_template"),
-                    conn=Connectivity.parse(t, f"tool {t['name']!r} in {path}", defaults),
+                    conn=parse_connectivity(t, f"tool {t['name']!r} in {path}", defaults),
                 )
                 for t in data["tools"]
             }

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 from agentruns.connectors.executors.base import clean_text, decode_json
-from agentruns.connectors.executors.model import MalformedChunkError, Routes, StreamAssembler
-from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, retry_after_ms
-from agentruns.connectors.executors.tool_http import (
+from agentruns.connectors.executors.http import (
     BodyTooLargeError,
     HTTPWireError,
     _Connection,
     _read_response,
 )
+from agentruns.connectors.executors.model import MalformedChunkError, Routes, StreamAssembler
+from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, retry_after_ms
 from agentruns.processors.events import ModelOutcome
 from agentruns.processors.limits import MAX_AMOUNT, MAX_JSON_DEPTH
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 from agentruns.connectors.executors.base import ExecutorError
-from agentruns.connectors.executors.tool import ToolRegistry
-from agentruns.connectors.executors.tool_http import (
+from agentruns.connectors.executors.http import (
     Connectivity,
     KeepAliveHTTP,
     Secret,
     environment_proxy,
 )
+from agentruns.connectors.executors.tool import ToolRegistry
 
 SECRET = "s3cr3t-value-42"
 

@@ -1,0 +1,660 @@
+"""How the executors reach a backend (a tool, a model route): the pooled HTTP client, its
+auth, proxy and TLS settings.
+
+The tool executor sends whole exchanges (:meth:`KeepAliveHTTP.send`); the model executor reads a
+streamed body as it arrives (:meth:`KeepAliveHTTP.stream`). A backend's connection settings
+(:class:`Connectivity`: docs/executors.md, "Auth, proxy and TLS") are read from the tool
+registry by :mod:`agentruns.connectors.executors.tool_http`; a model route uses the default,
+:data:`DIRECT` (the system's CAs, ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY`` from the
+environment; https goes through a proxy with ``CONNECT``). A secret is held in a
+:class:`Secret` whose ``repr`` is masked and scrubbed from every message the executor writes
+(:meth:`Connectivity.redact`).
+
+:class:`KeepAliveHTTP` carries them with the executor's limits: an exchange is over
+``timeout_s`` after it starts (every read waits only until that deadline, so a backend
+dripping bytes cannot extend it; a streamed exchange's reads also wait at most
+``read_timeout_s`` each), a body over its byte limit, a head over ``MAX_HEAD_LINES`` or a
+chunk-size line over ``MAX_CHUNK_LINE_BYTES`` is not read, nothing is retried or redirected
+(the core decides, R11, R12).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import select
+import socket
+import ssl
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
+
+# A tool answer's body is read up to this size; a larger one fails the call (it could not be
+# stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Response head lines (status + headers) a backend may send before the body.
+MAX_HEAD_LINES = 256
+# A chunk-size line (the size in hex and any extensions): real ones are a few bytes.
+MAX_CHUNK_LINE_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP answer, or how the exchange failed before there was one."""
+
+    status: int = 0
+    headers: Mapping[str, str] | None = None
+    body: bytes = b""
+    # "not_sent" | "tls" (nothing reached the backend) | "no_answer" | "too_large"
+    failure: str | None = None
+    detail: str = ""
+
+    def header(self, name: str) -> str | None:
+        return None if self.headers is None else self.headers.get(name.lower())
+
+
+class Secret:
+    """A credential read from the environment or a file; its ``repr`` and ``str`` are masked
+    so it cannot reach a log line or an error by accident."""
+
+    __slots__ = ("_value", "source")
+
+    def __init__(self, value: str, source: str) -> None:
+        self._value = value
+        self.source = source
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Secret(from {self.source})"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class Connectivity:
+    """How one backend is reached: headers its auth adds, the proxy, the TLS settings
+    (:func:`agentruns.connectors.executors.tool_http.parse_connectivity` reads a tool's)."""
+
+    auth_header: tuple[str, Secret] | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+    verify: bool = True
+    proxy: str | None = None  # None: from the environment; "": none; else the proxy URL
+    secrets: tuple[Secret, ...] = field(default=(), repr=False)
+
+    def redact(self, text: str) -> str:
+        """``text`` without any of this tool's secrets (an error, a body the tool echoed)."""
+        for secret in self.secrets:
+            value = secret.reveal()
+            if value and value in text:
+                text = text.replace(value, "[redacted]")
+        return text
+
+
+DIRECT = Connectivity()
+
+
+def environment_proxy(url: str, proxies: Mapping[str, str] | None = None) -> str | None:
+    """The proxy ``HTTPS_PROXY``/``HTTP_PROXY`` name for ``url``, unless ``NO_PROXY`` covers
+    its host (the standard library's reading of them, lower or upper case; ``proxies``: that
+    reading done once)."""
+    parts = urlsplit(url)
+    if proxies is None:
+        proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme)
+    if not proxy:
+        return None
+    # not in the stubs, but the function urllib itself applies NO_PROXY with
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+    if bypass(parts.netloc or "", proxies):
+        return None
+    return proxy
+
+
+def ssl_context(conn: Connectivity) -> ssl.SSLContext:
+    """TLS for one tool: the system's CAs or ``ca_file``, hostname checked unless ``verify``
+    is false, the client certificate when the tool uses mTLS."""
+    context = ssl.create_default_context(cafile=conn.ca_file)
+    if not conn.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if conn.cert_file is not None:
+        context.load_cert_chain(conn.cert_file, conn.key_file)
+    return context
+
+
+class HTTPWireError(Exception):
+    """The peer broke the HTTP/1.1 framing (or closed the connection) mid-response."""
+
+
+class ConnectionClosedError(HTTPWireError):
+    """The peer closed the connection (the end of a body read to the close, else an error)."""
+
+
+class DeadlineError(TimeoutError):
+    """The exchange's deadline (its total timeout) passed, as opposed to one read's wait."""
+
+
+class BodyTooLargeError(HTTPWireError):
+    """The response body is over the client's limit: it was not read (the connection is
+    closed, never reused)."""
+
+    def __init__(self, status: int, size: int, limit: int) -> None:
+        super().__init__(f"HTTP {status} body of {size}+ bytes, over the limit of {limit}")
+        self.status = status
+
+
+class _Connection:
+    """One keep-alive socket and its read buffer. ``deadline`` (monotonic), ``read_timeout``
+    (seconds one read may wait) and ``limit`` (body bytes) are set per exchange: every read
+    waits only until the deadline, so a backend dripping bytes cannot extend it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+        self.deadline = math.inf
+        self.read_timeout = math.inf
+        self.limit = DEFAULT_MAX_BODY_BYTES
+
+    def _fill(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineError("no complete answer within the deadline")
+        wait = min(remaining, self.read_timeout, 3600.0)
+        self.sock.settimeout(wait)
+        try:
+            data = self.sock.recv(65536)
+        except TimeoutError:
+            if wait >= remaining:
+                raise DeadlineError("no complete answer within the deadline") from None
+            raise TimeoutError(f"nothing received for {wait:g} s") from None
+        if not data:
+            raise ConnectionClosedError("connection closed by the server")
+        self.buffer += data
+
+    def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
+        while True:
+            index = self.buffer.find(separator)
+            if index >= 0:
+                line = bytes(self.buffer[:index])
+                del self.buffer[: index + len(separator)]
+                return line
+            if len(self.buffer) > limit:
+                raise HTTPWireError(f"a line of the answer over {limit} bytes")
+            self._fill()
+
+    def take(self, size: int) -> bytes:
+        """Up to ``size`` bytes, at least one: what the buffer holds, else the next read."""
+        if not self.buffer:
+            self._fill()
+        data = bytes(self.buffer[:size])
+        del self.buffer[: len(data)]
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class StreamedAnswer:
+    """The head of a streamed answer (or how the exchange failed before there was one: then
+    ``failure`` is set as in :class:`Answer`), its body read with :meth:`pieces`."""
+
+    def __init__(
+        self,
+        status: int = 0,
+        headers: Mapping[str, str] | None = None,
+        failure: str | None = None,
+        detail: str = "",
+        *,
+        connection: _Connection | None = None,
+        head: _Head | None = None,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.failure = failure
+        self.detail = detail
+        self.complete = False  # the body was read to its end
+        self._connection = connection
+        self._head = head
+
+    def header(self, name: str) -> str | None:
+        return None if self.headers is None else self.headers.get(name.lower())
+
+    def pieces(self, limit: int) -> Iterator[bytes]:
+        """The body's bytes as they arrive. Raises :class:`BodyTooLargeError` past ``limit``
+        bytes, :class:`DeadlineError` at the exchange's deadline, ``TimeoutError`` when one
+        read waits ``read_timeout_s``, :class:`HTTPWireError` or OSError when the framing
+        breaks or the connection is lost."""
+        connection, head = self._connection, self._head
+        if connection is None or head is None:
+            return
+        connection.limit = limit
+        yield from _body(connection, head)
+        self.complete = True
+
+    def wait_at_most(self, seconds: float) -> None:
+        """From now on no read waits longer than ``seconds``."""
+        if self._connection is not None:
+            self._connection.read_timeout = min(self._connection.read_timeout, seconds)
+
+
+class KeepAliveHTTP:
+    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin,
+    :class:`Connectivity`), through a proxy and over TLS as the settings say.
+
+    Why not a library: on the executor bench (docs/benchmarks.md, "Tool executor HTTP
+    client") urllib3 and httpcore cost the executor several times this client's CPU per call.
+    This client writes each request with one ``sendall`` and parses only what a JSON API or
+    a server-sent event stream needs (status, headers, Content-Length, chunked or read-to-close
+    bodies).
+
+    Failures are split where idempotency needs it: a connection (or proxy tunnel) that could
+    not be opened means nothing was sent (``not_sent``; ``tls`` when the TLS handshake or the
+    certificates failed); any failure after the request started means the backend may have
+    executed it (``no_answer``). A connection goes back to the pool only after its answer was
+    read to the end; a failed or abandoned one is closed, and nothing is retried here: the
+    core decides (R11, R12).
+    """
+
+    def __init__(
+        self, connect_timeout_s: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: set[_Connection] = set()
+        self._contexts: dict[Connectivity, ssl.SSLContext] = {}
+        # the environment's proxies, read once: a process's environment does not change
+        self._env_proxies = urllib.request.getproxies_environment()
+        self._proxy_of: dict[tuple[str, str], str] = {}
+
+    def proxy_for(self, url: str, conn: Connectivity) -> str:
+        """The proxy URL a request to ``url`` goes through, "" for none."""
+        if conn.proxy is not None:
+            return conn.proxy
+        parts = urlsplit(url)
+        origin = (parts.scheme, parts.netloc)
+        proxy = self._proxy_of.get(origin)
+        if proxy is None:
+            proxy = environment_proxy(url, self._env_proxies) or ""
+            self._proxy_of[origin] = proxy
+        return proxy
+
+    def _context(self, conn: Connectivity) -> ssl.SSLContext:
+        context = self._contexts.get(conn)
+        if context is None:
+            context = ssl_context(conn)
+            with self._lock:
+                self._contexts[conn] = context
+        return context
+
+    def _pool(self) -> dict[_Origin, _Connection]:
+        pool: dict[_Origin, _Connection] | None = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = {}
+            self._local.pool = pool
+        return pool
+
+    def _open(self, origin: _Origin, deadline: float, connect_timeout_s: float) -> _Connection:
+        """A connection to the backend: direct or through the proxy (``CONNECT`` for https),
+        TLS as its settings say. Raises OSError (ssl.SSLError for TLS) before any byte of the
+        request is sent."""
+        scheme, host, port, proxy, conn = origin
+        timeout_s = max(0.001, min(connect_timeout_s, deadline - time.monotonic()))
+        if proxy:
+            proxy_parts = urlsplit(proxy)
+            if proxy_parts.scheme != "http":
+                raise OSError(f"only http:// proxies are supported, not {proxy_parts.scheme}")
+            address = (proxy_parts.hostname or "", proxy_parts.port or 80)
+        else:
+            address = (host, port)
+        sock = socket.create_connection(address, timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if proxy and scheme == "https":
+                _tunnel(sock, host, port, _proxy_authorization(proxy), deadline)
+            if scheme == "https":
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock = self._context(conn).wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+        connection = _Connection(sock)
+        with self._lock:
+            self._all.add(connection)
+        return connection
+
+    def _keep(self, origin: _Origin, connection: _Connection) -> None:
+        """Back to this thread's pool, for the next exchange with ``origin``."""
+        pool = self._pool()
+        previous = pool.get(origin)
+        pool[origin] = connection
+        if previous is not None and previous is not connection:
+            self._forget(previous)
+
+    def _forget(self, connection: _Connection) -> None:
+        connection.close()
+        with self._lock:
+            self._all.discard(connection)
+
+    def _start(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        read_timeout_s: float,
+        connect_timeout_s: float | None,
+        headers: Mapping[str, str] | None,
+        body: bytes | None,
+        conn: Connectivity,
+    ) -> tuple[_Origin, _Connection] | Answer:
+        """Send the request on a pooled connection or a new one: the connection (out of the
+        pool while the exchange lasts), or the failure."""
+        deadline = time.monotonic() + timeout_s
+        parts = urlsplit(url)
+        https = parts.scheme == "https"
+        host = parts.hostname or ""
+        proxy = self.proxy_for(url, conn)
+        origin = (parts.scheme, host, parts.port or (443 if https else 80), proxy, conn)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
+        if proxy and not https:  # plain HTTP through a proxy: absolute-form, proxy's auth
+            lines[0] = f"{method} {parts.scheme}://{parts.netloc}{target} HTTP/1.1"
+            authorization = _proxy_authorization(proxy)
+            if authorization:
+                lines.append(f"Proxy-Authorization: {authorization}")
+        connection = self._pool().pop(origin, None)
+        if connection is not None and not _idle(connection):
+            self._forget(connection)  # closed by the backend, or bytes nobody asked for
+            connection = None
+        if connection is None:
+            try:
+                connect_s = (
+                    self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
+                )
+                connection = self._open(origin, deadline, connect_s)
+            except (ssl.SSLError, ssl.CertificateError, ValueError) as exc:
+                return Answer(failure="tls", detail=f"{type(exc).__name__}: {exc}")
+            except OSError as exc:
+                return Answer(failure="not_sent", detail=f"{type(exc).__name__}: {exc}")
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(body or b'')}")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        connection.deadline, connection.read_timeout = deadline, read_timeout_s
+        connection.limit = self.max_body_bytes
+        try:
+            connection.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            connection.sock.sendall(request)
+        except OSError as exc:
+            self._forget(connection)
+            return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+        return origin, connection
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        conn: Connectivity = DIRECT,
+    ) -> Answer:
+        """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
+        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        started = self._start(method, url, timeout_s, math.inf, None, headers, body, conn)
+        if isinstance(started, Answer):
+            return started
+        origin, connection = started
+        try:
+            status, answer_headers, data, close = _read_response(connection, method)
+        except BodyTooLargeError as exc:
+            self._forget(connection)
+            return Answer(exc.status, failure="too_large", detail=str(exc))
+        except (OSError, HTTPWireError, ValueError) as exc:
+            self._forget(connection)
+            return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+        if close:
+            self._forget(connection)
+        else:
+            self._keep(origin, connection)
+        return Answer(status, answer_headers, data)
+
+    @contextlib.contextmanager
+    def stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        timeout_s: float,
+        read_timeout_s: float = math.inf,
+        connect_timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        conn: Connectivity = DIRECT,
+    ) -> Iterator[StreamedAnswer]:
+        """One exchange whose body is read as it arrives (:meth:`StreamedAnswer.pieces`):
+        over by ``timeout_s`` after it starts, no read waiting longer than ``read_timeout_s``
+        (nor past that deadline). The head's failures are those of :meth:`send`. The
+        connection is kept only when the body was read to its end inside the ``with``."""
+        started = self._start(
+            method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
+        )
+        if isinstance(started, Answer):
+            yield StreamedAnswer(failure=started.failure, detail=started.detail)
+            return
+        origin, connection = started
+        try:
+            head = _read_head(connection, method)
+        except (OSError, HTTPWireError, ValueError) as exc:
+            self._forget(connection)
+            yield StreamedAnswer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+            return
+        answer = StreamedAnswer(head.status, head.headers, connection=connection, head=head)
+        try:
+            yield answer
+        finally:
+            if answer.complete and not head.close:
+                self._keep(origin, connection)
+            else:
+                self._forget(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+# (scheme, host, port, proxy URL or "", the backend's settings): what a kept connection serves
+_Origin = tuple[str, str, int, str, Connectivity]
+
+
+def _idle(connection: _Connection) -> bool:
+    """Whether a pooled connection can carry a request: nothing left in its buffer and
+    nothing to read (a readable idle socket is one the backend closed)."""
+    if connection.buffer:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(connection.sock, select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
+
+
+def _proxy_authorization(proxy: str) -> str | None:
+    """``Basic`` credentials of a proxy URL's user-info (``http://user:pass@proxy:3128``)."""
+    parts = urlsplit(proxy)
+    if parts.username is None:
+        return None
+    pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(pair.encode()).decode()
+
+
+def _tunnel(sock: socket.socket, host: str, port: int, auth: str | None, deadline: float) -> None:
+    """Ask the proxy on ``sock`` for a tunnel to ``host:port`` (``CONNECT``); raises OSError
+    when it refuses (the backend has seen nothing)."""
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
+    if auth:
+        lines.append(f"Proxy-Authorization: {auth}")
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+    reader = _Connection(sock)
+    reader.deadline = deadline
+    try:
+        status_line = reader.read_until(b"\r\n").decode("latin-1")
+        for _ in range(MAX_HEAD_LINES):
+            if not reader.read_until(b"\r\n"):
+                break
+        else:
+            raise HTTPWireError("proxy answer head has too many lines")
+    except (HTTPWireError, TimeoutError) as exc:
+        raise OSError(f"proxy tunnel to {authority} failed: {exc}") from exc
+    _, _, rest = status_line.partition(" ")
+    if not rest.startswith("200"):
+        raise OSError(f"proxy refused the tunnel to {authority}: {rest[:80]}")
+    if reader.buffer:  # bytes after the proxy's answer: nothing a tunnel may carry yet
+        raise OSError(f"proxy sent data before the tunnel to {authority} opened")
+
+
+# how a body is framed, besides a Content-Length (>= 0)
+_CHUNKED = -1
+_TO_CLOSE = -2
+
+
+@dataclass(frozen=True)
+class _Head:
+    status: int
+    headers: dict[str, str]
+    close: bool  # the connection cannot carry another exchange
+    framing: int  # the Content-Length, _CHUNKED or _TO_CLOSE (0: no body)
+
+
+def _read_head(conn: _Connection, method: str) -> _Head:
+    """The status and lower-cased headers of one HTTP/1.x response (interim 1xx skipped), and
+    how its body is framed."""
+    lines = 0
+    while True:
+        status_line = conn.read_until(b"\r\n").decode("latin-1")
+        version, _, rest = status_line.partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
+            raise HTTPWireError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        status = int(code)
+        headers: dict[str, str] = {}
+        while True:
+            line = conn.read_until(b"\r\n").decode("latin-1")
+            if not line:
+                break
+            lines += 1
+            if lines > MAX_HEAD_LINES:
+                raise HTTPWireError("response head has too many lines")
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if not 100 <= status < 200:
+            break
+        lines += 1  # an endless run of interim answers is a head too long
+    connection = headers.get("connection", "").lower()
+    close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
+    if method == "HEAD" or status in (204, 304):
+        return _Head(status, headers, close, 0)
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return _Head(status, headers, close, _CHUNKED)
+    if "content-length" in headers:
+        raw = headers["content-length"]
+        try:
+            length = int(raw)
+        except ValueError:
+            raise HTTPWireError(f"invalid Content-Length {raw[:40]!r}") from None
+        if length < 0:
+            raise HTTPWireError(f"negative Content-Length {length}")
+        return _Head(status, headers, close, length)
+    return _Head(status, headers, True, _TO_CLOSE)
+
+
+def _chunk_size(line: bytes) -> int:
+    field = line.split(b";", 1)[0].strip()
+    if not field or len(field) > 16 or field.strip(b"0123456789abcdefABCDEF"):
+        raise HTTPWireError(f"invalid chunk size line {line[:40]!r}")
+    return int(field, 16)
+
+
+def _body(conn: _Connection, head: _Head) -> Iterator[bytes]:
+    """The body's bytes as they arrive (chunked, Content-Length or read to the close), at
+    most ``conn.limit`` of them (:class:`BodyTooLargeError`). Ends normally only at the
+    body's end."""
+    limit = conn.limit
+    if head.framing == _TO_CLOSE:
+        total = 0
+        while True:
+            try:
+                piece = conn.take(limit + 1)
+            except ConnectionClosedError:
+                return
+            total += len(piece)
+            if total > limit:
+                raise BodyTooLargeError(head.status, total, limit)
+            yield piece
+    if head.framing == _CHUNKED:
+        total = 0
+        while True:
+            size = _chunk_size(conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES))
+            total += size
+            if total > limit:
+                raise BodyTooLargeError(head.status, total, limit)
+            if size == 0:
+                break
+            while size:
+                piece = conn.take(size)
+                size -= len(piece)
+                yield piece
+            if conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES):
+                raise HTTPWireError("a chunk longer than its size")
+        for _ in range(MAX_HEAD_LINES):  # trailers, up to the empty line
+            if not conn.read_until(b"\r\n"):
+                return
+        raise HTTPWireError("response trailers have too many lines")
+    remaining = head.framing
+    if remaining > limit:
+        raise BodyTooLargeError(head.status, remaining, limit)
+    while remaining:
+        piece = conn.take(remaining)
+        remaining -= len(piece)
+        yield piece
+
+
+def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
+    """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
+    head = _read_head(conn, method)
+    return head.status, head.headers, b"".join(_body(conn, head)), head.close
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DIRECT",
+    "MAX_CHUNK_LINE_BYTES",
+    "MAX_HEAD_LINES",
+    "Answer",
+    "BodyTooLargeError",
+    "ConnectionClosedError",
+    "Connectivity",
+    "DeadlineError",
+    "HTTPWireError",
+    "KeepAliveHTTP",
+    "Secret",
+    "StreamedAnswer",
+    "environment_proxy",
+    "ssl_context",
+]
