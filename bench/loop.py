@@ -51,6 +51,7 @@ from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
 from agentruns.streams.partitioning import partition_for
+from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
@@ -140,7 +141,9 @@ class Driver:
 
     def _watch(self) -> None:
         while not self.stop.is_set():
-            for msg in self._consumer.consume(500, 0.05):
+            # woken by the first record: `consume(n, timeout)` would hold each for the whole
+            # timeout, and every step would be timed in multiples of it
+            for msg in poll_batch(self._consumer, 500, 0.05):
                 value = msg.value()
                 if msg.error() is not None or value is None:
                     continue
