@@ -107,9 +107,10 @@ class ProcessorConfig:
     instance_id: str = "0"
     commit_interval_ms: int = 50
     # The inbox is fetched in windows of this many ms (the broker holds each fetch until the
-    # window ends or FETCH_WINDOW_BYTES, 8 KiB, wait): inputs trickling in from many producers
-    # reach the loop together, so one transaction carries them (0: fetch each as it lands).
-    fetch_window_ms: int = 20
+    # window ends or FETCH_WINDOW_BYTES, 8 KiB, wait), or with 0 each input as it lands. A
+    # window is on every lone step's path, twice a step (docs/benchmarks.md, "The loop against
+    # the Kafka floor"); under load inputs gather anyway while a transaction commits.
+    fetch_window_ms: int = 0
     max_batch: int = 2000
     buffer_limit: int = 64  # out-of-order inputs held per run
     gap_timeout_ms: int = 30_000
@@ -769,11 +770,12 @@ class Processor:
     # ------------------------------------------------------------------ inspection (tests)
 
     def slots(self) -> Iterable[RunSlot]:
-        """Every run held, parked ones decoded (copies)."""
-        for runs in self._slots.values():
-            yield from runs.values()
-        for parked in self._path.parked.values():
-            for held in parked.values():
+        """Every run held, parked ones decoded (copies). Lists taken first: the loop thread
+        may change the tables while a test reads them."""
+        for runs in list(self._slots.values()):
+            yield from list(runs.values())
+        for parked in list(self._path.parked.values()):
+            for held in list(parked.values()):
                 yield held.slot()
 
 
