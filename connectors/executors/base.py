@@ -376,10 +376,10 @@ class ExecutorConfig:
     max_backlog: int = 1024
     poll_timeout_s: float = 0.1
     # After the first effect of a batch, wait this long for more (a producer's linger on the
-    # consuming side): effects trickling in share a batch's two statements, its thread-pool
-    # round and its transaction. At 200 calls/s: 1.4-1.5 against 2.1 ms of executor CPU per
-    # call, p99 added latency 53-72 ms against 55-373 (docs/design.md, "Fetching"). Unlike a
-    # fetch window (fetch.min.bytes) it costs an idle executor no extra fetches.
+    # consuming side), when the batch before held more than one: effects trickling in share a
+    # batch's two statements, its thread-pool round and its transaction, while a lone effect
+    # is not held (docs/design.md, "Fetching"). Unlike a fetch window (fetch.min.bytes) it
+    # costs an idle executor no extra fetches.
     gather_ms: int = 10
     # The guard around each effect's handler (one place, Executor._answer): an exception that
     # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
@@ -587,12 +587,16 @@ class Executor:
             [self.effects_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
         )
         c = self.config
+        last = 0  # records in the last batch
         try:
             while not stop.is_set():
                 self._recover_if_failed()
-                batch = poll_batch(
-                    self._consumer, c.max_batch, c.poll_timeout_s, gather=c.gather_ms / 1000
-                )
+                # Gather only after a batch of more than one effect: a lone effect, the only
+                # one of an idle pipeline, is on its run's critical path and nothing would
+                # join it.
+                gather = c.gather_ms / 1000 if last > 1 else 0.0
+                batch = poll_batch(self._consumer, c.max_batch, c.poll_timeout_s, gather=gather)
+                last = len(batch)
                 if batch:
                     self._process(batch)
             self._drain()

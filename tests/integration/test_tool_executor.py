@@ -413,9 +413,11 @@ def test_a_second_executor_joining_mid_stream_executes_nothing_twice(
 def test_effects_trickling_in_are_gathered_into_shared_batches(
     env: ToolEnv, request: pytest.FixtureRequest
 ) -> None:
-    """Pairs of effects 3 ms apart, 40 ms between pairs, each effect on the wire on its own:
-    the executor waits `gather_ms` (10) after a batch's first effect, so a pair shares a batch.
-    Without gathering the second of a pair lands while the first executes: its own batch."""
+    """Pairs of effects 3 ms apart, 40 ms between pairs, each effect on the wire on its own,
+    after a first pair sent together: once a batch held more than one effect, the executor
+    waits `gather_ms` (10) after a batch's first effect, so a pair shares a batch. Without
+    gathering the second of a pair lands while the first executes: its own batch. (A lone
+    effect after a lone one is not held: nothing is known to be coming.)"""
     executor = env.harness.executor
     assert executor is not None and executor.config.gather_ms >= 10
     ids = ids_for(request)
@@ -434,7 +436,9 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
 
     wait_for(idle, 60, "the executor to go idle", every=0.1)
     batches, effects = executor.stats.batches, executor.stats.effects
-    for first, second in pairs:
+    env.harness.effects.send(*pairs[0])  # one produce request: a batch of two starts it
+    time.sleep(0.04)
+    for first, second in pairs[1:]:
         env.harness.effects.send(first)  # flushed: one record per produce request
         time.sleep(0.003)
         env.harness.effects.send(second)
