@@ -82,15 +82,17 @@ def _idle_rate(start: Callable[[FetchCounter], Any]) -> float:
 def test_processor_fetches_trickling_inputs_in_windows(
     kafka_bootstrap: str, database_url: str, prefix: str
 ) -> None:
-    """200 inputs/s, each sent on its own: without the window each one answers a fetch."""
+    """200 inputs/s, each sent on its own, to a processor fetching in 20 ms windows
+    (`--fetch-window-ms 20`; the default, 0, fetches each as it lands): without the window
+    each one answers a fetch."""
     counter = FetchCounter()
     config = ProcessorConfig(
         bootstrap=kafka_bootstrap,
         prefix=prefix,
         group_id=f"{prefix}-proc",
         extra_consumer=counter.config(),
+        fetch_window_ms=20,
     )
-    assert config.fetch_window_ms > 0
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     try:
         with running_processor(config, database_url):
