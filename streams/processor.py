@@ -108,8 +108,8 @@ class ProcessorConfig:
     commit_interval_ms: int = 50
     # The inbox is fetched in windows of this many ms (the broker holds each fetch until the
     # window ends or FETCH_WINDOW_BYTES, 8 KiB, wait), or with 0 each input as it lands. A
-    # window is on every lone step's path, twice a step (docs/benchmarks.md, "The loop against
-    # the Kafka floor"); under load inputs gather anyway while a transaction commits.
+    # window is on every lone step's path, twice a step (docs/benchmarks.md, "Lingers on a lone
+    # step's path"); under load inputs gather anyway while a transaction commits.
     fetch_window_ms: int = 0
     max_batch: int = 2000
     buffer_limit: int = 64  # out-of-order inputs held per run
@@ -676,7 +676,7 @@ class Processor:
                         continue
                     if slot.buffer or slot.updated_at + retention > horizon:
                         continue  # touched since: pushed again with its new time
-                    del runs[run_id]
+                    del runs[run_id]  # decoded again for a late input, not parked since
                     ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
                 if len(ended) > self.config.max_ended_runs:
                     del ended[next(iter(ended))]
