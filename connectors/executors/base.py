@@ -80,6 +80,11 @@ from prometheus_client import Counter, Histogram
 
 log = logging.getLogger("agentruns.executor")
 
+#: How long after a batch of more than one effect an executor keeps gathering (`gather_ms`):
+#: a trickle keeps it going, each gathered batch renewing it; an idle pipeline's lone effects,
+#: one per batch, are never held.
+GATHER_AFTER_S = 1.0
+
 # Labelled by `kind` (model, tool): both executors may share a process (`agentruns run`).
 EXECUTOR_RECORDS = Counter(
     "agentruns_executor_records_total", "Effect records consumed by the executor", ["kind"]
@@ -376,10 +381,10 @@ class ExecutorConfig:
     max_backlog: int = 1024
     poll_timeout_s: float = 0.1
     # After the first effect of a batch, wait this long for more (a producer's linger on the
-    # consuming side), when the batch before held more than one: effects trickling in share a
-    # batch's two statements, its thread-pool round and its transaction, while a lone effect
-    # is not held (docs/design.md, "Fetching"). Unlike a fetch window (fetch.min.bytes) it
-    # costs an idle executor no extra fetches.
+    # consuming side), within GATHER_AFTER_S of a batch that held more than one: effects
+    # trickling in share a batch's two statements, its thread-pool round and its transaction,
+    # while a lone effect of an idle pipeline is not held (docs/design.md, "Fetching"). Unlike a
+    # fetch window (fetch.min.bytes) it costs an idle executor no extra fetches.
     gather_ms: int = 10
     # The guard around each effect's handler (one place, Executor._answer): an exception that
     # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
@@ -587,16 +592,18 @@ class Executor:
             [self.effects_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
         )
         c = self.config
-        last = 0  # records in the last batch
+        gathering_until = 0.0  # monotonic: effects came more than one to a batch until then
         try:
             while not stop.is_set():
                 self._recover_if_failed()
-                # Gather only after a batch of more than one effect: a lone effect, the only
-                # one of an idle pipeline, is on its run's critical path and nothing would
+                # Gather only within GATHER_AFTER_S of a batch of more than one effect: a lone
+                # effect of an idle pipeline is on its run's critical path, and nothing would
                 # join it.
-                gather = c.gather_ms / 1000 if last > 1 else 0.0
+                now = time.monotonic()
+                gather = c.gather_ms / 1000 if now < gathering_until else 0.0
                 batch = poll_batch(self._consumer, c.max_batch, c.poll_timeout_s, gather=gather)
-                last = len(batch)
+                if len(batch) > 1:
+                    gathering_until = time.monotonic() + GATHER_AFTER_S
                 if batch:
                     self._process(batch)
             self._drain()
