@@ -50,7 +50,7 @@ from agentruns.connectors.executors.base import ExecutorConfig
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer
 
 #: per executor process; p99 added latency at 200 calls/s
 TARGETS = (Target("calls_per_s", 1_000), Target("added_latency_ms.p99", 50, at_most=True))
@@ -143,7 +143,7 @@ class Collector:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
-        self.consumer.close()
+        close_consumer(self.consumer, 10)
 
 
 def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]]:

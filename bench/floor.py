@@ -46,6 +46,7 @@ from agentruns.streams.kafka_defaults import (
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     client_settings,
+    close_consumer,
     fetch_settings,
     release,
 )
@@ -275,7 +276,7 @@ class Side:
         return taken
 
     def close(self) -> None:
-        self.consumer.close()
+        close_consumer(self.consumer, 10)
         if self.pair is not None:
             self.pair.close()
         if self.producer is not None:

@@ -49,7 +49,7 @@ from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
@@ -214,7 +214,7 @@ class Driver:
     def close(self) -> None:
         self.stop.set()
         self._watcher.join(timeout=10)
-        self._consumer.close()
+        close_consumer(self._consumer, 10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

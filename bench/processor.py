@@ -56,7 +56,7 @@ from agentruns.processors.transition import transition
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
@@ -163,7 +163,7 @@ def _count_events(bootstrap: str, topic: str, total: int, timeout: float) -> tup
                     first = first or last
         return first, last
     finally:
-        consumer.close()
+        close_consumer(consumer, 10)
 
 
 def _rss_kib(pid: int) -> dict[str, int]:
@@ -282,7 +282,7 @@ def _latency_phase(
     producer.flush(30)
     done.set()
     watcher.join(timeout=60)
-    consumer.close()
+    close_consumer(consumer, 10)
     measured = start + warmup
     return sorted((began - measured, latency) for began, latency in latencies if began >= measured)
 

@@ -1,9 +1,10 @@
 """What our Kafka clients share: the transactional producers' settings and ids used in turn, the
-long-lived consumers' fetch settings, bounded commit and release."""
+long-lived consumers' fetch settings, bounded commit, release and close."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -163,6 +164,36 @@ def release(producer: Producer, timeout_s: float = 5.0) -> int:
         except KafkaException as exc:
             log.info("closing a producer in a failed state: %s", exc)
     return left
+
+
+def close_consumer(consumer: Consumer, timeout_s: float = 30.0) -> bool:
+    """Close ``consumer`` (leave its group, commit what its revoke callback commits) within
+    ``timeout_s``; return whether it closed in time.
+
+    librdkafka's close waits for its group handler, which keeps looking for an unreachable
+    coordinator without end while a commit is pending (librdkafka#3740): one lost broker must
+    not keep a process from stopping. The close runs in a daemon thread; one that does not
+    finish in time is logged and left to the process's exit. An error the close raised (a
+    revoke callback's, for one) is raised here. Closing twice is harmless."""
+    failed: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            consumer.close()
+        except RuntimeError:  # "Consumer closed": closed before
+            pass
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=close, name="consumer-close", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("a consumer did not close within %.0f s; left to the process's exit", timeout_s)
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 class ProducerPair:

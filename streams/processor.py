@@ -61,7 +61,7 @@ from agentruns.streams.inputs import (
     RecordLimits,
     Topics,
 )
-from agentruns.streams.kafka_defaults import client_settings, partition_count
+from agentruns.streams.kafka_defaults import client_settings, close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
 from agentruns.streams.records import EFFECT_TOPIC_KIND, Parked, RunSlot
@@ -354,9 +354,8 @@ class Processor:
 
     def close(self) -> None:
         try:
-            self._consumer.close()  # may revoke, and so commit, a batch: artifacts needed
-        except RuntimeError:  # already closed
-            pass
+            # may revoke, and so commit, a batch (artifacts needed): time for its bounded commit
+            close_consumer(self._consumer, 60)
         except KafkaException as exc:  # fenced: the error the process stops for is raised
             log.info("closing the consumer in a failed state: %s", exc)
         with contextlib.suppress(KafkaException):

@@ -55,7 +55,13 @@ from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.errors import AgentrunsKafkaError
-from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
+from agentruns.streams.kafka_defaults import (
+    NO_DELAY,
+    client_settings,
+    close_consumer,
+    partition_count,
+    release,
+)
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
@@ -439,7 +445,7 @@ class ResultsConsumer:
         try:
             self.commit()
         finally:
-            self._consumer.close()
+            close_consumer(self._consumer)
 
     def __enter__(self) -> ResultsConsumer:
         return self

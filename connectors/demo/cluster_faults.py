@@ -34,7 +34,7 @@ from typing import Any
 
 from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.netlab import HOST, NetLab
-from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -251,7 +251,7 @@ class ProgressWatch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._consumer.close()
+        close_consumer(self._consumer, 10)
 
     def stall(self, began: float, ended: float) -> float:
         """The longest time without a new record from ``began`` (the fault) to

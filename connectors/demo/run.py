@@ -31,7 +31,7 @@ from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState, To
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, release
+from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record, parse_effect_body, parse_state
 from agentruns.streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
@@ -153,7 +153,7 @@ class Demo:
 
     def close(self) -> None:
         for consumer in self._readers.values():
-            consumer.close()
+            close_consumer(consumer, 10)
         release(self.producer, 10)
 
 

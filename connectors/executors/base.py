@@ -68,7 +68,7 @@ from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.streams import dlq, records, tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
-from agentruns.streams.kafka_defaults import partition_count
+from agentruns.streams.kafka_defaults import close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
@@ -618,8 +618,8 @@ class Executor:
             self._drain()
         self._committer.stop()
         log.info("executor stats %s", json.dumps(self.stats.summary()))
-        with contextlib.suppress(RuntimeError, KafkaException):
-            self._consumer.close()
+        with contextlib.suppress(KafkaException):
+            close_consumer(self._consumer)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.handler.close()
         self._records.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
 from agentruns.streams.codec import CodecError, decode
-from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import EVENTS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
@@ -115,7 +115,7 @@ def read_keyed(
     except KafkaException as exc:
         raise AgentrunsKafkaError(f"reading {topic} failed: {exc}") from exc
     finally:
-        consumer.close()
+        close_consumer(consumer)
 
 
 def partition_count(bootstrap: str, topic: str) -> int:
@@ -128,7 +128,7 @@ def partition_count(bootstrap: str, topic: str) -> int:
             raise AuditError(f"topic {topic} does not exist", hint="check --prefix")
         return len(meta.partitions)
     finally:
-        consumer.close()
+        close_consumer(consumer)
 
 
 def read_log(

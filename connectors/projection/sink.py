@@ -91,6 +91,7 @@ from agentruns.streams.kafka_defaults import (
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
+    close_consumer,
     release,
 )
 from agentruns.streams.membership import Membership
@@ -464,8 +465,8 @@ class Sink:
             self._inflight = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        with contextlib.suppress(RuntimeError, KafkaException):
-            self._consumer.close()
+        with contextlib.suppress(KafkaException):
+            close_consumer(self._consumer)
         release(self._dlq, 10)
         self._writer_pg.drop()
         self._reader_pg.drop()

@@ -33,7 +33,7 @@ from agentruns.connectors.runtime.timers import fired_input
 from agentruns.processors.state import TERMINAL
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
-from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, default_prefix, effect_suffix, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -85,7 +85,7 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
             lag += high - max(tp.offset, 0)
         return lag
     finally:
-        consumer.close()
+        close_consumer(consumer)
 
 
 #: The terminal statuses as an SQL list, written out so that the planner can match it with the

@@ -48,6 +48,7 @@ from agentruns.streams.kafka_defaults import (
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
+    close_consumer,
     partition_count,
     release,
 )
@@ -314,8 +315,7 @@ class TimerService:
         log.info("fired %d timers", len(rows))
 
     def close(self) -> None:
-        with contextlib.suppress(RuntimeError):  # already closed
-            self._consumer.close()
+        close_consumer(self._consumer)
         release(self._producer, 10)
         if self._conn is not None:
             self._conn.close()

@@ -30,7 +30,7 @@ from agentruns.connectors.devstack.local_kafka import LocalKafka
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.streams import admin, transaction
 from agentruns.streams.admin import ensure_topics, record_limits
-from agentruns.streams.kafka_defaults import client_settings, release
+from agentruns.streams.kafka_defaults import client_settings, close_consumer, release
 from agentruns.streams.topics import INBOX, topic_name
 from agentruns.streams.transaction import Clients, Committer, Record, Timings
 from confluent_kafka import Consumer
@@ -207,4 +207,4 @@ def test_an_abort_that_timed_out_is_resumed_and_the_next_transaction_commits(
         assert [u.offset for u in committed] == [1, 2, 3]
     finally:
         committer.close()
-        consumer.close()
+        close_consumer(consumer, 10)

@@ -35,7 +35,7 @@ from agentruns.processors.events import Event, ModelCallCompleted
 from agentruns.processors.ids import canonical_json
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import INBOX, effect_suffix, topic_name
@@ -101,7 +101,7 @@ class InboxReader:
         return event
 
     def close(self) -> None:
-        self.consumer.close()
+        close_consumer(self.consumer, 10)
 
 
 class Effects:

@@ -43,7 +43,7 @@ from agentruns.processors.state import Budgets, ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, release
+from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, close_consumer, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ArtifactWriter, Processor, ProcessorConfig
 from agentruns.streams.records import input_record, parse_effect_body
@@ -167,7 +167,7 @@ def read_raw(
                 out.append(RawRecord(partition, offset, msg.key(), msg.value(), headers))
         return out
     finally:
-        consumer.close()
+        close_consumer(consumer, 10)
 
 
 def read_all(
@@ -256,7 +256,7 @@ class ExecutorDouble(threading.Thread):
                         self.inbox.send(input_record(answer))
                 self.inbox.flush()
         finally:
-            self._consumer.close()
+            close_consumer(self._consumer, 10)
             self.inbox.close()
 
     def answer(self, effect: Any) -> Iterable[Event]:

@@ -1,5 +1,6 @@
 """`commit_timed`: one timeout bounds the flush and the commit together. `release`: a producer
-stops at once, and never waits without bound for records no broker acknowledges."""
+stops at once, and never waits without bound for records no broker acknowledges.
+`close_consumer`: a consumer whose coordinator cannot be reached does not hold its caller."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 from agentruns.streams.kafka_defaults import (
     FETCH_WINDOW_BYTES,
     LONG_POLL_MS,
+    close_consumer,
     commit_timed,
     fetch_settings,
     release,
 )
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 
 class _Recorder:
@@ -108,3 +110,43 @@ def test_fetch_settings_window_or_long_poll() -> None:
     assert fetch_settings(20) == {"fetch.wait.max.ms": 20, "fetch.min.bytes": FETCH_WINDOW_BYTES}
     # no window: each record answers the held fetch as it lands
     assert fetch_settings(0) == {"fetch.wait.max.ms": LONG_POLL_MS}
+
+
+def _unreachable_consumer() -> Consumer:
+    """A real consumer of a group whose brokers (and so its coordinator) cannot be reached."""
+    return Consumer(
+        {
+            "bootstrap.servers": "127.0.0.1:1",
+            "group.id": "unreachable",
+            "enable.auto.commit": False,
+            "log_level": 0,
+        }
+    )
+
+
+def test_close_of_a_consumer_with_a_commit_no_coordinator_takes_returns_in_its_bound() -> None:
+    # librdkafka's own close looks for the coordinator without end here
+    consumer = _unreachable_consumer()
+    consumer.assign([TopicPartition("t", 0, 5)])
+    consumer.commit(offsets=[TopicPartition("t", 0, 5)], asynchronous=True)
+    began = time.monotonic()
+    assert close_consumer(consumer, 1.0) is False
+    assert time.monotonic() - began < 3.0
+
+
+def test_close_of_an_idle_consumer_closes_it_and_may_be_repeated() -> None:
+    consumer = _unreachable_consumer()
+    consumer.assign([TopicPartition("t", 0, 5)])
+    assert close_consumer(consumer, 10.0) is True
+    with pytest.raises(RuntimeError):
+        consumer.poll(0)  # closed
+    assert close_consumer(consumer, 10.0) is True
+
+
+def test_close_raises_what_the_close_raised_in_the_callers_thread() -> None:
+    class Failing:
+        def close(self) -> None:
+            raise KafkaException(KafkaError(KafkaError._FENCED))
+
+    with pytest.raises(KafkaException):
+        close_consumer(cast(Consumer, Failing()), 5.0)
