@@ -353,6 +353,12 @@ class Handler(Protocol):
 
     def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome: ...
 
+    def prepare(self, effects: Sequence[Effect]) -> None:
+        """Before a batch's effects are executed (in the loop thread): read ahead, in a few
+        statements, what their ``execute`` calls will read. Only a read ahead: an error here
+        other than a database outage is logged, and each call reads what it needs itself."""
+        ...
+
     def failure(self, effect: Effect, code: str, message: str) -> Outcome:
         """The answer to an effect that cannot be carried out: one the core classifies as
         not worth retrying as is. ``code``: ``executor_error`` (the handler raised),
@@ -789,6 +795,7 @@ class Executor:
         if answers:
             EXECUTOR_EFFECTS.labels(kind, "replayed").inc(len(answers))
         if todo:
+            self._prepare(todo)
             futures = [
                 self._pool.submit(
                     self._traced, e, records.get(e.idempotency_key), contexts, e.idempotency_key
@@ -807,6 +814,14 @@ class Executor:
                 EXECUTOR_EFFECTS.labels(kind, "executed").inc(len(completions) - failed)
         self.stats.effects += len(unique)
         return [(unique[k].run_id, answers[k], contexts.get(k)) for k in unique]
+
+    def _prepare(self, effects: list[Effect]) -> None:
+        try:
+            self.handler.prepare(effects)
+        except Exception as exc:
+            if _outage(exc):
+                raise
+            log.warning("reading ahead for %d effects failed: %s", len(effects), exc)
 
     def _traced(
         self, effect: Effect, previous: ActionRecord | None, contexts: dict[str, str], key: str

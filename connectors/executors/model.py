@@ -430,6 +430,48 @@ def tool_messages(
 
 Loader = Callable[[Sequence[str]], dict[str, Any]]
 
+#: How many levels of context chains `prefetch_conversations` reads for a batch; a call whose
+#: chain is longer reads the rest itself.
+PREFETCH_DEPTH = 64
+
+
+def _named(contexts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The artifacts frozen contexts name: the previous candidates and the stored inputs."""
+    needed = [c["previous_candidate"] for c in contexts if c.get("previous_candidate")]
+    needed += [i for c in contexts for i in c.get("inputs") or () if i.startswith("sha256:")]
+    return needed
+
+
+def _raw_refs(found: Mapping[str, Any]) -> list[str]:
+    """The raw answers that loaded artifacts (tool results stored apart) point to."""
+    return [v["raw_ref"] for v in found.values() if isinstance(v, Mapping) and "raw_ref" in v]
+
+
+def prefetch_conversations(effects: Sequence[CallModel], load: Loader) -> dict[str, Any]:
+    """What `build_conversation` reads for each call of a batch, one statement at a time,
+    loaded for the whole batch in a few: the context chains a level at a time, then the
+    candidates, inputs and tool registries they name, then the raw answers of those."""
+    ahead: dict[str, Any] = {}
+    refs = {e.context_ref for e in effects}
+    for _ in range(PREFETCH_DEPTH):
+        refs -= ahead.keys()
+        if not refs:
+            break
+        level = load(sorted(refs))
+        ahead.update(level)
+        contexts = [c for c in level.values() if isinstance(c, Mapping)]
+        refs = {
+            c["previous_context"] for c in contexts if isinstance(c.get("previous_context"), str)
+        }
+    contexts = [c for c in ahead.values() if isinstance(c, Mapping)]
+    registries = [c["tool_registry"] for c in contexts if isinstance(c.get("tool_registry"), str)]
+    found = load(_named(contexts) + registries)
+    ahead.update(found)
+    raws = _raw_refs(found)
+    if raws:
+        ahead.update(load(raws))
+    return ahead
+
 
 def build_conversation(
     effect: CallModel, load: Loader
@@ -450,10 +492,8 @@ def build_conversation(
     ]
     if not any(m["role"] == "user" for m in messages):
         messages.append({"role": "user", "content": first.get("goal", "")})
-    needed = [c["previous_candidate"] for c in chain[1:] if c.get("previous_candidate")]
-    needed += [i for c in chain[1:] for i in c.get("inputs") or () if i.startswith("sha256:")]
-    found = load(needed)
-    raws = [v["raw_ref"] for v in found.values() if isinstance(v, Mapping) and "raw_ref" in v]
+    found = load(_named(chain[1:]))
+    raws = _raw_refs(found)
     if raws:
         found.update(load(raws))
     goal = first.get("goal")
@@ -553,6 +593,7 @@ class ModelHandler:
         self.routes = routes
         self.registry = registry
         self._cache = _ArtifactCache(database_url)
+        self._ahead: dict[str, Any] = {}  # the current batch's artifacts, read ahead
         # One keep-alive connection per worker thread and origin: the executor's workers bound
         # the connections to a route. Connect timeouts and byte limits are the route's, per call.
         self._http = KeepAliveHTTP(connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
@@ -560,6 +601,23 @@ class ModelHandler:
     def close(self) -> None:
         self._http.close()
         self._cache.close()
+
+    def prepare(self, effects: Sequence[Effect]) -> None:
+        # the batch's calls run only after this returns, and the next batch's prepare only
+        # after they all ended: the pool threads read this map, never while it is replaced
+        self._ahead = {}
+        calls = [e for e in effects if isinstance(e, CallModel)]
+        if calls:
+            self._ahead = prefetch_conversations(calls, self._cache.load)
+
+    def _load(self, refs: Sequence[str]) -> dict[str, Any]:
+        """Artifacts by ref: the batch's read-ahead first (it holds them all, however many
+        the cache keeps), then the cache."""
+        ahead = self._ahead
+        found = {ref: ahead[ref] for ref in refs if ref in ahead}
+        if len(found) < len(refs):
+            found.update(self._cache.load([ref for ref in refs if ref not in found]))
+        return found
 
     def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
         if not isinstance(effect, CallModel):
@@ -570,7 +628,7 @@ class ModelHandler:
             log.info("re-calling %s after an interrupted attempt", effect.idempotency_key)
         route = self.routes.get(effect.model_route)
         try:
-            messages, context = build_conversation(effect, self._cache.load)
+            messages, context = build_conversation(effect, self._load)
         except ExecutorError as exc:
             assembled = StreamAssembler().result(interrupted=str(exc))
             return self._outcome(effect, replace_outcome(assembled, ModelOutcome.TRANSPORT_ERROR))
@@ -594,7 +652,7 @@ class ModelHandler:
     def _tools(self, registry_ref: Any) -> list[dict[str, Any]]:
         specs = None
         if isinstance(registry_ref, str):
-            specs = self._cache.load([registry_ref]).get(registry_ref)
+            specs = self._load([registry_ref]).get(registry_ref)
         if isinstance(specs, list):
             described = self.registry.tools if self.registry is not None else {}
             return [

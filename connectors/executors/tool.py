@@ -294,6 +294,9 @@ class ToolHandler:
     def close(self) -> None:
         self._http.close()
 
+    def prepare(self, effects: Sequence[Effect]) -> None:
+        """Nothing to read ahead: a tool call's effect carries all it needs."""
+
     def failure(self, effect: Effect, code: str, message: str) -> Outcome:
         """The answer to an effect this handler could not carry out (the executor's guard):
         the core does not retry UNKNOWN; a reconcile that cannot finish is undeterminable
