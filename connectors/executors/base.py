@@ -215,13 +215,21 @@ def operation_key_of(effect: Effect) -> str | None:
 
 
 class ActionRecords:
-    """The executed-action records in Postgres. One connection; the loop thread only."""
+    """The executed-action records in Postgres. One connection; the loop thread only.
+
+    Every statement here finds rows by primary key, so the session plans no sequential scan
+    (``enable_seqscan = off``): psycopg prepares a statement on its fifth run, and Postgres
+    then keeps the generic plan it chose while the table was small, a sequential scan that
+    grows with the table until autovacuum analyzes it (8.8 ms a statement at 9,000 rows on a
+    fresh database, where the index takes 0.3 ms)."""
 
     _COLUMNS = "idempotency_key, effect_type, status, starts, input_json, detail"
 
     def __init__(self, database_url: str, executor: str, *, retries: int = 30) -> None:
         self._executor = executor
-        self._db = RetryingConnection(database_url, ExecutorError, retries=retries)
+        self._db = RetryingConnection(
+            database_url, ExecutorError, retries=retries, settings={"enable_seqscan": "off"}
+        )
 
     def fetch(self, keys: Sequence[str]) -> dict[str, ActionRecord]:
         if not keys:

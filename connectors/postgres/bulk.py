@@ -14,31 +14,44 @@ caller's own error type is raised, marked retryable.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams.errors import AgentrunsError
+from psycopg import sql
 
 T = TypeVar("T")
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 class RetryingConnection:
+    """``settings``: session parameters set on every (re)connection, for a connection whose
+    statements all need the same planner choice."""
+
     def __init__(
-        self, database_url: str, error: type[AgentrunsError], *, retries: int = 30
+        self,
+        database_url: str,
+        error: type[AgentrunsError],
+        *,
+        retries: int = 30,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self._url = database_url
         self._error = error
         self._retries = retries
+        self._settings = dict(settings or {})
         self._conn: Conn | None = None
 
     def _connection(self) -> Conn:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._url, autocommit=True)
-            prefer_lz4(self._conn)
+            conn = psycopg.connect(self._url, autocommit=True)
+            for name, value in self._settings.items():
+                conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name), value))
+            prefer_lz4(conn)
+            self._conn = conn
         return self._conn
 
     def run(self, what: str, fn: Callable[[Conn], T]) -> T:

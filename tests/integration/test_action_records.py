@@ -1,0 +1,95 @@
+"""The executed-action records keep their statements on the primary key as the table grows.
+
+On a fresh database whose table autovacuum has not analyzed yet, a prepared statement keeps the
+generic plan Postgres chose while the table was small: a sequential scan, whatever the table
+holds later. The records' session plans no sequential scan, so a batch reads its rows through
+the index at any size. Real Postgres: a database of its own, autovacuum off for the table, so no
+analyze comes between."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from agentruns.connectors.executors.base import ActionRecords, Completion
+from agentruns.connectors.postgres.migrate import migrate
+from agentruns.processors.effects import CallModel
+
+BATCH = 18
+
+
+@pytest.fixture
+def fresh_database(database_url: str) -> Iterator[str]:
+    name = f"records_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = psycopg.conninfo.make_conninfo(database_url, dbname=name)
+    try:
+        migrate(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("ALTER TABLE executed_actions SET (autovacuum_enabled = false)")
+        yield url
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _batch(records: ActionRecords, n: int) -> None:
+    effects = [
+        CallModel(
+            idempotency_key=f"run-{n}-{i}:model:1:1",
+            run_id=f"run-{n}-{i}",
+            step=1,
+            attempt=1,
+            trace_id="t",
+            context_ref="sha256:" + "0" * 64,
+            model_route="default",
+        )
+        for i in range(BATCH)
+    ]
+    assert all(not r.completed for r in records.begin(effects).values())
+    completions = [
+        Completion(e, {"kind": "ModelCallCompleted", "input_id": f"in-{e.run_id}"}, "ok")
+        for e in effects
+    ]
+    answers = records.complete(completions)
+    assert len(answers) == BATCH
+    assert records.fetch([effects[0].idempotency_key])[effects[0].idempotency_key].completed
+
+
+def _scans(url: str, table: str, owner: ActionRecords) -> tuple[int, int]:
+    """Scans of ``table`` so far, the owner's own connection's included: its counters are
+    flushed as it goes idle after asking to (Postgres 15+), not every second."""
+    owner._db.run("flushing statistics", lambda c: c.execute("SELECT pg_stat_force_next_flush()"))
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT seq_scan, idx_scan FROM pg_stat_user_tables WHERE relname = %s", (table,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0] or 0), int(row[1] or 0)
+
+
+def test_the_records_read_by_the_index_however_the_table_grew_since_planning(
+    fresh_database: str,
+) -> None:
+    records = ActionRecords(fresh_database, "test")
+    try:
+        for n in range(20):  # past psycopg's prepare threshold (5) and five custom plans
+            _batch(records, n)
+        with psycopg.connect(fresh_database, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step,"
+                " attempt, status, executor, input_json, completed_at)"
+                " SELECT 'old-' || g, 'CallModel', 'old', 1, 1, 'completed', 'x', '{}', now()"
+                " FROM generate_series(1, 20000) AS g"
+            )
+        seq_before, idx_before = _scans(fresh_database, "executed_actions", records)
+        for n in range(20, 40):
+            _batch(records, n)
+        seq_after, idx_after = _scans(fresh_database, "executed_actions", records)
+    finally:
+        records.close()
+    assert seq_after == seq_before  # not one sequential scan of the grown table
+    assert idx_after - idx_before >= 20 * 3  # begin, complete and fetch of every batch
