@@ -76,13 +76,17 @@ def _run(store: Store, run_id: str, steps: int) -> CallModel:
         ref = _context(
             store, run_id, step, ref, candidate=candidate, inputs=[result], registry=registry
         )
+    return _call(run_id, ref, steps)
+
+
+def _call(run_id: str, context_ref: str, step: int) -> CallModel:
     return CallModel(
-        idempotency_key=f"{run_id}:model:{steps}:1",
+        idempotency_key=f"{run_id}:model:{step}:1",
         run_id=run_id,
-        step=steps,
+        step=step,
         attempt=1,
         trace_id=f"trace-{run_id}",
-        context_ref=ref,
+        context_ref=context_ref,
         model_route="default",
     )
 
@@ -126,15 +130,7 @@ def test_a_cycle_of_contexts_ends_the_read_ahead() -> None:
     # store row could still hold one)
     store.artifacts["sha256:a"] = {"step": 2, "previous_context": "sha256:b"}
     store.artifacts["sha256:b"] = {"step": 1, "previous_context": "sha256:a"}
-    effect = CallModel(
-        idempotency_key="r:model:2:1",
-        run_id="r",
-        step=2,
-        attempt=1,
-        trace_id="t",
-        context_ref="sha256:a",
-        model_route="default",
-    )
+    effect = _call("r", "sha256:a", step=2)
     prefetch_conversations([effect], store.load)
     assert store.statements == 2  # each context once; they name nothing else
 
@@ -157,15 +153,7 @@ def test_a_hostile_context_ends_the_read_ahead_and_the_call_fails_as_before(cont
     store = Store()
     if context is not None:
         store.artifacts["sha256:ctx"] = context
-    effect = CallModel(
-        idempotency_key="r:model:1:1",
-        run_id="r",
-        step=1,
-        attempt=1,
-        trace_id="t",
-        context_ref="sha256:ctx",
-        model_route="default",
-    )
+    effect = _call("r", "sha256:ctx", step=1)
     prefetch_conversations([effect], store.load)  # raises nothing
     with pytest.raises(ExecutorError, match="not found"):
         build_conversation(effect, store.load)
