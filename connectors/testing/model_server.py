@@ -21,8 +21,10 @@ import json
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -35,6 +37,7 @@ from agentruns.connectors.testing.httpserver import (
     run_until_signal,
     start_server,
 )
+from agentruns.connectors.testing.latency import MAX_MS, LatencyParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 BUILTIN_SCENARIOS = Path(__file__).with_name("scenarios")
@@ -56,6 +59,7 @@ FaultKind = Literal[
     "huge_stream",
     "huge_line",
     "bad_utf8",
+    "latency",
 ]
 FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
 # `bad_chunk; shape=...`: a chunk that is valid JSON (or, for `not_json`, not) of a shape the
@@ -78,6 +82,61 @@ HUGE_LINE_BYTES = 1024 * 1024
 BAD_DEPTH = 1000
 KEEPALIVE_MS = 100.0
 DRIP_MS = 1000.0
+# `latency`: the words of the filler deltas streamed before the scripted answer, a few a chunk.
+FILLER_TEXT = (
+    "let me think about this request step by step and check what the tools can tell us "
+    "before giving a careful answer"
+)
+FILLER_WORDS_PER_CHUNK = 3
+MAX_FILLER_CHUNKS = 10_000  # a long L at a short chunk_ms gets wider spacing, not more chunks
+
+
+class StreamLatency(LatencyParams):
+    """The ``latency`` fault's parameters: the call's total time L is log-normal around
+    ``median_ms``; the role delta comes after ``ttft_share`` x L, then one chunk every
+    ``chunk_ms`` (0: the scripted deltas alone, spread evenly) until L."""
+
+    median_ms: float = Field(default=2000.0, gt=0, le=MAX_MS)
+    min_ms: float = Field(default=100.0, gt=0, le=MAX_MS)
+    max_ms: float = Field(default=30000.0, gt=0, le=MAX_MS)
+    ttft_share: float = Field(default=0.2, ge=0, le=1)
+    chunk_ms: float = Field(default=50.0, ge=0, le=60000)
+
+    @model_validator(mode="after")
+    def _whole_chunks(self) -> StreamLatency:
+        if 0 < self.chunk_ms < 1:
+            raise ValueError("chunk_ms must be 0 (no filler) or at least 1")
+        return self
+
+
+LATENCY_FIELDS = tuple(StreamLatency.model_fields)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """When a ``latency`` request's chunks go out: ``total`` seconds (the drawn L) in all."""
+
+    total: float
+    spec: StreamLatency
+
+    @property
+    def ttft(self) -> float:
+        return self.total * self.spec.ttft_share
+
+    def filler(self, scripted: int) -> int:
+        """Filler chunks to stream before ``scripted`` deltas so that one comes about every
+        ``chunk_ms`` between the first chunk and L (none with ``chunk_ms`` 0)."""
+        if self.spec.chunk_ms <= 0:
+            return 0
+        wanted = round((self.total - self.ttft) * 1000 / self.spec.chunk_ms)
+        return max(0, min(wanted, MAX_FILLER_CHUNKS) - scripted)
+
+    def offsets(self, frames: int, deltas: int) -> list[float]:
+        """Seconds from the start at which each frame is due: the role delta at the first
+        token, the ``deltas`` after it evenly until L, the rest (finish, ``[DONE]``) at L."""
+        rest = self.total - self.ttft
+        due = [self.ttft, *(self.ttft + rest * k / deltas for k in range(1, deltas + 1))]
+        return due + [self.total] * (frames - len(due))
 
 
 class ToolCallSpec(BaseModel):
@@ -88,7 +147,35 @@ class ToolCallSpec(BaseModel):
     id: str | None = None
 
 
-class FaultSpec(BaseModel):
+class LatencyFields(BaseModel):
+    """The ``latency`` parameters of a fault rule or a scenario turn's fault, checked against
+    ``StreamLatency`` when the kind is ``latency`` (so a bad rule is refused when posted)."""
+
+    kind: FaultKind
+    median_ms: float | None = None
+    sigma: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    seed: int | None = None
+    ttft_share: float | None = None
+    chunk_ms: float | None = None
+
+    @model_validator(mode="after")
+    def _latency_in_bounds(self) -> LatencyFields:
+        if self.kind == "latency":
+            try:
+                StreamLatency.model_validate(self.latency_params())
+            except ValidationError as exc:
+                raise ValueError(f"invalid latency parameters: {exc}") from None
+        return self
+
+    def latency_params(self) -> dict[str, str]:
+        """The latency parameters given, as fault parameters (exact: ``str``, not ``%g``)."""
+        values = {name: getattr(self, name) for name in LATENCY_FIELDS}
+        return {name: str(v) for name, v in values.items() if v is not None}
+
+
+class FaultSpec(LatencyFields):
     """A fault served by a scenario turn or a ``/faults`` rule.
 
     ``times``: how many requests (per conversation and turn) get it; ``None`` = every request.
@@ -141,7 +228,7 @@ class Scenario(BaseModel):
         return self.turns[min(index, len(self.turns) - 1)]
 
 
-class FaultRule(BaseModel):
+class FaultRule(LatencyFields):
     """A fault posted to ``/faults``: matches requests by scenario / turn / conversation."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -264,6 +351,8 @@ class Answer:
         self.scenario = scenario
         self.turn = turn
         self.content = turn.content
+        self.filler: list[str] = []
+        self._prompt_tokens = estimate_tokens(prompt)
         self.tool_calls: list[dict[str, Any]] = []
         conv_hash = hashlib.sha256(conversation.encode()).hexdigest()[:8]
         for i, call in enumerate(turn.tool_calls):
@@ -279,20 +368,34 @@ class Answer:
                 }
             )
         self.finish_reason = turn.finish_reason or ("tool_calls" if self.tool_calls else "stop")
+        self.usage = self._usage()
+
+    def _usage(self) -> dict[str, int]:
         generated = self.content + "".join(c["function"]["arguments"] for c in self.tool_calls)
         usage = {
-            "prompt_tokens": estimate_tokens(prompt),
+            "prompt_tokens": self._prompt_tokens,
             "completion_tokens": estimate_tokens(generated),
         }
-        usage.update(turn.usage or {})
+        usage.update(self.turn.usage or {})
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        self.usage = usage
+        return usage
+
+    def add_filler(self, chunks: int) -> None:
+        """``chunks`` content deltas of filler words streamed before the scripted ones, as a
+        model streams tokens for a while; they are part of the content and of the usage."""
+        n, words = FILLER_WORDS_PER_CHUNK, FILLER_TEXT.split()
+        self.filler = [
+            " ".join(words[(i * n + j) % len(words)] for j in range(n)) + " " for i in range(chunks)
+        ]
+        self.content = "".join(self.filler) + self.turn.content
+        self.usage = self._usage()
 
     def deltas(self) -> list[dict[str, Any]]:
-        """Deltas after the role delta: content pieces, then per tool call one delta with
-        id and name, then its arguments split across several deltas."""
+        """Deltas after the role delta: filler (``latency``), content pieces, then per tool
+        call one delta with id and name, then its arguments split across several deltas."""
         size = self.scenario.chunk_chars
-        out: list[dict[str, Any]] = [{"content": p} for p in _pieces(self.content, size)]
+        out: list[dict[str, Any]] = [{"content": p} for p in self.filler]
+        out += [{"content": p} for p in _pieces(self.turn.content, size)]
         for call in self.tool_calls:
             out.append(
                 {
@@ -338,6 +441,7 @@ class ModelServerApp:
         self._stats: Counter[str] = Counter()
         self._faults: Counter[str] = Counter()
         self._by_scenario: Counter[str] = Counter()
+        self._latency: dict[str, list[float]] = {}
 
     # counters
     def count(self, name: str) -> None:
@@ -366,6 +470,23 @@ class ModelServerApp:
             self._stats.clear()
             self._faults.clear()
             self._by_scenario.clear()
+            self._latency.clear()
+
+    def record_latency(self, conversation: str, ms: float) -> None:
+        """Account a ``latency`` request's planned time to its conversation (the run)."""
+        with self._lock:
+            calls_ms = self._latency.setdefault(conversation, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += ms
+
+    def latency(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "conversations": {
+                    key: {"calls": int(calls), "ms": round(ms, 3)}
+                    for key, (calls, ms) in self._latency.items()
+                }
+            }
 
     def add_scenario(self, scenario: Scenario) -> None:
         with self._lock:
@@ -417,6 +538,8 @@ class ModelServerApp:
 
 
 def _fault_request(spec: FaultSpec | FaultRule) -> FaultRequest:
+    if spec.kind == "latency":
+        return FaultRequest(kind=spec.kind, params=spec.latency_params())
     values: dict[str, float | str | None] = {
         "after_chunks": spec.after_chunks,
         "delay_ms": spec.delay_ms,
@@ -490,6 +613,8 @@ class ModelHandler(JSONHandler):
             self.send_json(200, {n: s.model_dump() for n, s in sorted(self.app.scenarios.items())})
         elif parts == ["faults"]:
             self.send_json(200, {"rules": self.app.rules()})
+        elif parts == ["latency"]:
+            self.send_json(200, self.app.latency())
         else:
             self.send_json(404, _error(f"no route GET {self.path}"))
 
@@ -555,6 +680,12 @@ class ModelHandler(JSONHandler):
         if shape is not None and shape not in BAD_SHAPES:
             self.send_json(400, _error(f"unknown bad_chunk shape {shape!r}"))
             return
+        if header_fault is not None and header_fault.kind == "latency":
+            try:
+                StreamLatency.model_validate(header_fault.params)
+            except ValidationError as exc:
+                self.send_json(400, _error(f"invalid latency parameters: {exc}"))
+                return
         fault, attempt = self.app.plan(scenario, conversation, turn_index, header_fault)
         if fault is not None:
             self.app.count_fault(fault.kind)
@@ -575,20 +706,35 @@ class ModelHandler(JSONHandler):
         model = str(body.get("model") or f"scenario:{name}")
         digest = hashlib.sha256(f"{conversation}:{turn_index}".encode()).hexdigest()[:12]
         completion_id = f"chatcmpl-{digest}-{attempt}"
+        pace: Pace | None = None
+        if fault is not None and fault.kind == "latency":
+            spec = StreamLatency.model_validate(fault.params)
+            total_ms = spec.draw_ms(conversation, turn_index, attempt)
+            self.app.record_latency(conversation, total_ms)
+            pace = Pace(total_ms / 1000, spec)
         if body.get("stream"):
             options = body.get("stream_options")
             separate_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            self.stream(answer, model, completion_id, fault, separate_usage)
+            if pace is not None:
+                answer.add_filler(pace.filler(len(answer.deltas())))
+            self.stream(answer, model, completion_id, fault, separate_usage, pace)
         else:
-            self.respond(answer, model, completion_id, fault)
+            self.respond(answer, model, completion_id, fault, pace)
 
     def respond(
-        self, answer: Answer, model: str, completion_id: str, fault: FaultRequest | None
+        self,
+        answer: Answer,
+        model: str,
+        completion_id: str,
+        fault: FaultRequest | None,
+        pace: Pace | None = None,
     ) -> None:
         kind = fault.kind if fault else None
         delay = answer.scenario.delay_ms / 1000 * len(answer.deltas())
         if kind == "slow" and fault is not None:
             delay += fault.number("delay_ms", 50) / 1000 * (len(answer.deltas()) + 2)
+        if pace is not None:  # the whole drawn latency, then the scripted answer (no filler)
+            delay = pace.total
         if not self.server.sleep(delay):
             self.drop_connection()
             return
@@ -622,10 +768,11 @@ class ModelHandler(JSONHandler):
         completion_id: str,
         fault: FaultRequest | None,
         separate_usage: bool = False,
+        pace: Pace | None = None,
     ) -> None:
         """SSE over chunked transfer encoding (so keep-alive survives). Usage rides on the
         finish chunk, or (``stream_options.include_usage``) on an extra chunk with no choices,
-        as OpenAI does."""
+        as OpenAI does. A ``latency`` stream goes out at the ``pace`` drawn for it."""
 
         def chunk(delta: dict[str, Any] | None, finish: str | None, usage: bool = False) -> bytes:
             payload: dict[str, Any] = {
@@ -694,6 +841,10 @@ class ModelHandler(JSONHandler):
         if fault is not None and kind in ("keepalive", "drip"):
             self.stall(head, events, fault)
             return
+        if pace is not None:
+            if self.paced(head, frames, pace.offsets(len(frames), len(answer.deltas()))):
+                self.app.count("completions")
+            return
         try:
             if delay:
                 self.wfile.write(head)
@@ -711,6 +862,30 @@ class ModelHandler(JSONHandler):
             self.drop_connection()  # socket closed mid-body: no finish, no [DONE]
         elif kind is None or kind == "slow":
             self.app.count("completions")
+
+    def paced(self, head: bytes, frames: list[bytes], offsets: list[float]) -> bool:
+        """Send each frame when due (the head with the first); frames due together go out
+        in one write. Deadlines are from the start, so a late wake-up does not push the rest
+        back. False when the client went or the server is closing."""
+        frames = [head + frames[0], *frames[1:]]
+        start = time.monotonic()
+        batch = b""
+        try:
+            for due, frame in zip(offsets, frames, strict=True):
+                wait = start + due - time.monotonic()
+                if wait > 0:
+                    if batch:
+                        self.wfile.write(batch)
+                        batch = b""
+                    if not self.server.sleep(wait):
+                        self.drop_connection()
+                        return False
+                batch += frame
+            self.wfile.write(batch)
+        except OSError:
+            self.close_connection = True
+            return False
+        return True
 
     def stall(self, head: bytes, events: list[bytes], fault: FaultRequest) -> None:
         """``keepalive``: the first ``after_chunks`` events, then a ``: ping`` comment every

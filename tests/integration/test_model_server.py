@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -424,6 +427,225 @@ def test_fault_rules_by_scenario_and_turn(client: httpx.Client) -> None:
     other = {"messages": conversation("loop_forever")}
     assert client.post("/v1/chat/completions", json=other).status_code == 200
     assert client.delete("/faults").json() == {"rules": []}
+
+
+# --- latency: a drawn time per call, paced like a real model ------------------------------
+
+FIXED = "latency; sigma=0; median_ms="  # sigma 0: every call takes exactly the median
+
+
+def timed_stream(
+    client: httpx.Client, fault: str, user: str = "run-l", scenario: str = "multi_tool"
+) -> tuple[Stream, float, float]:
+    """The assembled stream, the seconds to its first chunk and to its end."""
+    body = {"stream": True, "messages": conversation(scenario), "user": user}
+    out, first = Stream(), 0.0
+    started = time.monotonic()
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Fault": fault}
+    ) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            first = first or time.monotonic() - started
+            out.feed(line)
+    return out, first, time.monotonic() - started
+
+
+def test_latency_stream_takes_the_drawn_time_with_filler_first(client: httpx.Client) -> None:
+    plain = stream_completion(client, conversation("multi_tool"), user="run-l")
+    s, first, total = timed_stream(client, FIXED + "500; chunk_ms=10")
+    assert first >= 0.1  # the first token after ttft_share (0.2) of L
+    assert 0.5 <= total < 0.5 + 3.0
+    # about (L - ttft) / chunk_ms = 40 deltas after the role delta; then the finish chunk
+    assert 36 <= s.chunks - 2 <= 44
+    assert s.done and s.finish_reason == "tool_calls"
+    assert s.content.endswith(plain.content) and len(s.content) > len(plain.content)
+    assert s.calls == plain.calls  # the scripted deltas come last, whole
+    assert s.usage is not None and plain.usage is not None
+    assert s.usage["completion_tokens"] > plain.usage["completion_tokens"]  # filler counts
+
+
+def test_latency_without_filler_spreads_the_scripted_deltas(client: httpx.Client) -> None:
+    plain = stream_completion(client, conversation("multi_tool"), user="run-l")
+    s, _, total = timed_stream(client, FIXED + "300; chunk_ms=0; ttft_share=0")
+    assert 0.3 <= total < 0.3 + 3.0
+    assert s.chunks == plain.chunks and s.content == plain.content and s.calls == plain.calls
+    assert s.usage == plain.usage
+
+
+def test_latency_non_streamed_waits_then_answers_the_script(client: httpx.Client) -> None:
+    body = {"messages": conversation("multi_tool"), "user": "run-n"}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    started = time.monotonic()
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Fault": FIXED + "300"})
+    assert 0.3 <= time.monotonic() - started < 0.3 + 3.0
+    assert r.json()["choices"] == plain["choices"]  # no filler without a stream
+
+
+def test_latency_tool_call_is_assembled_by_the_openai_client(server: ServerHandle) -> None:
+    openai = pytest.importorskip("openai")
+    calls = []
+    for fault in ("", FIXED + "300; chunk_ms=10"):
+        with (
+            openai.OpenAI(
+                base_url=f"{server.url}/v1", api_key="none", default_headers={"X-Fault": fault}
+            ) as ai,
+            ai.chat.completions.stream(
+                model="scenario:multi_tool", messages=conversation("multi_tool"), user="run-o"
+            ) as stream,
+        ):
+            completion = stream.get_final_completion()
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "tool_calls"
+        calls.append([(c.id, c.function.name, c.function.arguments) for c in message.tool_calls])
+    assert calls[0] == calls[1]
+    assert calls[1][0][1] == "search_docs"
+    assert json.loads(calls[1][0][2]) == {"query": "escalation policy", "limit": 3}
+
+
+def test_latency_is_accounted_per_conversation_and_reset(client: httpx.Client) -> None:
+    for user in ("run-a", "run-a", "run-b"):
+        timed_stream(client, FIXED + "100; chunk_ms=0", user=user)
+    timed_stream(client, "", user="run-c")  # no latency: not accounted
+    assert client.get("/latency").json() == {
+        "conversations": {"run-a": {"calls": 2, "ms": 200.0}, "run-b": {"calls": 1, "ms": 100.0}}
+    }
+    client.post("/reset")
+    assert client.get("/latency").json() == {"conversations": {}}
+
+
+def test_latency_draw_is_deterministic_per_seed_conversation_turn_and_attempt(
+    client: httpx.Client,
+) -> None:
+    fault = "latency; median_ms=200; sigma=0.5; min_ms=50; max_ms=1000; chunk_ms=0"
+    for user in ("run-x", "run-x", "run-y"):
+        timed_stream(client, fault, user=user)
+    timed_stream(client, fault + "; seed=7", user="run-z")
+    params = model_server.StreamLatency(median_ms=200, sigma=0.5, min_ms=50, max_ms=1000)
+    expected = {
+        "run-x": params.draw_ms("run-x", 0, 0) + params.draw_ms("run-x", 0, 1),
+        "run-y": params.draw_ms("run-y", 0, 0),
+        "run-z": params.model_copy(update={"seed": 7}).draw_ms("run-z", 0, 0),
+    }
+    seen = client.get("/latency").json()["conversations"]
+    assert {k: v["ms"] for k, v in seen.items()} == pytest.approx(expected, abs=0.001)
+    assert len({round(v, 3) for v in expected.values()}) == 3
+
+
+def test_latency_by_rule_and_by_scenario_turn(client: httpx.Client) -> None:
+    rule = {"kind": "latency", "times": None, "scenario": "loop_forever", "median_ms": 200}
+    assert client.post("/faults", json={**rule, "sigma": 0}).status_code == 200
+    _, _, total = timed_stream(client, "", user="run-r", scenario="loop_forever")
+    assert total >= 0.2
+    timed_stream(client, "", user="run-r", scenario="multi_tool")  # another scenario: none
+    scenario = {
+        "name": "slow_model",
+        "turns": [{"content": "ok", "fault": {"kind": "latency", "times": None, "median_ms": 150}}],
+    }
+    assert client.post("/scenarios", json=scenario).status_code == 200
+    _, _, total = timed_stream(client, "", user="run-s", scenario="slow_model")
+    assert total >= 0.1  # clamped to min_ms at the least
+    seen = client.get("/latency").json()["conversations"]
+    assert seen["run-r"] == {"calls": 1, "ms": 200.0} and seen["run-s"]["calls"] == 1
+
+
+def test_latency_pace_is_bounded() -> None:
+    """A ten-minute L at 1 ms a chunk streams at most MAX_FILLER_CHUNKS chunks, wider apart."""
+    spec = model_server.StreamLatency(chunk_ms=1)
+    pace = model_server.Pace(600.0, spec)
+    assert pace.filler(5) == model_server.MAX_FILLER_CHUNKS - 5
+    assert model_server.Pace(0.3, spec.model_copy(update={"chunk_ms": 0})).filler(5) == 0
+    due = pace.offsets(frames=4, deltas=2)
+    assert due == [120.0, 360.0, 600.0, 600.0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"median_ms": -1},
+        {"median_ms": 1e12},
+        {"sigma": 1e9},
+        {"chunk_ms": -5},
+        {"chunk_ms": 0.001},
+        {"ttft_share": 2},
+        {"min_ms": 500, "max_ms": 100},
+        {"max_ms": 50},  # below the default min_ms (100)
+        {"median_ms": "NaN"},
+    ],
+)
+def test_hostile_latency_parameters_are_refused(
+    client: httpx.Client, params: dict[str, Any]
+) -> None:
+    r = client.post("/faults", json={"kind": "latency", "times": None, **params})
+    assert r.status_code == 422, r.text
+    assert client.get("/faults").json() == {"rules": []}
+    scenario = {"name": "bad", "turns": [{"fault": {"kind": "latency", **params}}]}
+    assert client.post("/scenarios", json=scenario).status_code == 422
+    header = "latency; " + "; ".join(f"{k}={v}" for k, v in params.items())
+    body = {"stream": True, "messages": conversation("multi_tool")}
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Fault": header})
+    assert r.status_code == 400, r.text
+
+
+def test_closing_the_server_ends_sleeping_latency_streams() -> None:
+    handle = model_server.serve("127.0.0.1", 0)
+    outcome: list[BaseException | None] = []
+
+    def slow_call() -> None:
+        body = {"stream": True, "messages": conversation("multi_tool")}
+        fault = {"X-Fault": FIXED + "60000; max_ms=60000"}
+        try:
+            with (
+                httpx.Client(base_url=handle.url, timeout=30.0) as c,
+                c.stream("POST", "/v1/chat/completions", json=body, headers=fault) as r,
+            ):
+                r.read()
+            outcome.append(None)
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=slow_call)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not httpx.get(f"{handle.url}/latency").json()["conversations"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    handle.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - started < 5.0
+    assert outcome and outcome[0] is not None  # cut off, not answered
+
+
+def test_many_concurrent_latency_streams_overlap(server: ServerHandle) -> None:
+    """200 streams of 500 ms each: together about as long as one, far below one after another."""
+    httpx.post(f"{server.url}/reset")
+    body = json.dumps(
+        {"stream": True, "messages": conversation("multi_tool"), "model": "m"}
+    ).encode()
+
+    def one(i: int) -> bytes:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        try:
+            headers = {
+                "Content-Type": "application/json",
+                "X-Fault": FIXED + "500; chunk_ms=50",
+                "X-Conversation-Key": f"run-{i}",
+            }
+            conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+            response = conn.getresponse()
+            assert response.status == 200
+            return response.read()
+        finally:
+            conn.close()
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        bodies = list(pool.map(one, range(200)))
+    elapsed = time.monotonic() - started
+    assert all(b.rstrip().endswith(b"data: [DONE]") for b in bodies)
+    assert 0.5 <= elapsed < 10.0
+    assert len(httpx.get(f"{server.url}/latency").json()["conversations"]) == 200
 
 
 def test_main_serves_until_sigterm() -> None:
