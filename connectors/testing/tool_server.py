@@ -39,14 +39,16 @@ from agentruns.connectors.testing.httpserver import (
     run_until_signal,
     start_server,
 )
+from agentruns.connectors.testing.latency import LatencyParams
 from jsonschema import validators
 from jsonschema.protocols import Validator
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 DEFAULT_REGISTRY = Path(__file__).with_name("tools.example.json")
 DEFAULT_PORT = 8701
 LATE_MARGIN_MS = 1000.0  # "late" answers this long after the tool's registry timeout
 DEFAULT_SLOW_MS = 200.0
+RUN_ID_HEADER = "X-Agentruns-Run-Id"  # whose run a call is, for the `latency` accounting
 
 FaultKind = Literal[
     "late",
@@ -63,6 +65,7 @@ FaultKind = Literal[
     "deep",
     "huge",
     "drip",
+    "latency",
 ]
 FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
 # Defaults of the hostile kinds' parameters: `deep` nesting, `huge` body bytes, `drip` pace.
@@ -99,6 +102,27 @@ class FaultRule(BaseModel):
     depth: int | None = None
     size: int | None = None
     framing: Literal["length", "chunked", "close"] | None = None
+    # `latency`: log-uniform in [min_ms, max_ms], or log-normal around median_ms (see
+    # LatencyParams); checked when posted, so a bad rule is refused
+    min_ms: float | None = None
+    max_ms: float | None = None
+    median_ms: float | None = None
+    sigma: float | None = None
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _latency_in_bounds(self) -> FaultRule:
+        if self.kind == "latency":
+            try:
+                LatencyParams.model_validate(self.latency_params())
+            except ValidationError as exc:
+                raise ValueError(f"invalid latency parameters: {exc}") from None
+        return self
+
+    def latency_params(self) -> dict[str, str]:
+        """The latency parameters given, as fault parameters (exact: ``str``, not ``%g``)."""
+        values = {name: getattr(self, name) for name in LatencyParams.model_fields}
+        return {name: str(v) for name, v in values.items() if v is not None}
 
 
 class ToolRejectedError(Exception):
@@ -243,6 +267,7 @@ class ToolServerApp:
         self.faults: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self.rules: list[tuple[FaultRule, list[int]]] = []
+        self.latency: dict[str, list[float]] = {}  # run (or key) -> [calls, ms]
         self.records = seed_records()
         self.tickets: dict[str, dict[str, Any]] = {}
         self.outbox: list[dict[str, Any]] = []
@@ -290,6 +315,8 @@ class ToolServerApp:
                 if rule.times is not None and used[0] >= rule.times:
                     continue
                 used[0] += 1
+                if rule.kind == "latency":
+                    return FaultRequest(kind=rule.kind, params=rule.latency_params())
                 values = {
                     "retry_after": rule.retry_after,
                     "delay_ms": rule.delay_ms,
@@ -304,6 +331,18 @@ class ToolServerApp:
     def count_fault(self, kind: str) -> None:
         with self.lock:
             self.faults[kind] += 1
+
+    def record_latency(self, run: str, ms: float) -> None:
+        """Account a ``latency`` call's drawn time to its run."""
+        with self.lock:
+            calls_ms = self.latency.setdefault(run, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += ms
+
+    def latency_view(self) -> dict[str, Any]:
+        with self.lock:
+            runs = {k: {"calls": int(n), "ms": round(ms, 3)} for k, (n, ms) in self.latency.items()}
+        return {"runs": runs}
 
     # --- execution ----------------------------------------------------------------------
 
@@ -592,6 +631,8 @@ class ToolHandler(JSONHandler):
                 self.send_json(200, {"messages": outbox})
             case ["faults"]:
                 self.send_json(200, {"rules": app.rule_views()})
+            case ["latency"]:
+                self.send_json(200, app.latency_view())
             case _:
                 self.send_json(404, {"error": "no_route", "path": self.path})
 
@@ -656,11 +697,19 @@ class ToolHandler(JSONHandler):
         with app.lock:
             app.counters["tool_calls"] += 1
             app.calls[key] += 1
+            attempt = app.calls[key] - 1
         fault = self._fault(name, key)
         kind = fault.kind if fault else None
         if kind is not None and kind not in FAULT_KINDS:
             self.send_json(400, {"error": "unknown_fault", "fault": kind})
             return
+        latency: LatencyParams | None = None
+        if fault is not None and kind == "latency":
+            try:
+                latency = LatencyParams.model_validate(fault.params)
+            except ValidationError as exc:
+                self.send_json(400, {"error": "invalid_latency", "message": str(exc)})
+                return
         if fault is not None and kind == "drop":
             self.drop_connection()
             return
@@ -692,6 +741,10 @@ class ToolHandler(JSONHandler):
         # "late": executed; answer only after the client's timeout (or never, if closing)
         late_ms = tool.timeout_ms + LATE_MARGIN_MS
         late = fault.number("delay_ms", late_ms) / 1000 if fault and kind == "late" else 0
+        if latency is not None:  # "latency": executed; answers after the drawn time
+            ms = latency.draw_ms(key, attempt)
+            app.record_latency(self.header(RUN_ID_HEADER) or key, ms)
+            late = ms / 1000
         if late and not self.server.sleep(late):
             self.drop_connection()
             return

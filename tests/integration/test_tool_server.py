@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import httpx
 import pytest
 from agentruns.connectors.testing import tool_server
 from agentruns.connectors.testing.httpserver import ServerHandle
+from agentruns.connectors.testing.latency import LatencyParams
 
 from tests.support.waiting import wait_for
 
@@ -360,6 +363,112 @@ def test_reset_clears_everything(client: httpx.Client) -> None:
     assert stats["executions_total"] == 0 and stats["tickets"] == 0
     assert client.get("/faults").json() == {"rules": []}
     assert call(client, "create_ticket", TICKET, "r").status_code == 200
+
+
+# --- latency: a drawn answer time per call, accounted per run -------------------------------
+
+
+def timed_call(client: httpx.Client, key: str, fault: str = "", **headers: str) -> float:
+    started = time.monotonic()
+    r = call(client, "search_docs", {"query": "refund"}, key, fault=fault or None, **headers)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - started
+
+
+def test_latency_executes_then_answers_after_the_drawn_time(client: httpx.Client) -> None:
+    run = {"X-Agentruns-Run-Id": "run-1"}
+    elapsed = timed_call(client, "l1", "latency; min_ms=200; max_ms=200", **run)
+    assert 0.2 <= elapsed < 0.2 + 3.0
+    assert executions(client, "l1") == 1
+    timed_call(client, "l1", "latency; min_ms=100; max_ms=100", **run)  # a replay waits too
+    assert executions(client, "l1") == 1
+    timed_call(client, "l2", "latency; min_ms=50; max_ms=50")  # no run id: under its key
+    assert client.get("/latency").json() == {
+        "runs": {"run-1": {"calls": 2, "ms": 300.0}, "l2": {"calls": 1, "ms": 50.0}}
+    }
+    client.post("/reset")
+    assert client.get("/latency").json() == {"runs": {}}
+
+
+def test_latency_draw_is_deterministic_per_seed_key_and_call(client: httpx.Client) -> None:
+    for key, fault in (("d1", ""), ("d1", ""), ("d2", ""), ("d3", "; median_ms=100; seed=3")):
+        timed_call(client, key, "latency" + fault)
+    default = LatencyParams()  # log-uniform, 50 ms to 2 s
+    lognormal = LatencyParams(median_ms=100, seed=3)
+    expected = {
+        "d1": default.draw_ms("d1", 0) + default.draw_ms("d1", 1),
+        "d2": default.draw_ms("d2", 0),
+        "d3": lognormal.draw_ms("d3", 0),
+    }
+    seen = {k: v["ms"] for k, v in client.get("/latency").json()["runs"].items()}
+    assert seen == pytest.approx(expected, abs=0.001)
+    assert all(50 <= default.draw_ms("k", i) <= 2000 for i in range(100))
+
+
+def test_latency_rule_for_one_tool_until_cleared(client: httpx.Client) -> None:
+    rule = {"target": "search_docs", "kind": "latency", "times": None, "min_ms": 150}
+    assert client.post("/faults", json={**rule, "max_ms": 150}).status_code == 200
+    assert timed_call(client, "r1") >= 0.15
+    assert timed_call(client, "r2") >= 0.15
+    assert call(client, "create_ticket", TICKET, "r3").status_code == 200  # other tool: none
+    runs = client.get("/latency").json()["runs"]
+    assert runs == {"r1": {"calls": 1, "ms": 150.0}, "r2": {"calls": 1, "ms": 150.0}}
+    client.delete("/faults")
+    assert timed_call(client, "r4") < 0.15
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"min_ms": -1},
+        {"min_ms": 0},
+        {"max_ms": 1e12},
+        {"median_ms": -1},
+        {"sigma": 1e9},
+        {"min_ms": 500, "max_ms": 100},
+        {"max_ms": 10},  # below the default min_ms (50)
+        {"min_ms": "NaN"},
+    ],
+)
+def test_hostile_latency_parameters_are_refused(
+    client: httpx.Client, params: dict[str, Any]
+) -> None:
+    r = client.post("/faults", json={"target": "*", "kind": "latency", "times": None, **params})
+    assert r.status_code == 422, r.text
+    assert client.get("/faults").json() == {"rules": []}
+    header = "latency; " + "; ".join(f"{k}={v}" for k, v in params.items())
+    r = call(client, "create_ticket", TICKET, "h1", fault=header)
+    assert r.status_code == 400, r.text
+    assert executions(client, "h1") == 0
+
+
+def test_many_concurrent_latency_calls_overlap(server: ServerHandle) -> None:
+    """200 calls of 500 ms each: together about as long as one, far below one after another."""
+    httpx.post(f"{server.url}/reset")
+    body = json.dumps({"query": "refund"}).encode()
+
+    def one(i: int) -> int:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        try:
+            headers = {
+                "Content-Type": "application/json",
+                "Idempotency-Key": f"c-{i}",
+                "X-Fault": "latency; min_ms=500; max_ms=500",
+            }
+            conn.request("POST", "/tools/search_docs", body=body, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        statuses = list(pool.map(one, range(200)))
+    elapsed = time.monotonic() - started
+    assert statuses == [200] * 200
+    assert 0.5 <= elapsed < 10.0
+    assert len(httpx.get(f"{server.url}/latency").json()["runs"]) == 200
 
 
 def test_main_serves_until_sigterm() -> None:
