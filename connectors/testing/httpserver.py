@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
 import json
 import resource
 import signal
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,6 +71,111 @@ def parse_fault_header(value: str | None) -> FaultRequest | None:
     return FaultRequest(kind=kind, params=params)
 
 
+Frames = list[tuple[float, bytes]]  # (due, by ``time.monotonic()``; bytes), in order
+
+
+class _Paced:
+    """One connection's frames while the pacer sends them."""
+
+    def __init__(self, sock: socket.socket, frames: Frames) -> None:
+        self.sock = sock
+        self.frames = frames
+        self.next = 0
+        self.failed = False
+        self.done = threading.Event()
+
+    def send_next(self) -> bool:
+        """Send the next frame without blocking; True when this stream needs no more turns
+        (all sent, the connection failed, or the client reads too slowly to keep up)."""
+        due, data = self.frames[self.next]
+        try:
+            sent = self.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.failed = True
+            return True
+        if sent < len(data):  # the socket buffer is full: its handler thread takes over
+            self.frames[self.next] = (due, data[sent:])
+            return True
+        self.next += 1
+        return self.next == len(self.frames)
+
+
+class Pacer:
+    """Sends the frames of every paced stream (a ``latency`` fault) from one thread.
+
+    A thread per stream waking for each chunk costs ~50 us of CPU a chunk once hundreds of
+    streams are open (GIL hand-offs); one thread popping due frames off a heap and sending
+    them without blocking costs a fraction of that. The handler thread waits once for its
+    stream to end. Sends never block the pacer: a client too slow to keep up gets its stream
+    back to finish on its own thread.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Paced]] = []
+        self._order = itertools.count()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def send(self, sock: socket.socket, frames: Frames) -> Frames | None:
+        """Send each frame when due; returns the frames left to the caller (none unless the
+        client reads too slowly), or None when the connection failed or the server closed."""
+        if not frames:
+            return []
+        stream = _Paced(sock, list(frames))
+        with self._cond:
+            if self._closed:
+                return None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pacer", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (frames[0][0], next(self._order), stream))
+            self._cond.notify()
+        stream.done.wait()
+        return None if stream.failed else stream.frames[stream.next :]
+
+    def close(self) -> None:
+        """End every paced stream now (as failed) and stop the thread."""
+        with self._cond:
+            self._closed = True
+            for _, _, stream in self._heap:
+                stream.failed = True
+                stream.done.set()
+            self._heap.clear()
+            self._cond.notify()
+
+    def _due(self) -> list[_Paced] | None:
+        """Wait for the next due frames: their streams, or None once closed."""
+        with self._cond:
+            while not self._closed:
+                if self._heap and (wait := self._heap[0][0] - time.monotonic()) <= 0:
+                    now, due = time.monotonic(), []
+                    while self._heap and self._heap[0][0] <= now:
+                        due.append(heapq.heappop(self._heap)[2])
+                    return due
+                self._cond.wait(wait if self._heap else None)
+        return None
+
+    def _run(self) -> None:
+        while (due := self._due()) is not None:
+            again = []
+            for stream in due:
+                if stream.send_next():
+                    stream.done.set()
+                else:
+                    again.append(stream)
+            with self._cond:
+                for stream in again:
+                    if self._closed:
+                        stream.failed = True
+                        stream.done.set()
+                    else:
+                        entry = (stream.frames[stream.next][0], next(self._order), stream)
+                        heapq.heappush(self._heap, entry)
+
+
 class DevHTTPServer(ThreadingHTTPServer):
     """A threading HTTP server that tracks its connections so ``close()`` really ends them."""
 
@@ -90,6 +198,7 @@ class DevHTTPServer(ThreadingHTTPServer):
         self.accepted = 0
         # the `traceparent` of the latest requests that had one (tests check propagation)
         self.traceparents: collections.deque[str] = collections.deque(maxlen=1000)
+        self.pacer = Pacer()
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -152,6 +261,7 @@ class ServerHandle:
             return
         self._closed = True
         self._server.closing.set()
+        self._server.pacer.close()
         app_close = getattr(self.app, "close", None)
         if callable(app_close):
             app_close()

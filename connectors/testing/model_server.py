@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import re
+import ssl
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any, Literal, get_args
 
 from agentruns.connectors.testing.httpserver import (
     FaultRequest,
+    Frames,
     JSONHandler,
     ServerHandle,
     param_text,
@@ -135,7 +137,7 @@ class Pace:
         """Seconds from the start at which each frame is due: the role delta at the first
         token, the ``deltas`` after it evenly until L, the rest (finish, ``[DONE]``) at L."""
         rest = self.total - self.ttft
-        due = [self.ttft, *(self.ttft + rest * k / deltas for k in range(1, deltas + 1))]
+        due = [self.ttft, *(self.ttft + rest * k / deltas for k in range(1, deltas))]
         return due + [self.total] * (frames - len(due))
 
 
@@ -864,24 +866,28 @@ class ModelHandler(JSONHandler):
             self.app.count("completions")
 
     def paced(self, head: bytes, frames: list[bytes], offsets: list[float]) -> bool:
-        """Send each frame when due (the head with the first); frames due together go out
-        in one write. Deadlines are from the start, so a late wake-up does not push the rest
-        back. False when the client went or the server is closing."""
-        frames = [head + frames[0], *frames[1:]]
+        """Send each frame when due (the head with the first; frames due together in one
+        write), by the server's pacer; this thread finishes a stream the client reads too
+        slowly (and a TLS one). False when the client went or the server is closing."""
         start = time.monotonic()
-        batch = b""
+        batches: Frames = []
+        for offset, frame in zip(offsets, [head + frames[0], *frames[1:]], strict=True):
+            if batches and batches[-1][0] == start + offset:
+                batches[-1] = (batches[-1][0], batches[-1][1] + frame)
+            else:
+                batches.append((start + offset, frame))
+        if not isinstance(self.connection, ssl.SSLSocket):
+            rest = self.server.pacer.send(self.connection, batches)
+            if rest is None:
+                self.drop_connection()
+                return False
+            batches = rest
         try:
-            for due, frame in zip(offsets, frames, strict=True):
-                wait = start + due - time.monotonic()
-                if wait > 0:
-                    if batch:
-                        self.wfile.write(batch)
-                        batch = b""
-                    if not self.server.sleep(wait):
-                        self.drop_connection()
-                        return False
-                batch += frame
-            self.wfile.write(batch)
+            for due, data in batches:
+                if not self.server.sleep(due - time.monotonic()):
+                    self.drop_connection()
+                    return False
+                self.wfile.write(data)
         except OSError:
             self.close_connection = True
             return False
