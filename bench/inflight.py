@@ -1,10 +1,12 @@
 """``agentruns bench inflight``: the CPU and memory one streamed model call in flight costs its
 client, threads with the blocking client against one asyncio event loop.
 
-The scripted model server (its own process) answers every call with the same streamed tool
-call (``SCENARIO``: a short text and a ``create_ticket`` call in ~30 SSE events), each event
-held back ``--delay-ms`` by the ``slow`` fault, so a call lasts about 1.5 s as a real model's
-does and its client spends that time waiting. Each client variant runs in a fresh child process
+The scripted model server (its own process; one per ``--calls-per-server`` calls in flight,
+500 by default: past a few hundred connections a threaded Python server's own GIL holds its
+streams back) answers every call with the same streamed tool call (``SCENARIO``: a short text
+and a ``create_ticket`` call in 31 SSE events), each event held back ``--delay-ms`` by the
+``slow`` fault, so a call lasts about 1.5 s as a real model's does and its client spends that
+time waiting. Each client variant runs in a fresh child process
 that keeps ``N`` calls in flight (a call starts as soon as the previous one of its worker ends)
 for ``--warmup`` plus ``--seconds`` seconds:
 
@@ -19,11 +21,14 @@ for ``--warmup`` plus ``--seconds`` seconds:
 
 Over the measured window (after the warmup) this process reads from ``/proc``: the child's CPU
 (user + system) and the model server's, the child's peak RSS (``VmHWM``) and its threads; the
-child reports its RSS before its first call and every call's start and end. Figures per variant
-and level: calls completed in the window, the mean number in flight, client CPU per call and per
-SSE chunk, RSS per call in flight ((peak RSS - RSS before the calls) / N), the wall latency
-p50/p99 of a call over its nominal latency (events x delay: above 1, the client itself delayed
-its calls), and the model server's CPU per call.
+child reports its RSS before its first call, every call's start and end, and how late a probe
+(a thread, or a task, sleeping 10 ms over and over) woke. Figures per variant and level: calls
+completed in the window, the mean number in flight, client CPU per call and per SSE chunk, RSS
+per call in flight ((peak RSS - RSS before the calls) / N), the wall latency p50/p99 of a call
+over its nominal latency (events x delay: above 1, the calls were delayed, by the client, the
+server or a busy machine), the probe's wake lag p50/p99 (how long ready work waits in the
+client: for the GIL, or the event loop, and for a core), the model server's CPU per call, and
+the cores the rest of the machine used meanwhile (``other_cores``).
 
 Trials are interleaved (for each trial, each level: threads, then asyncio) and every figure is
 reported as the median of the trials with min and max; a shared VM's speed moves within the hour,
@@ -105,6 +110,10 @@ Json = dict[str, Any]
 # one call of a child: (start, end) on the monotonic clock (one clock for every process of
 # the machine on Linux), and whether it finished
 Call = tuple[float, float, bool]
+# one wake of the probe: (when it went to sleep, how late it woke)
+Lag = tuple[float, float]
+#: how long the probe sleeps: its lateness is how long work that is ready waits in the client
+PROBE_S = 0.01
 
 
 # --------------------------------------------------------------------------- the wire, sans I/O
@@ -389,6 +398,18 @@ def window_figures(calls: Sequence[Call], t0: float, t1: float, nominal_s: float
     }
 
 
+def lag_figures(lags: Sequence[Lag], t0: float, t1: float) -> Json:
+    """The probe's lateness in ``[t0, t1]``, p50/p99 in ms: how long a thread (or task) that
+    is ready to run waits for the GIL (or for the event loop) and for a core."""
+    late = [lag for at, lag in lags if t0 <= at <= t1]
+    if not late:
+        return {"wake_lag_ms_p50": None, "wake_lag_ms_p99": None}
+    return {
+        "wake_lag_ms_p50": round(percentile(late, 0.5) * 1e3, 2),
+        "wake_lag_ms_p99": round(percentile(late, 0.99) * 1e3, 2),
+    }
+
+
 def _payload(worker: int) -> dict[str, Any]:
     """A call's body as ``ModelHandler.execute`` builds it (a short conversation)."""
     return {
@@ -411,38 +432,56 @@ def _route(url: str, delay_ms: float) -> RouteConfig:
 
 
 def run_threads(
-    route: RouteConfig, n: int, first: float, stagger_s: float, stop: float
-) -> list[Call]:
+    routes: Sequence[RouteConfig], n: int, first: float, stagger_s: float, stop: float
+) -> tuple[list[Call], list[Lag]]:
     """N threads calling ``ModelHandler.stream`` (no database: ``stream`` touches none) until
-    ``stop``; worker i starts its first call ``i / N`` of ``stagger_s`` after ``first``."""
-    handler = ModelHandler("postgresql://unused.invalid/none", Routes({}, route))
+    ``stop``; worker i calls ``routes[i % len(routes)]`` and starts its first call ``i / N``
+    of ``stagger_s`` after ``first``. A probe thread sleeps ``PROBE_S`` over and over and
+    notes how late it wakes."""
+    handler = ModelHandler("postgresql://unused.invalid/none", Routes({}, routes[0]))
     calls: list[Call] = []
+    lags: list[Lag] = []
+
+    def probe() -> None:
+        time.sleep(max(0.0, first - time.monotonic()))
+        while (at := time.monotonic()) < stop:
+            time.sleep(PROBE_S)
+            lags.append((at, time.monotonic() - at - PROBE_S))
 
     def worker(i: int) -> None:
         time.sleep(max(0.0, first + stagger_s * i / n - time.monotonic()))
-        payload = _payload(i)
+        route, payload = routes[i % len(routes)], _payload(i)
         while (start := time.monotonic()) < stop:
             assembled = handler.stream(route, payload)
             calls.append((start, time.monotonic(), assembled.outcome is ModelOutcome.FINISHED))
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    threads.append(threading.Thread(target=probe, daemon=True))
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     handler.close()
-    return calls
+    return calls, lags
 
 
 def run_asyncio(
-    route: RouteConfig, n: int, first: float, stagger_s: float, stop: float
-) -> list[Call]:
-    """One event loop, N tasks each with an :class:`AsyncModelClient`, until ``stop``."""
+    routes: Sequence[RouteConfig], n: int, first: float, stagger_s: float, stop: float
+) -> tuple[list[Call], list[Lag]]:
+    """One event loop, N tasks each with an :class:`AsyncModelClient`, until ``stop``; a
+    probe task as in :func:`run_threads`."""
     calls: list[Call] = []
+    lags: list[Lag] = []
+
+    async def probe() -> None:
+        await asyncio.sleep(max(0.0, first - time.monotonic()))
+        while (at := time.monotonic()) < stop:
+            await asyncio.sleep(PROBE_S)
+            lags.append((at, time.monotonic() - at - PROBE_S))
 
     async def worker(i: int) -> None:
         await asyncio.sleep(max(0.0, first + stagger_s * i / n - time.monotonic()))
-        client, payload = AsyncModelClient(route), _payload(i)
+        client, payload = AsyncModelClient(routes[i % len(routes)]), _payload(i)
         try:
             while (start := time.monotonic()) < stop:
                 assembled = await client.stream(payload)
@@ -451,15 +490,15 @@ def run_asyncio(
             client.close()
 
     async def main() -> None:
-        await asyncio.gather(*(worker(i) for i in range(n)))
+        await asyncio.gather(probe(), *(worker(i) for i in range(n)))
 
     asyncio.run(main())
-    return calls
+    return calls, lags
 
 
 def client_main(args: argparse.Namespace) -> int:
     """A child: report its RSS and window, keep N calls in flight, report the calls."""
-    route = _route(args.url, args.delay_ms)
+    routes = [_route(url, args.delay_ms) for url in args.url.split(",")]
     rss_before, _, threads_before = rss_kib()
     first = time.monotonic() + 0.2
     t0 = first + args.warmup
@@ -471,8 +510,8 @@ def client_main(args: argparse.Namespace) -> int:
         flush=True,
     )
     run = run_threads if args.client == "threads" else run_asyncio
-    calls = run(route, args.in_flight, first, args.nominal_s, t1)
-    figures = window_figures(calls, t0, t1, args.nominal_s)
+    calls, lags = run(routes, args.in_flight, first, args.nominal_s, t1)
+    figures = {**window_figures(calls, t0, t1, args.nominal_s), **lag_figures(lags, t0, t1)}
     figures["calls_total"] = len(calls)
     figures["ru_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps(figures), flush=True)
@@ -495,6 +534,7 @@ def scenario_events() -> int:
 
 @contextlib.contextmanager
 def model_server(scenarios: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A model server process with the bench's scenario: (its process, its URL)."""
     command = [
         sys.executable,
         "-m",
@@ -518,6 +558,12 @@ def model_server(scenarios: Path) -> Iterator[tuple[subprocess.Popen[str], str]]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def _cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of processes together (None without ``/proc``)."""
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    return None if None in seconds else sum(s for s in seconds if s is not None)
 
 
 def run_figures(
@@ -548,7 +594,7 @@ def run_figures(
         "peak_rss_mib": round(peak_rss_kib / 1024, 1),
         "rss_kib_per_call": round((peak_rss_kib - rss_before_kib) / in_flight, 1),
         "threads": threads,
-        **{k: child[k] for k in child if k.startswith("latency_")},
+        **{k: child[k] for k in child if k.startswith(("latency_", "wake_lag_"))},
         "server_cpu_ms_per_call": round(per_call(server_cpu_s) * 1e3, 4),
         "server_cores": round(server_cpu_s / window_s, 3),
     }
@@ -557,9 +603,13 @@ def run_figures(
 def measure(
     variant: str, in_flight: int, args: argparse.Namespace, scenarios: Path, nominal_s: float
 ) -> Json:
-    """One child of ``variant`` against a fresh model server: its figures."""
+    """One child of ``variant`` against fresh model servers (one per ``--calls-per-server``
+    calls in flight, the calls spread evenly): its figures."""
     chunks_per_call = scenario_events() - 1  # [DONE] is no chunk
-    with model_server(scenarios) as (server, url):
+    count = -(-in_flight // args.calls_per_server)
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(model_server(scenarios)) for _ in range(count)]
+        servers = [proc.pid for proc, _ in started]
         command = [
             sys.executable,
             "-m",
@@ -567,7 +617,7 @@ def measure(
             "--client",
             variant,
             "--url",
-            url,
+            ",".join(url for _, url in started),
             "--in-flight",
             str(in_flight),
             "--warmup",
@@ -584,14 +634,14 @@ def measure(
             assert child.stdout is not None
             start = json.loads(child.stdout.readline())
             time.sleep(max(0.0, start["t0"] - time.monotonic()))
-            cpu = MachineCpu.start({child.pid: "client", server.pid: "model_server"})
-            client0, server0 = process_cpu_seconds(child.pid), process_cpu_seconds(server.pid)
+            cpu = MachineCpu.start({child.pid: "client", **dict.fromkeys(servers, "model_server")})
+            client0, server0 = process_cpu_seconds(child.pid), _cpu_seconds(servers)
             began = time.monotonic()
             threads = 0
             while (now := time.monotonic()) < start["t1"]:
                 threads = max(threads, rss_kib(child.pid)[2])
                 time.sleep(min(0.5, start["t1"] - now))
-            client1, server1 = process_cpu_seconds(child.pid), process_cpu_seconds(server.pid)
+            client1, server1 = process_cpu_seconds(child.pid), _cpu_seconds(servers)
             window_s = time.monotonic() - began
             _, peak, last_threads = rss_kib(child.pid)
             machine = cpu.stop()
@@ -615,8 +665,14 @@ def measure(
         threads=max(threads, last_threads),
         chunks_per_call=chunks_per_call,
     )
+    figures["servers"] = count
     figures["steal_pct"] = machine.get("steal_pct")
     figures["busy_cores"] = machine.get("busy_cores")
+    # everything else the machine ran meanwhile (this bench's parent included: it sleeps)
+    by_process = machine.get("cores_by_process") or {}
+    figures["other_cores"] = round(
+        sum(v for k, v in by_process.items() if k not in ("client", "model_server")), 2
+    )
     return figures
 
 
@@ -707,6 +763,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds")
     parser.add_argument("--delay-ms", type=float, default=50.0, help="per SSE event")
     parser.add_argument(
+        "--calls-per-server",
+        type=int,
+        default=500,
+        help="calls in flight per model server process (a threaded Python server: past a few "
+        "hundred connections its own GIL delays the streams)",
+    )
+    parser.add_argument(
         "--reference", type=int, default=None, help="level of the verdict (default 500)"
     )
     parser.add_argument("--out", default="bench/results/inflight.json")
@@ -756,6 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "variants": variants,
         "trials_run": args.trials,
         "delay_ms": args.delay_ms,
+        "calls_per_server": args.calls_per_server,
         "events_per_call": events,
         "chunks_per_call": events - 1,
         "nominal_call_s": round(nominal_s, 3),

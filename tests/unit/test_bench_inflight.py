@@ -213,3 +213,9 @@ def test_summarize_and_verdict_come_from_the_trials() -> None:
     # the other way round when the numbers say so
     flipped = {"threads": summary["median"]["asyncio"], "asyncio": summary["median"]["threads"]}
     assert inflight.verdict(flipped, 500, 1.6)["lower_cpu_per_call"] == "threads"
+
+
+def test_lag_figures_take_the_probes_wakes_in_the_window() -> None:
+    lags = [(0.5, 0.9), (1.0, 0.001), (1.5, 0.002), (2.0, 0.004), (3.5, 0.5)]
+    assert inflight.lag_figures(lags, 1.0, 2.0) == {"wake_lag_ms_p50": 2.0, "wake_lag_ms_p99": 4.0}
+    assert inflight.lag_figures([], 1.0, 2.0)["wake_lag_ms_p50"] is None
