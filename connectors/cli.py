@@ -130,6 +130,10 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "floor"): ("agentruns.bench.floor", "the Kafka floor: tokens between two loops"),
     ("bench", "loop"): ("agentruns.bench.loop", "N concurrent 10-step agent loops end to end"),
+    ("bench", "inflight"): (
+        "agentruns.bench.inflight",
+        "CPU and memory per streamed model call in flight: threads or asyncio",
+    ),
     ("bench", "repeat"): (
         "agentruns.bench.repeat",
         "run a bench N times: median, min, max, targets",

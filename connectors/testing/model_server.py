@@ -839,7 +839,14 @@ class ModelHandler(JSONHandler):
         )
         frames = [b"%x\r\n%s\r\n" % (len(event), event) for event in events]
         if kind != "disconnect":
-            frames.append(b"0\r\n\r\n")  # "incomplete" ends the body cleanly, unfinished
+            # "incomplete" ends the body cleanly, unfinished. The end goes out with the last
+            # event, as a real server's does: a slowed stream does not wait once more before
+            # it (a client that reads the end only briefly after [DONE] keeps its connection)
+            end = b"0\r\n\r\n"
+            if frames:
+                frames[-1] += end
+            else:
+                frames.append(end)
         if fault is not None and kind in ("keepalive", "drip"):
             self.stall(head, events, fault)
             return
