@@ -46,7 +46,7 @@ from agentruns.bench.core import host_speed
 from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         executor_cmd = [
             sys.executable, "-m", "agentruns.connectors.executors.tool",
             "--bootstrap", bootstrap, "--database-url", database_url, "--prefix", prefix,
-            "--registry", str(registry_path), "--workers", str(args.workers),
+            "--registry", str(registry_path), "--max-in-flight", str(args.max_in_flight),
             "--max-batch", str(args.max_batch), "--log-level", "INFO",
             "--gather-ms", str(args.gather_ms),
         ]  # fmt: skip
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         "throughput": throughput,
         "latency": latency,
         "executor_stats": executor_stats,
-        "workers": args.workers,
+        "max_in_flight": args.max_in_flight,
         "max_batch": args.max_batch,
         "gather_ms": args.gather_ms,
         "partitions": args.partitions,
@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of paced calls before measuring"
     )
-    parser.add_argument("--workers", type=int, default=32)
+    parser.add_argument(
+        "--max-in-flight",
+        "--workers",
+        dest="max_in_flight",
+        type=int,
+        default=ExecutorConfig.max_in_flight,
+    )
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument(

@@ -41,7 +41,7 @@ from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
-from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.testing import tool_server
 from agentruns.processors.events import Message, RunSubmitted

@@ -132,7 +132,7 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "loop"): ("agentruns.bench.loop", "N concurrent 10-step agent loops end to end"),
     ("bench", "inflight"): (
         "agentruns.bench.inflight",
-        "CPU and memory per streamed model call in flight: threads or asyncio",
+        "CPU and memory per streamed model call in flight, on the executor's event loop",
     ),
     ("bench", "repeat"): (
         "agentruns.bench.repeat",

@@ -1,6 +1,10 @@
 """How the executors reach a backend (a tool, a model route): the pooled HTTP client, its
 auth, proxy and TLS settings.
 
+The client is asynchronous: an executor carries hundreds of calls at once on one event loop
+(docs/benchmarks.md, "Calls in flight": at 500 streamed calls in flight a thread per call cost
+2.2 times the CPU per call and 8 times the memory).
+
 The tool executor sends whole exchanges (:meth:`KeepAliveHTTP.send`); the model executor reads a
 streamed body as it arrives (:meth:`KeepAliveHTTP.stream`). A backend's connection settings
 (:class:`Connectivity`: docs/executors.md, "Auth, proxy and TLS") are read from the tool
@@ -20,16 +24,14 @@ chunk-size line over ``MAX_CHUNK_LINE_BYTES`` is not read, nothing is retried or
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import math
-import select
-import socket
 import ssl
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -151,56 +153,143 @@ class BodyTooLargeError(HTTPWireError):
         self.status = status
 
 
+# A connection stops reading from its socket while this many bytes wait in its buffer
+# (asyncio flow control), and reads again below a quarter of it: a backend sending faster than
+# the answer is read cannot fill the memory, whatever the body's limit.
+BUFFER_HIGH_BYTES = 1024 * 1024
+# Idle kept connections per origin; more are closed when they come back.
+MAX_IDLE_PER_ORIGIN = 1024
+
+
+class _Wire(asyncio.Protocol):
+    """One connection's bytes as the event loop receives them: a buffer, whether the peer
+    closed, and a waiter woken by either."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.closed = False
+        self._waiter: asyncio.Future[bool] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > BUFFER_HIGH_BYTES and not self._paused and self.transport:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    def consumed(self) -> None:
+        """The reader took bytes from the buffer: read from the socket again if it stopped."""
+        if self._paused and len(self.buffer) < BUFFER_HIGH_BYTES // 4 and self.transport:
+            self._paused = False
+            self.transport.resume_reading()
+
+    async def arrival(self, timeout: float) -> bool:
+        """Wait until more bytes arrive or the peer closes: False after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(timeout, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 class _Connection:
-    """One keep-alive socket and its read buffer. ``deadline`` (monotonic), ``read_timeout``
+    """One keep-alive connection and its read buffer. ``deadline`` (monotonic), ``read_timeout``
     (seconds one read may wait) and ``limit`` (body bytes) are set per exchange: every read
     waits only until the deadline, so a backend dripping bytes cannot extend it."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = bytearray()
+    def __init__(self, wire: _Wire) -> None:
+        self.wire = wire
+        self.buffer = wire.buffer
         self.deadline = math.inf
         self.read_timeout = math.inf
         self.limit = DEFAULT_MAX_BODY_BYTES
 
-    def _fill(self) -> None:
+    async def _fill(self) -> None:
+        if self.wire.closed:
+            raise ConnectionClosedError("connection closed by the server")
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineError("no complete answer within the deadline")
         wait = min(remaining, self.read_timeout, 3600.0)
-        self.sock.settimeout(wait)
-        try:
-            data = self.sock.recv(65536)
-        except TimeoutError:
+        if not await self.wire.arrival(wait):
             if wait >= remaining:
-                raise DeadlineError("no complete answer within the deadline") from None
-            raise TimeoutError(f"nothing received for {wait:g} s") from None
-        if not data:
+                raise DeadlineError("no complete answer within the deadline")
+            raise TimeoutError(f"nothing received for {wait:g} s")
+        if not self.buffer and self.wire.closed:
             raise ConnectionClosedError("connection closed by the server")
-        self.buffer += data
 
-    def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
+    async def read_until(self, separator: bytes, limit: int = 65536) -> bytes:
+        start = 0
         while True:
-            index = self.buffer.find(separator)
+            index = self.buffer.find(separator, start)
             if index >= 0:
                 line = bytes(self.buffer[:index])
                 del self.buffer[: index + len(separator)]
+                self.wire.consumed()
                 return line
             if len(self.buffer) > limit:
                 raise HTTPWireError(f"a line of the answer over {limit} bytes")
-            self._fill()
+            start = max(0, len(self.buffer) - len(separator) + 1)
+            await self._fill()
 
-    def take(self, size: int) -> bytes:
+    async def take(self, size: int) -> bytes:
         """Up to ``size`` bytes, at least one: what the buffer holds, else the next read."""
         if not self.buffer:
-            self._fill()
+            await self._fill()
         data = bytes(self.buffer[:size])
         del self.buffer[: len(data)]
+        self.wire.consumed()
         return data
 
+    def write(self, data: bytes) -> None:
+        transport = self.wire.transport
+        if transport is None or transport.is_closing() or self.wire.closed:
+            raise ConnectionClosedError("connection closed before the request was sent")
+        transport.write(data)
+
+    def idle(self) -> bool:
+        """Whether a pooled connection can carry a request: nothing left in its buffer and the
+        peer has not closed it."""
+        transport = self.wire.transport
+        return (
+            not self.buffer
+            and not self.wire.closed
+            and transport is not None
+            and not transport.is_closing()
+        )
+
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        if self.wire.transport is not None:
+            self.wire.transport.close()
 
 
 class StreamedAnswer:
@@ -228,7 +317,7 @@ class StreamedAnswer:
     def header(self, name: str) -> str | None:
         return None if self.headers is None else self.headers.get(name.lower())
 
-    def pieces(self, limit: int) -> Iterator[bytes]:
+    async def pieces(self, limit: int) -> AsyncGenerator[bytes, None]:
         """The body's bytes as they arrive. Raises :class:`BodyTooLargeError` past ``limit``
         bytes, :class:`DeadlineError` at the exchange's deadline, ``TimeoutError`` when one
         read waits ``read_timeout_s``, :class:`HTTPWireError` or OSError when the framing
@@ -237,7 +326,8 @@ class StreamedAnswer:
         if connection is None or head is None:
             return
         connection.limit = limit
-        yield from _body(connection, head)
+        async for piece in _body(connection, head):
+            yield piece
         self.complete = True
 
     def wait_at_most(self, seconds: float) -> None:
@@ -247,21 +337,22 @@ class StreamedAnswer:
 
 
 class KeepAliveHTTP:
-    """Minimal blocking HTTP/1.1 client: one keep-alive connection per (thread, origin,
-    :class:`Connectivity`), through a proxy and over TLS as the settings say.
+    """Minimal asynchronous HTTP/1.1 client: kept connections per (origin,
+    :class:`Connectivity`), shared by every call on the event loop, through a proxy and over
+    TLS as the settings say. One event loop uses it (the executor's calls thread).
 
     Why not a library: on the executor bench (docs/benchmarks.md, "Tool executor HTTP
     client") urllib3 and httpcore cost the executor several times this client's CPU per call.
-    This client writes each request with one ``sendall`` and parses only what a JSON API or
-    a server-sent event stream needs (status, headers, Content-Length, chunked or read-to-close
+    This client writes each request with one write and parses only what a JSON API or a
+    server-sent event stream needs (status, headers, Content-Length, chunked or read-to-close
     bodies).
 
     Failures are split where idempotency needs it: a connection (or proxy tunnel) that could
     not be opened means nothing was sent (``not_sent``; ``tls`` when the TLS handshake or the
     certificates failed); any failure after the request started means the backend may have
     executed it (``no_answer``). A connection goes back to the pool only after its answer was
-    read to the end; a failed or abandoned one is closed, and nothing is retried here: the
-    core decides (R11, R12).
+    read to the end; a failed, abandoned or cancelled one is closed, and nothing is retried
+    here: the core decides (R11, R12).
     """
 
     def __init__(
@@ -269,8 +360,7 @@ class KeepAliveHTTP:
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_body_bytes = max_body_bytes
-        self._local = threading.local()
-        self._lock = threading.Lock()
+        self._idle: dict[_Origin, list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._contexts: dict[Connectivity, ssl.SSLContext] = {}
         # the environment's proxies, read once: a process's environment does not change
@@ -292,19 +382,12 @@ class KeepAliveHTTP:
     def _context(self, conn: Connectivity) -> ssl.SSLContext:
         context = self._contexts.get(conn)
         if context is None:
-            context = ssl_context(conn)
-            with self._lock:
-                self._contexts[conn] = context
+            context = self._contexts[conn] = ssl_context(conn)
         return context
 
-    def _pool(self) -> dict[_Origin, _Connection]:
-        pool: dict[_Origin, _Connection] | None = getattr(self._local, "pool", None)
-        if pool is None:
-            pool = {}
-            self._local.pool = pool
-        return pool
-
-    def _open(self, origin: _Origin, deadline: float, connect_timeout_s: float) -> _Connection:
+    async def _open(
+        self, origin: _Origin, deadline: float, connect_timeout_s: float
+    ) -> _Connection:
         """A connection to the backend: direct or through the proxy (``CONNECT`` for https),
         TLS as its settings say. Raises OSError (ssl.SSLError for TLS) before any byte of the
         request is sent."""
@@ -317,36 +400,62 @@ class KeepAliveHTTP:
             address = (proxy_parts.hostname or "", proxy_parts.port or 80)
         else:
             address = (host, port)
-        sock = socket.create_connection(address, timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        direct_tls = scheme == "https" and not proxy
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with asyncio.timeout(timeout_s):
+                transport, wire = await loop.create_connection(
+                    _Wire,
+                    *address,
+                    ssl=self._context(conn) if direct_tls else None,
+                    server_hostname=host if direct_tls else None,
+                )
+        except TimeoutError:
+            raise TimeoutError(f"could not connect within {timeout_s:g} s") from None
+        connection = _Connection(wire)
+        try:
             if proxy and scheme == "https":
-                _tunnel(sock, host, port, _proxy_authorization(proxy), deadline)
-            if scheme == "https":
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock = self._context(conn).wrap_socket(sock, server_hostname=host)
+                await _tunnel(connection, host, port, _proxy_authorization(proxy), deadline)
+                remaining = max(0.001, deadline - time.monotonic())
+                try:
+                    async with asyncio.timeout(remaining):
+                        tls = await loop.start_tls(
+                            transport, wire, self._context(conn), server_hostname=host
+                        )
+                except TimeoutError:
+                    raise TimeoutError("the TLS handshake did not end in time") from None
+                assert isinstance(tls, asyncio.Transport)
+                wire.transport = tls
         except BaseException:
-            sock.close()
+            transport.close()
             raise
-        connection = _Connection(sock)
-        with self._lock:
-            self._all.add(connection)
+        self._all.add(connection)
         return connection
 
     def _keep(self, origin: _Origin, connection: _Connection) -> None:
-        """Back to this thread's pool, for the next exchange with ``origin``."""
-        pool = self._pool()
-        previous = pool.get(origin)
-        pool[origin] = connection
-        if previous is not None and previous is not connection:
-            self._forget(previous)
+        """Back to the pool, for the next exchange with ``origin``."""
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= MAX_IDLE_PER_ORIGIN:
+            self._forget(connection)
+        else:
+            idle.append(connection)
 
     def _forget(self, connection: _Connection) -> None:
         connection.close()
-        with self._lock:
-            self._all.discard(connection)
+        self._all.discard(connection)
 
-    def _start(
+    def _pooled(self, origin: _Origin) -> _Connection | None:
+        """An idle kept connection to ``origin`` that can carry a request (closing the ones
+        the backend closed meanwhile, or that hold bytes nobody asked for)."""
+        idle = self._idle.get(origin)
+        while idle:
+            connection = idle.pop()
+            if connection.idle():
+                return connection
+            self._forget(connection)
+        return None
+
+    async def _start(
         self,
         method: str,
         url: str,
@@ -372,16 +481,13 @@ class KeepAliveHTTP:
             authorization = _proxy_authorization(proxy)
             if authorization:
                 lines.append(f"Proxy-Authorization: {authorization}")
-        connection = self._pool().pop(origin, None)
-        if connection is not None and not _idle(connection):
-            self._forget(connection)  # closed by the backend, or bytes nobody asked for
-            connection = None
+        connection = self._pooled(origin)
         if connection is None:
             try:
                 connect_s = (
                     self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
                 )
-                connection = self._open(origin, deadline, connect_s)
+                connection = await self._open(origin, deadline, connect_s)
             except (ssl.SSLError, ssl.CertificateError, ValueError) as exc:
                 return Answer(failure="tls", detail=f"{type(exc).__name__}: {exc}")
             except OSError as exc:
@@ -393,14 +499,13 @@ class KeepAliveHTTP:
         connection.deadline, connection.read_timeout = deadline, read_timeout_s
         connection.limit = self.max_body_bytes
         try:
-            connection.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            connection.sock.sendall(request)
-        except OSError as exc:
+            connection.write(request)
+        except (OSError, HTTPWireError) as exc:
             self._forget(connection)
             return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
         return origin, connection
 
-    def send(
+    async def send(
         self,
         method: str,
         url: str,
@@ -412,26 +517,29 @@ class KeepAliveHTTP:
     ) -> Answer:
         """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
         answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
-        started = self._start(method, url, timeout_s, math.inf, None, headers, body, conn)
+        started = await self._start(method, url, timeout_s, math.inf, None, headers, body, conn)
         if isinstance(started, Answer):
             return started
         origin, connection = started
         try:
-            status, answer_headers, data, close = _read_response(connection, method)
+            status, answer_headers, data, close = await _read_response(connection, method)
         except BodyTooLargeError as exc:
             self._forget(connection)
             return Answer(exc.status, failure="too_large", detail=str(exc))
         except (OSError, HTTPWireError, ValueError) as exc:
             self._forget(connection)
             return Answer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
+        except BaseException:  # cancelled: the connection is in an unknown state
+            self._forget(connection)
+            raise
         if close:
             self._forget(connection)
         else:
             self._keep(origin, connection)
         return Answer(status, answer_headers, data)
 
-    @contextlib.contextmanager
-    def stream(
+    @contextlib.asynccontextmanager
+    async def stream(
         self,
         method: str,
         url: str,
@@ -442,12 +550,12 @@ class KeepAliveHTTP:
         headers: Mapping[str, str] | None = None,
         body: bytes | None = None,
         conn: Connectivity = DIRECT,
-    ) -> Iterator[StreamedAnswer]:
+    ) -> AsyncIterator[StreamedAnswer]:
         """One exchange whose body is read as it arrives (:meth:`StreamedAnswer.pieces`):
         over by ``timeout_s`` after it starts, no read waiting longer than ``read_timeout_s``
         (nor past that deadline). The head's failures are those of :meth:`send`. The
         connection is kept only when the body was read to its end inside the ``with``."""
-        started = self._start(
+        started = await self._start(
             method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
         )
         if isinstance(started, Answer):
@@ -455,11 +563,14 @@ class KeepAliveHTTP:
             return
         origin, connection = started
         try:
-            head = _read_head(connection, method)
+            head = await _read_head(connection, method)
         except (OSError, HTTPWireError, ValueError) as exc:
             self._forget(connection)
             yield StreamedAnswer(failure="no_answer", detail=f"{type(exc).__name__}: {exc}")
             return
+        except BaseException:
+            self._forget(connection)
+            raise
         answer = StreamedAnswer(head.status, head.headers, connection=connection, head=head)
         try:
             yield answer
@@ -470,27 +581,20 @@ class KeepAliveHTTP:
                 self._forget(connection)
 
     def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
+        """Close every connection (in the event loop's thread)."""
+        for connection in self._all:
+            connection.close()
+        self._all.clear()
+        self._idle.clear()
+
+    @property
+    def connections(self) -> int:
+        """Connections open now, kept or in an exchange."""
+        return len(self._all)
 
 
 # (scheme, host, port, proxy URL or "", the backend's settings): what a kept connection serves
 _Origin = tuple[str, str, int, str, Connectivity]
-
-
-def _idle(connection: _Connection) -> bool:
-    """Whether a pooled connection can carry a request: nothing left in its buffer and
-    nothing to read (a readable idle socket is one the backend closed)."""
-    if connection.buffer:
-        return False
-    try:
-        poller = select.poll()
-        poller.register(connection.sock, select.POLLIN)
-        return not poller.poll(0)
-    except (OSError, ValueError):
-        return False
 
 
 def _proxy_authorization(proxy: str) -> str | None:
@@ -502,21 +606,21 @@ def _proxy_authorization(proxy: str) -> str | None:
     return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
-def _tunnel(sock: socket.socket, host: str, port: int, auth: str | None, deadline: float) -> None:
-    """Ask the proxy on ``sock`` for a tunnel to ``host:port`` (``CONNECT``); raises OSError
-    when it refuses (the backend has seen nothing)."""
+async def _tunnel(
+    connection: _Connection, host: str, port: int, auth: str | None, deadline: float
+) -> None:
+    """Ask the proxy on ``connection`` for a tunnel to ``host:port`` (``CONNECT``); raises
+    OSError when it refuses (the backend has seen nothing)."""
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
     if auth:
         lines.append(f"Proxy-Authorization: {auth}")
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-    reader = _Connection(sock)
-    reader.deadline = deadline
+    connection.deadline = deadline
     try:
-        status_line = reader.read_until(b"\r\n").decode("latin-1")
+        connection.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        status_line = (await connection.read_until(b"\r\n")).decode("latin-1")
         for _ in range(MAX_HEAD_LINES):
-            if not reader.read_until(b"\r\n"):
+            if not await connection.read_until(b"\r\n"):
                 break
         else:
             raise HTTPWireError("proxy answer head has too many lines")
@@ -525,7 +629,7 @@ def _tunnel(sock: socket.socket, host: str, port: int, auth: str | None, deadlin
     _, _, rest = status_line.partition(" ")
     if not rest.startswith("200"):
         raise OSError(f"proxy refused the tunnel to {authority}: {rest[:80]}")
-    if reader.buffer:  # bytes after the proxy's answer: nothing a tunnel may carry yet
+    if connection.buffer:  # bytes after the proxy's answer: nothing a tunnel may carry yet
         raise OSError(f"proxy sent data before the tunnel to {authority} opened")
 
 
@@ -542,12 +646,12 @@ class _Head:
     framing: int  # the Content-Length, _CHUNKED or _TO_CLOSE (0: no body)
 
 
-def _read_head(conn: _Connection, method: str) -> _Head:
+async def _read_head(conn: _Connection, method: str) -> _Head:
     """The status and lower-cased headers of one HTTP/1.x response (interim 1xx skipped), and
     how its body is framed."""
     lines = 0
     while True:
-        status_line = conn.read_until(b"\r\n").decode("latin-1")
+        status_line = (await conn.read_until(b"\r\n")).decode("latin-1")
         version, _, rest = status_line.partition(" ")
         code = rest[:3]
         if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
@@ -555,7 +659,7 @@ def _read_head(conn: _Connection, method: str) -> _Head:
         status = int(code)
         headers: dict[str, str] = {}
         while True:
-            line = conn.read_until(b"\r\n").decode("latin-1")
+            line = (await conn.read_until(b"\r\n")).decode("latin-1")
             if not line:
                 break
             lines += 1
@@ -591,7 +695,7 @@ def _chunk_size(line: bytes) -> int:
     return int(field, 16)
 
 
-def _body(conn: _Connection, head: _Head) -> Iterator[bytes]:
+async def _body(conn: _Connection, head: _Head) -> AsyncGenerator[bytes, None]:
     """The body's bytes as they arrive (chunked, Content-Length or read to the close), at
     most ``conn.limit`` of them (:class:`BodyTooLargeError`). Ends normally only at the
     body's end."""
@@ -600,7 +704,7 @@ def _body(conn: _Connection, head: _Head) -> Iterator[bytes]:
         total = 0
         while True:
             try:
-                piece = conn.take(limit + 1)
+                piece = await conn.take(limit + 1)
             except ConnectionClosedError:
                 return
             total += len(piece)
@@ -610,35 +714,38 @@ def _body(conn: _Connection, head: _Head) -> Iterator[bytes]:
     if head.framing == _CHUNKED:
         total = 0
         while True:
-            size = _chunk_size(conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES))
+            size = _chunk_size(await conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES))
             total += size
             if total > limit:
                 raise BodyTooLargeError(head.status, total, limit)
             if size == 0:
                 break
             while size:
-                piece = conn.take(size)
+                piece = await conn.take(size)
                 size -= len(piece)
                 yield piece
-            if conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES):
+            if await conn.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES):
                 raise HTTPWireError("a chunk longer than its size")
         for _ in range(MAX_HEAD_LINES):  # trailers, up to the empty line
-            if not conn.read_until(b"\r\n"):
+            if not await conn.read_until(b"\r\n"):
                 return
         raise HTTPWireError("response trailers have too many lines")
     remaining = head.framing
     if remaining > limit:
         raise BodyTooLargeError(head.status, remaining, limit)
     while remaining:
-        piece = conn.take(remaining)
+        piece = await conn.take(remaining)
         remaining -= len(piece)
         yield piece
 
 
-def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
+async def _read_response(conn: _Connection, method: str) -> tuple[int, dict[str, str], bytes, bool]:
     """(status, lower-cased headers, body, connection must close) of one HTTP/1.x response."""
-    head = _read_head(conn, method)
-    return head.status, head.headers, b"".join(_body(conn, head)), head.close
+    head = await _read_head(conn, method)
+    body = bytearray()
+    async for piece in _body(conn, head):
+        body += piece
+    return head.status, head.headers, bytes(body), head.close
 
 
 __all__ = [

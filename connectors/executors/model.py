@@ -15,7 +15,7 @@ For one effect (R7, R9):
    tools (from its registry artifact, descriptions from the registry file), ``user`` = run id;
 3. the SSE stream is assembled by :class:`StreamAssembler` (pure) and classified:
    ``stop``/``tool_calls`` = finished; ``length`` = truncated; ``content_filter`` = blocked;
-   ended without a finish, connection lost, or deadline passed = incomplete; 429 =
+   ended without a finish, connection lost, or deadline passed = incomplete; 429 or 529 =
    rate_limited (Retry-After, clamped); 5xx, other statuses and transport errors before the
    response = transport_error. A stream that cannot be trusted is incomplete too: a chunk of
    an unexpected shape, not JSON, nested deeper than ``MAX_JSON_DEPTH`` or not UTF-8, a line
@@ -32,6 +32,7 @@ A redelivered effect whose record is completed is answered from the record: no s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -39,23 +40,28 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from agentruns.connectors.executors.base import (
+    NOTHING_AHEAD,
     ActionRecord,
-    Executor,
-    ExecutorConfig,
+    Ahead,
     ExecutorError,
     Outcome,
-    add_common_arguments,
-    config_from_args,
     decode_json,
     event_identity,
-    run_until_signal,
 )
 from agentruns.connectors.executors.http import (
     BodyTooLargeError,
@@ -63,6 +69,14 @@ from agentruns.connectors.executors.http import (
     HTTPWireError,
     KeepAliveHTTP,
     StreamedAnswer,
+)
+from agentruns.connectors.executors.limits import DEFAULT_TOKENS_PER_CALL, RouteLimits
+from agentruns.connectors.executors.loop import (
+    Executor,
+    ExecutorConfig,
+    add_common_arguments,
+    config_from_args,
+    run_until_signal,
 )
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
@@ -83,6 +97,7 @@ from agentruns.processors.events import (
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import MAX_AMOUNT, MAX_ID_CHARS, MAX_ITEMS
 from agentruns.streams import tracing
+from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.executor.model")
 
@@ -101,6 +116,11 @@ AFTER_DONE_BYTES = 1024
 AFTER_DONE_S = 0.05
 
 _JSON = msgspec.json.Encoder()
+# A provider asking its clients to slow down: 429 (rate limited), 529 (overloaded). The call is
+# RATE_LIMITED (the core backs off, R22) and its route sends nothing more for the Retry-After,
+# or DEFAULT_THROTTLE_S without one.
+THROTTLE_STATUSES = frozenset({429, 529})
+DEFAULT_THROTTLE_S = 1.0
 
 
 # --------------------------------------------------------------------------- routes
@@ -125,6 +145,22 @@ class RouteConfig:
     headers: Mapping[str, str] = field(default_factory=dict)
     input_cost_micros_per_1k: int = 0
     output_cost_micros_per_1k: int = 0
+    # The provider's limits for this route (RouteLimits): calls at once, requests and tokens
+    # per minute; None: no such limit. Calls over them wait in the executor, holding nothing.
+    max_in_flight: int | None = None
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+
+    def __post_init__(self) -> None:
+        self.limits()  # a limit that cannot be (0, negative, infinite) is refused at load
+
+    def limits(self) -> RouteLimits:
+        return RouteLimits(
+            self.max_in_flight,
+            self.requests_per_minute,
+            self.tokens_per_minute,
+            tokens_per_call=self.max_tokens or DEFAULT_TOKENS_PER_CALL,
+        )
 
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
@@ -158,6 +194,13 @@ class Routes:
 
     def get(self, route: str) -> RouteConfig:
         return self.routes.get(route) or self.routes.get("*") or self.fallback
+
+    def name_of(self, route: str) -> str:
+        """The configured route a task's route is called through: the name of its own entry,
+        ``*``, or the empty name of the default route. Limits are kept per configured route."""
+        if route in self.routes:
+            return route
+        return "*" if "*" in self.routes else ""
 
 
 # --------------------------------------------------------------------------- the stream
@@ -528,25 +571,53 @@ def build_conversation(
 # --------------------------------------------------------------------------- handler
 
 
-class _ArtifactCache:
-    """Artifacts are immutable: parsed JSON cached by ref (bounded), one store per thread."""
+def _deadline_of(context: Mapping[str, Any]) -> int | None:
+    """The run's deadline (epoch ms) as its frozen context holds it (R7), if it has one."""
+    remaining = context.get("remaining")
+    deadline = remaining.get("deadline_at") if isinstance(remaining, Mapping) else None
+    return deadline if isinstance(deadline, int) and not isinstance(deadline, bool) else None
 
-    def __init__(self, database_url: str, size: int = 4096) -> None:
+
+class _NotInMemory(Exception):
+    """An artifact a call needs is neither read ahead nor cached."""
+
+
+class _ArtifactCache:
+    """Artifacts are immutable: parsed JSON cached by ref (bounded). Reads that miss go through
+    a few connections shared by every thread (``connections``), not one per thread: an executor
+    runs hundreds of calls at once, and each of them reads what it misses."""
+
+    def __init__(self, database_url: str, size: int = 4096, connections: int = 4) -> None:
         self._url = database_url
         self._size = size
         self._items: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._idle: list[PostgresArtifactStore] = []
         self._stores: list[PostgresArtifactStore] = []
+        self._free = threading.Semaphore(connections)
 
-    def _store(self) -> PostgresArtifactStore:
-        store: PostgresArtifactStore | None = getattr(self._local, "store", None)
-        if store is None:
-            store = PostgresArtifactStore(self._url)
-            self._local.store = store
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[PostgresArtifactStore]:
+        with self._free:
             with self._lock:
-                self._stores.append(store)
-        return store
+                store = self._idle.pop() if self._idle else None
+            if store is None:
+                store = PostgresArtifactStore(self._url)
+                with self._lock:
+                    self._stores.append(store)
+            try:
+                yield store
+            finally:
+                with self._lock:
+                    self._idle.append(store)
+
+    def cached(self, refs: Sequence[str]) -> dict[str, Any]:
+        """What the cache holds of ``refs`` (no database read)."""
+        with self._lock:
+            found = {ref: self._items[ref] for ref in refs if ref in self._items}
+            for ref in found:
+                self._items.move_to_end(ref)
+        return found
 
     def load(self, refs: Sequence[str]) -> dict[str, Any]:
         found: dict[str, Any] = {}
@@ -559,7 +630,9 @@ class _ArtifactCache:
                 else:
                     missing.append(ref)
         if missing:
-            for ref, text in self._store().get_many(missing).items():
+            with self._store() as store:
+                texts = store.get_many(missing)
+            for ref, text in texts.items():
                 try:
                     found[ref] = json.loads(text)
                 except ValueError:
@@ -577,6 +650,7 @@ class _ArtifactCache:
             for store in self._stores:
                 store.close()
             self._stores.clear()
+            self._idle.clear()
 
 
 class ModelHandler:
@@ -593,33 +667,28 @@ class ModelHandler:
         self.routes = routes
         self.registry = registry
         self._cache = _ArtifactCache(database_url)
-        self._ahead: dict[str, Any] = {}  # the current batch's artifacts, read ahead
-        # One keep-alive connection per worker thread and origin: the executor's workers bound
-        # the connections to a route. Connect timeouts and byte limits are the route's, per call.
+        # One keep-alive connection per worker thread and origin. Connect timeouts and byte
+        # limits are the route's, per call.
         self._http = KeepAliveHTTP(connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
         self._http.close()
         self._cache.close()
 
-    def prepare(self, effects: Sequence[Effect]) -> None:
-        # the batch's calls run only after this returns, and the next batch's prepare only
-        # after they all ended: the pool threads read this map, never while it is replaced
-        self._ahead = {}
+    def route_of(self, effect: Effect) -> str:
+        assert isinstance(effect, CallModel)
+        return self.routes.name_of(effect.model_route)
+
+    def limits(self, route: str) -> RouteLimits:
+        return self.routes.get(route).limits()
+
+    def prepare(self, effects: Sequence[Effect]) -> Ahead:
+        """The conversations of a group of calls, read in a few statements (each call of the
+        group reads its own from this map, however many the cache keeps)."""
         calls = [e for e in effects if isinstance(e, CallModel)]
-        if calls:
-            self._ahead = prefetch_conversations(calls, self._cache.load)
+        return prefetch_conversations(calls, self._cache.load) if calls else NOTHING_AHEAD
 
-    def _load(self, refs: Sequence[str]) -> dict[str, Any]:
-        """Artifacts by ref: the batch's read-ahead first (it holds them all, however many
-        the cache keeps), then the cache."""
-        ahead = self._ahead
-        found = {ref: ahead[ref] for ref in refs if ref in ahead}
-        if len(found) < len(refs):
-            found.update(self._cache.load([ref for ref in refs if ref not in found]))
-        return found
-
-    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+    async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         if not isinstance(effect, CallModel):
             raise ExecutorError(f"not a model effect: {effect.type}")
         if previous is not None:
@@ -627,10 +696,37 @@ class ModelHandler:
             # was recorded or referenced, so calling again cannot merge two generations.
             log.info("re-calling %s after an interrupted attempt", effect.idempotency_key)
         route = self.routes.get(effect.model_route)
+
+        def in_memory(refs: Sequence[str]) -> dict[str, Any]:
+            found = {ref: ahead[ref] for ref in refs if ref in ahead}
+            if len(found) < len(refs):
+                found.update(self._cache.cached([ref for ref in refs if ref not in found]))
+            if len(found) < len(refs):
+                raise _NotInMemory
+            return found
+
+        def from_database(refs: Sequence[str]) -> dict[str, Any]:
+            found = {ref: ahead[ref] for ref in refs if ref in ahead}
+            if len(found) < len(refs):
+                found.update(self._cache.load([ref for ref in refs if ref not in found]))
+            return found
+
         try:
-            messages, context = build_conversation(effect, self._load)
+            try:
+                messages, context, tools = self._conversation(effect, in_memory)
+            except _NotInMemory:  # neither read ahead nor cached: the database, off the loop
+                messages, context, tools = await asyncio.to_thread(
+                    self._conversation, effect, from_database
+                )
         except ExecutorError as exc:
             assembled = StreamAssembler().result(interrupted=str(exc))
+            return self._outcome(effect, replace_outcome(assembled, ModelOutcome.TRANSPORT_ERROR))
+        deadline = _deadline_of(context)
+        if deadline is not None and now_ms() >= deadline:
+            # it waited for its route past its run's deadline: the run expires (its timer), and
+            # the provider is not asked for an answer nobody will use
+            interrupted = f"the run's deadline passed before the call ({deadline})"
+            assembled = StreamAssembler().result(interrupted=interrupted)
             return self._outcome(effect, replace_outcome(assembled, ModelOutcome.TRANSPORT_ERROR))
         payload: dict[str, Any] = {
             "model": route.model or effect.model_route,
@@ -639,20 +735,26 @@ class ModelHandler:
             "stream_options": {"include_usage": True},
             "user": effect.run_id,
         }
-        tools = self._tools(context.get("tool_registry"))
         if tools:
             payload["tools"] = tools
         if route.max_tokens is not None:
             payload["max_tokens"] = route.max_tokens
         if route.temperature is not None:
             payload["temperature"] = route.temperature
-        assembled = self.stream(route, payload)
+        assembled = await self.stream(route, payload)
         return self._outcome(effect, assembled)
 
-    def _tools(self, registry_ref: Any) -> list[dict[str, Any]]:
+    def _conversation(
+        self, effect: CallModel, load: Loader
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+        """The messages, the current context and the tools of a call (R7)."""
+        messages, context = build_conversation(effect, load)
+        return messages, context, self._tools(context.get("tool_registry"), load)
+
+    def _tools(self, registry_ref: Any, load: Loader) -> list[dict[str, Any]]:
         specs = None
         if isinstance(registry_ref, str):
-            specs = self._load([registry_ref]).get(registry_ref)
+            specs = load([registry_ref]).get(registry_ref)
         if isinstance(specs, list):
             described = self.registry.tools if self.registry is not None else {}
             return [
@@ -671,7 +773,7 @@ class ModelHandler:
             ]
         return self.registry.openai_tools() if self.registry is not None else []
 
-    def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
+    async def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
         """The one method that talks to the model endpoint; every failure is classified."""
         headers = {
             "Content-Type": "application/json",
@@ -682,7 +784,7 @@ class ModelHandler:
         if route.api_key:
             headers["Authorization"] = f"Bearer {route.api_key}"
         assembler = StreamAssembler()
-        with self._http.stream(
+        async with self._http.stream(
             "POST",
             route.chat_url(),
             timeout_s=route.total_timeout_s,
@@ -697,10 +799,11 @@ class ModelHandler:
                 )
             try:
                 if answer.status != 200:
-                    return self._http_error(answer, _read_capped(answer, ERROR_BODY_BYTES))
+                    body = await _read_capped(answer, ERROR_BODY_BYTES)
+                    return self._http_error(answer, body)
                 if "json" in (answer.header("content-type") or ""):
-                    return _whole_answer(answer, route, assembler)
-                return _read_stream(answer, route, assembler)
+                    return await _whole_answer(answer, route, assembler)
+                return await _read_stream(answer, route, assembler)
             except (OSError, HTTPWireError, ValueError) as exc:
                 if assembler.chunks == 0:
                     return replace_outcome(
@@ -714,7 +817,7 @@ class ModelHandler:
         status = answer.status
         text = body[:300].decode("utf-8", "replace")
         detail = f"HTTP {status}: {text}"
-        if status == 429:
+        if status in THROTTLE_STATUSES:
             assembled = replace_outcome(
                 StreamAssembler().result(interrupted=detail), ModelOutcome.RATE_LIMITED
             )
@@ -774,7 +877,12 @@ class ModelHandler:
             retry_after_ms=assembled.retry_after_ms,
         )
         detail = f"{assembled.outcome.value}: {assembled.detail}".strip(": ")
-        return Outcome(event, artifacts, detail[:1000])
+        throttle = None
+        if assembled.outcome is ModelOutcome.RATE_LIMITED:  # the route slows down, alone
+            after = assembled.retry_after_ms
+            throttle = DEFAULT_THROTTLE_S if after is None else after / 1000
+        used = input_tokens + output_tokens if assembled.usage else None
+        return Outcome(event, artifacts, detail[:1000], tokens=used, throttle_s=throttle)
 
 
 def replace_outcome(assembled: Assembled, outcome: ModelOutcome) -> Assembled:
@@ -785,36 +893,40 @@ class _Overrun(Exception):
     """The answer went past one of the call's bounds (size or deadline)."""
 
 
-def _pieces(answer: StreamedAnswer, limit: int) -> Iterator[bytes]:
+async def _pieces(answer: StreamedAnswer, limit: int) -> AsyncGenerator[bytes, None]:
     """The body's bytes as they arrive, ended by ``_Overrun`` past ``limit`` bytes or the
     call's deadline: every piece counts, a keep-alive comment as much as a token."""
     try:
-        yield from answer.pieces(limit)
+        async with contextlib.aclosing(answer.pieces(limit)) as pieces:
+            async for piece in pieces:
+                yield piece
     except BodyTooLargeError:
         raise _Overrun(f"answer over {limit} bytes") from None
     except DeadlineError:
         raise _Overrun("total timeout exceeded") from None
 
 
-def _read_capped(answer: StreamedAnswer, limit: int) -> bytes:
+async def _read_capped(answer: StreamedAnswer, limit: int) -> bytes:
     """Up to ``limit`` bytes of an (error) body; the rest is not read."""
     body = bytearray()
     with contextlib.suppress(_Overrun, OSError, HTTPWireError, ValueError):
-        for piece in _pieces(answer, 1 << 62):
-            body += piece
-            if len(body) >= limit:
-                break
+        async with contextlib.aclosing(_pieces(answer, 1 << 62)) as pieces:
+            async for piece in pieces:
+                body += piece
+                if len(body) >= limit:
+                    break
     return bytes(body[:limit])
 
 
-def _whole_answer(
+async def _whole_answer(
     answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
 ) -> Assembled:
     """A non-streamed ``chat.completion`` (a server that ignored ``stream: true``)."""
     body = bytearray()
     try:
-        for piece in _pieces(answer, route.max_stream_bytes):
-            body += piece
+        async with contextlib.aclosing(_pieces(answer, route.max_stream_bytes)) as pieces:
+            async for piece in pieces:
+                body += piece
     except _Overrun as exc:
         return assembler.result(untrusted=str(exc))
     value, problem = decode_json(bytes(body))
@@ -827,25 +939,25 @@ def _whole_answer(
     return assembler.result()
 
 
-def _read_stream(
+async def _read_stream(
     answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
 ) -> Assembled:
     """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
     body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
     buffer = bytearray()
-    pieces = _pieces(answer, route.max_stream_bytes)
     try:
-        for piece in pieces:
-            buffer += piece
-            if b"\n" in piece:
-                *lines, rest = bytes(buffer).split(b"\n")
-                buffer = bytearray(rest)
-                for line in lines:
-                    if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
-                        _finish_body(answer, pieces)
-                        return assembler.result()
-            if len(buffer) > route.max_line_bytes:
-                raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
+        async with contextlib.aclosing(_pieces(answer, route.max_stream_bytes)) as pieces:
+            async for piece in pieces:
+                buffer += piece
+                if b"\n" in piece:
+                    *lines, rest = bytes(buffer).split(b"\n")
+                    buffer = bytearray(rest)
+                    for line in lines:
+                        if _fold_line(line.rstrip(b"\r"), assembler, route.max_line_bytes):
+                            await _finish_body(answer, pieces)
+                            return assembler.result()
+                if len(buffer) > route.max_line_bytes:
+                    raise MalformedChunkError(f"an SSE line over {route.max_line_bytes} bytes")
         if buffer and _fold_line(bytes(buffer).rstrip(b"\r"), assembler, route.max_line_bytes):
             return assembler.result()
     except _Overrun as exc:
@@ -857,7 +969,7 @@ def _read_stream(
     return assembler.result()
 
 
-def _finish_body(answer: StreamedAnswer, pieces: Iterator[bytes]) -> None:
+async def _finish_body(answer: StreamedAnswer, pieces: AsyncIterator[bytes]) -> None:
     """Read the body's end after ``[DONE]`` so that the connection is kept for the next call;
     a body that goes on past ``AFTER_DONE_BYTES`` or ``AFTER_DONE_S`` (no read waits longer)
     is left unread, and its connection closed. The answer is complete whatever happens here."""
@@ -865,7 +977,7 @@ def _finish_body(answer: StreamedAnswer, pieces: Iterator[bytes]) -> None:
     until = time.monotonic() + AFTER_DONE_S
     extra = 0
     with contextlib.suppress(_Overrun, OSError, HTTPWireError, ValueError):
-        for piece in pieces:
+        async for piece in pieces:
             extra += len(piece)
             if extra > AFTER_DONE_BYTES or time.monotonic() > until:
                 return
@@ -933,7 +1045,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry) if args.registry else None
     config, stack = config_from_args(args, "model")
-    config.max_poll_interval_ms = 600_000  # a batch may hold slow streams
     try:
         routes = Routes.from_env(args.routes, args.base_url)
         return run_until_signal(ModelExecutor(config, routes, registry), args)

@@ -56,16 +56,13 @@ from typing import Any
 from urllib.parse import quote
 
 from agentruns.connectors.executors.base import (
+    NOTHING_AHEAD,
     ActionRecord,
-    Executor,
-    ExecutorConfig,
+    Ahead,
     ExecutorError,
     Outcome,
-    add_common_arguments,
-    config_from_args,
     decode_json,
     event_identity,
-    run_until_signal,
 )
 from agentruns.connectors.executors.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -73,6 +70,14 @@ from agentruns.connectors.executors.http import (
     Answer,
     Connectivity,
     KeepAliveHTTP,
+)
+from agentruns.connectors.executors.limits import NO_LIMITS, RouteLimits
+from agentruns.connectors.executors.loop import (
+    Executor,
+    ExecutorConfig,
+    add_common_arguments,
+    config_from_args,
+    run_until_signal,
 )
 from agentruns.connectors.executors.tool_http import parse_connectivity
 from agentruns.connectors.postgres.artifacts import StoredArtifact
@@ -104,6 +109,10 @@ DEFAULT_SUMMARY_BYTES = 16_384
 RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 # The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
 MAX_RETRY_AFTER_MS = 10 * 60 * 1000
+# A tool that answers 429 or 529 without Retry-After: its calls wait this long.
+DEFAULT_THROTTLE_S = 1.0
+#: The header that tells a tool backend which run a call is for.
+RUN_HEADER = "X-Agentruns-Run-Id"
 # A Retry-After beyond this is no schedule a backend means (`1e300`): ignored like garbage,
 # so our own back-off applies instead of the longest one.
 ABSURD_RETRY_AFTER_S = 24 * 3600
@@ -127,6 +136,8 @@ class ToolEntry:
     cancel_url_template: str | None
     # auth, proxy and TLS of this tool (the registry's defaults where the tool has none)
     conn: Connectivity = DIRECT
+    # what the backend allows: calls at once, requests per minute (RouteLimits)
+    limits: RouteLimits = NO_LIMITS
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,7 @@ class ToolRegistry:
                     is_async=bool(t.get("async", False)),
                     cancel_url_template=t.get("cancel_url_template"),
                     conn=parse_connectivity(t, f"tool {t['name']!r} in {path}", defaults),
+                    limits=_limits(t),
                 )
                 for t in data["tools"]
             }
@@ -183,6 +195,17 @@ class ToolRegistry:
             }
             for t in (self.tools[n] for n in chosen)
         ]
+
+
+def _limits(tool: Mapping[str, Any]) -> RouteLimits:
+    """A registry entry's ``max_in_flight`` and ``requests_per_minute`` (ValueError: not a
+    limit that can be)."""
+    in_flight, rate = tool.get("max_in_flight"), tool.get("requests_per_minute")
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)):
+        raise ValueError(f"max_in_flight of {tool['name']!r} is not an integer: {in_flight!r}")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)):
+        raise ValueError(f"requests_per_minute of {tool['name']!r} is not a number: {rate!r}")
+    return RouteLimits(max_in_flight=in_flight, requests_per_minute=rate)
 
 
 # --------------------------------------------------------------------------- pure mapping
@@ -222,6 +245,8 @@ def error_for_status(status: int) -> tuple[ErrorClass, str] | None:
             return ErrorClass.STATE_CONFLICT, "stale_version" if status == 409 else "precondition"
         case 429:
             return ErrorClass.RATE_LIMIT, "rate_limited"
+        case 529:  # overloaded: nothing was done, and the backend asks to slow down
+            return ErrorClass.RATE_LIMIT, "overloaded"
         case 408 | 500 | 502 | 503:
             return ErrorClass.TRANSIENT, f"http_{status}"
         case 400 | 422:
@@ -294,8 +319,26 @@ class ToolHandler:
     def close(self) -> None:
         self._http.close()
 
-    def prepare(self, effects: Sequence[Effect]) -> None:
+    def route_of(self, effect: Effect) -> str:
+        """A tool effect's route is its tool (its calls and look-ups reach the same backend),
+        if the registry has it; every other name shares the empty route (its calls fail at
+        once): the routes are bounded by the registry, whatever the effects name."""
+        match effect:
+            case CallTool():
+                tool = effect.operation.tool
+            case Reconcile() | PollTool() | CancelTool():
+                tool = effect.tool
+            case _:
+                tool = ""
+        return tool if tool in self.registry.tools else ""
+
+    def limits(self, route: str) -> RouteLimits:
+        entry = self._entry(route)
+        return NO_LIMITS if entry is None else entry.limits
+
+    def prepare(self, effects: Sequence[Effect]) -> Ahead:
         """Nothing to read ahead: a tool call's effect carries all it needs."""
+        return NOTHING_AHEAD
 
     def failure(self, effect: Effect, code: str, message: str) -> Outcome:
         """The answer to an effect this handler could not carry out (the executor's guard):
@@ -328,7 +371,7 @@ class ToolHandler:
             out[name] = secret.reveal()
         return out
 
-    def _send(
+    async def _send(
         self,
         entry: ToolEntry,
         method: str,
@@ -341,7 +384,7 @@ class ToolHandler:
         """The only method that touches the network (see :class:`KeepAliveHTTP`). The answer
         holds none of the tool's secrets, whatever the backend echoed: its body becomes
         artifacts and messages, its detail action records and logs."""
-        answer = self._http.send(
+        answer = await self._http.send(
             method,
             url,
             timeout_s=timeout_s,
@@ -360,18 +403,18 @@ class ToolHandler:
 
     # ------------------------------------------------------------------ dispatch
 
-    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+    async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         match effect:
             case CallTool():
                 if previous is not None and previous.status == "started":
-                    return self._resume(effect)
-                return self._call(effect)
+                    return await self._resume(effect)
+                return await self._call(effect)
             case Reconcile():
-                return self._reconcile(effect)
+                return await self._reconcile(effect)
             case PollTool():
-                return self._poll(effect)
+                return await self._poll(effect)
             case CancelTool():
-                return self._cancel(effect)
+                return await self._cancel(effect)
             case _:
                 raise ExecutorError(f"not a tool effect: {effect.type}")
 
@@ -404,7 +447,7 @@ class ToolHandler:
 
     # ------------------------------------------------------------------ CallTool
 
-    def _call(self, effect: CallTool) -> Outcome:
+    async def _call(self, effect: CallTool) -> Outcome:
         op = effect.operation
         ids = self._ids(effect, op.key, op.dispatch)
         entry = self._entry(op.tool)
@@ -423,13 +466,19 @@ class ToolHandler:
                 **ids, error_class=ErrorClass.UNKNOWN, error_code="invalid_arguments_json"
             )
             return Outcome(event, detail="arguments are not JSON")
-        headers = {"Idempotency-Key": op.key, "Content-Type": "application/json"}
+        headers = {
+            "Idempotency-Key": op.key,
+            "Content-Type": "application/json",
+            # for the backend's own records: which run asked (percent-encoded: a run id is
+            # free text, a header value may not be)
+            RUN_HEADER: quote(effect.run_id, safe=":"),
+        }
         if op.expected_version is not None:
             headers["If-Match"] = op.expected_version
         callback = self.callback_for(op.key)
         if callback is not None:
             headers["X-Callback-URL"] = callback
-        answer = self._send(
+        answer = await self._send(
             entry,
             entry.method,
             self._url(entry.endpoint, op.key),
@@ -481,7 +530,11 @@ class ToolHandler:
             message=answer.body[:500].decode("utf-8", "replace"),
             retry_after_ms=retry_after_ms(answer.header("retry-after")),
         )
-        return Outcome(event, detail=f"HTTP {answer.status}")
+        throttle = None
+        if error_class is ErrorClass.RATE_LIMIT:  # this tool's calls slow down, alone
+            after = event.retry_after_ms
+            throttle = DEFAULT_THROTTLE_S if after is None else after / 1000
+        return Outcome(event, detail=f"HTTP {answer.status}", throttle_s=throttle)
 
     def _result_artifact(
         self, op_key: str, tool: str, arguments: Any, output: Any, http_status: int
@@ -529,13 +582,15 @@ class ToolHandler:
 
     # ------------------------------------------------------------------ look-ups
 
-    def _lookup(self, tool: str, key: str) -> tuple[str, Any, Answer]:
+    async def _lookup(self, tool: str, key: str) -> tuple[str, Any, Answer]:
         """Status of an operation by key: (found|running|failed|cancelled|not_found|unknown)."""
         entry = self._entry(tool)
         template = entry.status_url_template if entry is not None else None
         if entry is None or template is None:
             return "unknown", None, Answer(detail="no status URL for this tool")
-        answer = self._send(entry, "GET", self._url(template, key), timeout_s=self.lookup_timeout_s)
+        answer = await self._send(
+            entry, "GET", self._url(template, key), timeout_s=self.lookup_timeout_s
+        )
         if answer.failure is not None:
             return "unknown", None, answer
         payload, problem = _json(answer.body)
@@ -554,15 +609,15 @@ class ToolHandler:
             case _:
                 return "unknown", payload, answer
 
-    def _resume(self, effect: CallTool) -> Outcome:
+    async def _resume(self, effect: CallTool) -> Outcome:
         """A started CallTool without a result: look it up before anything else (R12)."""
         op = effect.operation
         ids = self._ids(effect, op.key, op.dispatch)
-        state, payload, answer = self._lookup(op.tool, op.key)
+        state, payload, answer = await self._lookup(op.tool, op.key)
         detail = f"resumed after a crash: look-up {state}"
         match state:
             case "not_found":
-                return self._call(effect)
+                return await self._call(effect)
             case "found":
                 arguments = json.loads(op.arguments_json)
                 outcome = self._succeeded(
@@ -579,9 +634,9 @@ class ToolHandler:
             case _:
                 return Outcome(ToolCallTimedOut(**ids), detail=detail)
 
-    def _reconcile(self, effect: Reconcile) -> Outcome:
+    async def _reconcile(self, effect: Reconcile) -> Outcome:
         ids = self._ids(effect, effect.operation_key, effect.dispatch)
-        state, payload, answer = self._lookup(effect.tool, effect.operation_key)
+        state, payload, answer = await self._lookup(effect.tool, effect.operation_key)
         detail = f"look-up {state} (HTTP {answer.status or answer.failure})"
         if state == "found":
             output = payload.get("result")
@@ -601,9 +656,9 @@ class ToolHandler:
         event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.UNDETERMINABLE)
         return Outcome(event, (), detail)
 
-    def _poll(self, effect: PollTool) -> Outcome:
+    async def _poll(self, effect: PollTool) -> Outcome:
         ids = self._ids(effect, effect.operation_key, effect.dispatch)
-        state, payload, answer = self._lookup(effect.tool, effect.operation_key)
+        state, payload, answer = await self._lookup(effect.tool, effect.operation_key)
         detail = f"poll {effect.poll}: {state}"
         match state:
             case "found":
@@ -627,13 +682,13 @@ class ToolHandler:
                 event = ToolStatusReported(**ids, status="running", poll=effect.poll)
         return Outcome(event, (), detail)
 
-    def _cancel(self, effect: CancelTool) -> Outcome:
+    async def _cancel(self, effect: CancelTool) -> Outcome:
         ids = self._ids(effect, effect.operation_key, effect.dispatch)
         entry = self._entry(effect.tool)
         template = entry.cancel_url_template if entry is not None else None
         if entry is None or template is None:
             return Outcome(CancelUnconfirmed(**ids), detail="no cancel URL for this tool")
-        answer = self._send(
+        answer = await self._send(
             entry,
             "POST",
             self._url(template, effect.operation_key),

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,

@@ -19,11 +19,12 @@ import pytest
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing import model_server, tool_server
 from agentruns.connectors.testing.model_server import Scenario
+from agentruns.processors.events import ToolCallSucceeded
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
 
-from tests.support.executors import fast_registry
+from tests.support.executors import Ids, fast_registry, make_harness
 from tests.support.pipeline import Inbox, Pipeline
 from tests.support.waiting import wait_for
 
@@ -134,4 +135,66 @@ def test_e2e_kill_9_of_each_executor_during_runs(
         thread.join(30)
         store.close()
         models.close()
+        tools.close()
+
+
+HUNDREDS = 300
+
+
+@pytest.mark.timeout(300)
+def test_e2e_kill_9_of_the_tool_executor_with_hundreds_of_calls_in_flight(
+    kafka_bootstrap: str, database_url: str, tmp_path: Any
+) -> None:
+    """300 tool calls of 1.5 to 3 s each, all in flight in one executor process, which is
+    killed with SIGKILL once most of them have executed and restarted: every effect is
+    answered (identical bytes when answered twice), every ticket was created once, and no
+    operation that ran was requested again (a started key is looked up, not called)."""
+    prefix = f"t-e2e-hundreds-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    harness = make_harness(kafka_bootstrap, database_url, prefix, "tool")
+    tools = tool_server.serve("127.0.0.1", 0)
+    registry = fast_registry(tmp_path, tools.url)
+    spec = json.loads(registry.read_text())
+    for tool in spec["tools"]:
+        tool["timeout_ms"] = 10_000
+    registry.write_text(json.dumps(spec))
+    rule = {"target": "*", "kind": "latency", "times": None, "min_ms": 1500, "max_ms": 3000}
+    httpx.post(tools.url + "/faults", json=rule, timeout=5).raise_for_status()
+    command = [
+        sys.executable, "-m", "agentruns.connectors.executors.tool",
+        "--bootstrap", kafka_bootstrap, "--database-url", database_url, "--prefix", prefix,
+        "--registry", str(registry), "--max-in-flight", "512",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO)
+    app: Any = tools.app
+    base = f"hundreds-{time.monotonic_ns() % 10**9}"
+    calls = [
+        Ids(f"{base}-{i}").call("create_ticket", {"title": f"ticket {i}"}) for i in range(HUNDREDS)
+    ]
+    try:
+        harness.effects.send(*calls)
+        wait_for(lambda: app.stats()["tool_calls"] >= 250, 120, "250 calls in flight")
+        harness.inbox.drain()
+        in_flight = app.stats()["tool_calls"] - len(harness.inbox.seen)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = subprocess.Popen(command, cwd=REPO)
+
+        def answered() -> bool:
+            harness.inbox.drain()
+            return all(f"{c.idempotency_key}:result" in harness.inbox.seen for c in calls)
+
+        wait_for(answered, 180, "every answer")
+        stats = app.stats()
+        keys = [c.operation.key for c in calls]
+        assert in_flight >= 100  # the kill landed with calls in flight
+        assert {stats["executions"].get(k) for k in keys} == {1}
+        assert {stats["calls"].get(k) for k in keys} == {1}
+        for call in calls:
+            copies = {raw for raw, _ in harness.inbox.seen[f"{call.idempotency_key}:result"]}
+            assert len(copies) == 1
+            harness.inbox.typed(call, ToolCallSucceeded)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        harness.close()
         tools.close()

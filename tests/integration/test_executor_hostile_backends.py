@@ -19,7 +19,8 @@ import httpx
 import msgspec
 import psycopg
 import pytest
-from agentruns.connectors.executors.base import ActionRecord, Executor, Outcome
+from agentruns.connectors.executors.base import ActionRecord, Ahead, Outcome
+from agentruns.connectors.executors.loop import Executor
 from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
 from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, ToolHandler, ToolRegistry
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -84,7 +85,7 @@ class ExplodingToolHandler(ToolHandler):
         super().__init__(registry, **kwargs)
         self.attempts: dict[str, int] = {}
 
-    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+    async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         if isinstance(effect, CallTool) and "explode:" in effect.operation.arguments_json:
             key = effect.idempotency_key
             self.attempts[key] = self.attempts.get(key, 0) + 1
@@ -94,7 +95,7 @@ class ExplodingToolHandler(ToolHandler):
                 raise ConnectionResetError("connection reset by peer")
             if self.attempts[key] == 1:
                 raise ConnectionResetError("connection reset by peer")
-        return super().execute(effect, previous)
+        return await super().execute(effect, previous, ahead)
 
 
 @dataclass
@@ -124,6 +125,7 @@ def tool_env(
         max_artifact_bytes=ARTIFACT_CAP,
         handler_attempts=HANDLER_ATTEMPTS,
         handler_backoff_ms=10,
+        max_throttle_s=0.05,  # a 429 of one test must not hold the next one's calls
     )
     harness.start(Executor(config, handler))
     http = httpx.Client(base_url=server.url, timeout=5.0)
@@ -375,10 +377,10 @@ def test_a_batch_the_database_refuses_is_retried_with_a_growing_backoff_until_it
 class ExplodingModelHandler(ModelHandler):
     """The real model handler, except for the route ``explode``: it raises."""
 
-    def execute(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+    async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         if isinstance(effect, CallModel) and effect.model_route == "explode":
             raise KeyError("choices")
-        return super().execute(effect, previous)
+        return await super().execute(effect, previous, ahead)
 
 
 def hostile_routes(base: str) -> Routes:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.testing import tool_server
 from agentruns.streams.processor import ProcessorConfig

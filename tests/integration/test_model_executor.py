@@ -6,6 +6,7 @@ effects and read the ModelCallCompleted inputs the executor commits to the inbox
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from agentruns.connectors.executors.model import (
+    Assembled,
     ModelExecutor,
     ModelHandler,
     RouteConfig,
@@ -247,10 +249,14 @@ def test_sequential_calls_share_one_connection(database_url: str) -> None:
     with model_server.serve("127.0.0.1", 0) as server:
         route = RouteConfig(base_url=server.url + "/v1", model="scenario:multi_tool")
         handler = ModelHandler(database_url, Routes({}, route))
-        try:
-            outcomes = [handler.stream(route, QUESTION).outcome for _ in range(5)]
-        finally:
-            handler.close()
+
+        async def calls() -> list[ModelOutcome]:
+            try:
+                return [(await handler.stream(route, QUESTION)).outcome for _ in range(5)]
+            finally:
+                handler.close()
+
+        outcomes = asyncio.run(calls())
         assert outcomes == [ModelOutcome.FINISHED] * 5
         # the body is read to its end after [DONE], so the connection goes back to the pool
         assert server.connections_accepted == 1
@@ -269,11 +275,16 @@ def test_a_body_that_goes_on_after_done_is_closed(database_url: str) -> None:
             total_timeout_s=3600,
         )
         handler = ModelHandler(database_url, Routes({}, plain))
-        try:
-            first = handler.stream(pinging, QUESTION)
-            second = handler.stream(plain, QUESTION)
-        finally:
-            handler.close()
+
+        async def calls() -> tuple[Assembled, Assembled]:
+            try:
+                return await handler.stream(pinging, QUESTION), await handler.stream(
+                    plain, QUESTION
+                )
+            finally:
+                handler.close()
+
+        first, second = asyncio.run(calls())
         assert first.outcome is ModelOutcome.FINISHED and len(first.tool_calls) == 1
         assert second.outcome is ModelOutcome.FINISHED
         assert server.connections_accepted == 2  # the pinging one was not kept

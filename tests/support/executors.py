@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import httpx
 import psycopg
 import pytest
-from agentruns.connectors.executors.base import Executor, ExecutorConfig
+from agentruns.connectors.executors.loop import Executor, ExecutorConfig
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.testing import tool_server
 from agentruns.connectors.testing.httpserver import ServerHandle
@@ -158,14 +158,13 @@ class Harness:
         gc.collect()
 
     def config(self, kind: str, **overrides: Any) -> ExecutorConfig:
+        values: dict[str, Any] = {"max_in_flight": 64, "max_batch": 64, **overrides}
         return ExecutorConfig(
             bootstrap=self.bootstrap,
             database_url=self.database_url,
             kind=kind,
             prefix=self.prefix,
-            workers=8,
-            max_batch=64,
-            **overrides,
+            **values,
         )
 
     def record(self, key: str) -> tuple[Any, ...] | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agentruns.connectors.executors.base import ExecutorConfig
+from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -390,7 +390,7 @@ def running_pipeline(
     stop = threading.Event()
 
     def config(kind: str) -> ExecutorConfig:
-        return ExecutorConfig(kafka_bootstrap, database_url, kind, prefix=prefix, workers=4)
+        return ExecutorConfig(kafka_bootstrap, database_url, kind, prefix=prefix, max_in_flight=64)
 
     routes = Routes({}, RouteConfig(base_url=models.url + "/v1"))
     processor_config = ProcessorConfig(kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-p")

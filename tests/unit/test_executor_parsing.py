@@ -3,6 +3,7 @@ backends, stream chunks of unexpected shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -16,6 +17,7 @@ from agentruns.connectors.executors.http import (
     HTTPWireError,
     _Connection,
     _read_response,
+    _Wire,
 )
 from agentruns.connectors.executors.model import MalformedChunkError, Routes, StreamAssembler
 from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, retry_after_ms
@@ -128,15 +130,24 @@ def test_a_routes_file_sets_the_bounds_of_a_call(tmp_path: Path) -> None:
 
 def read_answer(raw: bytes, limit: int = 1000, deadline_s: float = 5.0) -> Any:
     """`_read_response` of ``raw`` over a real socket pair (no server)."""
-    ours, theirs = socket.socketpair()
-    try:
-        theirs.sendall(raw)
-        conn = _Connection(ours)
-        conn.limit, conn.deadline = limit, time.monotonic() + deadline_s
-        return _read_response(conn, "POST")
-    finally:
-        ours.close()
-        theirs.close()
+
+    async def read() -> Any:
+        ours, theirs = socket.socketpair()
+        try:
+            theirs.sendall(raw)
+            loop = asyncio.get_running_loop()
+            transport, wire = await loop.create_connection(_Wire, sock=ours)
+            conn = _Connection(wire)
+            conn.limit, conn.deadline = limit, time.monotonic() + deadline_s
+            try:
+                return await _read_response(conn, "POST")
+            finally:
+                transport.close()
+                await asyncio.sleep(0)
+        finally:
+            theirs.close()
+
+    return asyncio.run(read())
 
 
 def test_a_body_over_the_limit_is_not_read() -> None:
