@@ -10,10 +10,25 @@ and N executors of each kind (each its own process and instance id, sharing the 
 step counts when the snapshot that starts the next step is committed), per-step latency
 p50/p99, run latency p50/p99, the CPU microseconds per step of every process (the broker,
 Postgres, each component, the bench driver; ``other`` is the rest of the machine) and the peak
-RSS of each process.
+RSS of each process, and the effects each executor kept running (its
+``agentruns_executor_in_flight`` gauge, sampled every 0.5 s: p50 and max).
 
-First, on the same broker, the Kafka floor at the same concurrencies (`agentruns.bench.floor`:
-two bare transactional consume -> produce loops, four of whose hops make a step); each level
+Backends that take time: ``--model-latency MEDIAN_MS[:SIGMA]`` makes every model call of the
+runs take a log-normal time (streamed a chunk every ``--chunk-ms``, as a model streams its
+tokens), ``--tool-latency MIN_MS:MAX_MS`` every tool call a log-uniform time (the scripted
+servers' ``latency`` fault, drawn per call and accounted per run: `agentruns.bench.overhead`).
+Each level then also reports each run's latency over the sum of its own backends' latencies
+(``run_over_backend_p50/p99``: 1.0 is no overhead) and its throughput against the ideal for those
+latencies (``throughput_vs_ideal``: the time the same closed loop would take if every run took
+exactly its backends' time, over the time it took). The Kafka floor is not measured then.
+``--mixed SLOW:INSTANT`` ends with INSTANT runs (the same scenario under another name, its model
+and tool calls instant) one after the other alone, then beside SLOW runs whose model calls take
+``--model-latency`` (2000:0.5 by default): ``instant_beside_over_alone`` is 1.0 when the slow
+runs hold the instant ones back not at all.
+
+Without latencies, first, on the same broker, the Kafka floor at the same concurrencies
+(`agentruns.bench.floor`: two bare transactional consume -> produce loops, four of whose hops
+make a step); each level
 reports ``ratio_to_floor``: its steps/s over the floor's (below 1: slower than the floor) and
 its step p50 over the floor's step latency (above 1: slower). A shared machine's noise moves
 both alike, so the ratios say more than either figure alone. One JSON object on the last line;
@@ -29,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +53,15 @@ from typing import Any
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
+from agentruns.bench.overhead import (
+    InFlightSampler,
+    backend_ms,
+    get_json,
+    model_latency_rule,
+    overhead_figures,
+    post_json,
+    tool_latency_rule,
+)
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
@@ -44,6 +69,7 @@ from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.testing import tool_server
+from agentruns.connectors.testing.model_server import BUILTIN_SCENARIOS
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets
 from agentruns.streams.admin import ensure_topics
@@ -58,6 +84,10 @@ from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 STEPS = 10
+#: The runs' scenario: ten tool calls, then the answer. SCENARIO_ALONE is the same scenario under
+#: another name, which a latency rule for SCENARIO does not touch (the instant runs of --mixed).
+SCENARIO = "bench_10"
+SCENARIO_ALONE = "bench_10_alone"
 
 
 def _numbered(name: str, i: int, count: int) -> str:
@@ -90,6 +120,7 @@ class Driver:
         self.step_seen: dict[str, tuple[int, float]] = {}
         self.step_latencies: list[float] = []
         self.run_latencies: list[float] = []
+        self.latency_of: dict[str, float] = {}  # run id -> its latency (seconds)
         self.done: dict[str, str] = {}
         self._lock = threading.Lock()
         self._consumer = Consumer(
@@ -110,11 +141,12 @@ class Driver:
                 for p in range(partitions)
             ]
         )
+        self.last_runs: list[str] = []
         self.stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 
-    def submit(self, level: int, i: int) -> str:
+    def submit(self, level: int | str, i: int, scenario: str = SCENARIO) -> str:
         run_id = f"loop-{level}-{i}-{uuid.uuid4().hex[:6]}"
         event = RunSubmitted(
             run_id=run_id,
@@ -122,9 +154,9 @@ class Driver:
             at=now_ms(),
             trace_id=uuid.uuid4().hex,
             goal="ten tickets",
-            messages=(Message(role="user", content=f"scenario:bench_10 run {run_id}"),),
+            messages=(Message(role="user", content=f"scenario:{scenario} run {run_id}"),),
             tools=self.tools,
-            model_route="scenario:bench_10",
+            model_route=f"scenario:{scenario}",
             budgets=Budgets(max_steps=STEPS + 5),
         )
         record = input_record(event)
@@ -170,8 +202,11 @@ class Driver:
                         if submitted is not None and result["run_id"] not in self.done:
                             self.done[result["run_id"]] = result["status"]
                             self.run_latencies.append(now - submitted)
+                            self.latency_of[result["run_id"]] = now - submitted
 
-    def level(self, concurrency: int, runs: int, timeout: float) -> dict[str, Any]:
+    def level(
+        self, concurrency: int, runs: int, timeout: float, scenario: str = SCENARIO
+    ) -> dict[str, Any]:
         self.producer.flush(10)
         with self._lock:
             base_steps = len(self.step_latencies)
@@ -187,7 +222,7 @@ class Driver:
             if finished >= runs:
                 break
             while in_flight < concurrency and next_index < runs:
-                mine.append(self.submit(concurrency, next_index))
+                mine.append(self.submit(concurrency, next_index, scenario))
                 next_index += 1
                 in_flight += 1
             self.producer.flush(5)
@@ -198,6 +233,7 @@ class Driver:
             run_lat = sorted(self.run_latencies[base_runs:])
             statuses = [self.done.get(r, "UNFINISHED") for r in mine]
         completed = sum(1 for s in statuses if s != "UNFINISHED")
+        self.last_runs = mine
         return {
             "concurrency": concurrency,
             "runs": runs,
@@ -215,6 +251,46 @@ class Driver:
         self.stop.set()
         self._watcher.join(timeout=10)
         close_consumer(self._consumer, 10)
+
+
+def _metrics_ports(count: int, start: int) -> list[int]:
+    first = free_port_block(count, start=start)
+    return list(range(first, first + count))
+
+
+def _scenarios_dir(root: Path) -> Path:
+    """A scenario directory with ``SCENARIO_ALONE``: ``SCENARIO`` under another name."""
+    scenario = json.loads((BUILTIN_SCENARIOS / f"{SCENARIO}.json").read_text())
+    scenario["name"] = SCENARIO_ALONE
+    (root / f"{SCENARIO_ALONE}.json").write_text(json.dumps(scenario))
+    return root
+
+
+def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str, Any]:
+    """``instant`` runs one after the other with nothing else running, then the same beside
+    ``slow`` runs started together (their model calls slowed): the instant runs' latency
+    beside them over alone (1.0: the slow runs hold them back not at all)."""
+    alone = driver.level(1, instant, timeout, scenario=SCENARIO_ALONE)
+    slow_ids = [driver.submit("mixed-slow", i) for i in range(slow)]
+    driver.producer.flush(10)
+    time.sleep(1.0)  # the slow runs' first calls are under way
+    beside = driver.level(1, instant, timeout, scenario=SCENARIO_ALONE)
+    slow_done = [r for r in slow_ids if r in driver.done]
+    deadline = time.monotonic() + timeout
+    while len(slow_done) < len(slow_ids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        slow_done = [r for r in slow_ids if r in driver.done]
+    slow_latency = [driver.latency_of[r] for r in slow_done]
+    alone_ms, beside_ms = alone["run_latency_p50_ms"], beside["run_latency_p50_ms"]
+    return {
+        "slow_runs": slow,
+        "instant_runs": instant,
+        "instant_alone_ms_p50": alone_ms,
+        "instant_beside_ms_p50": beside_ms,
+        "instant_beside_over_alone": round(beside_ms / alone_ms, 3) if alone_ms else None,
+        "slow_completed": len(slow_done),
+        "slow_run_latency_p50_ms": round(percentile(slow_latency, 0.5) * 1000, 1),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,27 +316,80 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--executors", type=int, default=1, help="executor processes of each kind (model, tool)"
     )
+    parser.add_argument(
+        "--model-latency",
+        default=None,
+        metavar="MEDIAN_MS[:SIGMA]",
+        help="every model call of the runs takes a log-normal time with this median (sigma"
+        " 0.5 unless given), streamed a chunk every --chunk-ms; e.g. 2000:0.5",
+    )
+    parser.add_argument(
+        "--tool-latency",
+        default=None,
+        metavar="MIN_MS:MAX_MS",
+        help="every tool call takes a log-uniform time between these; e.g. 50:2000",
+    )
+    parser.add_argument("--chunk-ms", type=float, default=50.0, help="see --model-latency")
+    parser.add_argument(
+        "--mixed",
+        default=None,
+        metavar="SLOW:INSTANT",
+        help="after the levels: INSTANT runs with instant model and tool calls alone, then"
+        " beside SLOW runs whose model calls take --model-latency (default 2000:0.5)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="the executors' --max-in-flight (default: 512, or the highest level if higher)",
+    )
+    parser.add_argument(
+        "--no-floor", action="store_true", help="skip the Kafka floor (skipped with latencies)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
     parser.add_argument("--floor-hops", type=int, default=40, help="hops per token of the floor")
     parser.add_argument("--out", default="bench/results/loop.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    levels = [int(x) for x in args.levels.split(",")]
-    runs = [int(x) for x in args.runs.split(",")]
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    runs = [int(x) for x in args.runs.split(",") if x.strip()]
     if len(runs) != len(levels):
         parser.error("--runs needs one count per level")
+    if any(n < 1 for n in levels + runs):
+        parser.error("--levels and --runs are positive integers")
+    mixed = None
+    if args.mixed:
+        slow_text, _, instant_text = args.mixed.partition(":")
+        if not (slow_text.isdigit() and instant_text.isdigit()):
+            parser.error("--mixed is SLOW:INSTANT, two counts")
+        mixed = (int(slow_text), int(instant_text))
+    model_latency = args.model_latency or ("2000:0.5" if mixed else None)
+    try:
+        model_rule = (
+            model_latency_rule(model_latency, args.chunk_ms, SCENARIO) if model_latency else None
+        )
+        tool_rule = tool_latency_rule(args.tool_latency) if args.tool_latency else None
+    except ValueError as exc:
+        parser.error(f"a latency is MEDIAN_MS[:SIGMA] or MIN_MS:MAX_MS: {exc}")
+    with_latency = model_rule is not None or tool_rule is not None
+    max_in_flight = args.max_in_flight or max(ExecutorConfig.max_in_flight, *levels)
     prefix = f"loop-{uuid.uuid4().hex[:8]}"
-    with ServiceStack(ephemeral=True) as stack:
+    with ServiceStack(ephemeral=True) as stack, tempfile.TemporaryDirectory() as tmp:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=args.partitions)
         services = stack_labels(stack)
         # before the pipeline's processes start: nothing else of ours is on the broker
-        floor = measure(
-            ep.kafka_bootstrap, levels, args.floor_hops, args.partitions, labels=services
+        floor = (
+            None
+            if with_latency or args.no_floor
+            else measure(
+                ep.kafka_bootstrap, levels, args.floor_hops, args.partitions, labels=services
+            )
         )
         model_port = free_port_block(1, start=30000)
         tool_port = free_port_block(1, start=model_port + 1)
+        metrics = _metrics_ports(2 * args.executors, tool_port + 1)
         env = {
             **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
@@ -269,8 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         sup = Supervisor(Path(tempfile.gettempdir()) / f"{prefix}-logs", env)
         common = ("--prefix", prefix)
+        scenarios = _scenarios_dir(Path(tmp))
         sup.add(
-            "model-server", "agentruns.connectors.testing.model_server", "--port", str(model_port)
+            "model-server",
+            "agentruns.connectors.testing.model_server",
+            "--port",
+            str(model_port),
+            "--scenarios",
+            str(scenarios),
         )
         sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
         for i in range(args.processors):
@@ -285,10 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--log-level",
                 "WARNING",
             )
-        for kind, port in (("model", model_port), ("tool", tool_port)):
+        sampled: dict[str, str] = {}
+        for k, (kind, port) in enumerate((("model", model_port), ("tool", tool_port))):
             for i in range(args.executors):
+                name = _numbered(f"{kind}-executor", i, args.executors)
+                metrics_port = metrics[k * args.executors + i]
+                sampled[name] = f"http://127.0.0.1:{metrics_port}/metrics"
                 sup.add(
-                    _numbered(f"{kind}-executor", i, args.executors),
+                    name,
                     f"agentruns.connectors.executors.{kind}",
                     *common,
                     "--instance",
@@ -299,28 +438,64 @@ def main(argv: Sequence[str] | None = None) -> int:
                     str(tool_server.DEFAULT_REGISTRY),
                     "--gather-ms",
                     str(args.gather_ms),
+                    "--max-in-flight",
+                    str(max_in_flight),
+                    "--metrics-address",
+                    f"127.0.0.1:{metrics_port}",
                 )
         sup.start_all()
+        model_url, tool_url = f"http://127.0.0.1:{model_port}", f"http://127.0.0.1:{tool_port}"
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
         results = []
+        mixed_figures = None
         try:
             driver.level(1, 1, 120)  # warm-up: every process connected and joined
+            if model_rule is not None:
+                post_json(model_url + "/faults", model_rule)
+            if tool_rule is not None:
+                post_json(tool_url + "/faults", tool_rule)
             components = {
                 c.process.pid: name for name, c in sup.components.items() if c.process is not None
             }
             for concurrency, count in zip(levels, runs, strict=True):
                 print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
                 machine = MachineCpu.start({**services, **components})
+                sampler = InFlightSampler(sampled).start()
                 level = driver.level(concurrency, count, args.timeout)
+                in_flight = sampler.stop()
                 cpu = machine.stop()
                 # every step a completed run took, the first one's too
                 steps = level["completed"] * STEPS
                 level["cpu_us_per_step"] = per_item_us(cpu.get("cpu_s_by_process"), steps)
                 level["busy_cores"] = cpu.get("busy_cores")
                 level["steal_pct"] = cpu.get("steal_pct")
-                level["ratio_to_floor"] = ratios_to_floor(level, floor_level(floor, concurrency))
+                level["in_flight"] = in_flight
+                if floor is not None:
+                    floor_at = floor_level(floor, concurrency)
+                    level["ratio_to_floor"] = ratios_to_floor(level, floor_at)
+                if with_latency:
+                    backends = backend_ms(
+                        get_json(model_url + "/latency"), get_json(tool_url + "/latency")
+                    )
+                    level.update(
+                        overhead_figures(
+                            driver.last_runs,
+                            driver.latency_of,
+                            backends,
+                            concurrency,
+                            level["seconds"],
+                        )
+                    )
                 results.append(level)
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            if mixed is not None:
+                print(f"mixed: {mixed[1]} instant beside {mixed[0]} slow", file=sys.stderr)
+                # instant: every call of the instant runs, their tools' too
+                urllib.request.urlopen(
+                    urllib.request.Request(tool_url + "/faults", method="DELETE"), timeout=10
+                ).close()
+                mixed_figures = _mixed(driver, mixed[0], mixed[1], args.timeout)
+                print(json.dumps(mixed_figures), file=sys.stderr, flush=True)
             rss = {
                 name: _peak_rss_mib(c.process.pid)
                 for name, c in sup.components.items()
@@ -336,8 +511,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gather_ms": args.gather_ms,
         "fetch_window_ms": args.fetch_window_ms,
         "partitions": args.partitions,
+        "max_in_flight": max_in_flight,
+        "model_latency": model_rule,
+        "tool_latency": tool_rule,
         "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,
+        "mixed": mixed_figures,
         "peak_rss_mib": rss,
         "floor": floor,
     }

@@ -1,0 +1,176 @@
+"""What the pipeline adds to runs whose backends take time: each run's latency against the sum of
+its own backends' latencies, throughput against the ideal for those latencies, and the effects
+the executors keep in flight (`agentruns bench loop --model-latency ... --tool-latency ...`).
+
+The scripted servers draw each call's latency (their ``latency`` fault) and account it per run
+(``GET /latency``: the model server by conversation, which is the run id; the tool server by the
+``X-Agentruns-Run-Id`` header), so a run's own backend time is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import statistics
+import threading
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from agentruns.bench.latency import percentile
+from prometheus_client.parser import text_string_to_metric_families
+
+Json = dict[str, Any]
+
+
+def model_latency_rule(text: str, chunk_ms: float, scenario: str | None) -> Json:
+    """``MEDIAN_MS[:SIGMA]`` as the model server's ``latency`` rule for every call (of
+    ``scenario`` only, when given), streaming a chunk every ``chunk_ms``."""
+    median, _, sigma = text.partition(":")
+    rule: Json = {
+        "kind": "latency",
+        "times": None,
+        "median_ms": float(median),
+        "sigma": float(sigma) if sigma else 0.5,
+        "chunk_ms": chunk_ms,
+    }
+    if scenario is not None:
+        rule["scenario"] = scenario
+    return rule
+
+
+def tool_latency_rule(text: str) -> Json:
+    """``MIN_MS:MAX_MS`` as the tool server's ``latency`` rule for every tool (log-uniform)."""
+    low, _, high = text.partition(":")
+    return {
+        "target": "*",
+        "kind": "latency",
+        "times": None,
+        "min_ms": float(low),
+        "max_ms": float(high or low),
+    }
+
+
+def post_json(url: str, body: Json, timeout: float = 10.0) -> Any:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def backend_ms(model: Mapping[str, Any], tool: Mapping[str, Any]) -> dict[str, float]:
+    """Run id -> the milliseconds its backends took: the model server's ``/latency`` answer
+    (``conversations``) plus the tool server's (``runs``)."""
+    out: dict[str, float] = {}
+    for section in (model.get("conversations") or {}, tool.get("runs") or {}):
+        for run_id, figures in section.items():
+            out[run_id] = out.get(run_id, 0.0) + float(figures.get("ms", 0.0))
+    return out
+
+
+def ideal_elapsed_s(backend_s: Sequence[float], concurrency: int) -> float:
+    """How long the driver's closed loop would take if every run took exactly its backends'
+    time: ``concurrency`` slots, each run started in order as soon as a slot is free."""
+    if not backend_s or concurrency < 1:
+        return 0.0
+    slots = [0.0] * min(concurrency, len(backend_s))
+    heapq.heapify(slots)
+    end = 0.0
+    for seconds in backend_s:
+        start = heapq.heappop(slots)
+        finish = start + seconds
+        end = max(end, finish)
+        heapq.heappush(slots, finish)
+    return end
+
+
+def overhead_figures(
+    runs: Sequence[str],
+    latency_s: Mapping[str, float],
+    backends_ms: Mapping[str, float],
+    concurrency: int,
+    elapsed_s: float,
+) -> Json:
+    """Each finished run's latency over its own backend time (p50, p99: 1.0 is no overhead),
+    that backend time (p50), and throughput against the ideal for those backend times
+    (``ideal_elapsed_s`` over the level's elapsed time: 1.0 is ideal)."""
+    measured = [r for r in runs if r in latency_s and backends_ms.get(r, 0.0) > 0]
+    ratios = [latency_s[r] / (backends_ms[r] / 1000) for r in measured]
+    backend = [backends_ms[r] / 1000 for r in runs if backends_ms.get(r, 0.0) > 0]
+    ideal = ideal_elapsed_s(backend, concurrency) if len(backend) == len(runs) else None
+    return {
+        "runs_measured": len(measured),
+        "run_backend_ms_p50": round(percentile(backend, 0.5) * 1000, 1) if backend else None,
+        "run_over_backend_p50": round(percentile(ratios, 0.5), 3) if ratios else None,
+        "run_over_backend_p99": round(percentile(ratios, 0.99), 3) if ratios else None,
+        "throughput_vs_ideal": round(ideal / elapsed_s, 3) if ideal and elapsed_s else None,
+    }
+
+
+def in_flight_of(metrics: str) -> dict[str, float]:
+    """``kind`` -> effects running, from an executor's ``/metrics`` text."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "agentruns_executor_in_flight":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("state") == "running":
+                out[sample.labels.get("kind", "")] = sample.value
+    return out
+
+
+class InFlightSampler:
+    """Reads the executors' ``/metrics`` every ``every_s`` while a level runs: the effects each
+    keeps in flight (running calls), as p50 and max per executor."""
+
+    def __init__(self, endpoints: Mapping[str, str], every_s: float = 0.5) -> None:
+        self._endpoints = dict(endpoints)  # name -> http://host:port/metrics
+        self._every_s = every_s
+        self._samples: dict[str, list[float]] = {name: [] for name in endpoints}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> InFlightSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            for name, url in self._endpoints.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=2.0) as answer:
+                        running = in_flight_of(answer.read().decode())
+                except OSError:
+                    continue
+                self._samples[name].append(sum(running.values()))
+
+    def stop(self) -> Json:
+        self._stop.set()
+        self._thread.join(5)
+        return {name: _summary(values) for name, values in self._samples.items()}
+
+
+def _summary(values: Iterable[float]) -> Json:
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    return {"p50": statistics.median(ordered), "max": ordered[-1]}
+
+
+__all__ = [
+    "InFlightSampler",
+    "backend_ms",
+    "get_json",
+    "ideal_elapsed_s",
+    "in_flight_of",
+    "model_latency_rule",
+    "overhead_figures",
+    "post_json",
+    "tool_latency_rule",
+]

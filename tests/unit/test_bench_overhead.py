@@ -1,0 +1,65 @@
+"""The loop bench's figures for backends that take time (`agentruns.bench.overhead`)."""
+
+from __future__ import annotations
+
+import pytest
+from agentruns.bench.overhead import (
+    backend_ms,
+    ideal_elapsed_s,
+    in_flight_of,
+    model_latency_rule,
+    overhead_figures,
+    tool_latency_rule,
+)
+from agentruns.connectors.testing.model_server import FaultRule
+from agentruns.connectors.testing.tool_server import FaultRule as ToolFaultRule
+
+
+def test_the_ideal_closed_loop_starts_each_run_as_a_slot_frees() -> None:
+    assert ideal_elapsed_s([2.0, 2.0, 2.0, 2.0], 2) == 4.0
+    assert ideal_elapsed_s([3.0, 1.0, 1.0, 1.0], 2) == 3.0  # three short ones beside a long one
+    assert ideal_elapsed_s([1.0] * 10, 100) == 1.0
+    assert ideal_elapsed_s([], 4) == 0.0
+
+
+def test_each_run_is_measured_against_its_own_backends() -> None:
+    backends = backend_ms(
+        {"conversations": {"a": {"calls": 2, "ms": 1500.0}, "b": {"calls": 1, "ms": 1000.0}}},
+        {"runs": {"a": {"calls": 1, "ms": 500.0}, "b": {"calls": 1, "ms": 1000.0}}},
+    )
+    assert backends == {"a": 2000.0, "b": 2000.0}
+    figures = overhead_figures(["a", "b"], {"a": 2.2, "b": 2.0}, backends, 2, 2.2)
+    assert figures["run_over_backend_p50"] in (1.0, 1.1)
+    assert figures["run_over_backend_p99"] == 1.1
+    assert figures["run_backend_ms_p50"] == 2000.0
+    assert figures["throughput_vs_ideal"] == pytest.approx(2.0 / 2.2, abs=0.001)
+
+
+def test_a_run_without_accounted_backends_is_left_out_of_the_ratios() -> None:
+    figures = overhead_figures(["a", "b"], {"a": 1.0, "b": 9.0}, {"a": 1000.0}, 2, 9.0)
+    assert figures["runs_measured"] == 1 and figures["run_over_backend_p99"] == 1.0
+    assert figures["throughput_vs_ideal"] is None  # not every run's backends are known
+
+
+def test_the_running_effects_are_read_from_an_executors_metrics() -> None:
+    text = (
+        "# HELP agentruns_executor_in_flight Effects held\n"
+        "# TYPE agentruns_executor_in_flight gauge\n"
+        'agentruns_executor_in_flight{kind="model",state="running"} 412.0\n'
+        'agentruns_executor_in_flight{kind="model",state="waiting"} 3.0\n'
+        "# TYPE other_metric counter\n"
+        "other_metric_total 7.0\n"
+    )
+    assert in_flight_of(text) == {"model": 412.0}
+
+
+def test_the_latency_options_are_rules_the_servers_take() -> None:
+    model = model_latency_rule("2000:0.7", 50, "bench_10")
+    assert FaultRule.model_validate(model).scenario == "bench_10"
+    assert (model["median_ms"], model["sigma"]) == (2000.0, 0.7)
+    assert model_latency_rule("1500", 0, None)["sigma"] == 0.5
+    tool = tool_latency_rule("50:2000")
+    assert ToolFaultRule.model_validate(tool).max_ms == 2000.0
+    assert tool_latency_rule("300")["max_ms"] == 300.0
+    with pytest.raises(ValueError):
+        model_latency_rule("fast", 50, None)
