@@ -243,14 +243,14 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
         finally:
             producer.flush(10)
             collector.close()
-        executor_stats = _executor_stats(executor_log)
+        stats = executor_stats(executor_log)
     figures: dict[str, Any] = {
         "bench": "executors",
         "calls_per_s": throughput["calls_per_s"],
         "added_latency_ms": {"p50": latency["p50_ms"], "p99": latency["p99_ms"]},
         "throughput": throughput,
         "latency": latency,
-        "executor_stats": executor_stats,
+        "executor_stats": stats,
         "max_in_flight": args.max_in_flight,
         "max_batch": args.max_batch,
         "gather_ms": args.gather_ms,
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
     return {**figures, **evaluate(figures, TARGETS)}
 
 
-def _executor_stats(path: Path) -> dict[str, Any] | None:
+def executor_stats(path: Path) -> dict[str, Any] | None:
     """The stats line the executor logs when it stops (batches, mean ms per stage): its log is
     JSON lines, and the stats are the JSON text after the marker in one line's message."""
     marker = "executor stats "

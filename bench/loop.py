@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
@@ -60,6 +61,7 @@ from agentruns.bench.overhead import (
     model_latency_rule,
     overhead_figures,
     post_json,
+    served_over_planned,
     tool_latency_rule,
 )
 from agentruns.connectors.demo.run import registry_tools
@@ -389,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         model_port = free_port_block(1, start=30000)
         tool_port = free_port_block(1, start=model_port + 1)
-        metrics = _metrics_ports(2 * args.executors, tool_port + 1)
+        metrics = _metrics_ports(2 * args.executors + args.processors, tool_port + 1)
         env = {
             **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
@@ -408,9 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             str(scenarios),
         )
         sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
+        watched: dict[str, str] = {}
         for i in range(args.processors):
+            name = _numbered("processor", i, args.processors)
+            metrics_port = metrics[2 * args.executors + i]
+            watched[name] = f"http://127.0.0.1:{metrics_port}/metrics"
             sup.add(
-                _numbered("processor", i, args.processors),
+                name,
                 "agentruns.connectors.runtime.processor",
                 *common,
                 "--instance-id",
@@ -419,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(args.fetch_window_ms),
                 "--log-level",
                 "WARNING",
+                "--metrics-address",
+                f"127.0.0.1:{metrics_port}",
             )
         sampled: dict[str, str] = {}
         for k, (kind, port) in enumerate((("model", model_port), ("tool", tool_port))):
@@ -442,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     str(max_in_flight),
                     "--metrics-address",
                     f"127.0.0.1:{metrics_port}",
+                    "--log-level",
+                    "INFO",  # the stats line each executor logs when it stops
                 )
         sup.start_all()
         model_url, tool_url = f"http://127.0.0.1:{model_port}", f"http://127.0.0.1:{tool_port}"
@@ -460,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for concurrency, count in zip(levels, runs, strict=True):
                 print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
                 machine = MachineCpu.start({**services, **components})
-                sampler = InFlightSampler(sampled).start()
+                sampler = InFlightSampler(sampled, watched).start()
                 level = driver.level(concurrency, count, args.timeout)
                 in_flight = sampler.stop()
                 cpu = machine.stop()
@@ -474,8 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     floor_at = floor_level(floor, concurrency)
                     level["ratio_to_floor"] = ratios_to_floor(level, floor_at)
                 if with_latency:
-                    backends = backend_ms(
-                        get_json(model_url + "/latency"), get_json(tool_url + "/latency")
+                    model_latency = get_json(model_url + "/latency")
+                    backends = backend_ms(model_latency, get_json(tool_url + "/latency"))
+                    level["model_served_over_planned"] = served_over_planned(
+                        model_latency, driver.last_runs
                     )
                     level.update(
                         overhead_figures(
@@ -504,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             driver.close()
             sup.stop_all()
+        stats = {name: executor_stats(sup.log_dir / f"{name}.log") for name in sampled}
     figures = {
         "bench": "loop",
         "steps_per_run": STEPS,
@@ -518,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "levels": results,
         "mixed": mixed_figures,
         "peak_rss_mib": rss,
+        "executor_stats": stats,
         "floor": floor,
     }
     out = Path(args.out)

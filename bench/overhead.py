@@ -74,6 +74,19 @@ def backend_ms(model: Mapping[str, Any], tool: Mapping[str, Any]) -> dict[str, f
     return out
 
 
+def served_over_planned(model: Mapping[str, Any], runs: Iterable[str]) -> float | None:
+    """How much longer the model server took to serve ``runs``' calls than it planned (its
+    ``served_ms`` over its ``ms``): above 1.0 the server itself fell behind (a busy machine),
+    and the runs' backend time is more than the planned time the ratios divide by."""
+    conversations = model.get("conversations") or {}
+    planned = served = 0.0
+    for run_id in runs:
+        figures = conversations.get(run_id) or {}
+        planned += float(figures.get("ms", 0.0))
+        served += float(figures.get("served_ms", 0.0))
+    return round(served / planned, 3) if planned > 0 else None
+
+
 def ideal_elapsed_s(backend_s: Sequence[float], concurrency: int) -> float:
     """How long the driver's closed loop would take if every run took exactly its backends'
     time: ``concurrency`` slots, each run started in order as soon as a slot is free."""
@@ -125,35 +138,113 @@ def in_flight_of(metrics: str) -> dict[str, float]:
     return out
 
 
-class InFlightSampler:
-    """Reads the executors' ``/metrics`` every ``every_s`` while a level runs: the effects each
-    keeps in flight (running calls), as p50 and max per executor."""
+def histogram_sums(metrics: str, family: str, label: str | None = None) -> dict[str, list[float]]:
+    """A histogram's [sum, count] so far from a ``/metrics`` text, by the value of ``label``
+    (one entry, "", without it)."""
+    out: dict[str, list[float]] = {}
+    for found in text_string_to_metric_families(metrics):
+        if found.name != family:
+            continue
+        for sample in found.samples:
+            key = sample.labels.get(label, "") if label else ""
+            totals = out.setdefault(key, [0.0, 0.0])
+            if sample.name.endswith("_sum"):
+                totals[0] += sample.value
+            elif sample.name.endswith("_count"):
+                totals[1] += sample.value
+    return out
 
-    def __init__(self, endpoints: Mapping[str, str], every_s: float = 0.5) -> None:
-        self._endpoints = dict(endpoints)  # name -> http://host:port/metrics
+
+def calls_of(metrics: str) -> tuple[float, float]:
+    """(seconds, count) of the handler calls an executor's ``/metrics`` text counts so far."""
+    seconds, count = histogram_sums(metrics, "agentruns_executor_call_seconds").get("", [0, 0])
+    return seconds, count
+
+
+def means_between(
+    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]], scale: float
+) -> dict[str, float]:
+    """Per key, the mean of what was observed between two ``histogram_sums`` readings."""
+    out: dict[str, float] = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            out[key] = round((total - total0) / (count - count0) * scale, 2)
+    return out
+
+
+class InFlightSampler:
+    """Reads the components' ``/metrics`` while a level runs. For each executor, every
+    ``every_s``: the effects it keeps in flight (running calls), as p50 and max, and the mean
+    time of the calls it made meanwhile as it saw them (``call_ms_mean``: the backend's time
+    plus the client's own delays). For each processor: the mean time of each commit stage and
+    the mean inputs per transaction over the level."""
+
+    def __init__(
+        self,
+        executors: Mapping[str, str],
+        processors: Mapping[str, str] | None = None,
+        every_s: float = 0.5,
+    ) -> None:
+        self._executors = dict(executors)  # name -> http://host:port/metrics
+        self._processors = dict(processors or {})
         self._every_s = every_s
-        self._samples: dict[str, list[float]] = {name: [] for name in endpoints}
+        self._samples: dict[str, list[float]] = {name: [] for name in executors}
+        self._before: dict[str, str | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> InFlightSampler:
+        self._before = {n: _read(u) for n, u in {**self._executors, **self._processors}.items()}
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
-            for name, url in self._endpoints.items():
-                try:
-                    with urllib.request.urlopen(url, timeout=2.0) as answer:
-                        running = in_flight_of(answer.read().decode())
-                except OSError:
-                    continue
-                self._samples[name].append(sum(running.values()))
+            for name, url in self._executors.items():
+                text = _read(url)
+                if text is not None:
+                    self._samples[name].append(sum(in_flight_of(text).values()))
 
     def stop(self) -> Json:
         self._stop.set()
         self._thread.join(5)
-        return {name: _summary(values) for name, values in self._samples.items()}
+        out: Json = {name: _summary(values) for name, values in self._samples.items()}
+        for name, url in self._executors.items():
+            before, after = self._before.get(name), _read(url)
+            if before is not None and after is not None:
+                calls = means_between(
+                    {"": calls_of(before)}, {"": calls_of(after)}, 1000.0
+                ).get("")
+                if calls is not None:
+                    out[name]["call_ms_mean"] = round(calls, 1)
+        for name, url in self._processors.items():
+            before, after = self._before.get(name), _read(url)
+            if before is None or after is None:
+                continue
+            stage = "agentruns_commit_stage_seconds"
+            out[name] = {
+                "commit_stage_ms_mean": means_between(
+                    histogram_sums(before, stage, "stage"),
+                    histogram_sums(after, stage, "stage"),
+                    1000.0,
+                ),
+                "inputs_per_transaction": means_between(
+                    histogram_sums(before, "agentruns_batch_inputs"),
+                    histogram_sums(after, "agentruns_batch_inputs"),
+                    1.0,
+                ).get(""),
+            }
+        return out
+
+
+def _read(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as answer:
+            text: str = answer.read().decode()
+            return text
+    except OSError:
+        return None
 
 
 def _summary(values: Iterable[float]) -> Json:
@@ -167,10 +258,13 @@ __all__ = [
     "InFlightSampler",
     "backend_ms",
     "get_json",
+    "histogram_sums",
     "ideal_elapsed_s",
     "in_flight_of",
+    "means_between",
     "model_latency_rule",
     "overhead_figures",
     "post_json",
+    "served_over_planned",
     "tool_latency_rule",
 ]

@@ -444,6 +444,7 @@ class ModelServerApp:
         self._faults: Counter[str] = Counter()
         self._by_scenario: Counter[str] = Counter()
         self._latency: dict[str, list[float]] = {}
+        self._served: dict[str, float] = {}
 
     # counters
     def count(self, name: str) -> None:
@@ -473,6 +474,7 @@ class ModelServerApp:
             self._faults.clear()
             self._by_scenario.clear()
             self._latency.clear()
+            self._served.clear()
 
     def record_latency(self, conversation: str, ms: float) -> None:
         """Account a ``latency`` request's planned time to its conversation (the run)."""
@@ -481,11 +483,21 @@ class ModelServerApp:
             calls_ms[0] += 1
             calls_ms[1] += ms
 
+    def record_served(self, conversation: str, ms: float) -> None:
+        """Account how long a ``latency`` request really took to serve, from its body read to
+        its last byte written: above the planned time when this server falls behind."""
+        with self._lock:
+            self._served[conversation] = self._served.get(conversation, 0.0) + ms
+
     def latency(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "conversations": {
-                    key: {"calls": int(calls), "ms": round(ms, 3)}
+                    key: {
+                        "calls": int(calls),
+                        "ms": round(ms, 3),
+                        "served_ms": round(self._served.get(key, 0.0), 3),
+                    }
                     for key, (calls, ms) in self._latency.items()
                 }
             }
@@ -663,6 +675,7 @@ class ModelHandler(JSONHandler):
     # --- chat completions --------------------------------------------------------------
 
     def chat_completions(self, body: Any) -> None:
+        began = time.monotonic()
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             self.send_json(400, _error("'messages' must be a list"))
             return
@@ -722,6 +735,8 @@ class ModelHandler(JSONHandler):
             self.stream(answer, model, completion_id, fault, separate_usage, pace)
         else:
             self.respond(answer, model, completion_id, fault, pace)
+        if pace is not None:
+            self.app.record_served(conversation, (time.monotonic() - began) * 1000)
 
     def respond(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agentruns.bench.executors import _executor_stats
+from agentruns.bench.executors import executor_stats
 
 
 def test_the_stats_come_from_the_last_json_log_line_that_holds_them(tmp_path: Path) -> None:
@@ -18,10 +18,10 @@ def test_the_stats_come_from_the_last_json_log_line_that_holds_them(tmp_path: Pa
         json.dumps({"level": "info", "msg": "stopped"}),
     ]
     log.write_text("\n".join(lines) + "\n")
-    assert _executor_stats(log) == stats
+    assert executor_stats(log) == stats
 
 
 def test_a_log_without_stats_gives_none(tmp_path: Path) -> None:
     log = tmp_path / "executor.log"
     log.write_text(json.dumps({"msg": "executor started"}) + "\nplain text\n")
-    assert _executor_stats(log) is None
+    assert executor_stats(log) is None

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from agentruns.bench.overhead import (
     backend_ms,
+    calls_of,
     ideal_elapsed_s,
     in_flight_of,
     model_latency_rule,
     overhead_figures,
+    served_over_planned,
     tool_latency_rule,
 )
 from agentruns.connectors.testing.model_server import FaultRule
@@ -35,6 +37,13 @@ def test_each_run_is_measured_against_its_own_backends() -> None:
     assert figures["throughput_vs_ideal"] == pytest.approx(2.0 / 2.2, abs=0.001)
 
 
+def test_a_server_falling_behind_its_own_schedule_shows() -> None:
+    model = {"conversations": {"a": {"ms": 1000.0, "served_ms": 1100.0}, "b": {"ms": 1000.0}}}
+    assert served_over_planned(model, ["a"]) == 1.1
+    assert served_over_planned(model, ["a", "b"]) == 0.55
+    assert served_over_planned(model, ["nobody"]) is None
+
+
 def test_a_run_without_accounted_backends_is_left_out_of_the_ratios() -> None:
     figures = overhead_figures(["a", "b"], {"a": 1.0, "b": 9.0}, {"a": 1000.0}, 2, 9.0)
     assert figures["runs_measured"] == 1 and figures["run_over_backend_p99"] == 1.0
@@ -51,6 +60,15 @@ def test_the_running_effects_are_read_from_an_executors_metrics() -> None:
         "other_metric_total 7.0\n"
     )
     assert in_flight_of(text) == {"model": 412.0}
+    calls = (
+        "# TYPE agentruns_executor_call_seconds histogram\n"
+        'agentruns_executor_call_seconds_bucket{kind="model",outcome="ok",le="+Inf"} 4.0\n'
+        'agentruns_executor_call_seconds_count{kind="model",outcome="ok"} 4.0\n'
+        'agentruns_executor_call_seconds_sum{kind="model",outcome="ok"} 9.0\n'
+        'agentruns_executor_call_seconds_count{kind="model",outcome="error"} 1.0\n'
+        'agentruns_executor_call_seconds_sum{kind="model",outcome="error"} 1.0\n'
+    )
+    assert calls_of(calls) == (10.0, 5.0)
 
 
 def test_the_latency_options_are_rules_the_servers_take() -> None:
