@@ -490,25 +490,80 @@ def _raw_refs(found: Mapping[str, Any]) -> list[str]:
     return [v["raw_ref"] for v in found.values() if isinstance(v, Mapping) and "raw_ref" in v]
 
 
-def prefetch_conversations(effects: Sequence[CallModel], load: Loader) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Conversation:
+    """The conversation up to and with one frozen context: its messages (the dicts shared with
+    the conversations after it, never changed), the goal then, and the context itself."""
+
+    messages: tuple[dict[str, Any], ...]
+    goal: Any
+    context: dict[str, Any]
+
+
+class Conversations:
+    """Conversations by the ref of their last frozen context (bounded LRU, thread-safe).
+
+    A step's conversation is the previous step's plus what the step added (the candidate's
+    assistant message, the tool results, a new goal), and artifacts never change: with the
+    previous step's conversation known, a call reads only its own step's artifacts instead of
+    its whole chain (rebuilding every chain made a run's calls quadratic in its steps)."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._items: OrderedDict[str, Conversation] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ref: str) -> Conversation | None:
+        with self._lock:
+            found = self._items.get(ref)
+            if found is not None:
+                self._items.move_to_end(ref)
+            return found
+
+    def put(self, ref: str, conversation: Conversation) -> None:
+        with self._lock:
+            self._items[ref] = conversation
+            self._items.move_to_end(ref)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def __contains__(self, ref: object) -> bool:
+        with self._lock:
+            return ref in self._items
+
+
+def prefetch_conversations(
+    effects: Sequence[CallModel], load: Loader, known: Conversations | None = None
+) -> dict[str, Any]:
     """What `build_conversation` reads for each call of a batch, one statement at a time,
-    loaded for the whole batch in a few: the context chains a level at a time, then the
-    candidates, inputs and tool registries they name, then the raw answers of those."""
+    loaded for the whole batch in a few: the context chains a level at a time (down to a
+    context whose conversation is ``known``), then the candidates, inputs and tool registries
+    they name, then the raw answers of those."""
     ahead: dict[str, Any] = {}
-    refs = {e.context_ref for e in effects}
+    seen: set[str] = set()
+    refs = {e.context_ref for e in effects if known is None or e.context_ref not in known}
     for _ in range(PREFETCH_DEPTH):
-        refs -= ahead.keys()
+        refs -= seen
         if not refs:
             break
+        seen |= refs
         level = load(sorted(refs))
         ahead.update(level)
         contexts = [c for c in level.values() if isinstance(c, Mapping)]
         refs = {
-            c["previous_context"] for c in contexts if isinstance(c.get("previous_context"), str)
+            c["previous_context"]
+            for c in contexts
+            if isinstance(c.get("previous_context"), str)
+            and (known is None or c["previous_context"] not in known)
         }
     contexts = [c for c in ahead.values() if isinstance(c, Mapping)]
+    if known is not None:
+        for effect in effects:
+            conversation = known.get(effect.context_ref)
+            if conversation is not None:
+                contexts.append(conversation.context)
     registries = [c["tool_registry"] for c in contexts if isinstance(c.get("tool_registry"), str)]
-    found = load(_named(contexts) + registries)
+    found = load(_named([c for c in contexts if c.get("previous_context")]) + registries)
     ahead.update(found)
     raws = _raw_refs(found)
     if raws:
@@ -517,43 +572,55 @@ def prefetch_conversations(effects: Sequence[CallModel], load: Loader) -> dict[s
 
 
 def build_conversation(
-    effect: CallModel, load: Loader
+    effect: CallModel, load: Loader, known: Conversations | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, current context) rebuilt from the frozen context chain (R7)."""
-    chain: list[dict[str, Any]] = []
+    """(messages, current context) rebuilt from the frozen context chain (R7), from the last
+    context whose conversation is ``known`` on (and every step's added to it)."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    base: Conversation | None = None
     ref: str | None = effect.context_ref
     while ref is not None:
+        if known is not None and (base := known.get(ref)) is not None:
+            break
+        if any(ref == seen for seen, _ in chain):
+            raise ExecutorError(f"context artifact {ref} is its own ancestor")
         context = load([ref]).get(ref)
         if not isinstance(context, dict):
             raise ExecutorError(f"context artifact {ref} not found", retryable=True)
-        chain.append(context)
+        chain.append((ref, context))
         ref = context.get("previous_context")
     chain.reverse()
-    first = chain[0]
-    messages: list[dict[str, Any]] = [
-        {"role": m["role"], "content": m["content"]} for m in first.get("messages") or ()
-    ]
-    if not any(m["role"] == "user" for m in messages):
-        messages.append({"role": "user", "content": first.get("goal", "")})
-    found = load(_named(chain[1:]))
+    if base is None:
+        first_ref, first = chain.pop(0)
+        messages: list[dict[str, Any]] = [
+            {"role": m["role"], "content": m["content"]} for m in first.get("messages") or ()
+        ]
+        if not any(m["role"] == "user" for m in messages):
+            messages.append({"role": "user", "content": first.get("goal", "")})
+        base = Conversation(tuple(messages), first.get("goal"), first)
+        if known is not None:
+            known.put(first_ref, base)
+    messages, goal, current = list(base.messages), base.goal, base.context
+    found = load(_named([c for _, c in chain])) if chain else {}
     raws = _raw_refs(found)
     if raws:
         found.update(load(raws))
-    goal = first.get("goal")
-    for context in chain[1:]:
-        candidate = found.get(context.get("previous_candidate") or "")
+    for ref, current in chain:
+        candidate = found.get(current.get("previous_candidate") or "")
         calls: list[Mapping[str, Any]] = []
         if isinstance(candidate, Mapping):
             assistant = assistant_message(candidate)
             calls = list(assistant.get("tool_calls") or ())
             messages.append(assistant)
-        inputs = list(context.get("inputs") or ())
+        inputs = list(current.get("inputs") or ())
         messages.extend(tool_messages(calls, inputs, found))
         if not calls and inputs:
             messages.append({"role": "user", "content": canonical_json({"results": inputs})})
-        if context.get("goal") and context.get("goal") != goal:
-            goal = context["goal"]
+        if current.get("goal") and current.get("goal") != goal:
+            goal = current["goal"]
             messages.append({"role": "user", "content": f"New goal: {goal}"})
+        if known is not None:
+            known.put(ref, Conversation(tuple(messages), goal, current))
     if effect.repair is not None:
         messages.append(
             {
@@ -565,7 +632,7 @@ def build_conversation(
                 ),
             }
         )
-    return messages, chain[-1]
+    return messages, current
 
 
 # --------------------------------------------------------------------------- handler
@@ -667,6 +734,7 @@ class ModelHandler:
         self.routes = routes
         self.registry = registry
         self._cache = _ArtifactCache(database_url)
+        self._conversations = Conversations()
         # One keep-alive connection per worker thread and origin. Connect timeouts and byte
         # limits are the route's, per call.
         self._http = KeepAliveHTTP(connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
@@ -686,7 +754,9 @@ class ModelHandler:
         """The conversations of a group of calls, read in a few statements (each call of the
         group reads its own from this map, however many the cache keeps)."""
         calls = [e for e in effects if isinstance(e, CallModel)]
-        return prefetch_conversations(calls, self._cache.load) if calls else NOTHING_AHEAD
+        if not calls:
+            return NOTHING_AHEAD
+        return prefetch_conversations(calls, self._cache.load, self._conversations)
 
     async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         if not isinstance(effect, CallModel):
@@ -748,7 +818,7 @@ class ModelHandler:
         self, effect: CallModel, load: Loader
     ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
         """The messages, the current context and the tools of a call (R7)."""
-        messages, context = build_conversation(effect, load)
+        messages, context = build_conversation(effect, load, self._conversations)
         return messages, context, self._tools(context.get("tool_registry"), load)
 
     def _tools(self, registry_ref: Any, load: Loader) -> list[dict[str, Any]]:

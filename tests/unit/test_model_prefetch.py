@@ -13,10 +13,11 @@ import pytest
 from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.model import (
     PREFETCH_DEPTH,
+    Conversations,
     build_conversation,
     prefetch_conversations,
 )
-from agentruns.processors.effects import CallModel
+from agentruns.processors.effects import CallModel, RepairNote
 from agentruns.processors.ids import canonical_json
 
 
@@ -157,3 +158,53 @@ def test_a_hostile_context_ends_the_read_ahead_and_the_call_fails_as_before(cont
     prefetch_conversations([effect], store.load)  # raises nothing
     with pytest.raises(ExecutorError, match="not found"):
         build_conversation(effect, store.load)
+
+
+def _step(store: Store, run_id: str, previous: str, step: int, registry: str) -> str:
+    call = {"id": f"c{step}", "function": {"name": "search_docs", "arguments": '{"q":"x"}'}}
+    message = {"role": "assistant", "content": "", "tool_calls": [{**call, "type": "function"}]}
+    candidate = store.put({"message": message, "run": run_id, "n": step})
+    result = store.put({"tool": "search_docs", "arguments": {"q": "x"}, "output": step})
+    return _context(
+        store, run_id, step, previous, candidate=candidate, inputs=[result], registry=registry
+    )
+
+
+def test_a_known_conversation_makes_each_step_read_only_its_own_artifacts() -> None:
+    """Step by step, as a run goes: each call reads its context and what it names, never the
+    chain before it, and gets the conversation a call without the cache gets."""
+    store, known = Store(), Conversations()
+    registry = store.put([{"name": "search_docs", "parameters": {"type": "object"}}])
+    ref = _context(store, "run-k", 1, None, registry=registry)
+    build_conversation(_call("run-k", ref, 1), store.load, known)
+    for step in range(2, 12):
+        ref = _step(store, "run-k", ref, step, registry)
+        effect = _call("run-k", ref, step)
+        before = store.statements
+        ahead = prefetch_conversations([effect], store.load, known)
+        assert store.statements - before == 2  # its context, then its candidate and result
+        messages, context = build_conversation(effect, _only(ahead), known)
+        assert store.statements - before == 2
+        assert (messages, context) == build_conversation(effect, _copy(store).load)
+        assert [m["role"] for m in messages].count("tool") == step - 1
+
+
+def test_a_repair_note_is_never_kept_in_the_conversation() -> None:
+    store, known = Store(), Conversations()
+    effect = _run(store, "run-r", steps=3)
+    repaired = CallModel(
+        **{f: getattr(effect, f) for f in effect.__struct_fields__ if f != "repair"},
+        repair=RepairNote(candidate_ref="sha256:x", error_code="BAD_ARGS", detail="no"),
+    )
+    with_note, _ = build_conversation(repaired, store.load, known)
+    without, _ = build_conversation(effect, store.load, known)
+    assert len(with_note) == len(without) + 1
+    assert without == build_conversation(effect, _copy(store).load)[0]
+
+
+def test_a_cycle_of_contexts_is_an_error_not_a_loop() -> None:
+    store = Store()
+    store.artifacts["sha256:a"] = {"step": 2, "previous_context": "sha256:b"}
+    store.artifacts["sha256:b"] = {"step": 1, "previous_context": "sha256:a"}
+    with pytest.raises(ExecutorError, match="its own ancestor"):
+        build_conversation(_call("r", "sha256:a", step=2), store.load)
