@@ -62,6 +62,11 @@ def test_json_from_a_backend_never_raises() -> None:
     assert decode_json(b'"\xff\xfe"') == (None, "not_utf8")
     assert decode_json(b"NaN") == (None, "not_json")
     assert decode_json(b"{not json") == (None, "not_json")
+    # brackets in strings count toward the quick bound, never toward the depth
+    text = b'{"a": "' + b"[{" * 100 + b'"}'
+    assert decode_json(text) == ({"a": "[{" * 100}, None)
+    depth = MAX_JSON_DEPTH
+    assert decode_json(b"[" * depth + b"]" * depth)[1] is None
 
 
 def test_text_for_the_database_has_no_nul_and_is_bounded() -> None:
