@@ -624,7 +624,7 @@ class Committer(Generic[U]):
         """One transaction for ``units``, in this order:
 
         1. the offsets: per partition the highest next offset of the units, with the group
-           metadata of the newest unit;
+           metadata of the newest unit (none to send when no unit moved one);
         2. `begin_transaction` on the pair's current producer (from here a failure leaves the
            transaction open, for `recover` to abort);
         3. with ``offsets_first`` (the executors), `send_offsets_to_transaction` and then every
@@ -651,7 +651,7 @@ class Committer(Generic[U]):
         began = time.monotonic()
         producer.begin_transaction()
         self._open = True
-        if self._offsets_first:
+        if self._offsets_first and positions:
             self._call = ("send_offsets_to_transaction", time.monotonic())
             producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
             self._call = None
@@ -663,7 +663,7 @@ class Committer(Generic[U]):
                 else:
                     produce(topic, key=key, value=value, partition=partition, headers=headers)
         produced = time.monotonic()
-        if not self._offsets_first:
+        if not self._offsets_first and positions:
             self._call = ("send_offsets_to_transaction", time.monotonic())
             producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
             self._call = None

@@ -365,6 +365,7 @@ class _Held:
     running: bool = False
     ended: float = 0.0  # monotonic, when its call ended
     orphan: bool = False  # its partitions moved away while it ran: recorded, not answered
+    group: _Group | None = None  # the calls started with it
 
     @property
     def key(self) -> str:
@@ -373,6 +374,16 @@ class _Held:
     @property
     def partition(self) -> int:
         return self.positions[0][0] if self.positions else -1
+
+
+@dataclass(eq=False)
+class _Group:
+    """Calls started together (one records statement): the answer thread waits a moment for
+    the rest of a group whose calls are instant, so that they share a records statement and a
+    transaction as they would have in one batch."""
+
+    started: float  # monotonic
+    running: int
 
 
 @dataclass
@@ -502,6 +513,7 @@ class Executor:
         self._done = threading.Condition(self._lock)
         self._left = threading.Condition(self._lock)
         self._tracker = OffsetTracker()
+        self._marks: dict[int, int] = {}  # partition -> the mark last handed to the committer
         self._held: dict[str, _Held] = {}  # by key
         self._waiting: dict[str, deque[_Held]] = {}  # by route, oldest first
         self._running = 0
@@ -761,6 +773,8 @@ class Executor:
                         held.orphan = True
                         left += 1
             self._tracker.forget(gone)
+            for partition in gone:
+                self._marks.pop(partition, None)
             self._owned -= gone
             self._paused -= gone
             self.membership.assigned(self._owned)
@@ -922,6 +936,10 @@ class Executor:
                 self._work.notify()
         if todo:
             ahead = self._prepare([h.effect for h, _ in todo])
+            if len(todo) > 1:
+                together = _Group(time.monotonic(), len(todo))
+                for held, _ in todo:
+                    held.group = together
             self._calls.call_soon_threadsafe(self._spawn, todo, ahead)
 
     def _spawn(self, todo: list[tuple[_Held, ActionRecord | None]], ahead: Ahead) -> None:
@@ -1011,6 +1029,8 @@ class Executor:
             held.running = False
             held.ended = now
             self._running -= 1
+            if held.group is not None:
+                held.group.running -= 1
             self._answered.append(_Answered(held, completion=completion))
             self._done.notify()
             self._work.notify()
@@ -1131,6 +1151,7 @@ class Executor:
             with self._lock:
                 while not (self._answered or self._dead or self._stop_answering.is_set()):
                     self._done.wait(1.0)
+                self._gather_instant()
                 answered, self._answered = self._answered, []
                 dead, self._dead = self._dead, []
             if not answered and not dead:
@@ -1141,6 +1162,22 @@ class Executor:
             with self._handover:
                 self._recover_if_failed()
                 self._hand_over(answered, stored, dead)
+
+    def _gather_instant(self) -> None:
+        """Wait (the lock is held) until the groups of the answers in hand have ended, as long
+        as they are younger than ``gather_ms``: instant calls started together are answered
+        together (a records statement and a transaction for them all, not one each), and a call
+        that takes longer is never held for its group."""
+        limit = self.config.gather_ms / 1000
+        while not self._stop_answering.is_set():
+            groups = [a.held.group for a in self._answered if a.held.group is not None]
+            started = [g.started for g in groups if g.running > 0]
+            if not started:
+                return
+            remaining = min(started) + limit - time.monotonic()
+            if remaining <= 0:
+                return
+            self._done.wait(remaining)
 
     def _record(self, answered: list[_Answered]) -> dict[str, dict[str, Any]] | None:
         """Write the artifacts and records of the answers made here (one statement), trying
@@ -1195,7 +1232,12 @@ class Executor:
             for d in kept:
                 if d.tracked:
                     self._tracker.answer(d.partition, d.offset)
-            offsets = self._tracker.positions(self._owned)
+            # only the partitions whose mark moved: every partition in a transaction's offsets
+            # is one more offset record (and marker) the broker writes
+            offsets = {}
+            for partition, mark in self._tracker.positions(self._owned).items():
+                if self._marks.get(partition) != mark:
+                    offsets[partition] = self._marks[partition] = mark
             self._left.notify_all()
             self._gauges()
         with self._stats_lock:
@@ -1263,6 +1305,7 @@ class Executor:
         with self._lock:
             owned = set(self._owned)
             offsets = self._tracker.positions(owned)
+            self._marks.update(offsets)
         return _Ready(
             [a for u in units for a in u.answers if a.partition in owned],
             [d for u in units for d in u.dead if d.partition in owned],
