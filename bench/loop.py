@@ -46,7 +46,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from agentruns.bench.overhead import (
     served_over_planned,
     tool_latency_rule,
 )
+from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
@@ -517,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             driver.close()
             sup.stop_all()
         stats = {name: executor_stats(sup.log_dir / f"{name}.log") for name in sampled}
+    by_level = {str(level["concurrency"]): level for level in results}
     figures = {
         "bench": "loop",
         "steps_per_run": STEPS,
@@ -529,16 +531,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool_latency": tool_rule,
         "processes": {"processor": args.processors, "executors_per_kind": args.executors},
         "levels": results,
+        # the levels again by concurrency: `agentruns bench repeat` takes medians of objects,
+        # not of lists
+        "by_level": by_level,
         "mixed": mixed_figures,
         "peak_rss_mib": rss,
         "executor_stats": stats,
         "floor": floor,
     }
+    figures.update(evaluate(figures, targets(with_latency, by_level, mixed_figures)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures))
     return 0
+
+
+#: With backends that take time, at this many concurrent runs (2 s median model calls):
+LATENCY_TARGET_LEVEL = "512"
+LATENCY_TARGETS = (
+    # each run's latency over its own backends' latencies
+    Target(f"by_level.{LATENCY_TARGET_LEVEL}.run_over_backend_p50", 1.10, at_most=True),
+    Target(f"by_level.{LATENCY_TARGET_LEVEL}.run_over_backend_p99", 1.25, at_most=True),
+    # steps/s against the ideal closed loop for those latencies
+    Target(f"by_level.{LATENCY_TARGET_LEVEL}.throughput_vs_ideal", 0.9),
+)
+#: An instant run beside slow ones, against the same run alone.
+MIXED_TARGET = Target("mixed.instant_beside_over_alone", 1.2, at_most=True)
+
+
+def targets(
+    with_latency: bool, by_level: Mapping[str, Any], mixed: Mapping[str, Any] | None
+) -> list[Target]:
+    """The targets the run's figures can be judged on."""
+    out = list(LATENCY_TARGETS) if with_latency and LATENCY_TARGET_LEVEL in by_level else []
+    if mixed is not None:
+        out.append(MIXED_TARGET)
+    return out
 
 
 if __name__ == "__main__":
