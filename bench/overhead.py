@@ -213,9 +213,7 @@ class InFlightSampler:
         for name, url in self._executors.items():
             before, after = self._before.get(name), _read(url)
             if before is not None and after is not None:
-                calls = means_between(
-                    {"": calls_of(before)}, {"": calls_of(after)}, 1000.0
-                ).get("")
+                calls = means_between({"": calls_of(before)}, {"": calls_of(after)}, 1000.0).get("")
                 if calls is not None:
                     out[name]["call_ms_mean"] = round(calls, 1)
         for name, url in self._processors.items():
