@@ -110,11 +110,24 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_TOOL_REGISTRY",
         description="the tools registry file, when --registry is not given",
     )
+    store_dir: Path | None = Field(
+        None,
+        alias="AGENTRUNS_STORE_DIR",
+        description="where the processor keeps its store of ended runs (a copy of the runs "
+        "topic); unset: $XDG_STATE_HOME/agentruns, else ~/.local/state/agentruns",
+    )
     callback_url: str | None = Field(
         None,
         alias="AGENTRUNS_CALLBACK_URL",
         description="URL async tools call back (the API's /v1/callbacks)",
     )
+
+    def processor_store_dir(self) -> Path:
+        """`store_dir`, or the user's state directory (XDG) when unset."""
+        if self.store_dir is not None:
+            return self.store_dir
+        base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(base) / "agentruns"
 
     @property
     def production(self) -> bool:

@@ -22,7 +22,7 @@ from agentruns.streams.topics import (
     topic_name,
     topic_specs,
 )
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -255,3 +255,18 @@ def record_limits(bootstrap: str, topics: list[str], timeout_s: float = 10.0) ->
         if entry is not None and entry.value is not None and str(entry.value).isdigit():
             limits[resource.name if name else ""] = int(entry.value)
     return limits
+
+
+def topic_id(bootstrap: str, topic: str) -> str:
+    """The id the cluster gave `topic` when it was created (a recreated topic has another),
+    waiting out a cluster that does not answer yet; raises if the topic does not exist."""
+    admin = _admin(bootstrap)
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        try:
+            (future,) = admin.describe_topics(TopicCollection([topic])).values()
+            return str(future.result(timeout=TIMEOUT_S).topic_id)
+        except (KafkaException, TimeoutError) as exc:
+            if not _transient(exc) or time.monotonic() > deadline:
+                raise AgentrunsKafkaError(f"cannot describe topic {topic}: {exc}") from exc
+            time.sleep(1.0)

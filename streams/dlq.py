@@ -17,7 +17,6 @@ __all__ = [
     "CONFLICTING_DUPLICATE",
     "DEAD_LETTER_RECORD",
     "INVALID_EVENT",
-    "LATE_SUBMISSION",
     "MAX_KEY_BYTES",
     "MAX_REASON_CHARS",
     "NOTES_BYTES",
@@ -41,7 +40,6 @@ CONFLICTING_DUPLICATE = "CONFLICTING_DUPLICATE"  # same producer seq, other cont
 RECORD_TOO_LARGE = "RECORD_TOO_LARGE"  # a record the input leads to is over the topic's limit
 PROCESSING_ERROR = "PROCESSING_ERROR"  # handling the input raised (a bug, kept for its fixer)
 TRANSACTION_FAILED = "TRANSACTION_FAILED"  # a transaction of this input alone kept failing
-LATE_SUBMISSION = "LATE_SUBMISSION"  # submits a run id that may have ended and been evicted
 
 #: A dead letter's reason is cut to this many characters.
 MAX_REASON_CHARS = 2000

@@ -7,7 +7,8 @@ raises (a refusal, a record over the size limit, a bug), the input ends in exact
 
 * applied (its events, effects, results and slot changes join the batch);
 * rejected by the core or the seq protocol (an event with disposition REJECTED, DUPLICATE or
-  LATE, or a counted duplicate);
+  LATE, or a counted duplicate; any input of a run evicted after its end is LATE, found in
+  memory or in the processor's store of ended runs, never the start of a new run);
 * refused: its half-emitted records, artifacts and slot changes are rolled back and
   `InputRefused` (reason `invalid_input:<what>: detail`) fails its run, when the run exists and
   is not terminal;
@@ -28,7 +29,7 @@ from typing import Any
 
 import msgspec
 from agentruns.processors.effects import PublishResult, ScheduleTimer
-from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
+from agentruns.processors.events import Event, GapTimedOut, InputRefused
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
@@ -41,6 +42,7 @@ from agentruns.streams.records import (
     Parked,
     RunSlot,
     effect_record,
+    ended_run_record,
     event_record,
     input_digest,
     parse_event_body,
@@ -145,12 +147,20 @@ class Topics:
     inbox: str
     events: str
     state: str
+    runs: str
     results: str
     dlq: str
     effects: Mapping[str, str]  # effect kind -> topic
 
     def outputs(self) -> list[str]:
-        return [self.events, self.state, self.results, self.dlq, *self.effects.values()]
+        return [
+            self.events,
+            self.state,
+            self.runs,
+            self.results,
+            self.dlq,
+            *self.effects.values(),
+        ]
 
 
 @dataclass
@@ -223,7 +233,7 @@ class InputPath:
         limits: RecordLimits | None = None,
         model_partitions: Callable[[], int] = lambda: 1,
         clock: Callable[[], float] = time.time,
-        submitted_after: Callable[[int], int | None] = lambda partition: None,
+        recall: Callable[[int, str], Ended | None] = lambda partition, run_id: None,
     ) -> None:
         self.topics = topics
         self.settings = settings
@@ -232,15 +242,15 @@ class InputPath:
         self.slots: dict[int, dict[str, RunSlot]] = {}  # partition -> run_id -> slot
         # partition -> run_id -> a run held after its end, encoded (`park`)
         self.parked: dict[int, dict[str, Parked]] = {}
-        # partition -> run_id -> what is kept of a run evicted after its end (Processor._evict)
+        # partition -> run_id -> what is kept of a run evicted after its end, written in a batch
+        # (`Processor._evict`, `_after_end`) and not yet in the processor's store of ended runs
         self.ended: dict[int, dict[str, Ended]] = {}
+        # An ended run in that store (`streams.run_store`): looked up for a run id not held
+        self._recall = recall
         # Inputs a transaction of their own failed on (see Processor._recover), by (partition,
         # offset): dead-lettered with that error when they come again.
         self.poisoned: dict[tuple[int, int], str] = {}
         self._model_partitions = model_partitions
-        # partition -> the `at` a submission of a run not held must be after: a run of that
-        # id may have ended and been evicted before it (None: any)
-        self._submitted_after = submitted_after
         self._model_batches = 0
         self._clock = clock
         self._batch = Batch()
@@ -461,7 +471,9 @@ class InputPath:
         run_id = record["run_id"]
         partition = inbound.partition
         slot = self._held(partition, run_id)
-        ended = None if slot is not None else self.ended.get(partition, {}).get(run_id)
+        ended = None
+        if slot is None:
+            ended = self.ended.get(partition, {}).get(run_id) or self._recall(partition, run_id)
         work = None if ended is not None else self._work_on(slot or RunSlot(run_id), mark)
         try:
             if work is not None:
@@ -475,7 +487,9 @@ class InputPath:
 
     def _after_end(self, partition: int, run_id: str, ended: Ended, record: dict[str, Any]) -> None:
         """An input of a run evicted after its end: LATE, as the core answers any input of an
-        ended run, appended to the run's log (its state is no longer held, nor its snapshot)."""
+        ended run, appended to the run's log (its state is no longer held, nor its snapshot),
+        whatever the input (a submission of the same id again is no new run). The run's new
+        last seq goes to the `runs` topic with the event, so no restart writes that seq twice."""
         seq = next_seq(ended.last_seq, self.settings.max_log_events)
         if seq is None:
             raise _Reject(f"run {run_id} has {ended.last_seq} events", "EVENT_CAP")
@@ -485,7 +499,24 @@ class InputPath:
         )
         ended.last_seq = seq
         self._produce_event(partition, run_id, seq, event, result, record["input_id"])
+        self.keep_ended(partition, run_id, ended)
         self.stats.count(result.disposition, 0)
+
+    def keep_ended(
+        self, partition: int, run_id: str, ended: Ended, batch: Batch | None = None
+    ) -> None:
+        """Write what is kept of an evicted run to the `runs` topic in `batch` (the open one by
+        default), and hold it until the processor's store has it."""
+        self.ended.setdefault(partition, {})[run_id] = ended
+        if batch is not None:
+            self._batch = batch
+        self._emit(
+            self.topics.runs,
+            run_id.encode(),
+            encode("EndedRun", ended_run_record(run_id, ended)),
+            partition,
+            None,
+        )
 
     def _sequence(
         self, partition: int, slot: RunSlot, record: dict[str, Any], inbound: Inbound
@@ -591,14 +622,6 @@ class InputPath:
                 f"{self.settings.max_log_events}",
                 "EVENT_CAP",
             )
-        if slot.state is None and isinstance(event, RunSubmitted):
-            after = self._submitted_after(partition)
-            if after is not None and event.at <= after:
-                raise _Reject(
-                    f"submitted at {event.at}, not after {after}: a run with this id may have "
-                    "ended and been evicted since",
-                    dlq.LATE_SUBMISSION,
-                )
         # The input's trace context, else the run's (a timer, a held input, a reply); the first
         # one a run sees becomes the run's.
         context = self._incoming or slot.traceparent

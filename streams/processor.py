@@ -13,7 +13,7 @@ transaction holds, in the order the committer writes it down (`Committer._transa
    (`results`) and dead letters (`dlq`) of the batch, in the order its inputs were applied;
 2. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
    producer marks, recent input digests; then a tombstone (null value) per run evicted at this
-   seal, which ended `terminal_retention_ms` ago (`_evict`);
+   seal, which ended `terminal_retention_ms` ago, with what is kept of it on `runs` (`_evict`);
 3. the consumed inbox offsets (`send_offsets_to_transaction`);
 4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
    thread since the batch was sealed): nothing may reference an artifact before (R2);
@@ -40,15 +40,17 @@ import heapq
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
 from agentruns.streams import admin, metrics
-from agentruns.streams.codec import decode, encode
+from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.inputs import (
     DEFAULT_RECORD_LIMIT,
@@ -64,8 +66,24 @@ from agentruns.streams.inputs import (
 from agentruns.streams.kafka_defaults import client_settings, close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
-from agentruns.streams.records import EFFECT_TOPIC_KIND, Parked, RunSlot
-from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, STATE, effect_suffix, topic_name
+from agentruns.streams.records import (
+    EFFECT_TOPIC_KIND,
+    Parked,
+    RunSlot,
+    ended_run_of,
+    result_ref_of,
+)
+from agentruns.streams.run_store import RunStore, StoredRun
+from agentruns.streams.topics import (
+    DLQ,
+    EVENTS,
+    INBOX,
+    RESULTS,
+    RUNS,
+    STATE,
+    effect_suffix,
+    topic_name,
+)
 from agentruns.streams.transaction import (
     Backoff,
     Clients,
@@ -92,6 +110,7 @@ log = logging.getLogger("agentruns.processor")
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
 SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
 EVICT_PER_SEAL = 1000  # ended runs evicted (tombstoned) per transaction at most
+STORE_CHUNK = 10_000  # `runs` records written to the run store per SQLite transaction at restore
 
 
 @dataclass
@@ -138,11 +157,12 @@ class ProcessorConfig:
     # A run that ended this long ago (event time: the latest `at` its partition has seen, at
     # most the wall clock, against the run's last `at`) leaves memory and the state topic (a
     # tombstone), so memory and restore scale with live runs. What is kept of it (status, last
-    # seq) answers a late input LATE until the process restarts; after that, the input is
-    # refused as for a run that does not exist. None: never evicted.
+    # seq, result ref) goes to the `runs` topic and the run store, and answers any later input
+    # LATE, across restarts. None: never evicted.
     terminal_retention_ms: int | None = 600_000
-    # Evicted runs remembered per partition (the oldest forgotten first).
-    max_ended_runs: int = 100_000
+    # Where the run store keeps its file (`streams.run_store`), one per processor group; None:
+    # in memory, read again from the `runs` topic at every restore.
+    store_dir: str | None = None
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -195,12 +215,14 @@ class Processor:
         self.inbox = topic_name(INBOX, p)
         self.events = topic_name(EVENTS, p)
         self.state_topic = topic_name(STATE, p)
+        self.runs_topic = topic_name(RUNS, p)
         self.results = topic_name(RESULTS, p)
         self.dlq = topic_name(DLQ, p)
         self.topics = Topics(
             inbox=self.inbox,
             events=self.events,
             state=self.state_topic,
+            runs=self.runs_topic,
             results=self.results,
             dlq=self.dlq,
             effects={
@@ -220,7 +242,7 @@ class Processor:
             self.stats,
             limits=self._record_limits(),
             model_partitions=self._model_partition_count,
-            submitted_after=self._submitted_after,
+            recall=self._recall,
         )
         self._slots = self._path.slots  # partition -> run_id -> slot (the path's, shared)
         self._batch: Batch | None = None
@@ -249,8 +271,18 @@ class Processor:
         # seals the next once it is free); `_in_flight`: a batch was handed to it and its end
         # not yet waited for; `_in_flight_batch`: that batch (kept for `_recover` if it failed).
         self._committer: Committer[_Sealed] = Committer(
-            self._new_producer, self.inbox, self._on_commit, logger=log
+            self._new_producer,
+            self.inbox,
+            self._on_commit,
+            logger=log,
+            on_delivery={self.runs_topic: self._delivered_run},
         )
+        # The run store (opened by `run`), the `runs` offsets the open transaction's records
+        # got (the committer thread's), and committed `runs` records the loop thread has yet
+        # to write to the store, with those offsets.
+        self._store: RunStore | None = None
+        self._delivered: dict[int, int] = {}
+        self._committed_runs: deque[tuple[list[tuple[int, bytes, bytes]], dict[int, int]]] = deque()
         self._in_flight = False
         self._in_flight_batch: _Sealed | None = None
         self._assigned: set[int] = set()
@@ -302,6 +334,7 @@ class Processor:
         """Process until `stop` is set; then commit what is pending and leave the group."""
         self._stop = stop
         self._model_partition_count()  # read here: the per-input path does no I/O
+        self._open_store()
         self._consumer.subscribe(
             [self.inbox],
             on_assign=self._on_assign,
@@ -325,6 +358,8 @@ class Processor:
                 drained = len(messages) < limit
                 try:
                     self._check_in_flight()  # a failed transaction: recover before applying more
+                    if self._committed_runs:
+                        self._store_committed()
                     for message in messages:
                         self._handle(message)
                     batch = self._batch
@@ -362,6 +397,71 @@ class Processor:
             self._wait_in_flight()
         self._artifact_writer.shutdown(wait=True)
         self._committer.close()  # it is idle: no transaction is open
+        if self._store is not None:
+            self._store_committed()
+            self._store.close()
+            self._store = None
+
+    # ------------------------------------------------------------------ the run store
+
+    def _open_store(self) -> None:
+        """The run store of this group's `runs` topic, emptied if it was kept for another
+        topic of that name (`RunStore._adopt`)."""
+        if self._store is not None:
+            return
+        path = None
+        if self.config.store_dir is not None:
+            path = Path(self.config.store_dir) / self.config.group_id / f"{self.runs_topic}.db"
+        self._store = RunStore.opened(path, admin.topic_id(self.config.bootstrap, self.runs_topic))
+
+    def _runs_from(self, reader: Consumer, store: RunStore, partitions: set[int]) -> dict[int, int]:
+        """Where a restore reads each partition of `runs` from: the store's checkpoint, or the
+        start for a checkpoint outside the topic (a topic recreated, records deleted)."""
+        start: dict[int, int] = {}
+        for p in partitions:
+            low, high = reader.get_watermark_offsets(
+                TopicPartition(self.runs_topic, p), timeout=admin.TIMEOUT_S
+            )
+            at = store.checkpoint(p)
+            if at < low or at > high:
+                log.warning(
+                    "run store of %s partition %d is at offset %d, outside the topic's [%d, %d]:"
+                    " read again from the start",
+                    self.runs_topic,
+                    p,
+                    at,
+                    low,
+                    high,
+                )
+                store.reset(p)
+                at = 0
+            start[p] = at if at > 0 else OFFSET_BEGINNING
+        return start
+
+    def _recall(self, partition: int, run_id: str) -> Ended | None:
+        return None if self._store is None else self._store.get(partition, run_id)
+
+    def _delivered_run(self, error: KafkaError | None, message: Message) -> None:
+        """The committer thread, as the open transaction's `runs` records are acknowledged."""
+        if error is None:
+            p, offset = message.partition() or 0, (message.offset() or 0) + 1
+            self._delivered[p] = max(offset, self._delivered.get(p, 0))
+
+    def _store_committed(self) -> None:
+        """Write the `runs` records of committed transactions to the run store; what it holds
+        from then on leaves the path's memory."""
+        store = self._store
+        while self._committed_runs:
+            records, delivered = self._committed_runs.popleft()
+            if store is None:
+                continue
+            runs = list(_stored_runs(records))
+            store.put(runs, delivered)
+            for p, run_id, stored in runs:
+                held = self._path.ended.get(p, {})
+                kept = held.get(run_id)
+                if kept is not None and kept.last_seq <= stored.last_seq:
+                    del held[run_id]
 
     # ------------------------------------------------------------------ rebalance
 
@@ -452,6 +552,9 @@ class Processor:
             self._watermark[p] = 0
         if not partitions:
             return 0
+        store = self._store
+        if self._committed_runs:
+            self._store_committed()
         reader = Consumer(
             {
                 "bootstrap.servers": self.config.bootstrap,
@@ -465,10 +568,15 @@ class Processor:
             }
         )
         try:
+            runs_from = {} if store is None else self._runs_from(reader, store, partitions)
             reader.assign(
                 [TopicPartition(self.state_topic, p, OFFSET_BEGINNING) for p in partitions]
+                + [TopicPartition(self.runs_topic, p, o) for p, o in runs_from.items()]
             )
-            pending = set(partitions)
+            pending = {(self.state_topic, p) for p in partitions} | {
+                (self.runs_topic, p) for p in runs_from
+            }
+            stored: list[tuple[int, bytes, bytes]] = []
             deadline = time.monotonic() + 120
             # The latest value of each run, decoded once the end is reached: an uncompacted
             # topic holds every snapshot a run had and the tombstone of every evicted run.
@@ -480,18 +588,30 @@ class Processor:
                     )
                 for message in reader.consume(1000, 0.5):
                     error = message.error()
+                    topic = message.topic()
+                    partition = message.partition() or 0
                     if error is not None:
                         if error.code() == KafkaError._PARTITION_EOF:
-                            pending.discard(message.partition() or 0)
+                            pending.discard((topic or "", partition))
+                            if topic == self.runs_topic and store is not None:
+                                # everything before the end is read: the checkpoint moves there
+                                store.put(_stored_runs(stored), {partition: message.offset() or 0})
+                                stored.clear()
                             continue
                         raise KafkaException(error)
                     value = message.value()
-                    partition = message.partition() or 0
                     key = message.key() or b""
+                    if topic == self.runs_topic:
+                        if value is not None and store is not None:
+                            stored.append((partition, key, value))
+                            if len(stored) >= STORE_CHUNK:
+                                store.put(_stored_runs(stored), {})
+                                stored.clear()
+                        continue
                     if value is None:  # a tombstone: the run was evicted after its end
                         latest[partition].pop(key, None)
                         # written once event time was past the run's end plus the retention:
-                        # its time keeps a replayed submission of the run refused
+                        # the partition's event time was at least this
                         written = message.timestamp()[1]
                         if written > self._watermark.get(partition, 0):
                             self._watermark[partition] = written
@@ -504,7 +624,11 @@ class Processor:
                     run_id = record["run_id"]
                     if record["status"] in TERMINAL and not record["buffer"]:
                         held = Parked(
-                            value, record["status"], record["last_seq"], record["updated_at"]
+                            value,
+                            record["status"],
+                            record["last_seq"],
+                            record["updated_at"],
+                            result_ref_of(record["state"]),
                         )
                         parked[run_id] = held
                         self._track(p, run_id, held.updated_at, terminal=True)
@@ -606,8 +730,10 @@ class Processor:
             ended = _ended(slot)
             self._track(partition, run_id, slot.updated_at, terminal=ended)
             if ended and not slot.buffer and self._slots.get(partition, {}).get(run_id) is slot:
-                status = str(slot.state.status) if slot.state is not None else ""
-                held = Parked(value, status, slot.last_seq, slot.updated_at)
+                state = slot.state
+                status = str(state.status) if state is not None else ""
+                result_ref = state.result_ref if state is not None else None
+                held = Parked(value, status, slot.last_seq, slot.updated_at, result_ref)
                 self._path.park(partition, run_id, held)
         self._evict(batch)
         self.stats.publish(self._held_count())
@@ -639,17 +765,10 @@ class Processor:
             heap = self._expiring.setdefault(partition, [])
             heapq.heappush(heap, (updated_at + retention, run_id))
 
-    def _submitted_after(self, partition: int) -> int | None:
-        """A run is evicted once its partition's event time (capped by the clock) is
-        `terminal_retention_ms` past the run's last `at`, so a submission at or before that
-        horizon less the retention may be the replay of an evicted run: refused."""
-        retention = self.config.terminal_retention_ms
-        horizon = min(self._watermark.get(partition, 0), int(time.time() * 1000))
-        return None if retention is None or horizon <= 0 else horizon - retention
-
     def _evict(self, batch: Batch) -> None:
         """Runs that ended `terminal_retention_ms` ago leave memory, and the state topic with a
-        tombstone after their last snapshot (the event log keeps them). At most EVICT_PER_SEAL a
+        tombstone after their last snapshot (the event log keeps them); what is kept of them
+        goes to the `runs` topic and, once committed, the run store. At most EVICT_PER_SEAL a
         seal keeps transactions small after a restore with many of them."""
         retention = self.config.terminal_retention_ms
         if retention is None:
@@ -660,7 +779,6 @@ class Processor:
             horizon = min(self._watermark.get(partition, 0), now)
             runs = self._slots.get(partition, {})
             parked = self._path.parked.get(partition, {})
-            ended = self._path.ended.setdefault(partition, {})
             while heap and heap[0][0] <= horizon and evicted < EVICT_PER_SEAL:
                 _, run_id = heapq.heappop(heap)
                 held = parked.get(run_id)
@@ -668,7 +786,7 @@ class Processor:
                     if held.updated_at + retention > horizon:
                         continue  # parked again since: pushed again with its new time
                     del parked[run_id]
-                    ended[run_id] = Ended(held.status, held.last_seq)
+                    ended = Ended(held.status, held.last_seq, held.updated_at, held.result_ref)
                 else:
                     slot = runs.get(run_id)
                     if slot is None or slot.state is None or not slot.state.terminal:
@@ -676,10 +794,12 @@ class Processor:
                     if slot.buffer or slot.updated_at + retention > horizon:
                         continue  # touched since: pushed again with its new time
                     del runs[run_id]  # decoded again for a late input, not parked since
-                    ended[run_id] = Ended(str(slot.state.status), slot.last_seq)
-                if len(ended) > self.config.max_ended_runs:
-                    del ended[next(iter(ended))]
+                    state = slot.state
+                    ended = Ended(
+                        str(state.status), slot.last_seq, slot.updated_at, state.result_ref
+                    )
                 batch.records.append((self.state_topic, run_id.encode(), None, partition, None))
+                self._path.keep_ended(partition, run_id, ended, batch)
                 evicted += 1
         self.stats.evicted += evicted
 
@@ -708,6 +828,16 @@ class Processor:
         self.stats.stage("flush", t.flushed - t.durable)
         self.stats.stage("commit", t.ended - t.flushed)
         self.stats.committed(inputs, t.ended - batch.sealed)
+        runs = self.runs_topic
+        records = [
+            (p or 0, k or b"", v)
+            for b in batches
+            for (topic, k, v, p, _) in b.outputs
+            if topic == runs and v is not None
+        ]
+        delivered, self._delivered = self._delivered, {}
+        if records or delivered:
+            self._committed_runs.append((records, delivered))
 
     def _recover(self, exc: KafkaException, rewind: set[int] | None = None) -> None:
         """Abortable: abort and rewind. Fatal/fenced: a new producer. Then reload state.
@@ -721,6 +851,7 @@ class Processor:
         failed, self._in_flight_batch = self._in_flight_batch, None
         self._batch = None
         fault = self._committer.recover(exc)  # logged: an abort, or a new producer if fatal
+        self._delivered = {}  # offsets of aborted records
         self.stats.aborts += 1
         if fault is not Fault.FATAL:
             self._backoff.failed()
@@ -776,6 +907,17 @@ class Processor:
         for parked in list(self._path.parked.values()):
             for held in list(parked.values()):
                 yield held.slot()
+
+
+def _stored_runs(records: Iterable[tuple[int, bytes, bytes]]) -> Iterable[StoredRun]:
+    """The run store's rows of `runs` records. One that cannot be decoded (written by no
+    processor of ours) is logged and left out: skipping it loses one run's end, where failing
+    would stop every restore of its partition."""
+    for partition, key, value in records:
+        try:
+            yield partition, key.decode(), ended_run_of(decode(value, "EndedRun").record)
+        except (CodecError, UnicodeDecodeError, KeyError) as exc:
+            log.error("runs record of %r on partition %d left out: %s", key[:200], partition, exc)
 
 
 def _ended(slot: RunSlot) -> bool:

@@ -11,11 +11,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from agentruns.processors.effects import EFFECT_DECODER, Effect, PublishResult
 from agentruns.processors.events import EVENT_DECODER, Event
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import Transition
 from agentruns.streams.codec import decode
+from agentruns.streams.sequencing import Ended
 
 EFFECT_TOPIC_KIND: dict[str, str] = {
     "CallModel": "model",
@@ -52,6 +54,18 @@ def parse_effect_body(body: str) -> Effect:
 
 def parse_state(state_json: str | None) -> RunState | None:
     return None if state_json is None else RunState.model_validate_json(state_json)
+
+
+class _ResultRef(msgspec.Struct):
+    result_ref: str | None = None
+
+
+def result_ref_of(state_json: str | None) -> str | None:
+    """The result ref of a run state's JSON, the rest of it skipped: what eviction keeps of a
+    run restored parked (not decoded)."""
+    if state_json is None:
+        return None
+    return msgspec.json.decode(state_json, type=_ResultRef).result_ref
 
 
 def identity(event: Event, state: RunState | None) -> tuple[int, int]:
@@ -134,6 +148,22 @@ def result_record(effect: PublishResult, *, seq: int, at: int) -> dict[str, Any]
     }
 
 
+def ended_run_record(run_id: str, ended: Ended) -> dict[str, Any]:
+    """The `runs` topic's value (`EndedRun`) for a run evicted after its end."""
+    return {
+        "run_id": run_id,
+        "status": ended.status,
+        "last_seq": ended.last_seq,
+        "ended_at": ended.ended_at,
+        "result_ref": ended.result_ref,
+    }
+
+
+def ended_run_of(record: dict[str, Any]) -> Ended:
+    """What an `EndedRun` record keeps of its run."""
+    return Ended(record["status"], record["last_seq"], record["ended_at"], record["result_ref"])
+
+
 @dataclass(frozen=True, slots=True)
 class Parked:
     """A run held after its end as the snapshot its last transaction wrote, decoded into a
@@ -145,6 +175,7 @@ class Parked:
     status: str
     last_seq: int
     updated_at: int
+    result_ref: str | None = None
 
     def slot(self) -> RunSlot:
         slot = RunSlot.from_record(decode(self.value, expected_name="Snapshot").record)

@@ -43,10 +43,13 @@ class SeqSlot(Protocol):
 
 @dataclass(slots=True)
 class Ended:
-    """What is kept of a run evicted after its end: enough to answer a late input LATE."""
+    """What is kept of a run evicted after its end: enough to answer a late input LATE (in
+    memory, the `runs` topic and the processor's `RunStore`)."""
 
     status: str
     last_seq: int
+    ended_at: int = 0  # the run's last `at`
+    result_ref: str | None = None
 
 
 def next_seq(last_seq: int, max_log_events: int) -> int | None:

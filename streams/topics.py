@@ -5,7 +5,7 @@ A plain data module: :func:`topic_specs` returns one :class:`TopicSpec` per topi
 ``NewTopic(spec.name(prefix), spec.partitions, spec.replication_factor,
 config=spec.kafka_configs())``). Nothing here talks to a broker.
 
-inbox, events and state are co-partitioned (same partition count, same run_id → partition
+inbox, events, state and runs are co-partitioned (same partition count, same run_id → partition
 function, :func:`agentruns.streams.partitioning.partition_for`); the other topics use the same
 count so
 one number sizes the deployment.
@@ -28,6 +28,7 @@ __all__ = [
     "EVENTS",
     "INBOX",
     "RESULTS",
+    "RUNS",
     "STATE",
     "TopicNames",
     "TopicSpec",
@@ -51,12 +52,13 @@ DEFAULT_PARTITIONS = 6
 INBOX = "inbox"
 EVENTS = "events"
 STATE = "state"
+RUNS = "runs"
 RESULTS = "results"
 DLQ = "dlq"
 DEAD_LETTER = DLQ
 EFFECT_KINDS: tuple[str, ...] = ("model", "tool", "timer")
 #: Topics whose partitions must line up one to one (same count, same partition function).
-CO_PARTITIONED: tuple[str, ...] = (INBOX, EVENTS, STATE)
+CO_PARTITIONED: tuple[str, ...] = (INBOX, EVENTS, STATE, RUNS)
 
 _HOUR_MS = 3_600_000
 _DAY_MS = 24 * _HOUR_MS
@@ -192,6 +194,15 @@ def topic_specs(
                 "min.cleanable.dirty.ratio": "0.1",
             },
         ),
+        spec(
+            RUNS,
+            "compact",
+            _INFINITE,
+            "EndedRun",
+            "run_id (UTF-8); explicit partition",
+            "every run evicted after its end: status, last seq, result ref; its id stays taken",
+            latest_per_key_configs,
+        ),
         *(
             spec(
                 effect_suffix(kind),
@@ -231,6 +242,7 @@ class TopicNames:
     inbox: str
     events: str
     state: str
+    runs: str
     results: str
     dlq: str
     effects: Mapping[str, str] = field(hash=False)
@@ -241,6 +253,7 @@ class TopicNames:
             inbox=topic_name(INBOX, prefix),
             events=topic_name(EVENTS, prefix),
             state=topic_name(STATE, prefix),
+            runs=topic_name(RUNS, prefix),
             results=topic_name(RESULTS, prefix),
             dlq=topic_name(DLQ, prefix),
             effects=MappingProxyType(
@@ -253,4 +266,12 @@ class TopicNames:
         return self.effects[kind]
 
     def all(self) -> tuple[str, ...]:
-        return (self.inbox, self.events, self.state, *self.effects.values(), self.results, self.dlq)
+        return (
+            self.inbox,
+            self.events,
+            self.state,
+            self.runs,
+            *self.effects.values(),
+            self.results,
+            self.dlq,
+        )

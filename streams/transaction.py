@@ -62,6 +62,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicPartition,
 )
@@ -422,11 +423,15 @@ class Committer(Generic[U]):
         name: str = "commit",
         offsets_first: bool = False,
         logger: logging.Logger = log,
+        on_delivery: Mapping[str, Callable[[KafkaError | None, Message], None]] | None = None,
     ) -> None:
         self.topic = topic  # the consumed topic, whose offsets the transactions commit
         self._producers = ProducerPair(new_producer)
         self._on_commit = on_commit
         self._offsets_first = offsets_first
+        # topic -> called (on the committer thread, during the flush) as each record produced
+        # to it is acknowledged: who needs the offsets its records got
+        self._on_delivery = dict(on_delivery or {})
         self._log = logger
         self._cond = threading.Condition()
         self._queued: list[U] = []
@@ -656,9 +661,19 @@ class Committer(Generic[U]):
             producer.send_offsets_to_transaction(positions, metadata, TIMEOUT_S)
             self._call = None
         sent = time.monotonic()
+        acknowledged = self._on_delivery
         for unit in units:
             for topic, key, value, partition, headers in unit.records():
-                if partition is None:
+                if acknowledged and topic in acknowledged:
+                    produce(
+                        topic,
+                        key=key,
+                        value=value,
+                        partition=-1 if partition is None else partition,
+                        headers=headers,
+                        on_delivery=acknowledged[topic],
+                    )
+                elif partition is None:
                     produce(topic, key=key, value=value, headers=headers)
                 else:
                     produce(topic, key=key, value=value, partition=partition, headers=headers)

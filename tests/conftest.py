@@ -8,11 +8,22 @@ on free ports and stopped at the end. Fixtures are lazy: unit tests never start 
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from agentruns.connectors.devstack.services import Endpoints, ServiceStack
+
+
+@pytest.fixture(scope="session", autouse=True)
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The processors the tests start keep their stores of ended runs here, not in the user's
+    state directory (the processes they start inherit it)."""
+    path = tmp_path_factory.mktemp("state")
+    os.environ["AGENTRUNS_STORE_DIR"] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,12 @@ class Monolith:
         store = PostgresArtifactStore(database_url)
         self._closers.append(store.close)
         self.processor = Processor(
-            ProcessorConfig(bootstrap=bootstrap, prefix=prefix), store.put_many
+            ProcessorConfig(
+                bootstrap=bootstrap,
+                prefix=prefix,
+                store_dir=str(current().processor_store_dir()),
+            ),
+            store.put_many,
         )
 
         def executor(kind: str) -> ExecutorConfig:

@@ -72,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=ProcessorConfig.terminal_retention_ms,
         help="evict a run from memory and the state topic (a tombstone) this long after its "
-        "end, in event time; a negative value keeps ended runs",
+        "end, in event time, to the runs topic and the store of ended runs; a negative value "
+        "keeps ended runs in memory",
+    )
+    p.add_argument(
+        "--store-dir",
+        default=None,
+        help="where the store of ended runs is kept (a copy of the runs topic, read again from "
+        "the topic when missing); default: the store_dir setting",
     )
     health.add_arguments(p)
     p.add_argument("--log-level", default=current().log_level)
@@ -110,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 terminal_retention_ms=(
                     None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
                 ),
+                store_dir=args.store_dir or str(current().processor_store_dir()),
             )
             tune_gc()
             tune_switch_interval()

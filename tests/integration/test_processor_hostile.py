@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from agentruns.processors.events import CancelRequested, GoalChanged, RunSubmitted
@@ -13,7 +14,7 @@ from agentruns.streams.inputs import RECORD_MARGIN
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import parse_event_body
-from agentruns.streams.topics import DLQ, EVENTS, STATE, topic_name
+from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from tests.support.pipeline import (
@@ -39,6 +40,10 @@ def _config(bootstrap: str, prefix: str, **options: Any) -> ProcessorConfig:
 def _log(bootstrap: str, prefix: str, run_id: str) -> list[dict[str, object]]:
     events = read_all(bootstrap, topic_name(EVENTS, prefix), "Event")
     return [r.value for r in events if r.value["run_id"] == run_id]
+
+
+def _calls(double: ExecutorDouble, run_id: str) -> int:
+    return sum(n for key, n in double.answered.items() if key.startswith(run_id))
 
 
 def _dead(bootstrap: str, prefix: str) -> list[dict[str, object]]:
@@ -192,10 +197,16 @@ def _set_topic_config(bootstrap: str, topic: str, name: str, value: int) -> None
         future.result(timeout=30)
 
 
-def test_an_ended_run_is_evicted_answered_late_and_not_restored(
-    kafka_bootstrap: str, database_url: str, prefix: str
+def test_an_evicted_run_stays_ended_across_restarts_whatever_its_resubmissions_say(
+    kafka_bootstrap: str, database_url: str, prefix: str, tmp_path: Path
 ) -> None:
+    """An ended run evicted from memory and the state topic is answered LATE: by what the
+    processor keeps in memory, then after a restart from its store of ended runs (read from
+    the `runs` topic into an empty store, then from a store on disk, from its checkpoint). Its
+    submission again, with its old `at` or a fresh one, is never a second run: no second
+    result, no seq written twice, the model not called again."""
     config = _config(kafka_bootstrap, prefix, terminal_retention_ms=1000)
+    on_disk = _config(kafka_bootstrap, prefix, terminal_retention_ms=1000, store_dir=str(tmp_path))
     inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
     double = ExecutorDouble(kafka_bootstrap, prefix, PARTITIONS, steps=1)
     double.start()
@@ -224,28 +235,42 @@ def test_an_ended_run_is_evicted_answered_late_and_not_restored(
                 what="the late answer",
             )
         assert _last_state(kafka_bootstrap, prefix, "ends") is None  # a tombstone
-        with running_processor(config, database_url) as proc:
-            wait_for(lambda: bool(proc._assigned), timeout=60, what="the restore")
-            assert "ends" not in {slot.run_id for slot in proc.slots()}
-            inbox.send(input_record(first))  # its submission again: not a new run
-            inbox.send(input_record(submitted("after-restore")))
-            inbox.flush()
-            wait_for(
-                lambda: (
-                    result_statuses(kafka_bootstrap, prefix).get("after-restore") == "SUCCEEDED"
-                ),
-                timeout=60,
-                what="a run after the restore",
-            )
-            wait_for(lambda: bool(_dead(kafka_bootstrap, prefix)), timeout=30, what="refusal")
+        calls = _calls(double, "ends")
+        for restart, settings in enumerate((config, on_disk, on_disk)):
+            with running_processor(settings, database_url) as proc:
+                wait_for(lambda: bool(proc._assigned), timeout=60, what="the restore")
+                assert "ends" not in {slot.run_id for slot in proc.slots()}
+                again = RunSubmitted(**{**_fields(first), "at": now_ms()})  # a fresh `at`
+                inbox.send(input_record(first))  # its submission again: not a new run
+                inbox.send(input_record(again))
+                inbox.send(input_record(submitted(f"after-restore-{restart}")))
+                inbox.flush()
+                wait_for(
+                    lambda run=f"after-restore-{restart}": (
+                        result_statuses(kafka_bootstrap, prefix).get(run) == "SUCCEEDED"
+                    ),
+                    timeout=60,
+                    what="a run after the restore",
+                )
+                wait_for(
+                    lambda n=ended + 3 + 2 * restart: (
+                        len(_log(kafka_bootstrap, prefix, "ends")) == n
+                    ),
+                    timeout=60,
+                    what="the resubmissions answered",
+                )
     finally:
         double.close()
         inbox.close()
     log = _log(kafka_bootstrap, prefix, "ends")
-    assert log[-1]["type"] == "CancelRequested" and log[-1]["disposition"] == "LATE"
-    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
-    (dead,) = _dead(kafka_bootstrap, prefix)
-    assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "ends"
+    assert log[ended]["type"] == "CancelRequested" and log[ended]["disposition"] == "LATE"
+    assert [e["type"] for e in log[ended + 1 :]] == ["RunSubmitted"] * 6
+    assert all(e["disposition"] == "LATE" for e in log[ended:])
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))  # no seq written twice
+    results = read_all(kafka_bootstrap, topic_name(RESULTS, prefix), "Result")
+    assert [r.value["status"] for r in results if r.value["run_id"] == "ends"] == ["SUCCEEDED"]
+    assert _calls(double, "ends") == calls  # the model was not called again
+    assert not _dead(kafka_bootstrap, prefix)
 
 
 def test_an_ended_run_is_held_as_its_snapshot_and_answered_late_across_a_restart(

@@ -123,6 +123,13 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "run_id": "run-1",
         "at": 1733160001000,
     },
+    "EndedRun": {
+        "run_id": "run-1",
+        "status": "SUCCEEDED",
+        "last_seq": 51,
+        "ended_at": 1733160009000,
+        "result_ref": "sha256:00ff",
+    },
 }
 
 

@@ -44,6 +44,7 @@ TOPICS = Topics(
     inbox="t.inbox",
     events="t.events",
     state="t.state",
+    runs="t.runs",
     results="t.results",
     dlq="t.dlq",
     effects={"model": "t.effects.model", "tool": "t.effects.tool", "timer": "t.effects.timer"},
@@ -84,7 +85,9 @@ def of_event(event: Event, offset: int = 0, **options: Any) -> Inbound:
 
 
 def records_to(batch: Batch, topic: str, since: int = 0) -> list[dict[str, Any]]:
-    name = {TOPICS.events: "Event", TOPICS.dlq: "DeadLetter"}[topic]
+    name = {TOPICS.events: "Event", TOPICS.dlq: "DeadLetter", TOPICS.runs: "EndedRun"}.get(
+        topic, "Effect"
+    )
     return [decode(r[2], name).record for r in batch.records[since:] if r[0] == topic]
 
 
@@ -368,6 +371,7 @@ def test_an_input_of_a_run_evicted_after_its_end_is_answered_late_from_its_last_
     assert (event["seq"], event["disposition"], event["reason"]) == (8, "LATE", "run is SUCCEEDED")
     assert path.ended[0]["gone"].last_seq == 8 and "gone" not in path.slots.get(0, {})
     assert not batch.dirty  # no snapshot: its state is not held any more
+    assert [r["last_seq"] for r in records_to(batch, TOPICS.runs)] == [8]
 
 
 def test_a_late_answer_over_the_limit_leaves_the_evicted_runs_seq_as_it_was() -> None:
@@ -378,18 +382,38 @@ def test_a_late_answer_over_the_limit_leaves_the_evicted_runs_seq_as_it_was() ->
     (dead,) = records_to(batch, TOPICS.dlq)
     assert dead["error_class"] == dlq.RECORD_TOO_LARGE
     assert not records_to(batch, TOPICS.events) and path.ended[0]["gone"].last_seq == 3
+    assert not records_to(batch, TOPICS.runs)
 
 
-def test_a_submission_older_than_the_eviction_horizon_is_refused_not_run_again() -> None:
-    path = new_path()
-    path._submitted_after = lambda partition: AT  # what the processor derives from its watermark
+def test_a_submission_of_a_run_in_the_store_of_ended_runs_is_late_whatever_its_at() -> None:
+    """A run evicted and forgotten by memory (a restart) is found in the run store: its
+    submission again, with a fresh `at`, is answered LATE at its next seq, never run again."""
+    stored = {"gone": Ended("SUCCEEDED", 7, AT, "sha256:abc")}
+    path = InputPath(
+        TOPICS,
+        PathSettings(buffer_limit=8, gap_timeout_ms=1000, max_log_events=50),
+        ProcessorStats(),
+        limits=RecordLimits(default=LIMIT),
+        model_partitions=lambda: 3,
+        clock=lambda: AT / 1000,
+        recall=lambda partition, run_id: stored.get(run_id),
+    )
     batch = Batch()
-    path.handle(of_event(submit("replayed")), batch)  # at == AT: may be an evicted run's
-    fresh = RunSubmitted(run_id="fresh", event_id="f:submit", at=AT + 1, trace_id="t", goal="g")
-    path.handle(of_event(fresh, offset=1), batch)
-    (dead,) = records_to(batch, TOPICS.dlq)
-    assert dead["error_class"] == dlq.LATE_SUBMISSION and dead["run_id"] == "replayed"
-    assert set(path.slots[0]) == {"fresh"}
+    again = RunSubmitted(run_id="gone", event_id="g:submit", at=AT + 10**9, trace_id="t", goal="g")
+    path.handle(of_event(again), batch)
+    path.handle(of_event(submit("fresh"), offset=1), batch)
+    (late,) = [e for e in records_to(batch, TOPICS.events) if e["run_id"] == "gone"]
+    assert (late["seq"], late["disposition"]) == (8, "LATE")
+    (kept,) = records_to(batch, TOPICS.runs)
+    assert kept == {
+        "run_id": "gone",
+        "status": "SUCCEEDED",
+        "last_seq": 8,
+        "ended_at": AT,
+        "result_ref": "sha256:abc",
+    }
+    assert "gone" not in path.slots[0] and "fresh" in path.slots[0]
+    assert {e["run_id"] for e in records_to(batch, TOPICS.effects["model"])} == {"fresh"}
 
 
 def test_a_run_keeps_the_marks_of_the_producers_it_heard_from_last() -> None:

@@ -86,7 +86,7 @@ def project(value: Any, reader: Any, names: dict[str, Any] | None = None) -> Any
     return value
 
 
-EXPECTED_NAMES = ("DeadLetter", "Effect", "Event", "Input", "Result", "Snapshot")
+EXPECTED_NAMES = ("DeadLetter", "Effect", "EndedRun", "Event", "Input", "Result", "Snapshot")
 REG = registry()
 ALL_VERSIONS = [sv for name in REG.names() for sv in REG.versions(name)]
 OLD_VERSIONS = [sv for sv in ALL_VERSIONS if sv.version < REG.current(sv.name).version]

@@ -120,6 +120,7 @@ def test_all_topics_are_specified_once() -> None:
         "inbox",
         "events",
         "state",
+        "runs",
         "effects.model",
         "effects.tool",
         "effects.timer",
@@ -149,6 +150,7 @@ def test_events_are_compacted_and_never_deleted() -> None:
         ("effects.tool", "delete", "Effect"),
         ("effects.timer", "delete", "Effect"),
         ("results", "compact", "Result"),
+        ("runs", "compact", "EndedRun"),
         ("dlq", "delete", "DeadLetter"),
     ],
 )
