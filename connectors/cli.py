@@ -98,6 +98,15 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("reply",): ("agentruns.connectors.api.client:main_reply", "answer a run's question"),
     ("cancel",): ("agentruns.connectors.api.client:main_cancel", "cancel a run"),
+    ("resolve",): (
+        "agentruns.connectors.api.client:main_resolve",
+        "operator: continue, fail, succeed or reconcile a paused run",
+    ),
+    ("reopen",): ("agentruns.connectors.api.client:main_reopen", "operator: reopen an ended run"),
+    ("redrive",): (
+        "agentruns.connectors.api.client:main_redrive",
+        "operator: drive a run stuck without a pending timer",
+    ),
     ("replay",): (
         "agentruns.connectors.projection.replay",
         "print a run's timeline from the log",

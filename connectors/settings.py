@@ -85,6 +85,17 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_API_SECRET",
         description="key signing resume tokens and tool callbacks; unset: random (dev)",
     )
+    api_operator_tokens: str = Field(
+        "",
+        alias="AGENTRUNS_API_OPERATOR_TOKENS",
+        description="operators who may resolve, reopen and re-drive runs, name:token[,...];"
+        " unset: one random (dev), none in production",
+    )
+    operator_token: str = Field(
+        "",
+        alias="AGENTRUNS_OPERATOR_TOKEN",
+        description="the operator token `resolve`, `reopen` and `redrive` send",
+    )
     console_secure_cookies: bool = Field(
         False,
         alias="AGENTRUNS_CONSOLE_SECURE_COOKIES",

@@ -154,6 +154,8 @@ class ReconcileCompleted(OpEvent, tag="ReconcileCompleted", frozen=True, kw_only
     type: ClassVar[Literal["ReconcileCompleted"]] = "ReconcileCompleted"
     outcome: ReconcileOutcome
     result_ref: Id | None = None
+    #: Who gave the verdict when a person did (an operator through the API); None: a look-up.
+    actor: Id | None = None
 
 
 class UserReplied(EventBase, tag="UserReplied", frozen=True, kw_only=True, gc=False):
@@ -200,6 +202,8 @@ class RunReopened(EventBase, tag="RunReopened", frozen=True, kw_only=True, gc=Fa
     resolution: Count  # compare-and-set: the resolution this correction applies to
     reason: Text
     goal: Text | None = None
+    #: Who reopened it (an operator through the API), kept in the log; None in older records.
+    actor: Id | None = None
 
 
 class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True, gc=False):
@@ -207,6 +211,19 @@ class RunResolved(EventBase, tag="RunResolved", frozen=True, kw_only=True, gc=Fa
     resolution: Count
     status: RunStatus
     reason: Text
+    #: Who resolved it (an operator through the API), kept in the log; None in older records.
+    actor: Id | None = None
+
+
+class RedriveRequested(EventBase, tag="RedriveRequested", frozen=True, kw_only=True, gc=False):
+    """An operator asked to drive a run again that nothing else will move: no timer is pending
+    and the answer it waits for is not coming. A model call is made again as a new attempt; a
+    tool call in flight is looked up by its key (Reconcile), never sent blindly again."""
+
+    type: ClassVar[Literal["RedriveRequested"]] = "RedriveRequested"
+    version: Count  # compare-and-set: the state version the operator saw stuck
+    reason: Text = "requested"
+    actor: Id | None = None
 
 
 class GapTimedOut(EventBase, tag="GapTimedOut", frozen=True, kw_only=True, gc=False):
@@ -244,6 +261,7 @@ Event = (
     | KnowledgeRefreshed
     | RunReopened
     | RunResolved
+    | RedriveRequested
     | GapTimedOut
     | InputRefused
 )
@@ -266,6 +284,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "KnowledgeRefreshed",
     "RunReopened",
     "RunResolved",
+    "RedriveRequested",
     "GapTimedOut",
     "InputRefused",
 )

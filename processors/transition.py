@@ -42,6 +42,7 @@ from agentruns.processors.events import (
     ModelOutcome,
     ReconcileCompleted,
     ReconcileOutcome,
+    RedriveRequested,
     RunReopened,
     RunResolved,
     RunSubmitted,
@@ -1111,6 +1112,40 @@ def _on_resolved(s: RunState, e: RunResolved) -> Transition:
     return out.done(_terminate(s, out, e.status, f"resolved:{e.reason}"))
 
 
+def _on_redrive(s: RunState, e: RedriveRequested) -> Transition:
+    """Drive a run that nothing else will: only when the operator saw the state it is in now
+    (the version), and no timer but the deadline is pending (a pending timer will drive it, and
+    a due one that did not fire is the timer service's to re-drive, `agentruns scan`)."""
+    if e.version != s.version:
+        return _unchanged(s, Disposition.REJECTED, "stale version (compare-and-set)")
+    driving = [t for t in s.timers if t.purpose is not TimerPurpose.DEADLINE]
+    if driving:
+        return _unchanged(s, Disposition.REJECTED, f"a {driving[0].purpose.value} timer is pending")
+    out = _Out(s, e)
+    if s.status in (RunStatus.READY, RunStatus.MODEL_RUNNING):
+        # the old attempt's answer, if it ever comes, is LATE: one model call counts
+        return out.done(_new_attempt(s, out))
+    for op in s.ops:
+        if op.status not in IN_FLIGHT and op.status is not OpStatus.UNKNOWN:
+            continue
+        op = replace(op, status=OpStatus.UNKNOWN)
+        s = _replace_op(s, op)
+        out.effects.append(
+            Reconcile(
+                # a new key: a look-up whose answer never came is asked again, not answered
+                # from the executor's record of the first one
+                idempotency_key=effect_key(
+                    "reconcile", s.run_id, op.step, s.attempt, op.key, op.dispatch, e.event_id
+                ),
+                operation_key=op.key,
+                tool=op.tool,
+                dispatch=op.dispatch,
+                **out.ids(s, op.step),
+            )
+        )
+    return out.done(_advance(s, out))
+
+
 def _remember_control(s: RunState, event_id: str) -> RunState:
     """Run-level events are not bound to a step/op/timer: remember their ids (bounded)."""
     return replace(s, control_event_ids=(*s.control_event_ids, event_id)[-8:])
@@ -1275,6 +1310,13 @@ def _build_table() -> dict[tuple[RunStatus, str], Row]:
     add((S.MODEL_RUNNING, S.READY), "KnowledgeRefreshed", _on_knowledge, _set(S.READY))
     add((*TERMINAL, S.PAUSED), "RunReopened", _on_reopened, _set(S.READY))
     add((*TERMINAL, S.PAUSED), "RunResolved", _on_resolved, frozenset(TERMINAL))
+    add(
+        (S.READY, S.MODEL_RUNNING),
+        "RedriveRequested",
+        _on_redrive,
+        _set(S.MODEL_RUNNING, S.EXPIRED, S.BUDGET_EXHAUSTED),
+    )
+    add(tools, "RedriveRequested", _on_redrive, _ADVANCE)
     return table
 
 

@@ -78,7 +78,10 @@ __all__ = [
     "RunsProducer",
     "Submission",
     "main_cancel",
+    "main_redrive",
+    "main_reopen",
     "main_reply",
+    "main_resolve",
     "main_results",
     "main_submit",
     "task_input",
@@ -506,6 +509,54 @@ class ApiClient:
     def cancel(self, run_id: str, *, reason: str = "requested") -> dict[str, Any]:
         return self._call("POST", f"/runs/{run_id}/cancel", json={"reason": reason})
 
+    def resolve(
+        self,
+        run_id: str,
+        action: str,
+        *,
+        reason: str = "operator",
+        outcome: str | None = None,
+        operation_key: str | None = None,
+        result: Any = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Resolve a PAUSED run (needs an operator token): ``action`` is ``continue``,
+        ``fail``, ``succeed`` or ``reconcile`` (with ``outcome`` ``found_succeeded`` or
+        ``not_executed``, ``operation_key`` when several calls wait, ``result`` with
+        ``found_succeeded``). Returns the API's answer; raises `ClientError` (409 when the
+        run's status does not allow it, 403 without the operator scope)."""
+        body: dict[str, Any] = {"action": action, "reason": reason}
+        extra = {"outcome": outcome, "operation_key": operation_key, "result": result}
+        body.update({k: v for k, v in extra.items() if v is not None})
+        return self._operator(run_id, "resolve", body, idempotency_key)
+
+    def reopen(
+        self,
+        run_id: str,
+        *,
+        reason: str = "operator",
+        goal: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Reopen an ended run to READY (needs an operator token); raises `ClientError`."""
+        body: dict[str, Any] = {"reason": reason}
+        if goal is not None:
+            body["goal"] = goal
+        return self._operator(run_id, "reopen", body, idempotency_key)
+
+    def redrive(
+        self, run_id: str, *, reason: str = "operator", idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """Drive a run stuck without a pending timer (needs an operator token); raises
+        `ClientError`."""
+        return self._operator(run_id, "redrive", {"reason": reason}, idempotency_key)
+
+    def _operator(
+        self, run_id: str, action: str, body: dict[str, Any], key: str | None
+    ) -> dict[str, Any]:
+        headers = {} if key is None else {"Idempotency-Key": key}
+        return self._call("POST", f"/runs/{run_id}/{action}", json=body, headers=headers)
+
     def wait(
         self, run_id: str, *, timeout_s: float = 60.0, every_s: float = 0.25
     ) -> dict[str, Any]:
@@ -675,3 +726,92 @@ def main_cancel(argv: Sequence[str] | None = None) -> int:
         sub = p.cancel(args.run_id, reason=args.reason)
     _print({"run_id": sub.run_id, "input_id": sub.input_id})
     return 0
+
+
+# --------------------------------------------------------------------------- operator commands
+
+
+def _operator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ApiClient:
+    """Operator actions go through the API, which checks the operator scope and records who
+    acted; the operator's token is AGENTRUNS_OPERATOR_TOKEN."""
+    if not args.api_url:
+        parser.error("operator actions go through the API: set --api-url or AGENTRUNS_API_URL")
+    token = current().operator_token
+    if not token:
+        raise ClientError("AGENTRUNS_OPERATOR_TOKEN is not set", status=401)
+    return ApiClient(args.api_url, token)
+
+
+def _operator_parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"agentruns {name}", description=description)
+    parser.add_argument("run_id")
+    parser.add_argument("--reason", default="operator", help="why (kept in the run's log)")
+    parser.add_argument("--key", help="Idempotency-Key: a retry with it never acts twice")
+    _common(parser, api=True)
+    return parser
+
+
+def main_resolve(argv: Sequence[str] | None = None) -> int:
+    parser = _operator_parser(
+        "resolve",
+        "Resolve a PAUSED run through the API: continue it, fail it, succeed it, or give the"
+        " verdict on a tool call whose outcome is unknown (reconcile).",
+    )
+    parser.add_argument("action", choices=["continue", "fail", "succeed", "reconcile"])
+    parser.add_argument("--outcome", choices=["found_succeeded", "not_executed"])
+    parser.add_argument("--operation-key", help="the tool call, when several wait")
+    parser.add_argument("--result", help="with found_succeeded: the call's output (JSON)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    result = None if args.result is None else _json_value(args.result, "--result")
+    client = _operator_client(parser, args)
+    try:
+        _print(
+            client.resolve(
+                args.run_id,
+                args.action,
+                reason=args.reason,
+                outcome=args.outcome,
+                operation_key=args.operation_key,
+                result=result,
+                idempotency_key=args.key,
+            )
+        )
+    finally:
+        client.close()
+    return 0
+
+
+def main_reopen(argv: Sequence[str] | None = None) -> int:
+    parser = _operator_parser("reopen", "Reopen an ended run to READY through the API.")
+    parser.add_argument("--goal", help="a new goal for the reopened run")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    client = _operator_client(parser, args)
+    try:
+        _print(
+            client.reopen(args.run_id, reason=args.reason, goal=args.goal, idempotency_key=args.key)
+        )
+    finally:
+        client.close()
+    return 0
+
+
+def main_redrive(argv: Sequence[str] | None = None) -> int:
+    parser = _operator_parser(
+        "redrive",
+        "Drive a run waiting for a model or tool answer that is not coming (no pending timer)"
+        " through the API: the model is called again, a tool call is looked up.",
+    )
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    client = _operator_client(parser, args)
+    try:
+        _print(client.redrive(args.run_id, reason=args.reason, idempotency_key=args.key))
+    finally:
+        client.close()
+    return 0
+
+
+def _json_value(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what} is not valid JSON ({exc})") from exc

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
+from agentruns.connectors.api.tokens import OperatorTokensError, parse_operator_tokens
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.settings import current
 from agentruns.streams.clock import now_ms
@@ -36,6 +37,8 @@ class ApiConfig:
     clock: Callable[[], int] = now_ms
     #: Mark the console's cookies Secure even on a plain-HTTP request (TLS ends at a proxy).
     secure_cookies: bool = False
+    #: Bearer tokens with the operator scope: {token: operator name}.
+    operator_tokens: dict[str, str] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -48,19 +51,34 @@ class ApiConfig:
         production: bool = False,
         environ: Mapping[str, str] | None = None,
     ) -> ApiConfig:
-        """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET (in ``environ``, or
-        the settings: `agentruns.connectors.settings`); Secure console cookies from the
-        settings.
+        """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET, operator tokens
+        from AGENTRUNS_API_OPERATOR_TOKENS (in ``environ``, or the settings:
+        `agentruns.connectors.settings`); Secure console cookies from the settings.
 
-        In production both are required; otherwise a random value is generated for this
-        process with a warning (tokens then do not survive a restart)."""
+        In production token and secret are required; otherwise a random value is generated for
+        this process with a warning (tokens then do not survive a restart). Without operator
+        tokens, production has no operator; elsewhere one, ``dev``, gets a random token."""
         secure_cookies = current().console_secure_cookies
         if environ is None:
             settings = current()
             token, secret = settings.api_token, settings.api_secret
+            operators_text = settings.api_operator_tokens
         else:
             token = environ.get("AGENTRUNS_API_TOKEN", "")
             secret = environ.get("AGENTRUNS_API_SECRET", "")
+            operators_text = environ.get("AGENTRUNS_API_OPERATOR_TOKENS", "")
+        try:
+            operators = parse_operator_tokens(operators_text)
+        except OperatorTokensError as exc:
+            raise AgentrunsError(
+                f"AGENTRUNS_API_OPERATOR_TOKENS: {exc}",
+                hint="give name:token pairs separated by commas, each token a long random string",
+            ) from None
+        if token and token in operators:
+            raise AgentrunsError(
+                "AGENTRUNS_API_OPERATOR_TOKENS holds the API token: an operator needs a token"
+                " of its own"
+            )
         if production and (not token or not secret):
             raise AgentrunsError(
                 "AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET must be set in production",
@@ -73,6 +91,14 @@ class ApiConfig:
                 "(written to stderr once); set it for anything but local development"
             )
             print(f"agentruns api: development bearer token: {token}", file=sys.stderr)
+        if not operators and not production:
+            dev_token = secrets.token_urlsafe(24)
+            operators = {dev_token: "dev"}
+            log.warning(
+                "AGENTRUNS_API_OPERATOR_TOKENS is not set: generated a development operator"
+                " token for operator 'dev' (written to stderr once)"
+            )
+            print(f"agentruns api: development operator token (dev): {dev_token}", file=sys.stderr)
         if not secret:
             log.warning(
                 "AGENTRUNS_API_SECRET is not set: resume tokens are signed with a random "
@@ -85,4 +111,5 @@ class ApiConfig:
             secret=secret.encode() if secret else secrets.token_bytes(32),
             prefix=prefix,
             secure_cookies=secure_cookies,
+            operator_tokens=operators,
         )

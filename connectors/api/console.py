@@ -34,8 +34,10 @@ from urllib.parse import parse_qsl, urlencode
 import psycopg
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
+from agentruns.connectors.api.operator import ACTIONS, allowed
 from agentruns.connectors.api.pool import Conn
 from agentruns.connectors.api.service import ApiService, _state_of
+from agentruns.connectors.api.tokens import operator_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.diagram import edges
 from agentruns.processors.state import TERMINAL, RunState, RunStatus
@@ -103,9 +105,24 @@ class Sessions:
         self.secret = secret
         self.clock = clock
 
-    def new(self) -> str:
-        body = f"{self.clock() + SESSION_MS}.{secrets.token_urlsafe(16)}"
+    def new(self, operator: str | None = None) -> str:
+        """A session cookie; an operator's session carries the operator's name (base64url,
+        after a ``~``, inside the signed part), which its operator actions record."""
+        nonce = secrets.token_urlsafe(16)
+        if operator is not None:
+            nonce += "~" + _b64(operator.encode())
+        body = f"{self.clock() + SESSION_MS}.{nonce}"
         return f"{body}.{_mac(self.secret, 'session', body)}"
+
+    @staticmethod
+    def operator(session: str) -> str | None:
+        """The operator of a valid session (`valid`'s value), None for the API token's."""
+        _, sep, name = session.partition("~")
+        if not sep:
+            return None
+        with contextlib.suppress(ValueError):
+            return base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
+        return None
 
     def valid(self, cookie: str | None) -> str | None:
         """The session id of a valid, unexpired cookie; None otherwise."""
@@ -473,12 +490,18 @@ class Console:
             refused.headers["Retry-After"] = str(wait_s)
             return refused
         wanted = self.service.config.api_token.encode()
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), wanted):
+        operator = None
+        if isinstance(token, str):
+            operator = operator_of(self.service.config.operator_tokens, token)
+        if operator is None and (
+            not isinstance(token, str) or not hmac.compare_digest(token.encode(), wanted)
+        ):
             self.logins.failed(address)
             return _page("login.html", 401, csrf=expected, error="wrong token")
         self.logins.succeeded(address)
         response = RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
-        self._cookie(request, response, SESSION_COOKIE, self.sessions.new(), SESSION_MS // 1000)
+        session = self.sessions.new(operator)
+        self._cookie(request, response, SESSION_COOKIE, session, SESSION_MS // 1000)
         self._cookie(request, response, LOGIN_COOKIE, "", 0)
         return response
 
@@ -662,6 +685,10 @@ class Console:
         question = view.get("question")
         return {
             "run": view,
+            "actions": None if state is None else allowed(state),
+            "pause_reason": state.outcome
+            if state is not None and state.status is RunStatus.PAUSED
+            else None,
             "events": events,
             "split": [{"name": k, "ms": v, "pct": round(100 * v / total, 1)} for k, v in split],
             "budgets": budgets,
@@ -728,6 +755,7 @@ class Console:
         run_id = request.path_params["run_id"]
         context = await run_in_threadpool(self._run_page, run_id)
         context["csrf"] = self.sessions.csrf(session)
+        context["operator"] = self.sessions.operator(session)
         context["error"] = None if error is None else f"{error.code}: {error}"
         if _fragment(request):
             return _page("_run_live.html", **context)
@@ -755,6 +783,41 @@ class Console:
         except ApiError as exc:
             return await self.run(request, session, exc)
         return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
+
+    def operator_action(self, action: str) -> Callable[[Request, str], Awaitable[Response]]:
+        """A form of the run page's operator section: the same code as
+        `POST /runs/{id}/<action>`, as the session's operator; a session opened with the API
+        token has no operator scope (403)."""
+
+        async def handle(request: Request, session: str) -> Response:
+            run_id = request.path_params["run_id"]
+            operator = self.sessions.operator(session)
+            form: dict[str, str] = request.state.form
+            if operator is None:
+                refused = ApiError(403, "insufficient_scope", "log in with an operator token")
+                return await self.run(request, session, refused)
+            body: dict[str, Any] = {"reason": form.get("reason") or f"{action} in console"}
+            if action == "resolve":
+                body["action"] = form.get("action", "")
+                for name in ("outcome", "operation_key"):
+                    if form.get(name):
+                        body[name] = form[name]
+            if action == "reopen" and form.get("goal"):
+                body["goal"] = form["goal"]
+            try:
+                await run_in_threadpool(
+                    self.service.operator_action,
+                    action,
+                    run_id,
+                    body,
+                    None,
+                    f"operator:{operator}",
+                )
+            except ApiError as exc:
+                return await self.run(request, session, exc)
+            return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
+
+        return handle
 
     async def artifact(self, request: Request, session: str) -> Response:
         ref = request.path_params["ref"]
@@ -892,6 +955,14 @@ class Console:
             Route(f"{UI_PREFIX}/runs/{{run_id}}", g(self.run), methods=["GET"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/reply", g(self.reply), methods=["POST"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/cancel", g(self.cancel), methods=["POST"]),
+            *(
+                Route(
+                    f"{UI_PREFIX}/runs/{{run_id}}/{action}",
+                    g(self.operator_action(action)),
+                    methods=["POST"],
+                )
+                for action in ACTIONS
+            ),
             Route(f"{UI_PREFIX}/artifacts/{{ref}}", g(self.artifact), methods=["GET"]),
             Route(f"{UI_PREFIX}/dead-letters", g(self.dead_letter_page), methods=["GET"]),
             Route(f"{UI_PREFIX}/static/console.js", self.script, methods=["GET"]),

@@ -26,7 +26,7 @@ from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
-from agentruns.connectors.api.tokens import callback_signature
+from agentruns.connectors.api.tokens import OPERATOR_SCOPE, callback_signature, operator_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.health import metrics_text
 from agentruns.processors.limits import json_depth
@@ -154,14 +154,23 @@ def _console(path: str) -> bool:
     return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
 
 
+#: The ASGI scope key `_Auth` sets to the operator's name when the bearer token was an
+#: operator token (the operator scope); absent otherwise.
+ACTOR_KEY = "agentruns.operator"
+
+
 class _Auth:
     """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
-    instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`)."""
+    instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`). An
+    operator token passes too and marks the request with its operator (`ACTOR_KEY`)."""
 
-    def __init__(self, app: ASGIApp, token: str, secret: bytes) -> None:
+    def __init__(
+        self, app: ASGIApp, token: str, secret: bytes, operators: dict[str, str] | None = None
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
         self._secret = secret
+        self._operators = operators or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
@@ -169,7 +178,17 @@ class _Auth:
             return
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected) or self._callback_signed(scope):
+        scheme, _, credential = given.partition(b" ")
+        operator = None
+        if scheme == b"Bearer" and self._operators:
+            operator = operator_of(self._operators, credential.decode())
+        if operator is not None:
+            scope[ACTOR_KEY] = operator
+        if (
+            hmac.compare_digest(given, self._expected)
+            or operator is not None
+            or self._callback_signed(scope)
+        ):
             await self.app(scope, receive, send)
             return
         response = JSONResponse(
@@ -270,6 +289,48 @@ async def _cancel(s: ApiService, r: Request) -> Response:
     return JSONResponse(out, status_code=202)
 
 
+class _ScopeError(ApiError):
+    """403 for a valid token without the operator scope (RFC 6750 `insufficient_scope`)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            403,
+            "insufficient_scope",
+            "this action needs an operator token (AGENTRUNS_API_OPERATOR_TOKENS)",
+            scope=OPERATOR_SCOPE,
+        )
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["WWW-Authenticate"] = (
+            f'Bearer realm="agentruns", error="insufficient_scope", scope="{OPERATOR_SCOPE}"'
+        )
+        return response
+
+
+def _actor(r: Request) -> str:
+    """The operator the request's token names; a token without the operator scope is a 403."""
+    name = r.scope.get(ACTOR_KEY)
+    if not isinstance(name, str):
+        raise _ScopeError()
+    return f"operator:{name}"
+
+
+def _operator_action(
+    action: str,
+) -> Callable[[ApiService, Request], Awaitable[Response]]:
+    async def handle(s: ApiService, r: Request) -> Response:
+        actor = _actor(r)  # before the body is read: an unauthorized request costs nothing
+        body = _json_object(await _body(r, s.config.max_body_bytes))
+        key = r.headers.get("idempotency-key")
+        out = await run_in_threadpool(
+            s.operator_action, action, r.path_params["run_id"], body, key, actor
+        )
+        return JSONResponse(out, status_code=202 if out["created"] else 200)
+
+    return handle
+
+
 async def _callback(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
     status, out = await run_in_threadpool(s.callback, r.path_params["key"], body)
@@ -301,6 +362,9 @@ ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Res
     ("GET", "/runs/{run_id}/events", "events", _events),
     ("POST", "/runs/{run_id}/replies", "reply", _reply),
     ("POST", "/runs/{run_id}/cancel", "cancel", _cancel),
+    ("POST", "/runs/{run_id}/resolve", "resolve", _operator_action("resolve")),
+    ("POST", "/runs/{run_id}/reopen", "reopen", _operator_action("reopen")),
+    ("POST", "/runs/{run_id}/redrive", "redrive", _operator_action("redrive")),
     ("POST", "/operations/{key}/callback", "callback", _callback),
     ("GET", "/healthz", "healthz", _health),
     ("GET", "/livez", "livez", _live),
@@ -330,7 +394,9 @@ def create_app(config: ApiConfig) -> Starlette:
     ]
     routes += Console(service).routes()
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.add_middleware(_Auth, token=config.api_token, secret=config.secret)
+    app.add_middleware(
+        _Auth, token=config.api_token, secret=config.secret, operators=config.operator_tokens
+    )
     app.add_middleware(_Guard)  # added last: runs first
     app.state.service = service
     return app

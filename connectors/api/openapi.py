@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+from agentruns.connectors.api.operator import RedriveBody, ReopenBody, ResolveBody
 from agentruns.schemas.json_schemas import task_schema_components
 
 _TASK, _TASK_PARTS = task_schema_components("#/components/schemas/{name}")
+(_RESOLVE, _REOPEN, _REDRIVE), _OPERATOR_BODIES = msgspec.json.schema_components(
+    (ResolveBody, ReopenBody, RedriveBody), ref_template="#/components/schemas/{name}"
+)
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
@@ -37,6 +42,41 @@ _ERRS = {
     "401": _resp("missing or wrong bearer token", _ERROR),
     "503": _resp("Kafka or Postgres unavailable; retry", _ERROR),
 }
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "description": "at most 200 chars; without it, one operator action per run version",
+    "schema": {"type": "string", "maxLength": 200},
+}
+
+
+def _operator(summary: str, description: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "description": description + " Needs an operator token (scope `operator`); the "
+            "operator is recorded as the input's `actor` in the run's log.",
+            "parameters": [_RUN_ID, _IDEMPOTENCY_KEY],
+            "requestBody": {"content": {"application/json": {"schema": body}}},
+            "responses": {
+                "202": _resp("the action's input was produced", {"$ref": _ACTED}),
+                "200": _resp("a repeat: the first outcome", {"$ref": _ACTED}),
+                "403": _resp("the token has no operator scope", _ERROR),
+                "404": _resp("unknown run", _ERROR),
+                "409": _resp(
+                    "the run's status does not allow it (`run_status`), or another action was"
+                    " sent for the same run version",
+                    _ERROR,
+                ),
+                "422": _resp("malformed body (unknown field, bounds)", _ERROR),
+                **_TOO_LARGE,
+                **_ERRS,
+            },
+        }
+    }
+
+
+_ACTED = "#/components/schemas/OperatorAction"
 _TOO_LARGE = {
     "413": _resp("body over max_body_bytes, or its input record over max_record_bytes", _ERROR)
 }
@@ -46,7 +86,8 @@ OPENAPI: dict[str, Any] = {
     "info": {
         "title": "agentruns API",
         "version": "1",
-        "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel. "
+        "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel, and "
+        "the operator actions resolve, reopen and re-drive. "
         "Every endpoint but /healthz, /livez, /metrics and /openapi.json needs "
         "`Authorization: Bearer <AGENTRUNS_API_TOKEN>`.",
     },
@@ -66,6 +107,19 @@ OPENAPI: dict[str, Any] = {
                         "type": "string",
                         "description": "invalid_input:<what>: ... when the input is refused",
                     },
+                },
+            },
+            **_OPERATOR_BODIES,
+            "OperatorAction": {
+                "type": "object",
+                "properties": {
+                    "run_id": {"type": "string"},
+                    "action": {"enum": ["resolve", "reopen", "redrive"]},
+                    "input_id": {"type": "string"},
+                    "created": {"type": "boolean"},
+                    "actor": {"type": "string"},
+                    "status": {"type": "string", "description": "the status it acted on"},
+                    "version": {"type": "integer", "description": "the version it acted on"},
                 },
             },
             "Submitted": {
@@ -250,6 +304,25 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/runs/{run_id}/resolve": _operator(
+            "Resolve a PAUSED run: continue, fail, succeed, or reconcile a tool call",
+            "`continue` reopens a run paused for lack of progress to READY; `fail` and "
+            "`succeed` end it (also a correction of an ended run's status); `reconcile` gives "
+            "the verdict on a tool call whose outcome no look-up could tell: `found_succeeded` "
+            "(optionally with its `result`) or `not_executed` (sent again with the same key).",
+            _RESOLVE,
+        ),
+        "/runs/{run_id}/reopen": _operator(
+            "Reopen an ended run to READY (a new resolution, optionally a new goal)",
+            "Only a terminal run; a PAUSED one is resolved with `continue`.",
+            _REOPEN,
+        ),
+        "/runs/{run_id}/redrive": _operator(
+            "Drive a run waiting for a model or tool answer that is not coming",
+            "READY, MODEL_RUNNING, TOOL_RUNNING or WAITING_TOOL with no pending timer but the "
+            "deadline: the model is called again as a new attempt, a tool call is looked up.",
+            _REDRIVE,
+        ),
         "/runs/{run_id}/cancel": {
             "post": {
                 "summary": "Request cancellation (handled at the run's next transition)",

@@ -32,6 +32,7 @@ from agentruns.connectors.api.inputs import (
     submitted_task,
 )
 from agentruns.connectors.api.listing import RunFilter, list_runs
+from agentruns.connectors.api.operator import parse_body, plan
 from agentruns.connectors.api.pool import Conn, ConnectionPool
 from agentruns.connectors.api.tokens import ResumeToken, TokenError, sign_token, verify_token
 from agentruns.connectors.health import Health
@@ -540,6 +541,116 @@ class ApiService:
         req_hash = request_hash({"reason": reason} if key else {"cancel": run_id})
         created = self._produce_once(input_id, run_id, event.type, req_hash, self._encoded(record))
         return {"run_id": run_id, "cancel_requested": True, "created": created}
+
+    # ------------------------------------------------------------------ operator actions
+
+    def operator_action(
+        self, action: str, run_id: str, body: dict[str, Any], key: str | None, actor: str
+    ) -> dict[str, Any]:
+        """Resolve, reopen or re-drive the run (`agentruns.connectors.api.operator`), as
+        ``actor``, who is recorded in the input and so in the run's log.
+
+        Produced once per Idempotency-Key; without one, once per run state the operator saw
+        (its version): a repeat gets the first outcome, another action on the same state a
+        409 ``action_conflict``, and the core refuses anything that arrives after the state
+        moved on (compare-and-set)."""
+        if key is not None and (not key or len(key) > MAX_KEY_CHARS):
+            raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
+        parsed = parse_body(action, body)
+        req_hash = request_hash({"action": action, "body": body, "actor": actor})
+        with self.db.connection() as conn:
+            run = _run_row(conn, run_id)
+            submitted = _submitted_record(conn, run_id) if run is None else None
+        if run is None:
+            if submitted is None:
+                raise ApiError(404, "run_not_found", f"no run {run_id}")
+            raise ApiError(
+                409, "action_not_allowed", "the run is not projected yet", run_status="PENDING"
+            )
+        state = _state_of(run)
+        if key is not None:
+            input_id = f"operator:{run_id}:key:{key}"
+            conflict = None
+        else:
+            input_id = f"operator:{run_id}:v{state.version}"
+            conflict = ApiError(
+                409,
+                "action_conflict",
+                f"another operator action was sent for this run at version {state.version}",
+                run_status=state.status.value,
+            )
+        with self.db.connection() as conn:
+            stored = conn.execute(
+                "SELECT kind FROM api_inputs WHERE input_id = %s", (input_id,)
+            ).fetchone()
+        if stored is not None:
+            # a repeat: the first outcome, whatever the state is now (nothing new is built)
+            created = self._produce_once(
+                input_id, run_id, str(stored[0]), req_hash, b"", conflict=conflict
+            )
+            return self._acted(action, run_id, input_id, created, actor, state)
+        ids = {
+            "run_id": run_id,
+            "event_id": input_id,
+            "at": self.clock(),
+            "trace_id": state.trace_id,
+        }
+        made = plan(
+            action, state, parsed, ids=ids, actor=actor, result_artifact=self._verdict_result
+        )
+        if made.artifact is not None:
+            ref, content = made.artifact
+            self._store_artifact(StoredArtifact(ref, CALLBACK_MEDIA_TYPE, content))
+        record = input_record(made.event, input_id=input_id)
+        created = self._produce_once(
+            input_id, run_id, made.event.type, req_hash, self._encoded(record), conflict=conflict
+        )
+        return self._acted(action, run_id, input_id, created, actor, state)
+
+    @staticmethod
+    def _acted(
+        action: str, run_id: str, input_id: str, created: bool, actor: str, state: RunState
+    ) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "action": action,
+            "input_id": input_id,
+            "created": created,
+            "actor": actor,
+            "status": state.status.value,
+            "version": state.version,
+        }
+
+    @staticmethod
+    def _verdict_result(op_key: str, tool: str, output: Any) -> tuple[str, str]:
+        artifact = StoredArtifact.of(
+            canonical_json(
+                {
+                    "type": "tool_result",
+                    "operation_key": op_key,
+                    "tool": tool,
+                    "status": "succeeded",
+                    "via": "operator",
+                    "output": output,
+                }
+            ),
+            CALLBACK_MEDIA_TYPE,
+        )
+        return artifact.ref, artifact.content
+
+    def _store_artifact(self, artifact: StoredArtifact) -> None:
+        """Durable before the input that references it (R2)."""
+        with self.db.connection() as conn:
+            conn.execute(
+                "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
+                " VALUES (%s, %s, %s, %s) ON CONFLICT (ref) DO NOTHING",
+                (
+                    artifact.ref,
+                    artifact.media_type,
+                    len(artifact.content.encode()),
+                    artifact.content.encode(),
+                ),
+            )
 
     def callback(self, op_key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.db.connection() as conn:

@@ -1,8 +1,12 @@
-"""Resume tokens and callback signatures (R15).
+"""Resume tokens, callback signatures and operator tokens (R15).
 
-A resume token ``art1.<claims>.<HMAC>`` binds run, question, token id, state version and expiry;
-the API signs it when it shows a question and verifies it on a reply. A callback URL carries an
-HMAC of its operation key, so a tool backend can report without the bearer token.
+Operator tokens are bearer tokens with the operator scope: besides what the API token may do,
+they resolve, reopen and re-drive runs, and the operator's name goes into the run's log as the
+actor of each such action.
+
+A resume token ``art1.<claims>.<HMAC>`` binds run, question, token id, state version and
+expiry; the API signs it when it shows a question and verifies it on a reply. A callback URL
+carries an HMAC of its operation key, so a tool backend can report without the bearer token.
 """
 
 from __future__ import annotations
@@ -11,12 +15,21 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 from dataclasses import dataclass
 
 from agentruns.connectors.api.errors import ApiError
 from agentruns.processors.ids import canonical_json
 
 TOKEN_PREFIX = "art1"
+#: The operator scope: what a bearer token needs to resolve, reopen or re-drive a run.
+OPERATOR_SCOPE = "operator"
+#: Bounds of the operator token list (AGENTRUNS_API_OPERATOR_TOKENS).
+MAX_OPERATORS = 64
+MIN_OPERATOR_TOKEN_CHARS = 16
+MAX_OPERATOR_TOKEN_CHARS = 256
+#: An operator's name: what the run's log records as the actor (``operator:<name>``).
+OPERATOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
 
 def _b64(data: bytes) -> str:
@@ -93,3 +106,44 @@ def callback_url(base_url: str, operation_key: str, secret: bytes) -> str:
     """A callback URL a tool backend can POST to without the bearer token."""
     sig = callback_signature(secret, operation_key)
     return f"{base_url.rstrip('/')}/operations/{operation_key}/callback?sig={sig}"
+
+
+class OperatorTokensError(ValueError):
+    """AGENTRUNS_API_OPERATOR_TOKENS is malformed (the message never holds a token)."""
+
+
+def parse_operator_tokens(text: str) -> dict[str, str]:
+    """``name:token[,name:token...]`` as {token: name}. Names match OPERATOR_NAME, tokens are
+    MIN_OPERATOR_TOKEN_CHARS to MAX_OPERATOR_TOKEN_CHARS printable ASCII without spaces or
+    commas, at most MAX_OPERATORS entries, no name or token twice."""
+    out: dict[str, str] = {}
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if len(entries) > MAX_OPERATORS:
+        raise OperatorTokensError(f"more than {MAX_OPERATORS} operator tokens")
+    for i, entry in enumerate(entries, 1):
+        name, sep, token = entry.partition(":")
+        if not sep or OPERATOR_NAME.fullmatch(name) is None:
+            raise OperatorTokensError(
+                f"entry {i} is not name:token with a name of letters, digits and ._@- (≤ 64)"
+            )
+        if not (MIN_OPERATOR_TOKEN_CHARS <= len(token) <= MAX_OPERATOR_TOKEN_CHARS) or any(
+            not (0x21 <= ord(c) <= 0x7E) for c in token
+        ):
+            raise OperatorTokensError(
+                f"the token of operator {name} is not {MIN_OPERATOR_TOKEN_CHARS} to"
+                f" {MAX_OPERATOR_TOKEN_CHARS} printable ASCII characters"
+            )
+        if token in out or name in out.values():
+            raise OperatorTokensError(f"operator {name} or its token is listed twice")
+        out[token] = name
+    return out
+
+
+def operator_of(tokens: dict[str, str], given: str) -> str | None:
+    """The operator whose token ``given`` is, or None: every token is compared, each in
+    constant time, so the time taken does not tell which one nearly matched."""
+    found = None
+    for token, name in tokens.items():
+        if hmac.compare_digest(token.encode(), given.encode()):
+            found = name
+    return found

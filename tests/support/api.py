@@ -12,15 +12,19 @@ from typing import Any
 import httpx
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
-from agentruns.processors.effects import CallModel, CallTool, CancelTool
+from agentruns.processors.effects import CallModel, CallTool, CancelTool, Reconcile
 from agentruns.processors.events import (
     CancelConfirmed,
     Candidate,
     Event,
     ModelCallCompleted,
     ModelOutcome,
+    ReconcileCompleted,
+    ReconcileOutcome,
     ToolCallAccepted,
     ToolCallRequest,
+    ToolCallSucceeded,
+    ToolCallTimedOut,
 )
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
@@ -33,6 +37,8 @@ from tests.support.waiting import wait_for
 PARTITIONS = 3
 TOKEN = "test-bearer-" + uuid.uuid4().hex
 SECRET = b"test-secret-" + uuid.uuid4().hex.encode()
+OPERATOR = "alice"
+OPERATOR_TOKEN = "test-operator-" + uuid.uuid4().hex
 REPORT = ToolSpec(
     name="long_report",
     parameters={"type": "object", "properties": {"report": {"type": "string"}}},
@@ -44,15 +50,75 @@ GUARDED = SEARCH.model_copy(update={"permission": "write"})
 
 class ScriptedDouble(ExecutorDouble):
     """The executor double, plus: runs listed in `async_runs` call `long_report`, which the
-    backend only accepts (202); a CancelTool is confirmed."""
+    backend only accepts (202); a CancelTool is confirmed. For the operator's cases: the tool
+    calls of `undeterminable_runs` time out and no look-up can tell their outcome (the run
+    pauses); the first model call of `silent_runs` and every tool call of `silent_tool_runs`
+    is never answered (a look-up finds it succeeded); `stalled_runs` call a tool at every
+    step and never finish (each result is the same, so no step makes progress)."""
 
     def __init__(self, bootstrap: str, prefix: str) -> None:
         super().__init__(bootstrap, prefix, PARTITIONS, steps=2)
         self.async_runs: set[str] = set()
+        self.undeterminable_runs: set[str] = set()
+        self.silent_runs: set[str] = set()
+        self.silent_tool_runs: set[str] = set()
+        self.stalled_runs: set[str] = set()
 
     def answer(self, effect: Any) -> Iterable[Event]:
         key = effect.idempotency_key
         ids = {"run_id": effect.run_id, "event_id": f"{key}:result", "trace_id": effect.trace_id}
+        run = effect.run_id
+        first_call = isinstance(effect, CallModel) and (effect.step, effect.attempt) == (1, 1)
+        if first_call and run in self.silent_runs:
+            return
+        if isinstance(effect, CallTool) and run in self.silent_tool_runs:
+            return
+        if isinstance(effect, CallTool) and run in self.undeterminable_runs:
+            op = effect.operation
+            yield ToolCallTimedOut(
+                **ids, at=now_ms(), step=effect.step, operation_key=op.key, dispatch=op.dispatch
+            )
+            return
+        if isinstance(effect, Reconcile):
+            undeterminable = run in self.undeterminable_runs
+            yield ReconcileCompleted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation_key,
+                dispatch=effect.dispatch,
+                outcome=ReconcileOutcome.UNDETERMINABLE
+                if undeterminable
+                else ReconcileOutcome.FOUND_SUCCEEDED,
+                result_ref=None if undeterminable else "sha256:" + "d" * 64,
+            )
+            return
+        if isinstance(effect, CallModel) and run in self.stalled_runs:
+            call = ToolCallRequest(
+                id=f"s{effect.step}",
+                name="search_docs",
+                arguments_json=f'{{"query":"q{effect.step}"}}',
+            )
+            yield ModelCallCompleted(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                attempt=effect.attempt,
+                outcome=ModelOutcome.FINISHED,
+                candidate_ref="sha256:" + "a" * 64,
+                candidate=Candidate(tool_calls=(call,)),
+            )
+            return
+        if isinstance(effect, CallTool) and run in self.stalled_runs:
+            yield ToolCallSucceeded(
+                **ids,
+                at=now_ms(),
+                step=effect.step,
+                operation_key=effect.operation.key,
+                dispatch=effect.operation.dispatch,
+                result_ref="sha256:" + "e" * 64,
+            )
+            return
         if isinstance(effect, CallModel) and effect.run_id in self.async_runs and effect.step == 1:
             call = ToolCallRequest(id="c1", name="long_report", arguments_json='{"report":"q3"}')
             yield ModelCallCompleted(
@@ -132,6 +198,7 @@ def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
         api_token=TOKEN,
         secret=SECRET,
         prefix=prefix,
+        operator_tokens={OPERATOR_TOKEN: OPERATOR},
     )
     with running_processor(config, database_url):
         double.start()

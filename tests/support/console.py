@@ -20,11 +20,12 @@ def csrf_of(html: str) -> str:
 
 
 @contextmanager
-def logged_in(stack: Stack) -> Iterator[httpx.Client]:
-    """A client with a console session (no bearer token)."""
+def logged_in(stack: Stack, token: str = TOKEN) -> Iterator[httpx.Client]:
+    """A client with a console session (no bearer token), opened with `token` (the API's, or
+    an operator's)."""
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         form = client.get("/ui/login")
         assert form.status_code == 200, form.text
-        r = client.post("/ui/login", data={"csrf": csrf_of(form.text), "token": TOKEN})
+        r = client.post("/ui/login", data={"csrf": csrf_of(form.text), "token": token})
         assert r.status_code == 303 and r.headers["location"] == "/ui/runs", r.text
         yield client

@@ -702,6 +702,7 @@ def fields_for(kind: str, s: RunState) -> dict[str, st.SearchStrategy[Any]]:
             "status": st.sampled_from([r.value for r in RunStatus]),
             "reason": texts,
         },
+        "RedriveRequested": {"version": own(s.version, counts), "reason": texts},
         "GapTimedOut": {"expected_seq": counts, "diagnosis": texts},
         "InputRefused": {"reason": texts, "input_id": ids},
     }

@@ -32,6 +32,7 @@ from agentruns.processors.events import (
     OutputSummary,
     ReconcileCompleted,
     ReconcileOutcome,
+    RedriveRequested,
     RunReopened,
     RunResolved,
     TimerFired,
@@ -40,6 +41,7 @@ from agentruns.processors.events import (
     ToolCallTimedOut,
     ToolStatusReported,
     UserReplied,
+    parse_event,
 )
 from agentruns.processors.ids import content_ref
 from agentruns.processors.state import (
@@ -748,6 +750,93 @@ def test_reopen_and_resolve_are_compare_and_set() -> None:
     assert d.s.status is S.MODEL_RUNNING and d.s.resolution == 2 and d.s.goal == "again"
     assert only(t, CallModel)
     assert d.apply(RunReopened, resolution=1, reason="x").disposition is Disposition.REJECTED
+
+
+def test_operator_actions_carry_their_actor_into_the_log() -> None:
+    d = at_tool()
+    d.op_event(ToolCallTimedOut)
+    d.op_event(ReconcileCompleted, outcome=ReconcileOutcome.UNDETERMINABLE)
+    verdict = d.make(
+        ReconcileCompleted,
+        step=d.s.ops[0].step,
+        operation_key=d.s.ops[0].key,
+        dispatch=d.s.ops[0].dispatch,
+        outcome=ReconcileOutcome.NOT_EXECUTED,
+        actor="operator:alice",
+    )
+    assert d.send(verdict).disposition is Disposition.APPLIED
+    assert d.s.status is S.TOOL_RUNNING and d.s.ops[0].dispatch == 2
+    decoded = type(verdict).model_validate_json(verdict.model_dump_json())
+    assert decoded.actor == "operator:alice"
+    # records written before the field existed decode with no actor
+    old = json.loads(
+        RunResolved(**_ids(), resolution=0, status=S.FAILED, reason="x").model_dump_json()
+    )
+    del old["actor"]
+    assert isinstance(resolved := parse_event(json.dumps(old)), RunResolved)
+    assert resolved.actor is None
+
+
+def _ids() -> dict[str, Any]:
+    return {"run_id": "r", "event_id": "e", "at": 1, "trace_id": "t"}
+
+
+def test_redrive_of_a_model_call_that_never_answered_is_a_new_attempt() -> None:
+    d = started()
+    assert d.s.status is S.MODEL_RUNNING and d.s.attempt == 1
+    seen = d.s.version
+    t = d.apply(RedriveRequested, version=seen, reason="model executor lost it", actor="op:a")
+    assert t.disposition is Disposition.APPLIED
+    assert d.s.status is S.MODEL_RUNNING and d.s.attempt == 2
+    call = only(t, CallModel)
+    assert call.attempt == 2 and call.context_ref == d.s.context_ref
+    # the first attempt's answer, should it come after all, no longer applies
+    late = d.model(step=1, attempt=1)
+    assert late.disposition is Disposition.LATE
+
+
+def test_redrive_is_compare_and_set_on_the_version() -> None:
+    d = started()
+    stale = d.apply(RedriveRequested, version=d.s.version + 1)
+    assert stale.disposition is Disposition.REJECTED and "stale" in (stale.reason or "")
+    seen = d.s.version
+    d.apply(RedriveRequested, version=seen)
+    again = d.apply(RedriveRequested, version=seen)  # a second operator saw the same state
+    assert again.disposition is Disposition.REJECTED and d.s.attempt == 2
+
+
+def test_redrive_of_a_tool_call_looks_it_up_never_resends_it() -> None:
+    d = at_tool()
+    op = d.s.ops[0]
+    t = d.apply(RedriveRequested, version=d.s.version)
+    assert t.disposition is Disposition.APPLIED and not effects_of(t, CallTool)
+    look = only(t, Reconcile)
+    assert look.operation_key == op.key and look.dispatch == op.dispatch
+    assert d.s.status is S.TOOL_RUNNING and d.s.ops[0].status is OpStatus.UNKNOWN
+    # a look-up that never answered is asked again under a new key
+    t2 = d.apply(RedriveRequested, version=d.s.version)
+    assert only(t2, Reconcile).idempotency_key != look.idempotency_key
+    # the call's own answer, late, still counts
+    d.succeed()
+    assert d.last is not None and d.last.disposition is Disposition.APPLIED
+    assert d.s.step == 2 and d.s.status is S.MODEL_RUNNING
+
+
+def test_redrive_is_refused_while_a_timer_drives_the_run_or_where_nothing_is_stuck() -> None:
+    d = started()
+    d.model(ModelOutcome.RATE_LIMITED, retry_after_ms=5_000)
+    assert any(t.purpose is TimerPurpose.MODEL_BACKOFF for t in d.s.timers)
+    t = d.apply(RedriveRequested, version=d.s.version)
+    assert t.disposition is Disposition.REJECTED and "MODEL_BACKOFF" in (t.reason or "")
+    ask = started()
+    ask.calls(("delete_record", {"record_id": "r1"}))
+    assert ask.s.status is S.WAITING_USER  # a person's answer is awaited, nothing is stuck
+    t = ask.apply(RedriveRequested, version=ask.s.version)
+    assert t.disposition is Disposition.REJECTED
+    done = started()
+    done.final()
+    t = done.apply(RedriveRequested, version=done.s.version)
+    assert t.disposition is Disposition.LATE and done.s.status is S.SUCCEEDED
 
 
 def test_reopen_reschedules_deadline() -> None:
