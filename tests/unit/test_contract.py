@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from agentruns.processors.events import RunSubmitted, parse_event
 from agentruns.processors.ids import RUN_NAMESPACE, run_id_for_key, submit_event_id, trace_id_for
 from agentruns.schemas import registry
 from agentruns.schemas.json_schemas import DIRECTORY
-from agentruns.streams.codec import encode
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.inputs import Batch
+from agentruns.streams.kafka_defaults import KEYED_PARTITIONER, TRANSACTIONAL_PRODUCER
 from agentruns.streams.partitioning import murmur2, partition_for, to_positive
 from agentruns.streams.records import input_record
 from jsonschema import Draft202012Validator
+
+from tests.unit.test_processor_inputs import TOPICS, inbound, new_path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "contract.md").read_text(encoding="utf-8")
@@ -76,3 +81,35 @@ def test_the_example_body_is_a_valid_task_of_its_run() -> None:
 def test_the_java_example_uses_the_documented_namespace() -> None:
     java = (ROOT / "examples" / "java" / "ResultsReader.java").read_text(encoding="utf-8")
     assert f'UUID.fromString("{RUN_NAMESPACE}")' in java
+
+
+def _one_input(record: dict[str, Any], key: bytes | None) -> Batch:
+    """`record` through the processor's input path, as the inbox would hand it over."""
+    batch = Batch()
+    new_path().handle(inbound(encode("Input", record), key=key), batch)
+    return batch
+
+
+def test_a_dead_letter_is_keyed_by_its_run_when_the_run_is_known() -> None:
+    """Known run: the run id as key (the producer partitions by it, `KEYED_PARTITIONER`); an
+    input whose run cannot be read keeps its own key."""
+    run_id = run_id_for_key("order-42")
+    event = RunSubmitted(
+        run_id=run_id,
+        event_id=submit_event_id(run_id),
+        at=1,
+        trace_id=trace_id_for(run_id),
+        goal="g",
+    )
+    record = input_record(event)
+    body = {k: v for k, v in json.loads(record["body"]).items() if k != "goal"}
+    batch = _one_input({**record, "body": json.dumps(body)}, None)  # a record without a key
+    (known,) = [r for r in batch.records if r[0] == TOPICS.dlq]
+    assert known[1] == run_id.encode() and known[3] is None  # partitioned by its key
+    garbage = Batch()
+    new_path().handle(inbound(b"\x00not an Input", key=b"someone-else"), garbage)
+    (unknown,) = [r for r in garbage.records if r[0] == TOPICS.dlq]
+    assert unknown[1] == b"someone-else"
+    assert decode(unknown[2], "DeadLetter").record["run_id"] is None
+    assert KEYED_PARTITIONER == {"partitioner": "murmur2_random"}
+    assert TRANSACTIONAL_PRODUCER["partitioner"] == "murmur2_random"
