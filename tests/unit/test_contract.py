@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 from agentruns.processors.events import RunSubmitted, parse_event
-from agentruns.processors.ids import RUN_NAMESPACE, run_id_for_key, submit_event_id, trace_id_for
+from agentruns.processors.ids import (
+    RUN_NAMESPACE,
+    effect_key,
+    run_id_for_key,
+    submit_event_id,
+    trace_id_for,
+)
 from agentruns.schemas import registry
 from agentruns.schemas.json_schemas import DIRECTORY
 from agentruns.streams.codec import decode, encode
@@ -113,3 +120,18 @@ def test_a_dead_letter_is_keyed_by_its_run_when_the_run_is_known() -> None:
     assert decode(unknown[2], "DeadLetter").record["run_id"] is None
     assert KEYED_PARTITIONER == {"partitioner": "murmur2_random"}
     assert TRANSACTIONAL_PRODUCER["partitioner"] == "murmur2_random"
+
+
+def test_the_result_key_example_is_the_publication_key_the_core_derives() -> None:
+    """A Result's idempotency_key is the PublishResult effect's key, as documented, and the
+    JSON schema describes every field of a Result's body."""
+    run_id = run_id_for_key("order-42")
+    (example,) = re.findall(r"attempt 1, resolution 0 it is\n`([0-9a-f]{64})`", DOC)
+    assert effect_key("publish", run_id, 1, 1, 0, "SUCCEEDED") == example
+    joined = "\x1f".join(["effect", "publish", run_id, "1", "1", "0", "SUCCEEDED"])
+    assert hashlib.sha256(joined.encode()).hexdigest() == example
+    schema = json.loads((DIRECTORY / "result.schema.json").read_text(encoding="utf-8"))
+    assert all(prop.get("description") for prop in schema["properties"].values())
+    assert "not the submitter's" in schema["properties"]["idempotency_key"]["description"]
+    for name in schema["properties"]:
+        assert f"`{name}`" in DOC, f"docs/contract.md, Reading results: {name}"
