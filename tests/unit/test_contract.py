@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+import fastavro
+import pytest
 from agentruns.processors.events import RunSubmitted, parse_event
 from agentruns.processors.ids import (
     RUN_NAMESPACE,
@@ -18,7 +21,8 @@ from agentruns.processors.ids import (
 )
 from agentruns.schemas import registry
 from agentruns.schemas.json_schemas import DIRECTORY
-from agentruns.streams.codec import decode, encode
+from agentruns.streams import dlq
+from agentruns.streams.codec import InvalidRecordError, decode, encode
 from agentruns.streams.inputs import Batch
 from agentruns.streams.kafka_defaults import KEYED_PARTITIONER, TRANSACTIONAL_PRODUCER
 from agentruns.streams.partitioning import murmur2, partition_for, to_positive
@@ -95,6 +99,48 @@ def _one_input(record: dict[str, Any], key: bytes | None) -> Batch:
     batch = Batch()
     new_path().handle(inbound(encode("Input", record), key=key), batch)
     return batch
+
+
+def test_an_input_cannot_be_produced_without_a_trace_id() -> None:
+    """The envelope's trace_id is a required string (no default, not nullable): no Avro writer
+    can leave it out, and the body, the event, must carry one too."""
+    run_id = run_id_for_key("order-42")
+    event = RunSubmitted(
+        run_id=run_id,
+        event_id=submit_event_id(run_id),
+        at=1,
+        trace_id=trace_id_for(run_id),
+        goal="g",
+    )
+    record = input_record(event, producer_id="orders-service", producer_seq=1)
+    (field,) = [f for f in registry().current("Input").raw["fields"] if f["name"] == "trace_id"]
+    assert field["type"] == "string" and "default" not in field
+    with pytest.raises(InvalidRecordError):
+        encode("Input", {k: v for k, v in record.items() if k != "trace_id"})
+    with pytest.raises(ValueError):
+        fastavro.schemaless_writer(
+            io.BytesIO(),
+            fastavro.parse_schema(registry().current("Input").raw),
+            {k: v for k, v in record.items() if k != "trace_id"},
+        )
+    body = {k: v for k, v in json.loads(record["body"]).items() if k != "trace_id"}
+    batch = _one_input({**record, "body": json.dumps(body)}, run_id.encode())
+    dead = [decode(r[2], "DeadLetter").record for r in batch.records if r[0] == TOPICS.dlq]
+    assert [d["error_class"] for d in dead] == [dlq.INVALID_EVENT]
+    assert "trace_id" in dead[0]["reason"] and dead[0]["run_id"] == run_id
+    assert not [r for r in batch.records if r[0] == TOPICS.events]
+
+
+def test_the_run_takes_the_trace_id_of_the_body() -> None:
+    """An envelope whose trace_id differs from its body's: the run's events carry the body's."""
+    run_id = run_id_for_key("order-42")
+    event = RunSubmitted(
+        run_id=run_id, event_id=submit_event_id(run_id), at=1, trace_id="from-the-body", goal="g"
+    )
+    record = {**input_record(event), "trace_id": "from-the-envelope"}
+    batch = _one_input(record, run_id.encode())
+    (logged,) = [decode(r[2], "Event").record for r in batch.records if r[0] == TOPICS.events]
+    assert logged["trace_id"] == "from-the-body"
 
 
 def test_a_dead_letter_is_keyed_by_its_run_when_the_run_is_known() -> None:
