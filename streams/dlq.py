@@ -112,10 +112,12 @@ def run_of(value: bytes | None, name: str) -> str | None:
 def key_of(record: Mapping[str, Any]) -> bytes | None:
     """The key a dead letter is produced with: its run id when the run is known (``run_id``
     set), so it is keyed and partitioned like the run's records on every other topic; else the
-    original key (`bounded_key`), None when there was none."""
+    original key (`bounded_key`), None when there was none. A run id is already bounded (at
+    most 512 characters, else its digest) and kept whole: a digest would move it to another
+    partition."""
     run_id = record.get("run_id")
     if run_id is not None:
-        return bounded_key(str(run_id).encode("utf-8", "surrogatepass"))
+        return str(run_id).encode("utf-8", "surrogatepass")
     key: bytes | None = record["original_key"]
     return bounded_key(key)
 
