@@ -112,12 +112,12 @@ def run_of(value: bytes | None, name: str) -> str | None:
 def key_of(record: Mapping[str, Any]) -> bytes | None:
     """The key a dead letter is produced with: its run id when the run is known (``run_id``
     set), so it is keyed and partitioned like the run's records on every other topic; else the
-    original key (`bounded_key`), None when there was none. A run id is already bounded (at
-    most 512 characters, else its digest) and kept whole: a digest would move it to another
-    partition."""
+    original key (`bounded_key`), None when there was none. A run id is bounded by characters,
+    as the core bounds ids (`_bounded_run`), not by bytes: one of up to 512 multi-byte
+    characters stays whole, on its run's partition."""
     run_id = record.get("run_id")
     if run_id is not None:
-        return str(run_id).encode("utf-8", "surrogatepass")
+        return _bounded_run(str(run_id)).encode("utf-8", "surrogatepass")
     key: bytes | None = record["original_key"]
     return bounded_key(key)
 
@@ -207,7 +207,7 @@ def dead_letter(
         "original_value": _bytes(value),
         "original_headers": list(original_headers),
         "original_timestamp": original_timestamp,
-        "run_id": None if run_id is None else text(run_id),
+        "run_id": None if run_id is None else _bounded_run(text(run_id)),
         "at": at,
     }
 

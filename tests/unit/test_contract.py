@@ -181,3 +181,15 @@ def test_the_result_key_example_is_the_publication_key_the_core_derives() -> Non
     assert "not the submitter's" in schema["properties"]["idempotency_key"]["description"]
     for name in schema["properties"]:
         assert f"`{name}`" in DOC, f"docs/contract.md, Reading results: {name}"
+
+
+def test_a_dead_letter_of_a_huge_run_id_is_keyed_by_its_digest() -> None:
+    """An envelope naming a 100 KB run id: the dead letter's key and run_id are its digest, so
+    the dead letter still fits; a 512-character id of multi-byte characters stays whole."""
+    huge = "r" * (100 << 10)
+    letter = dlq.dead_letter("why", dlq.INVALID_EVENT, "t", 0, 0, None, None, None, 1, run_id=huge)
+    digest = "sha256:" + hashlib.sha256(huge.encode()).hexdigest()
+    assert letter["run_id"] == digest and dlq.key_of(letter) == digest.encode()
+    wide = "é" * 512
+    letter = dlq.dead_letter("why", dlq.INVALID_EVENT, "t", 0, 0, None, None, None, 1, run_id=wide)
+    assert letter["run_id"] == wide and dlq.key_of(letter) == wide.encode()
