@@ -18,9 +18,11 @@ FLUSH_TIMEOUT_S = 30.0
 
 
 def of_message(
-    message: Message, reason: str, error_class: str = dlq.INVALID_EVENT
+    message: Message, reason: str, error_class: str = dlq.INVALID_EVENT, *, record: str = ""
 ) -> dict[str, Any]:
-    """The DeadLetter record of one consumed message: reason, bytes, headers and position."""
+    """The DeadLetter record of one consumed message: reason, bytes, headers and position, and
+    its run when the message is a `record` (Effect, Event, Result, Snapshot) whose envelope
+    names one."""
     partition, offset = message.partition(), message.offset()
     headers = message.headers()
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or ())
@@ -36,15 +38,18 @@ def of_message(
         pairs,
         now_ms(),
         original_timestamp=timestamp if timestamp > 0 else None,
+        run_id=dlq.run_of(message.value(), record) if record else None,
     )
 
 
 def send(producer: Producer, topic: str, records: Sequence[dict[str, Any]]) -> None:
-    """Produce `records` to the DLQ topic (keyed by the original key) and wait for them."""
+    """Produce `records` to the DLQ topic and wait for them. Each is keyed by its run when the
+    run is known, else by the original key (`dlq.key_of`); `producer` partitions by the key
+    (`KEYED_PARTITIONER`)."""
     if not records:
         return
     for record in records:
-        producer.produce(topic, key=record["original_key"], value=encode("DeadLetter", record))
+        producer.produce(topic, key=dlq.key_of(record), value=encode("DeadLetter", record))
     if producer.flush(FLUSH_TIMEOUT_S) != 0:
         raise KafkaException(f"{len(records)} dead letters not delivered to {topic} in time")
 

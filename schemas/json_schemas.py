@@ -62,6 +62,48 @@ _BODIES: dict[str, tuple[Any, str]] = {
 }
 
 
+#: What each field of a Result's body means: a consumer in another language reads them by these.
+_RESULT_FIELDS: dict[str, str] = {
+    "type": "Always PublishResult.",
+    "idempotency_key": (
+        "The key of this publication, not the submitter's idempotency key: the lowercase hex"
+        " sha256 of the UTF-8 string 'effect', 'publish', run_id, step, attempt, resolution and"
+        " status joined by U+001F. The same for every copy of one outcome (a consumer that"
+        " meets it twice has the same result twice); a later resolution of the run has another."
+        " The submitter's key is not carried: run_id derives from it (docs/contract.md, Run ids)."
+    ),
+    "run_id": (
+        "The run: 'run-' + the uuid5 of the submitter's idempotency key (docs/contract.md, Run"
+        " ids). Also the record's Kafka key and the envelope's run_id."
+    ),
+    "step": "The run's step counter when it ended (the first step is 1).",
+    "attempt": "The attempt of that step when the run ended (the first is 1).",
+    "trace_id": "The run's trace id: the task's, else the one derived from the run id.",
+    "status": "The terminal status the run ended in (the envelope's status).",
+    "resolution": (
+        "Which outcome of the run this is: 0 for the first; an operator's RunResolved or a"
+        " RunReopened that ends again publishes the next (the envelope's version)."
+    ),
+    "result_ref": (
+        "The result document: 'sha256:' + the hex sha256 of its canonical JSON"
+        " (docs/contract.md, Canonical JSON), an artifact the API serves."
+    ),
+    "summary": "'<status>: <reason>', at most 300 characters (the envelope's summary).",
+}
+
+
+def _described(schema: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:
+    """`schema` with a description on each property `fields` names (the core's types carry
+    none); every property must have one, so a new field cannot go out undescribed."""
+    properties = schema["properties"]
+    missing = sorted(set(properties) - set(fields))
+    if missing:
+        raise ValueError(f"result fields without a description: {missing}")
+    for name, prop in properties.items():
+        properties[name] = {"description": fields[name], **prop}
+    return schema
+
+
 def _task(task: dict[str, Any]) -> dict[str, Any]:
     """The task's schema, made from a fresh copy of RunSubmitted's (changed in place)."""
     for name in TASK_DERIVED_FIELDS:
@@ -105,6 +147,8 @@ def documents() -> dict[str, dict[str, Any]]:
         (root,), defs = _components(kind, template)
         if "$ref" in root:  # a single struct: its schema at the top, not behind a reference
             root = defs.pop(root["$ref"].rsplit("/", 1)[-1])
+        if name == "result":
+            root = _described(root, _RESULT_FIELDS)
         root = _titled(root.get("title", name.capitalize()), description, root)
         out[f"{name}.schema.json"] = _document(root, defs)
     return out

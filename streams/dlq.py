@@ -1,17 +1,19 @@
 """Build DeadLetter records (R30): the reason, the original bytes and where they came from.
 
 Pure: the caller supplies the time (``at``) and the original record's fields; the result is a
-dict ready for ``codec.encode(DEAD_LETTER_RECORD, ...)``. The DLQ record's key should be the
-original key (so a run's dead letters stay together).
+dict ready for ``codec.encode(DEAD_LETTER_RECORD, ...)``. A dead letter is produced with the key
+:func:`key_of` gives (its run id when the run is known, else the original key) and Kafka's
+default partitioner (``KEYED_PARTITIONER``), so a run's dead letters land on the run's partition
+of the DLQ, the same number as its inbox, events and results records.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agentruns.streams.codec import CodecError, encode
+from agentruns.streams.codec import CodecError, decode_fields, encode
 
 __all__ = [
     "CONFLICTING_DUPLICATE",
@@ -28,6 +30,8 @@ __all__ = [
     "dead_letter",
     "dead_letter_for_error",
     "fit",
+    "key_of",
+    "run_of",
     "text",
 ]
 
@@ -71,6 +75,49 @@ def bounded_key(key: bytes | None) -> bytes | None:
     if key is None or len(key) <= MAX_KEY_BYTES:
         return key
     return f"sha256:{_digest(key)}".encode()
+
+
+def _bounded_run(run_id: str) -> str:
+    """A run id read from outside, as a dead letter keeps it: a digest when too long."""
+    if len(run_id) <= MAX_KEY_BYTES:
+        return run_id
+    return "sha256:" + _digest(run_id.encode("utf-8", "surrogatepass"))
+
+
+#: The fields read to find the run of a record, by record name: up to its run_id.
+_RUN_FIELDS: dict[str, tuple[str, ...]] = {
+    "Input": ("input_id", "run_id"),
+    "Effect": ("idempotency_key", "run_id"),
+    "Event": ("run_id",),
+    "Result": ("run_id",),
+    "Snapshot": ("run_id",),
+}
+
+
+def run_of(value: bytes | None, name: str) -> str | None:
+    """The run a record of type `name` names, if its envelope decodes that far (a dead
+    letter's ``run_id``); None when it does not, or for a record that names no run."""
+    fields = _RUN_FIELDS.get(name)
+    if value is None or fields is None:
+        return None
+    try:
+        run_id = decode_fields(value, name, fields)["run_id"]
+    except CodecError:
+        return None
+    return _bounded_run(text(str(run_id)))
+
+
+def key_of(record: Mapping[str, Any]) -> bytes | None:
+    """The key a dead letter is produced with: its run id when the run is known (``run_id``
+    set), so it is keyed and partitioned like the run's records on every other topic; else the
+    original key (`bounded_key`), None when there was none. A run id is bounded by characters,
+    as the core bounds ids (`_bounded_run`), not by bytes: one of up to 512 multi-byte
+    characters stays whole, on its run's partition."""
+    run_id = record.get("run_id")
+    if run_id is not None:
+        return _bounded_run(str(run_id)).encode("utf-8", "surrogatepass")
+    key: bytes | None = record["original_key"]
+    return bounded_key(key)
 
 
 def fit(record: dict[str, Any], max_bytes: int) -> tuple[bytes, list[tuple[str, bytes]]]:
@@ -158,7 +205,7 @@ def dead_letter(
         "original_value": _bytes(value),
         "original_headers": list(original_headers),
         "original_timestamp": original_timestamp,
-        "run_id": None if run_id is None else text(run_id),
+        "run_id": None if run_id is None else _bounded_run(text(run_id)),
         "at": at,
     }
 

@@ -305,8 +305,9 @@ class InputPath:
             value=None,
             headers=None,
             at=int(self._clock() * 1000),
+            run_id=_run_of(inbound),
         )
-        self._emit(self.topics.dlq, None, encode("DeadLetter", record))
+        self._emit(self.topics.dlq, dlq.key_of(record), encode("DeadLetter", record))
         self.stats.dead_letters += 1
 
     def _rollback(self, mark: _Mark) -> None:
@@ -771,7 +772,6 @@ class InputPath:
     ) -> None:
         """A DeadLetter record for `original`, cut to fit the DLQ topic's record limit."""
         limit = self.limits.of(self.topics.dlq)
-        key = dlq.bounded_key(original.key)
         record = dlq.dead_letter(
             reason=reason[: dlq.MAX_REASON_CHARS],
             error_class=error_class,
@@ -785,6 +785,7 @@ class InputPath:
             original_timestamp=original.timestamp,
             run_id=run_id,
         )
+        key = dlq.key_of(record)  # the run's, when known: on the run's partition of the DLQ
         value, notes = dlq.fit(record, limit - len(key or b"") - dlq.NOTES_BYTES)
         headers: Headers = list(notes)
         self._emit(self.topics.dlq, key, value, None, headers or None)

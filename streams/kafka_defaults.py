@@ -69,8 +69,15 @@ GROUP_CONSUMER_LOG_LEVEL = 4
 #: bench, eight pairs: no difference beyond the noise.
 NO_DELAY: dict[str, Any] = {"socket.nagle.disable": True}
 
+#: In every producer of ours that writes a record without choosing its partition (dead
+#: letters): Kafka's default partitioner, the Java client's murmur2 of the key (random for a null
+#: key), not librdkafka's default (CRC32). So a dead letter keyed by its run id lands on
+#: ``partition_for(run_id, n)``, the run's partition of every other topic.
+KEYED_PARTITIONER: dict[str, Any] = {"partitioner": "murmur2_random"}
+
 TRANSACTIONAL_PRODUCER: dict[str, Any] = {
     **NO_DELAY,
+    **KEYED_PARTITIONER,
     **KAFKA_LOGS,
     "enable.idempotence": True,
     # Right after a commit the coordinator is still writing that transaction's markers and

@@ -134,7 +134,8 @@ OPENAPI: dict[str, Any] = {
             "Run": {
                 "type": "object",
                 "description": "The committed projection of a run. `result` is set only "
-                "when `terminal`; `question` (with `resume_token`) only in WAITING_USER.",
+                "when `terminal`; `question` (with `resume_token`) only in WAITING_USER. A run "
+                "not projected yet is PENDING, with `dead_letters`: its refused inputs.",
                 "properties": {
                     "run_id": {"type": "string"},
                     "status": {"type": "string"},
@@ -150,6 +151,22 @@ OPENAPI: dict[str, Any] = {
                     "operations": {"type": "array", "items": {"type": "object"}},
                     "question": {"type": ["object", "null"]},
                     "result": {"type": ["object", "null"]},
+                    "dead_letters": {
+                        "type": "array",
+                        "description": "PENDING only: the run's refused inputs, newest first "
+                        "(at most 10)",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "reason": {"type": "string"},
+                                "error_class": {"type": "string"},
+                                "at": {"type": "integer"},
+                                "source_topic": {"type": "string"},
+                                "source_partition": {"type": "integer"},
+                                "source_offset": {"type": "integer"},
+                            },
+                        },
+                    },
                 },
             },
             "RunList": {
@@ -267,7 +284,9 @@ OPENAPI: dict[str, Any] = {
                 "parameters": [_RUN_ID],
                 "responses": {
                     "200": _resp("the run", {"$ref": "#/components/schemas/Run"}),
-                    "404": _resp("unknown run", _ERROR),
+                    "404": _resp(
+                        "no run, no submission through this API and no dead letter of it", _ERROR
+                    ),
                     **_ERRS,
                 },
             }

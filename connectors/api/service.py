@@ -116,6 +116,25 @@ def _submitted_record(conn: Conn, run_id: str) -> dict[str, Any] | None:
     return None if row is None else decode(bytes(row[0]), "Input").record
 
 
+#: The dead letters of a run a view of a run not yet projected shows at most, newest first.
+MAX_RUN_DEAD_LETTERS = 10
+
+
+def _dead_letters_of(conn: Conn, run_id: str) -> list[dict[str, Any]]:
+    """The refused inputs of `run_id` the sink projected (newest first, at most
+    MAX_RUN_DEAD_LETTERS): why a run that was submitted has not started."""
+    cur = conn.execute(
+        "SELECT reason, error_class, at, source_topic, source_partition, source_offset"
+        " FROM dead_letters WHERE run_id = %s"
+        " ORDER BY at DESC, source_topic DESC, source_partition DESC, source_offset DESC"
+        " LIMIT %s",
+        (run_id, MAX_RUN_DEAD_LETTERS),
+    )
+    names = [d.name for d in cur.description or ()]
+    rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    return [dict(row, at=ms_of(row["at"])) for row in rows]
+
+
 def _operations(conn: Conn, run_id: str) -> list[dict[str, Any]]:
     cur = conn.execute(
         "SELECT op_key, step, tool, call_id, status, dispatch, retries, polls,"
@@ -315,9 +334,13 @@ class ApiService:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             run = _run_row(conn, run_id)
             if run is None:
-                if _submitted_record(conn, run_id) is None:
+                # Submitted through this API, or refused with its run named (the submission
+                # of a producer on Kafka too), and not in the committed projection: PENDING,
+                # with the refusals. A submission still on its way from another producer is
+                # known to no table yet: 404.
+                dead = _dead_letters_of(conn, run_id)
+                if not dead and _submitted_record(conn, run_id) is None:
                     raise ApiError(404, "run_not_found", f"no run {run_id}")
-                # Accepted by the API, not yet in the committed projection.
                 return {
                     "run_id": run_id,
                     "status": "PENDING",
@@ -325,6 +348,7 @@ class ApiService:
                     "operations": [],
                     "question": None,
                     "result": None,
+                    "dead_letters": dead,
                 }
             return self._run_view(conn, run)
 

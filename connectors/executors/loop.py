@@ -454,7 +454,7 @@ class _Ready:
             )
         for dead in self.dead:
             record = dead.record
-            yield route.dlq, record["original_key"], encode("DeadLetter", record), None, None
+            yield route.dlq, dlq.key_of(record), encode("DeadLetter", record), None, None
 
     def durable(self) -> None:
         """Nothing to wait for: artifacts and records were written before the hand-over."""
@@ -855,6 +855,7 @@ class Executor:
             _header_list(message),
             now_ms(),
             original_timestamp=timestamp if timestamp > 0 else None,
+            run_id=dlq.run_of(message.value(), "Effect"),
         )
 
     # ------------------------------------------------------------------ the dispatch thread

@@ -88,6 +88,7 @@ from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
 from agentruns.streams.kafka_defaults import (
     GROUP_CONSUMER_LOG_LEVEL,
+    KEYED_PARTITIONER,
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
@@ -314,6 +315,7 @@ class Sink:
                 **client_settings(),
                 "enable.idempotence": True,
                 **NO_DELAY,
+                **KEYED_PARTITIONER,
                 "log_level": 3,
             }
         )
@@ -584,7 +586,12 @@ class Sink:
             message.offset(),
             reason,
         )
-        return dead_letters.of_message(message, reason, error_class)
+        record = {
+            self.events_topic: "Event",
+            self.state_topic: "Snapshot",
+            self.results_topic: "Result",
+        }.get(message.topic() or "", "")
+        return dead_letters.of_message(message, reason, error_class, record=record)
 
     def _load(self, run_ids: list[str]) -> dict[str, tuple[int, RunState]]:
         """The committed states (`runs.state`, the fold at `runs.last_seq`) of runs the cache

@@ -45,6 +45,7 @@ from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import (
     GROUP_CONSUMER_LOG_LEVEL,
+    KEYED_PARTITIONER,
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
@@ -170,6 +171,7 @@ class TimerService:
                 "enable.idempotence": True,
                 "linger.ms": 2,
                 **NO_DELAY,
+                **KEYED_PARTITIONER,
             }
         )
         self.partitions = partition_count(self._producer, self.inbox)
@@ -236,7 +238,11 @@ class TimerService:
                         raise  # Postgres away, not the effect: the whole batch again, later
                     refused = refusal(exc)
                     log.error("timer effect at offset %s refused: %s", msg.offset(), refused.reason)
-                    dead.append(dead_letters.of_message(msg, refused.reason, refused.error_class))
+                    dead.append(
+                        dead_letters.of_message(
+                            msg, refused.reason, refused.error_class, record="Effect"
+                        )
+                    )
             dead_letters.send(self._producer, self.dlq, dead)
         self.dead_letters += len(dead)
         # counted once the batch is in: a batch retried after an outage counts once

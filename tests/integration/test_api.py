@@ -19,11 +19,12 @@ from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
 from agentruns.schemas.json_schemas import DIRECTORY, task_schema_components
 from agentruns.streams.partitioning import partition_for
+from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
 from jsonschema import Draft202012Validator
 
 from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
-from tests.support.pipeline import SEARCH, now_ms, read_all, read_raw
+from tests.support.pipeline import SEARCH, Inbox, now_ms, read_all, read_raw, submitted
 from tests.support.waiting import wait_for
 
 
@@ -508,3 +509,40 @@ def test_a_callback_or_cancel_outside_the_limits_is_refused_and_a_good_one_is_ta
             "SELECT kind FROM api_inputs WHERE run_id = %s ORDER BY kind", (run_id,)
         )]  # fmt: skip
     assert kinds == ["CancelRequested", "RunSubmitted"]
+
+
+def test_a_submission_refused_on_kafka_answers_pending_with_its_dead_letter(stack: Stack) -> None:
+    """A producer writing straight to the inbox (not through this API) submits a task whose body
+    the core refuses: GET /runs/{id} answers PENDING with the reason once the sink has
+    projected the dead letter, not 404; a run id nobody submitted stays a 404."""
+    run_id = run_id_for_key(f"refused-on-kafka-{uuid.uuid4().hex}")
+    event = submitted(run_id)
+    record = input_record(event, producer_id="node-client", producer_seq=1)
+    body = json.loads(record["body"])
+    del body["goal"]  # a task without its goal
+    record["body"] = json.dumps(body)
+    inbox = Inbox(stack.bootstrap, stack.prefix, PARTITIONS)
+    try:
+        inbox.send(record)
+        inbox.flush()
+    finally:
+        inbox.close()
+    seen: dict[str, Any] = {}
+
+    def refused() -> bool:
+        answer = stack.http.get(f"/runs/{run_id}")
+        if answer.status_code == 404:  # the sink has not projected the dead letter yet
+            return False
+        assert answer.status_code == 200, answer.text
+        seen.update(answer.json())
+        return bool(seen["dead_letters"])
+
+    wait_for(refused, timeout=60, what="the refusal in the run's view", every=0.2)
+    assert seen["status"] == "PENDING" and seen["terminal"] is False and seen["result"] is None
+    (dead,) = seen["dead_letters"]
+    assert dead["error_class"] == "INVALID_EVENT" and "goal" in dead["reason"]
+    assert dead["source_topic"] == topic_name(INBOX, stack.prefix)
+    assert dead["source_partition"] == partition_for(run_id, PARTITIONS)
+    assert isinstance(dead["at"], int) and dead["at"] >= event.at
+    never = stack.http.get(f"/runs/{run_id_for_key(uuid.uuid4().hex)}")
+    assert never.status_code == 404 and never.json()["error"] == "run_not_found"

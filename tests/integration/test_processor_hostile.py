@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +357,46 @@ def test_the_record_limit_of_each_topic_is_read_from_the_broker(
         assert limits.of(topic_name(STATE, prefix)) == 1_000_000 - RECORD_MARGIN  # the producer's
     finally:
         proc.close()
+
+
+def _crc32_disagrees(stem: str) -> str:
+    """A key whose partition under librdkafka's default partitioner (CRC32) is not its
+    partition under Kafka's (murmur2), so a dead letter on the wrong one shows."""
+    return next(
+        f"{stem}-{i}"
+        for i in range(100)
+        if zlib.crc32(f"{stem}-{i}".encode()) % PARTITIONS
+        != partition_for(f"{stem}-{i}", PARTITIONS)
+    )
+
+
+def test_a_dead_letter_of_a_known_run_is_keyed_and_partitioned_like_the_run(
+    kafka_bootstrap: str, database_url: str, prefix: str
+) -> None:
+    """Its key is the run id and its partition the run's (Kafka's murmur2 over the run id); a
+    record whose run is not known keeps its own key, on that key's murmur2 partition."""
+    inbox = Inbox(kafka_bootstrap, prefix, PARTITIONS)
+    run_id = _crc32_disagrees("known")
+    invalid = input_record(submitted(run_id))
+    invalid["body"] = json.dumps({"type": "RunSubmitted", "run_id": run_id})  # misses fields
+    stranger = _crc32_disagrees("stranger")
+    try:
+        with running_processor(_config(kafka_bootstrap, prefix), database_url) as proc:
+            inbox.send(invalid)
+            inbox.send_raw(stranger, b"\x00not an Input")  # no run can be read from it
+            inbox.flush()
+            wait_for(lambda: proc.stats.dead_letters >= 2, timeout=60, what="both refusals")
+    finally:
+        inbox.close()
+    dead = {
+        r.value["original_key"]: r
+        for r in read_all(kafka_bootstrap, topic_name(DLQ, prefix), "DeadLetter")
+    }
+    known = dead[run_id.encode()]
+    assert known.value["run_id"] == run_id and known.value["error_class"] == dlq.INVALID_EVENT
+    assert known.key == run_id.encode()
+    assert known.partition == partition_for(run_id, PARTITIONS)
+    unknown = dead[stranger.encode()]
+    assert unknown.value["run_id"] is None
+    assert unknown.key == stranger.encode()
+    assert unknown.partition == partition_for(stranger, PARTITIONS)

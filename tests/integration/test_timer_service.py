@@ -18,6 +18,7 @@ from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerServic
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.state import Budgets, TimerPurpose
 from agentruns.streams.codec import encode
+from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
@@ -225,6 +226,15 @@ def test_effects_the_timer_cannot_ingest_are_dead_lettered_and_a_later_timer_sti
         assert letter["source_topic"] == topic_name(effect_suffix("timer"), prefix)
         assert letter["source_offset"] >= 0 and letter["source_partition"] >= 0
         assert letter["original_headers"][0]["key"] == "run_id"
+    # keyed by the run its envelope names, on the run's partition (murmur2: under librdkafka's
+    # CRC32 default "far" and "nul" would land elsewhere); the garbage names none
+    for record in read_all(kafka_bootstrap, dlq, "DeadLetter"):
+        run_id = record.value["run_id"]
+        if record.value["original_value"] == garbage:
+            assert run_id is None and record.key == b"garbage"
+            continue
+        assert record.key == run_id.encode()
+        assert record.partition == partition_for(run_id, PARTITIONS)
     assert [f["run_id"] for f in _fired(kafka_bootstrap, prefix)] == ["good"]
     assert timer_thread.dead_letters == 5
 
