@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -61,7 +62,8 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
-from agentruns.streams.topics import EVENTS, INBOX, STATE, topic_name
+from agentruns.streams.run_store import RunStore
+from agentruns.streams.topics import EVENTS, INBOX, RUNS, STATE, topic_name
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 TOOL = ToolSpec(
@@ -367,11 +369,16 @@ def _restores(log: Path) -> list[tuple[int, float]]:
 
 
 def _timed_restore(
-    env: dict[str, str], prefix: str, log: Path, retention_ms: int | None, timeout_s: float
+    env: dict[str, str],
+    prefix: str,
+    log: Path,
+    retention_ms: int | None,
+    timeout_s: float,
+    *extra: str,
 ) -> dict[str, Any]:
     """Start a processor on topics another one left and time it until it restored them."""
     began = time.monotonic()
-    proc = _spawn_processor(env, prefix, log, retention_ms)
+    proc = _spawn_processor(env, prefix, log, retention_ms, *extra)
     try:
         deadline = began + timeout_s
         while not _restores(log):
@@ -496,6 +503,7 @@ def cloned_restore_figures(
     )
     inbox = topic_name(INBOX, prefix)
     state = topic_name(STATE, prefix)
+    runs_topic = topic_name(RUNS, prefix)
     part = partition_for(ended_id, partitions)
     logs = [Path(tempfile.gettempdir()) / f"{prefix}-restore-{i}.log" for i in (0, 1)]
     first = _spawn_processor(env, prefix, logs[0], retention_ms)
@@ -519,6 +527,7 @@ def cloned_restore_figures(
         wait_for(ended_id, lambda values: bool(values) and values[-1] is None)
         wait_for(live_id, bool)
         records = _state_records(bootstrap, state, partitions)
+        ended_runs = _state_records(bootstrap, runs_topic, partitions)[ended_id.encode()]
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=60)
@@ -530,18 +539,27 @@ def cloned_restore_figures(
         key = run_id.encode()
         old = template.encode()
         part = partition_for(run_id, partitions)
-        for value in values:
+        copies = [(state, value) for value in values]
+        if i < runs:  # what its eviction wrote on `runs` too
+            copies += [(runs_topic, value) for value in ended_runs]
+        for topic, value in copies:
             clone = None if value is None else value.replace(old, key)
             while True:
                 try:
-                    producer.produce(state, key=key, value=clone, partition=part)
+                    producer.produce(topic, key=key, value=clone, partition=part)
                     break
                 except BufferError:
                     producer.poll(0.1)
-            written += 1
+            written += topic == state
         producer.poll(0)
     producer.flush(120)
-    restored = _timed_restore(env, prefix, logs[1], retention_ms, timeout_s)
+    # A run store on local disk: filled from the whole `runs` topic by the first restore, read
+    # from its checkpoint by the second.
+    store_dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-store-"))
+    store = ("--store-dir", str(store_dir))
+    filled = _timed_restore(env, prefix, logs[1], retention_ms, timeout_s, *store)
+    logs[1].unlink(missing_ok=True)
+    restored = _timed_restore(env, prefix, logs[1], retention_ms, timeout_s, *store)
     return {
         "runs": runs,
         "live_runs": live,
@@ -549,6 +567,32 @@ def cloned_restore_figures(
         "state_records": written + sum(len(v) for _, v in templates),
         "records_per_ended_run": len(templates[0][1]),
         **restored,
+        "empty_store": filled,
+        **_store_figures(store_dir, runs, partitions),
+    }
+
+
+def _store_figures(store_dir: Path, runs: int, partitions: int) -> dict[str, Any]:
+    """The run store's size on disk per ended run, and the time of one lookup in it (as the
+    processor makes for each input of a run it does not hold: half of them found)."""
+    (path,) = store_dir.glob("*/*.db")
+    size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
+    store = RunStore(path)
+    try:
+        stored = store.count()
+        ids = [f"run-{random.randrange(runs):07d}" for _ in range(10_000)]
+        ids += [f"new-{i:07d}" for i in range(10_000)]
+        random.shuffle(ids)
+        began = time.perf_counter()
+        for run_id in ids:
+            store.get(partition_for(run_id, partitions), run_id)
+        lookup_us = (time.perf_counter() - began) / len(ids) * 1e6
+    finally:
+        store.close()
+    return {
+        "store_runs": stored,
+        "store_bytes_per_ended_run": round(size / max(stored, 1), 1),
+        "store_lookup_us": round(lookup_us, 2),
     }
 
 
