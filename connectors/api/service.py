@@ -764,18 +764,7 @@ class ApiService:
                 "status must be one of succeeded, failed, cancelled, running, accepted",
             )
         if artifact is not None:
-            # R2: the result artifact is durable before the input that references it.
-            with self.db.connection() as conn:
-                conn.execute(
-                    "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
-                    " VALUES (%s, %s, %s, %s) ON CONFLICT (ref) DO NOTHING",
-                    (
-                        artifact.ref,
-                        artifact.media_type,
-                        len(artifact.content.encode()),
-                        artifact.content.encode(),
-                    ),
-                )
+            self._store_artifact(artifact)
         record = input_record(event, input_id=input_id)
         self._produce_once(
             input_id,

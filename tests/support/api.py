@@ -30,7 +30,13 @@ from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import ProcessorConfig
 
-from tests.support.pipeline import SEARCH, ExecutorDouble, now_ms, running_processor
+from tests.support.pipeline import (
+    SEARCH,
+    ExecutorDouble,
+    model_answer,
+    now_ms,
+    running_processor,
+)
 from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for
 
@@ -94,20 +100,7 @@ class ScriptedDouble(ExecutorDouble):
             )
             return
         if isinstance(effect, CallModel) and run in self.stalled_runs:
-            call = ToolCallRequest(
-                id=f"s{effect.step}",
-                name="search_docs",
-                arguments_json=f'{{"query":"q{effect.step}"}}',
-            )
-            yield ModelCallCompleted(
-                **ids,
-                at=now_ms(),
-                step=effect.step,
-                attempt=effect.attempt,
-                outcome=ModelOutcome.FINISHED,
-                candidate_ref="sha256:" + "a" * 64,
-                candidate=Candidate(tool_calls=(call,)),
-            )
+            yield model_answer(effect, ids, final=False, call_id="s")
             return
         if isinstance(effect, CallTool) and run in self.stalled_runs:
             yield ToolCallSucceeded(

@@ -219,6 +219,29 @@ def running_processor(
             yield proc
 
 
+def model_answer(
+    effect: CallModel, ids: dict[str, str], *, final: bool, call_id: str = "call"
+) -> ModelCallCompleted:
+    """The model's answer to `effect`: the final one, or a call of `search_docs`."""
+    call = ToolCallRequest(
+        id=f"{call_id}-{effect.step}",
+        name="search_docs",
+        arguments_json=f'{{"query":"q{effect.step}"}}',
+    )
+    return ModelCallCompleted(
+        **ids,
+        at=now_ms(),
+        step=effect.step,
+        attempt=effect.attempt,
+        outcome=ModelOutcome.FINISHED,
+        candidate_ref="sha256:" + "a" * 64,
+        candidate=Candidate(
+            content="three documents found" if final else "",
+            tool_calls=() if final else (call,),
+        ),
+    )
+
+
 class ExecutorDouble(threading.Thread):
     """Answers model and tool effects like the executors would (a test double for them)."""
 
@@ -264,24 +287,7 @@ class ExecutorDouble(threading.Thread):
         self.answered[key] = self.answered.get(key, 0) + 1
         ids = {"run_id": effect.run_id, "event_id": f"{key}:result", "trace_id": effect.trace_id}
         if isinstance(effect, CallModel):
-            final = effect.step >= self.steps
-            call = ToolCallRequest(
-                id=f"call-{effect.step}",
-                name="search_docs",
-                arguments_json=f'{{"query":"q{effect.step}"}}',
-            )
-            yield ModelCallCompleted(
-                **ids,
-                at=now_ms(),
-                step=effect.step,
-                attempt=effect.attempt,
-                outcome=ModelOutcome.FINISHED,
-                candidate_ref="sha256:" + "a" * 64,
-                candidate=Candidate(
-                    content="three documents found" if final else "",
-                    tool_calls=() if final else (call,),
-                ),
-            )
+            yield model_answer(effect, ids, final=effect.step >= self.steps)
         elif isinstance(effect, CallTool):
             yield ToolCallSucceeded(
                 **ids,
