@@ -172,7 +172,9 @@ def _strip(value: Any, shape: _Shape, dropped: list[str]) -> Any:
         if not isinstance(value, list):
             return value
         shapes = shape[1]
-        return [_strip(v, shapes[i], dropped) if i < len(shapes) else v for i, v in enumerate(value)]
+        return [
+            _strip(v, shapes[i], dropped) if i < len(shapes) else v for i, v in enumerate(value)
+        ]
     if not isinstance(value, dict):  # "values"
         return value
     return {key: _strip(item, shape[1], dropped) for key, item in value.items()}

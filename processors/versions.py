@@ -61,11 +61,15 @@ def version_of(state: RunState | None, event: Event) -> int:
     """The rules version `event` is applied under: the run's, or for a run that does not exist
     yet, the one its submission carries (1 when none)."""
     if state is not None:
-        version = state.rules_version
-    elif isinstance(event, RunSubmitted):
-        version = event.rules_version
-    else:
-        return 1
+        return of_state(state)
+    if isinstance(event, RunSubmitted) and event.rules_version is not msgspec.UNSET:
+        return event.rules_version
+    return 1
+
+
+def of_state(state: RunState) -> int:
+    """The rules version of a run (1 when its state has none)."""
+    version = state.rules_version
     return 1 if version is msgspec.UNSET else version
 
 

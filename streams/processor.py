@@ -45,10 +45,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+from agentruns.processors import versions
 from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
 from agentruns.streams import admin, metrics
-from agentruns.streams.codec import decode, encode
+from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
 from agentruns.streams.inputs import (
     DEFAULT_RECORD_LIMIT,
@@ -143,6 +145,9 @@ class ProcessorConfig:
     terminal_retention_ms: int | None = 600_000
     # Evicted runs remembered per partition (the oldest forgotten first).
     max_ended_runs: int = 100_000
+    # The rules version new runs are submitted under (agentruns.processors.versions); None:
+    # the newest this build has (docs/operations.md, rolling out new rules).
+    rules_version: int | None = None
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -216,6 +221,7 @@ class Processor:
                 buffer_limit=config.buffer_limit,
                 gap_timeout_ms=config.gap_timeout_ms,
                 max_log_events=config.max_log_events,
+                rules_version=config.rules_version,
             ),
             self.stats,
             limits=self._record_limits(),
@@ -254,6 +260,8 @@ class Processor:
         self._in_flight = False
         self._in_flight_batch: _Sealed | None = None
         self._assigned: set[int] = set()
+        # Inbox partitions paused because their processing stopped (`_sync_stopped`).
+        self._paused: set[int] = set()
         # Set when the consumer was fenced: from then on nothing applied is committed, and the
         # rebalance callbacks that closing the consumer runs only drop state.
         self._fenced = False
@@ -327,6 +335,8 @@ class Processor:
                     self._check_in_flight()  # a failed transaction: recover before applying more
                     for message in messages:
                         self._handle(message)
+                    if self._path.stopped.keys() != self._paused:
+                        self._sync_stopped()
                     batch = self._batch
                     if batch is not None and (
                         batch.inputs >= limit
@@ -432,8 +442,30 @@ class Processor:
         self._committer.abort()
         self._drop({tp.partition for tp in partitions})
 
+    def _sync_stopped(self) -> None:
+        """Pause the inbox partitions whose processing stopped (their inputs wait unconsumed,
+        `InputPath.stopped`), resume the ones restored since; report them to /healthz and
+        /metrics."""
+        stopped = self._path.stopped
+        pause = [p for p in stopped if p not in self._paused and p in self._assigned]
+        resume = [p for p in self._paused if p not in stopped and p in self._assigned]
+        if pause:
+            self._consumer.pause([TopicPartition(self.inbox, p) for p in pause])
+        if resume:
+            self._consumer.resume([TopicPartition(self.inbox, p) for p in resume])
+        for p in self._paused - stopped.keys():
+            metrics.partition_resumed(p)
+        for p in stopped.keys() - self._paused:
+            metrics.partition_stopped(p)
+        self._paused = set(stopped)
+        self.membership.stopped(stopped)
+
     def _drop(self, partitions: set[int]) -> None:
         for p in partitions:
+            if self._path.stopped.pop(p, None) is not None:
+                self._paused.discard(p)
+                metrics.partition_resumed(p)
+                self.membership.stopped(self._path.stopped)
             self._slots.pop(p, None)
             self._path.parked.pop(p, None)
             self._path.ended.pop(p, None)
@@ -445,6 +477,7 @@ class Processor:
     def _restore(self, partitions: set[int]) -> int:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
         for p in partitions:
+            self._path.stopped.pop(p, None)  # tried again: stopped again if it must
             self._slots[p] = {}
             self._path.parked[p] = {}
             self._path.ended[p] = {}
@@ -498,25 +531,38 @@ class Processor:
                         continue
                     latest[partition][key] = value
             for p, values in latest.items():
-                runs, parked = self._slots[p], self._path.parked[p]
-                for value in values.values():
-                    record = decode(value, expected_name="Snapshot").record
-                    run_id = record["run_id"]
-                    if record["status"] in TERMINAL and not record["buffer"]:
-                        held = Parked(
-                            value, record["status"], record["last_seq"], record["updated_at"]
-                        )
-                        parked[run_id] = held
-                        self._track(p, run_id, held.updated_at, terminal=True)
-                        continue
-                    slot = RunSlot.from_record(record)
-                    slot.size_estimate = len(value) + len(run_id)
-                    runs[run_id] = slot
-                    self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
+                try:
+                    self._load(p, values)
+                except (CodecError, msgspec.DecodeError, versions.UnknownRulesVersionError) as exc:
+                    # A snapshot a newer build wrote that this one cannot continue: the
+                    # partition stops here, the others go on (`InputPath.stopped`).
+                    self._slots[p].clear()
+                    self._path.parked[p].clear()
+                    self._expiring[p] = []
+                    self._path.stop(p, f"a snapshot this build cannot continue: {exc}")
                 values.clear()
             return sum(len(self._slots[p]) + len(self._path.parked[p]) for p in partitions)
         finally:
             reader.close()
+
+    def _load(self, p: int, values: dict[bytes, bytes]) -> None:
+        """Hold the latest snapshots of partition `p`'s runs: live ones decoded, ended ones as
+        they are (`Parked`). Raises what a snapshot this build cannot read raises."""
+        runs, parked = self._slots[p], self._path.parked[p]
+        for value in values.values():
+            record = decode(value, expected_name="Snapshot").record
+            run_id = record["run_id"]
+            if record["status"] in TERMINAL and not record["buffer"]:
+                held = Parked(value, record["status"], record["last_seq"], record["updated_at"])
+                parked[run_id] = held
+                self._track(p, run_id, held.updated_at, terminal=True)
+                continue
+            slot = RunSlot.from_record(record)
+            if slot.state is not None:
+                versions.transition_for(versions.of_state(slot.state))
+            slot.size_estimate = len(value) + len(run_id)
+            runs[run_id] = slot
+            self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
 
     # ------------------------------------------------------------------ applying inputs
 
