@@ -291,3 +291,29 @@ def test_readiness_names_a_stopped_partition_and_its_reason() -> None:
     assert check.detail == (
         "1 of 2 partitions stopped: partition 1: run r1: unknown rules version 2 (this build has 1)"
     )
+
+
+def test_the_processor_applies_a_body_with_hostile_new_fields_and_refuses_bad_known_ones() -> None:
+    """The tolerance is no way around a limit: a new field may hold any JSON the record and
+    nesting limits let through, and a known field beside it is checked as ever."""
+    path, batch = new_path(), Batch()
+    doc = json.loads(submission("r1").model_dump_json())
+    doc |= {"newer": "x" * 200_000, "deeper": json.loads("[" * 60 + "]" * 60)}
+    doc["policy"] = {"future_policy": {"a": [1, None, True]}}
+    record = {**input_record(submission("r1")), "body": json.dumps(doc)}
+    path.handle(Inbound("t.inbox", 0, 0, b"r1", encode("Input", record), [], AT), batch)
+    bad = {**doc, "run_id": "r2", "event_id": "r2:s", "at": "yesterday"}
+    record = {**input_record(submission("r2")), "body": json.dumps(bad)}
+    path.handle(Inbound("t.inbox", 0, 1, b"r2", encode("Input", record), [], AT), batch)
+    too_deep = {**doc, "run_id": "r3", "event_id": "r3:s", "deeper": "X"}
+    body = json.dumps(too_deep).replace('"X"', "[" * 5000 + "]" * 5000)
+    record = {**input_record(submission("r3")), "body": body}
+    path.handle(Inbound("t.inbox", 0, 2, b"r3", encode("Input", record), [], AT), batch)
+    assert [e["run_id"] for e in logged(batch)] == ["r1"]
+    assert "newer" not in logged(batch)[0]["body"]  # logged as applied: the known fields
+    dead = [decode(r[2], "DeadLetter").record for r in batch.records if r[0] == TOPICS.dlq]
+    assert [(d["run_id"], d["error_class"]) for d in dead] == [
+        ("r2", "INVALID_EVENT"),
+        ("r3", "INVALID_EVENT"),
+    ]
+    assert "$.at" in dead[0]["reason"] and "too deeply" in dead[1]["reason"]
