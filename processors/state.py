@@ -162,7 +162,8 @@ def _strip(value: Any, shape: _Shape, dropped: list[str]) -> Any:
     if kind == "union":
         if not isinstance(value, dict):
             return value
-        chosen = shape[2].get(value.get(shape[1]))
+        tag = value.get(shape[1])
+        chosen = shape[2].get(tag) if isinstance(tag, str | int) else None
         return value if chosen is None else _strip(value, chosen, dropped)
     if kind == "items":
         if not isinstance(value, list):
