@@ -119,6 +119,10 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
         "agentruns.connectors.projection.revalidate",
         "re-run validators over candidates",
     ),
+    ("versions",): (
+        "agentruns.connectors.projection.rules_versions",
+        "which rules versions the runs use, with counts",
+    ),
     ("demo",): ("agentruns.connectors.demo.run", "start what is needed and run the demo scenarios"),
     ("chaos",): ("agentruns.connectors.demo.chaos", "mixed runs while components are killed"),
     ("dev", "model-server"): (

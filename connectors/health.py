@@ -120,8 +120,13 @@ def postgres_check(database_url: str, timeout: float = CHECK_TIMEOUT_S) -> Check
 
 def consumer_check(membership: Membership, group: str) -> Check:
     """This member's partitions as its rebalance callbacks reported them: some, or none in an
-    assignment that arrived (more members than partitions: ready too, and said so)."""
+    assignment that arrived (more members than partitions: ready too, and said so); not ready
+    while the processing of one of them stopped (a newer version's run, with the reason)."""
     settled, partitions = membership.state
+    stopped = membership.stopped_partitions
+    if stopped:
+        reasons = "; ".join(f"partition {p}: {why}" for p, why in sorted(stopped.items()))
+        return Check(False, f"{len(stopped)} of {partitions} partitions stopped: {reasons}")
     if not settled:
         return Check(False, f"waiting for partitions: no assignment from group {group} yet")
     if partitions:

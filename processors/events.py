@@ -52,6 +52,10 @@ class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=
     memory_ref: Id | None = None
     evidence_refs: Ids = ()
     validator_version: Count = CURRENT_VALIDATOR_VERSION
+    # Set by the processor that applies the submission, never by a producer: the transition
+    # rules the run keeps for its whole life (agentruns.processors.versions). UNSET (not
+    # written) is version 1, so the submissions of version 1 runs are the bytes they were.
+    rules_version: Count | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelOutcome(StrEnum):

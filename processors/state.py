@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 import msgspec
+import msgspec.inspect
 from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 
 CURRENT_VALIDATOR_VERSION = 2
@@ -67,18 +68,132 @@ _TOO_DEEP = "JSON is nested too deeply"
 
 class Decoder(Generic[_T]):
     """A msgspec JSON decoder that raises only :class:`msgspec.DecodeError` (or its subclass
-    :class:`msgspec.ValidationError`) on bad input, whatever its nesting."""
+    :class:`msgspec.ValidationError`) on bad input, whatever its nesting.
 
-    __slots__ = ("_decoder",)
+    Tolerant of fields it does not know, at any depth: a record written by a newer version of
+    agentruns (one more field in an event, an effect or a snapshot) decodes to the fields this
+    version knows, with their bounds and types checked as always. The classes stay strict (the
+    JSON Schemas and the API's task door refuse unknown fields); only a body that the strict
+    decode refuses for an unknown field takes the slower path: parsed to builtins, every
+    unknown field removed, converted strictly (docs/codec.md, "Unknown fields")."""
+
+    __slots__ = ("_decoder", "_shape")
 
     def __init__(self, decoder: msgspec.json.Decoder[_T]) -> None:
         self._decoder = decoder
+        self._shape: _Shape | None = None
 
     def decode(self, data: str | bytes) -> _T:
+        return self.decode_keeping(data)[0]
+
+    def decode_keeping(self, data: str | bytes) -> tuple[_T, dict[str, Any]]:
+        """The value and the unknown fields of its top-level object (empty when none)."""
         try:
-            return self._decoder.decode(data)
+            return self._decoder.decode(data), {}
         except RecursionError:
             raise msgspec.DecodeError(_TOO_DEEP) from None
+        except msgspec.ValidationError as exc:
+            if not str(exc).startswith(_UNKNOWN_FIELD):
+                raise
+        if self._shape is None:
+            self._shape = _shape_of(msgspec.inspect.type_info(self._decoder.type))
+        value, extra = _known_only(data, self._decoder.type, self._shape)
+        return value, extra
+
+
+_UNKNOWN_FIELD = "Object contains unknown field"
+
+# What a decoded value looks like, as far as unknown fields go: a struct's known field names
+# (with its tag field) and the shapes of its fields; a union's structs by tag; a container's
+# item shape; None where nothing below can be a struct.
+_Shape = Any
+
+
+def _shape_of(info: msgspec.inspect.Type) -> _Shape:
+    if isinstance(info, msgspec.inspect.Metadata):
+        return _shape_of(info.type)
+    if isinstance(info, msgspec.inspect.StructType):
+        fields = {f.encode_name: _shape_of(f.type) for f in info.fields}
+        known = frozenset(fields) | ({info.tag_field} if info.tag_field else frozenset())
+        return ("struct", known, {k: v for k, v in fields.items() if v is not None})
+    if isinstance(info, msgspec.inspect.UnionType):
+        structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
+        if not structs:
+            shapes = [s for s in (_shape_of(t) for t in info.types) if s is not None]
+            return shapes[0] if len(shapes) == 1 else None
+        if len(structs) == 1:
+            return _shape_of(structs[0])
+        return ("union", structs[0].tag_field, {t.tag: _shape_of(t) for t in structs})
+    if isinstance(
+        info,
+        msgspec.inspect.ListType
+        | msgspec.inspect.VarTupleType
+        | msgspec.inspect.SetType
+        | msgspec.inspect.FrozenSetType,
+    ):
+        item = _shape_of(info.item_type)
+        return None if item is None else ("items", item)
+    if isinstance(info, msgspec.inspect.TupleType):
+        items = [_shape_of(t) for t in info.item_types]
+        return None if all(i is None for i in items) else ("tuple", items)
+    if isinstance(info, msgspec.inspect.DictType):
+        value = _shape_of(info.value_type)
+        return None if value is None else ("values", value)
+    return None
+
+
+def _strip(value: Any, shape: _Shape, dropped: list[str]) -> Any:
+    """`value` without the fields `shape` does not know (names appended to `dropped`)."""
+    if shape is None:
+        return value
+    kind = shape[0]
+    if kind == "struct":
+        if not isinstance(value, dict):
+            return value
+        known, inner = shape[1], shape[2]
+        out = {}
+        for key, item in value.items():
+            if key not in known:
+                dropped.append(key)
+                continue
+            sub = inner.get(key)
+            out[key] = item if sub is None else _strip(item, sub, dropped)
+        return out
+    if kind == "union":
+        if not isinstance(value, dict):
+            return value
+        tag = value.get(shape[1])
+        chosen = shape[2].get(tag) if isinstance(tag, str | int) else None
+        return value if chosen is None else _strip(value, chosen, dropped)
+    if kind == "items":
+        if not isinstance(value, list):
+            return value
+        return [_strip(item, shape[1], dropped) for item in value]
+    if kind == "tuple":
+        if not isinstance(value, list):
+            return value
+        shapes = shape[1]
+        return [
+            _strip(v, shapes[i], dropped) if i < len(shapes) else v for i, v in enumerate(value)
+        ]
+    if not isinstance(value, dict):  # "values"
+        return value
+    return {key: _strip(item, shape[1], dropped) for key, item in value.items()}
+
+
+def _known_only(data: str | bytes, type_: Any, shape: _Shape) -> tuple[Any, dict[str, Any]]:
+    """Decode `data` as `type_` ignoring unknown fields; also the unknown fields of the
+    top-level object (what a snapshot keeps, see :func:`decode_state`)."""
+    try:
+        raw = msgspec.json.decode(data)
+        dropped: list[str] = []
+        known = _strip(raw, shape, dropped)
+        value = msgspec.convert(known, type=type_, strict=True, str_keys=True)
+    except RecursionError:
+        raise msgspec.DecodeError(_TOO_DEEP) from None
+    top = shape[1] if shape is not None and shape[0] == "struct" else frozenset()
+    extra = {k: v for k, v in raw.items() if k not in top} if isinstance(raw, dict) and top else {}
+    return value, extra
 
 
 class RunStatus(StrEnum):
@@ -305,6 +420,10 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     path: tuple[RunStatus, ...] = ()
     version: int = 1
     resolution: int = 0
+    # The transition rules the run was submitted under, for its whole life
+    # (agentruns.processors.versions); absent (UNSET, not written) means version 1, so the
+    # snapshots of version 1 runs are the bytes they always were.
+    rules_version: int | msgspec.UnsetType = msgspec.UNSET
     goal: Text
     config: RunConfig
     step: int = 1
@@ -357,4 +476,16 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
 
     @classmethod
     def from_json(cls, data: str | bytes) -> RunState:
-        return cls.model_validate_json(data)
+        """Decode a snapshot's state, ignoring fields a newer version added."""
+        return decode_state(data)[0]
+
+
+_STATE_DECODER: Decoder[RunState] = Decoder(msgspec.json.Decoder(RunState))
+
+
+def decode_state(data: str | bytes) -> tuple[RunState, dict[str, Any]]:
+    """A snapshot's state and the top-level fields of it this version does not know (kept by
+    the processor when it writes the run's next snapshot, so a rollback loses none of a newer
+    version's fields; unknown fields deeper down are ignored). Raises msgspec.DecodeError
+    (or msgspec.ValidationError) only."""
+    return _STATE_DECODER.decode_keeping(data)

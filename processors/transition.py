@@ -1200,6 +1200,7 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         submitted_event_id=e.event_id,
         status=RunStatus.READY,
         version=0,
+        rules_version=e.rules_version,
         goal=e.goal,
         config=config,
         memory_ref=e.memory_ref,

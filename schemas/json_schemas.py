@@ -36,8 +36,9 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 #: Where the generated files live, beside the Avro schemas (package data).
 DIRECTORY = Path(__file__).resolve().parent / "json"
 #: RunSubmitted fields a task leaves out: the submitter derives them (the run id from the
-#: idempotency key, the event id from the run id, the time when it is submitted).
-TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at")
+#: idempotency key, the event id from the run id, the time when it is submitted), or the
+#: processor does (the rules version the run is submitted under).
+TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at", "rules_version")
 
 _TASK_DESCRIPTION = (
     "A task: the body of POST /runs and of RunsProducer.submit. The fields of the RunSubmitted"

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from agentruns.processors import versions
 from agentruns.processors.effects import PublishResult, ScheduleTimer
-from agentruns.processors.events import Event, GapTimedOut, InputRefused
+from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
-from agentruns.processors.transition import Artifact, Disposition, Transition, transition
+from agentruns.processors.transition import Artifact, Disposition, Transition
 from agentruns.streams import dlq, metrics, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
@@ -183,6 +184,10 @@ class PathSettings:
     # (agentruns.connectors.postgres.artifacts.MAX_ARTIFACT_BYTES);
     # refused at apply time, such an artifact cannot fail the batch's write.
     max_artifact_bytes: int = 16 << 20
+    # The rules version new runs are submitted under (agentruns.processors.versions); None:
+    # the newest this build has. An older one keeps a rollback possible while a new rule set
+    # rolls out (docs/operations.md).
+    rules_version: int | None = None
 
 
 def record_size(record: Record) -> int:
@@ -201,6 +206,16 @@ class _Reject(Exception):
         super().__init__(reason)
         self.reason = reason
         self.error_class = error_class
+
+
+class PartitionStopped(Exception):
+    """An input this build must not apply and must not skip: a run of a rules version it does
+    not have (a newer build submitted it). The input stays unconsumed and its partition stops
+    until a build that can apply it takes the partition (`InputPath.stopped`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class RecordTooLarge(Exception):
@@ -255,6 +270,13 @@ class InputPath:
         self._clock = clock
         self._batch = Batch()
         self._incoming: str | None = None  # the trace context of the input in hand
+        # partition -> why it stopped (PartitionStopped, or a snapshot this build cannot read
+        # at restore): its inputs are left where they are, for a build that can apply them
+        self.stopped: dict[int, str] = {}
+        version = settings.rules_version
+        self.rules_version = versions.current() if version is None else version
+        if not versions.known(self.rules_version):
+            raise ValueError(str(versions.UnknownRulesVersionError(self.rules_version)))
         self.sequencer = Sequencer(settings.buffer_limit, settings.gap_timeout_ms, input_digest)
 
     # ------------------------------------------------------------------ the guard
@@ -262,6 +284,8 @@ class InputPath:
     def handle(self, inbound: Inbound, batch: Batch) -> None:
         """Apply one input into `batch`. Never raises: see the module doc."""
         self._batch = batch
+        if inbound.partition in self.stopped:
+            return  # left unconsumed: its offset is not committed past the stop
         self._incoming = tracing.from_headers(inbound.headers)
         if inbound.offset >= 0:
             batch.positions[inbound.partition] = inbound.offset + 1
@@ -280,6 +304,14 @@ class InputPath:
                 return
             work = self._accept(inbound, record, mark)
             self._check_sizes(mark, work, inbound)
+        except PartitionStopped as exc:
+            self._rollback(mark)
+            self.stats.recount(counted)
+            batch.inputs -= 1
+            self.stop(inbound.partition, exc.reason)
+            if inbound.offset >= 0:
+                batch.positions[inbound.partition] = inbound.offset
+            return
         except Exception as exc:  # the one guard: see the module doc
             self._rollback(mark)
             self.stats.recount(counted)
@@ -292,6 +324,12 @@ class InputPath:
             return
         if work is not None:
             self._keep(inbound.partition, work)
+
+    def stop(self, partition: int, reason: str) -> None:
+        """Stop applying the inputs of `partition` (until it is restored again)."""
+        if partition not in self.stopped:
+            self.stopped[partition] = reason
+            log.error("partition %d stopped: %s", partition, reason)
 
     def _last_resort(self, inbound: Inbound) -> None:
         """A dead letter that carries only where the input was: nothing of it can be written."""
@@ -464,7 +502,13 @@ class InputPath:
             parked = self.parked.get(partition, {})
             held = parked.get(run_id)
             if held is not None:
-                slot = self.slots.setdefault(partition, {})[run_id] = held.slot()
+                try:
+                    unparked = held.slot()
+                except (msgspec.DecodeError, CodecError) as exc:
+                    raise PartitionStopped(
+                        f"run {run_id}: its snapshot cannot be read: {exc}"
+                    ) from None
+                slot = self.slots.setdefault(partition, {})[run_id] = unparked
                 del parked[run_id]
         return slot
 
@@ -623,6 +667,8 @@ class InputPath:
                 f"{self.settings.max_log_events}",
                 "EVENT_CAP",
             )
+        if slot.state is None and isinstance(event, RunSubmitted):
+            event = versions.stamped(event, self.rules_version)
         # The input's trace context, else the run's (a timer, a held input, a reply); the first
         # one a run sees becomes the run's.
         context = self._incoming or slot.traceparent
@@ -652,7 +698,11 @@ class InputPath:
         seq: int,
         context: str | None,
     ) -> None:
-        result = transition(slot.state, event)
+        try:
+            rules = versions.transition_for(versions.version_of(slot.state, event))
+        except versions.UnknownRulesVersionError as exc:
+            raise PartitionStopped(f"run {slot.run_id}: {exc}") from None
+        result = rules(slot.state, event)
         if slot.state is None and result.state is None:
             # Nothing to log for a run that does not exist: the input is refused as a whole.
             raise _Reject(result.reason or "no such run", dlq.INVALID_EVENT)

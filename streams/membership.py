@@ -16,9 +16,14 @@ class Membership:
         # (an assignment arrived since the last revocation, partitions in it): one attribute,
         # replaced whole, so a reader never sees half an update
         self.state: tuple[bool, int] = (False, 0)
+        # partition -> why its processing stopped (the processor's stopped partitions)
+        self.stopped_partitions: dict[int, str] = {}
 
     def assigned(self, partitions: Sized) -> None:
         self.state = (True, len(partitions))
 
     def revoked(self) -> None:
         self.state = (False, 0)
+
+    def stopped(self, partitions: dict[int, str]) -> None:
+        self.stopped_partitions = dict(partitions)

@@ -8,6 +8,7 @@ process (monolith mode, tests) add into the same series.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -56,6 +57,21 @@ EVICTED = Counter(
     "agentruns_evicted_runs_total", "Ended runs evicted from memory and the state topic"
 )
 ACTIVE_RUNS = Gauge("agentruns_active_runs", "Runs held in memory by this process")
+STOPPED_PARTITIONS = Gauge(
+    "agentruns_stopped_partitions",
+    "1 per inbox partition whose processing stopped: a run or snapshot this build cannot"
+    " continue (a newer version's); the reason is logged and in /healthz",
+    ["partition"],
+)
+
+
+def partition_stopped(partition: int) -> None:
+    STOPPED_PARTITIONS.labels(str(partition)).set(1)
+
+
+def partition_resumed(partition: int) -> None:
+    with contextlib.suppress(KeyError):  # KeyError: not reported as stopped
+        STOPPED_PARTITIONS.remove(str(partition))
 
 
 # ProcessorStats field -> the Prometheus counter that mirrors it

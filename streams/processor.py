@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from agentruns.processors import versions
 from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
 from agentruns.streams import admin, metrics
@@ -163,6 +165,9 @@ class ProcessorConfig:
     # Where the run store keeps its file (`streams.run_store`), one per processor group; None:
     # in memory, read again from the `runs` topic at every restore.
     store_dir: str | None = None
+    # The rules version new runs are submitted under (agentruns.processors.versions); None:
+    # the newest this build has (docs/operations.md, rolling out new rules).
+    rules_version: int | None = None
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -238,6 +243,7 @@ class Processor:
                 buffer_limit=config.buffer_limit,
                 gap_timeout_ms=config.gap_timeout_ms,
                 max_log_events=config.max_log_events,
+                rules_version=config.rules_version,
             ),
             self.stats,
             limits=self._record_limits(),
@@ -286,6 +292,8 @@ class Processor:
         self._in_flight = False
         self._in_flight_batch: _Sealed | None = None
         self._assigned: set[int] = set()
+        # Inbox partitions paused because their processing stopped (`_sync_stopped`).
+        self._paused: set[int] = set()
         # Set when the consumer was fenced: from then on nothing applied is committed, and the
         # rebalance callbacks that closing the consumer runs only drop state.
         self._fenced = False
@@ -362,6 +370,8 @@ class Processor:
                         self._store_committed()
                     for message in messages:
                         self._handle(message)
+                    if self._path.stopped.keys() != self._paused:
+                        self._sync_stopped()
                     batch = self._batch
                     if batch is not None and (
                         batch.inputs >= limit
@@ -532,8 +542,30 @@ class Processor:
         self._committer.abort()
         self._drop({tp.partition for tp in partitions})
 
+    def _sync_stopped(self) -> None:
+        """Pause the inbox partitions whose processing stopped (their inputs wait unconsumed,
+        `InputPath.stopped`), resume the ones restored since; report them to /healthz and
+        /metrics."""
+        stopped = self._path.stopped
+        pause = [p for p in stopped if p not in self._paused and p in self._assigned]
+        resume = [p for p in self._paused if p not in stopped and p in self._assigned]
+        if pause:
+            self._consumer.pause([TopicPartition(self.inbox, p) for p in pause])
+        if resume:
+            self._consumer.resume([TopicPartition(self.inbox, p) for p in resume])
+        for p in self._paused - stopped.keys():
+            metrics.partition_resumed(p)
+        for p in stopped.keys() - self._paused:
+            metrics.partition_stopped(p)
+        self._paused = set(stopped)
+        self.membership.stopped(stopped)
+
     def _drop(self, partitions: set[int]) -> None:
         for p in partitions:
+            if self._path.stopped.pop(p, None) is not None:
+                self._paused.discard(p)
+                metrics.partition_resumed(p)
+                self.membership.stopped(self._path.stopped)
             self._slots.pop(p, None)
             self._path.parked.pop(p, None)
             self._path.ended.pop(p, None)
@@ -545,6 +577,7 @@ class Processor:
     def _restore(self, partitions: set[int]) -> int:
         """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
         for p in partitions:
+            self._path.stopped.pop(p, None)  # tried again: stopped again if it must
             self._slots[p] = {}
             self._path.parked[p] = {}
             self._path.ended[p] = {}
@@ -618,29 +651,44 @@ class Processor:
                         continue
                     latest[partition][key] = value
             for p, values in latest.items():
-                runs, parked = self._slots[p], self._path.parked[p]
-                for value in values.values():
-                    record = decode(value, expected_name="Snapshot").record
-                    run_id = record["run_id"]
-                    if record["status"] in TERMINAL and not record["buffer"]:
-                        held = Parked(
-                            value,
-                            record["status"],
-                            record["last_seq"],
-                            record["updated_at"],
-                            result_ref_of(record["state"]),
-                        )
-                        parked[run_id] = held
-                        self._track(p, run_id, held.updated_at, terminal=True)
-                        continue
-                    slot = RunSlot.from_record(record)
-                    slot.size_estimate = len(value) + len(run_id)
-                    runs[run_id] = slot
-                    self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
+                try:
+                    self._load(p, values)
+                except (CodecError, msgspec.DecodeError, versions.UnknownRulesVersionError) as exc:
+                    # A snapshot a newer build wrote that this one cannot continue: the
+                    # partition stops here, the others go on (`InputPath.stopped`).
+                    self._slots[p].clear()
+                    self._path.parked[p].clear()
+                    self._expiring[p] = []
+                    self._path.stop(p, f"a snapshot this build cannot continue: {exc}")
                 values.clear()
             return sum(len(self._slots[p]) + len(self._path.parked[p]) for p in partitions)
         finally:
             reader.close()
+
+    def _load(self, p: int, values: dict[bytes, bytes]) -> None:
+        """Hold the latest snapshots of partition `p`'s runs: live ones decoded, ended ones as
+        they are (`Parked`). Raises what a snapshot this build cannot read raises."""
+        runs, parked = self._slots[p], self._path.parked[p]
+        for value in values.values():
+            record = decode(value, expected_name="Snapshot").record
+            run_id = record["run_id"]
+            if record["status"] in TERMINAL and not record["buffer"]:
+                held = Parked(
+                    value,
+                    record["status"],
+                    record["last_seq"],
+                    record["updated_at"],
+                    result_ref_of(record["state"]),
+                )
+                parked[run_id] = held
+                self._track(p, run_id, held.updated_at, terminal=True)
+                continue
+            slot = RunSlot.from_record(record)
+            if slot.state is not None:
+                versions.transition_for(versions.of_state(slot.state))
+            slot.size_estimate = len(value) + len(run_id)
+            runs[run_id] = slot
+            self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
 
     # ------------------------------------------------------------------ applying inputs
 

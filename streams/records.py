@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from agentruns.processors.effects import EFFECT_DECODER, Effect, PublishResult
 from agentruns.processors.events import EVENT_DECODER, Event
-from agentruns.processors.state import RunState
+from agentruns.processors.state import RunState, decode_state
 from agentruns.processors.transition import Transition
 from agentruns.streams.codec import decode
 from agentruns.streams.sequencing import Ended
@@ -53,7 +53,19 @@ def parse_effect_body(body: str) -> Effect:
 
 
 def parse_state(state_json: str | None) -> RunState | None:
-    return None if state_json is None else RunState.model_validate_json(state_json)
+    return None if state_json is None else decode_state(state_json)[0]
+
+
+def state_json(state: RunState, extra: dict[str, Any]) -> str:
+    """A snapshot's state: the state's JSON and, after its own fields, the fields a newer
+    version wrote that this one does not know (`RunSlot.extra`)."""
+    text = state.model_dump_json()
+    if not extra:
+        return text
+    return text[:-1] + "," + _JSON.encode(extra).decode()[1:]
+
+
+_JSON = msgspec.json.Encoder()
 
 
 class _ResultRef(msgspec.Struct):
@@ -202,6 +214,9 @@ class RunSlot:
     # Not serialized: an upper estimate of the encoded snapshot (exact after each seal), so
     # the processor measures a snapshot only when it may be near the record limit.
     size_estimate: int = 0
+    # The state's top-level fields this version does not know (a newer version wrote them):
+    # written back with every later snapshot, so rolling back and forth loses none of them.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def copy(self) -> RunSlot:
         """A copy one input can change without touching this slot (the state is immutable)."""
@@ -217,6 +232,7 @@ class RunSlot:
             self.updated_at,
             self.traceparent,
             self.size_estimate,
+            self.extra,
         )
 
     def remember(self, key: str, digest: str) -> None:
@@ -236,7 +252,7 @@ class RunSlot:
             "last_seq": self.last_seq,
             "version": self.version,
             "status": None if self.state is None else str(self.state.status),
-            "state": None if self.state is None else self.state.model_dump_json(),
+            "state": None if self.state is None else state_json(self.state, self.extra),
             "buffer": list(self.buffer),
             "gap_since": self.gap_since,
             "producer_marks": dict(self.producer_marks),
@@ -248,9 +264,13 @@ class RunSlot:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> RunSlot:
+        """Raises msgspec.DecodeError when the state does not decode (its known fields)."""
+        text = record["state"]
+        state, extra = (None, {}) if text is None else decode_state(text)
         return cls(
             run_id=record["run_id"],
-            state=parse_state(record["state"]),
+            state=state,
+            extra=extra,
             last_seq=record["last_seq"],
             version=record["version"],
             buffer=list(record["buffer"]),

@@ -14,9 +14,10 @@ from typing import Any
 import psycopg
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import AuditError, read_log
+from agentruns.processors import versions
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome
 from agentruns.processors.state import RunState
-from agentruns.processors.transition import Disposition, load_candidate, transition
+from agentruns.processors.transition import Disposition, load_candidate
 from agentruns.processors.validation import ValidationContext, revalidate
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import default_prefix
@@ -64,7 +65,7 @@ def revalidate_runs(
         state: RunState | None = None
         for record in logs[run_id]:
             event = parse_event_body(record["body"])
-            result = transition(state, event)
+            result = versions.apply(state, event)  # the run's own rules version
             new = result.state
             if (
                 isinstance(event, ModelCallCompleted)

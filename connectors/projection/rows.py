@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agentruns.connectors.postgres.bulk import clamp_ms
+from agentruns.processors import versions
 from agentruns.processors.effects import Effect
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -28,7 +29,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import SETTLED, Operation, OpStatus, Question, RunState
-from agentruns.processors.transition import Disposition, transition
+from agentruns.processors.transition import Disposition
 from agentruns.streams.dlq import MAX_REASON_CHARS, text
 from agentruns.streams.records import parse_event_body
 
@@ -284,14 +285,17 @@ class Projected:
 
 
 def project_event(state: RunState | None, record: dict[str, Any]) -> Projected | None:
-    """Fold one Event record into `state` and say which rows change. Pure (used by audit too).
+    """Fold one Event record into `state` under the run's rules version and say which rows
+    change. Pure (used by audit too). Raises `versions.UnknownRulesVersionError` for a run of
+    a rules version this build does not have.
 
     The sink's hot path: operations and questions are compared by identity (the core keeps an
     unchanged tuple/record as the same object), so an event that touches neither costs one parse
     and one transition.
     """
     event = parse_event_body(record["body"])
-    result = transition(state, event)
+    # the run's own rules, for its whole life (UnknownRulesVersionError: a newer build's run)
+    result = versions.apply(state, event)
     new = result.state
     if new is None:
         return None

@@ -602,7 +602,7 @@ class Sink:
                 "SELECT run_id, last_seq, state FROM runs WHERE run_id = ANY(%s)",
                 (run_ids,),
             )
-            return {r: (int(s), RunState.model_validate_json(j)) for r, s, j in rows}
+            return {r: (int(s), RunState.from_json(j)) for r, s, j in rows}
 
         loaded: dict[str, tuple[int, RunState]] = self._with_retry(
             self._reader_pg, "reading run states", read, transaction=False

@@ -18,6 +18,7 @@ from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.settings import current
+from agentruns.processors import versions
 from agentruns.streams import tracing
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc, tune_switch_interval
@@ -81,13 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the store of ended runs is kept (a copy of the runs topic, read again from "
         "the topic when missing); default: the store_dir setting",
     )
+    p.add_argument(
+        "--rules-version",
+        type=int,
+        default=None,
+        help="the transition rules version new runs are submitted under (default: the newest "
+        f"this build has; it has {', '.join(str(v) for v in sorted(versions.RULES))}). Keep "
+        "the previous one while a new rule set rolls out, so a rollback stays possible "
+        "(docs/operations.md)",
+    )
     health.add_arguments(p)
     p.add_argument("--log-level", default=current().log_level)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.rules_version is not None and not versions.known(args.rules_version):
+        parser.error(str(versions.UnknownRulesVersionError(args.rules_version)))
     setup_logging(args.log_level, component="processor")
     tracing.configure_from_env("processor")
     stop = stop_on_signals()
@@ -118,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
                 ),
                 store_dir=args.store_dir or str(current().processor_store_dir()),
+                rules_version=args.rules_version,
             )
             tune_gc()
             tune_switch_interval()
