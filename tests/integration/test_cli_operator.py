@@ -1,7 +1,7 @@
 """`agentruns resolve|reopen|redrive` run as an operator runs them (the console script) against
 a live API: each action reaches the run's log with the operator who did it, and each failure
-(no operator token, a wrong one, an unknown run, an action the run's status does not allow)
-ends with exit code 2 and one line on stderr, never a trace."""
+(no operator token, a wrong one, an unknown run, an action the run's status does not allow, an
+API that does not answer) ends with exit code 2 and one line on stderr, never a trace."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.processors.ids import run_id_for_key
 
 from tests.support.api import OPERATOR, OPERATOR_TOKEN, TOKEN, Stack
@@ -174,6 +175,8 @@ def test_the_operator_commands_failures_are_one_line(
     for args in (["reopen", run_id], ["redrive", run_id]):
         line = one_line(agentruns(args, operator_env))
         assert "HTTP 409" in line and "action_not_allowed" in line, line
+    unreachable = {**operator_env, "AGENTRUNS_API_URL": f"http://127.0.0.1:{free_port_block(1)}"}
+    assert "Connection refused" in one_line(agentruns(["redrive", run_id], unreachable))
     bad_result = ["resolve", run_id, "reconcile", "--result", "{not json"]
     assert "--result is not valid JSON" in one_line(agentruns(bad_result, operator_env))
 
