@@ -291,6 +291,8 @@ def run_chaos(
                 api_url = f"http://127.0.0.1:{api_port}"
                 sup.env["AGENTRUNS_API_TOKEN"] = api_token = uuid.uuid4().hex
                 sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
+                operator_token = uuid.uuid4().hex
+                sup.env["AGENTRUNS_API_OPERATOR_TOKENS"] = f"chaos:{operator_token}"
                 sup.add("api", "agentruns.connectors.cli", "api", *common, "--port", str(api_port))
             sup.start_all()
             cleanup.callback(sup.stop_all)  # whatever fails below, no component outlives us
@@ -336,6 +338,7 @@ def run_chaos(
                 tools=tool_specs,
                 api_url=api_url,
                 api_token=api_token if hostile else None,
+                operator_token=operator_token if hostile else None,
             )
             cleanup.callback(doors.close)
             bad_inputs = (

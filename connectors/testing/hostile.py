@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from agentruns.connectors.api.operator import MAX_REASON_CHARS
 from agentruns.processors.events import Message as ChatMessage
 from agentruns.processors.events import RunSubmitted, UserReplied
 from agentruns.processors.ids import canonical_json, operation_key
@@ -79,6 +80,7 @@ class Doors:
     tools: tuple[ToolSpec, ...]
     api_url: str | None = None
     api_token: str | None = None
+    operator_token: str | None = None  # for the operator routes (resolve, reopen, redrive)
     _producer: Producer | None = field(default=None, repr=False)
     _placed: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -196,9 +198,11 @@ class Doors:
             release(self._producer, 30)
             self._producer = None
 
-    def api(self, method: str, path: str, **kwargs: Any) -> int:
-        assert self.api_url is not None and self.api_token is not None
-        headers = {"Authorization": f"Bearer {self.api_token}", **kwargs.pop("headers", {})}
+    def api(self, method: str, path: str, *, token: str | None = None, **kwargs: Any) -> int:
+        """The status the API answers, the request sent with ``token`` (default: the API's)."""
+        token = token or self.api_token
+        assert self.api_url is not None and token is not None
+        headers = {"Authorization": f"Bearer {token}", **kwargs.pop("headers", {})}
         response = httpx.request(
             method, f"{self.api_url}{path}", headers=headers, timeout=30, **kwargs
         )
@@ -442,6 +446,24 @@ def _api_reply_without_question(doors: Doors, run_id: str) -> Injected:
         json={"resume_token": "forged", "response": {"approved": True}},
     )
     return Injected(case="", http=status)
+
+
+def _api_operator(action: str, body: bytes, *, scope: bool = True) -> Inject:
+    """A request to an operator route (``POST /runs/{id}/<action>``) with ``body``, sent with
+    the operator's token, or with the API's token (no operator scope) when ``scope`` is False."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        assert doors.operator_token is not None
+        status = doors.api(
+            "POST",
+            f"/runs/{run_id}/{action}",
+            token=doors.operator_token if scope else doors.api_token,
+            content=body,
+            headers={"Content-Type": "application/json"},
+        )
+        return Injected(case="", http=status)
+
+    return inject
 
 
 # --------------------------------------------------------------------------- the cases
@@ -727,6 +749,55 @@ CASES: tuple[Case, ...] = (
         "api",
         Ending(http=409),
         _api_reply_without_question,
+        needs_api=True,
+    ),
+    # the operator routes: each refused before the run is looked up, the first with the run
+    Case(
+        "api_operator_route_without_operator_scope",
+        "api",
+        Ending(http=403),
+        _api_operator("redrive", b"{}", scope=False),
+        needs_api=True,
+    ),
+    Case(
+        "api_operator_body_not_an_object",
+        "api",
+        Ending(http=400),
+        _api_operator("resolve", b'["fail"]'),
+        needs_api=True,
+    ),
+    Case(
+        "api_operator_body_unknown_field",
+        "api",
+        Ending(http=422),
+        _api_operator("resolve", b'{"action": "fail", "actor": "operator:mallory"}'),
+        needs_api=True,
+    ),
+    Case(
+        "api_operator_reason_over_limit",
+        "api",
+        Ending(http=422),
+        _api_operator("reopen", b'{"reason": "' + b"x" * (MAX_REASON_CHARS + 1) + b'"}'),
+        needs_api=True,
+    ),
+    Case(
+        "api_operator_verdict_nested_too_deep",
+        "api",
+        Ending(http=422),
+        _api_operator(
+            "resolve",
+            b'{"action": "reconcile", "outcome": "found_succeeded", "result": '
+            + b"[" * 5000
+            + b"]" * 5000
+            + b"}",
+        ),
+        needs_api=True,
+    ),
+    Case(
+        "api_operator_action_on_an_unknown_run",
+        "api",
+        Ending(http=404),
+        _api_operator("resolve", b'{"action": "fail", "reason": "hostile"}'),
         needs_api=True,
     ),
 )

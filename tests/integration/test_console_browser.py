@@ -1,6 +1,8 @@
 """The console in a real browser (Debian's chromium through chromium-driver, headless): log in,
 filter the runs waiting for a person, answer a question in its form and watch the run succeed
-without a reload, cancel a running run, find an injected bad input among the dead letters.
+without a reload, cancel a running run, find an injected bad input among the dead letters; an
+operator continues a paused run and gives the verdict on a tool call of unknown outcome, and the
+timeline says who did it, while a session opened with the API token is offered no operator action.
 
 Screenshots of each page go to $AGENTRUNS_SCREENSHOTS (docs/img keeps the current ones), else to
 the test's temporary directory."""
@@ -26,7 +28,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
-from tests.support.api import GUARDED, REPORT, TOKEN, Stack
+from tests.support.api import GUARDED, OPERATOR, OPERATOR_TOKEN, REPORT, TOKEN, Stack
 from tests.support.pipeline import SEARCH
 
 CHROMIUM = "/usr/bin/chromium"
@@ -66,6 +68,28 @@ def _text(driver: WebDriver, element_id: str) -> str:
     return str(driver.find_element(By.ID, element_id).text)
 
 
+def _wait(driver: WebDriver) -> WebDriverWait[WebDriver]:
+    """A wait that tolerates the live part of a page being swapped by its poller (an element
+    found a moment ago may be gone)."""
+    return WebDriverWait(
+        driver,
+        60,
+        poll_frequency=0.2,
+        ignored_exceptions=(StaleElementReferenceException, NoSuchElementException),
+    )
+
+
+def _log_in(driver: WebDriver, stack: Stack, token: str) -> None:
+    """A new console session opened with ``token`` (the API's or an operator's)."""
+    driver.get(f"{stack.url}/ui/login")
+    driver.delete_all_cookies()  # the session before, if any
+    driver.get(f"{stack.url}/ui/runs")
+    assert driver.current_url.endswith("/ui/login")
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#login button").click()
+    _wait(driver).until(lambda d: d.current_url.endswith("/ui/runs"))
+
+
 def _post_form(driver: WebDriver, wait: WebDriverWait[WebDriver], button_id: str) -> None:
     """Clicks a form's submit button and returns once its post and redirect loaded a new page."""
     driver.execute_script("window.formPage = 'old';")  # a page load drops it; a poll does not
@@ -77,13 +101,7 @@ def _post_form(driver: WebDriver, wait: WebDriverWait[WebDriver], button_id: str
 def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     stack: Stack, browser: WebDriver, shots: Path
 ) -> None:
-    # the live part of a page is swapped by its poller: an element found a moment ago may be gone
-    wait = WebDriverWait(
-        browser,
-        60,
-        poll_frequency=0.2,
-        ignored_exceptions=(StaleElementReferenceException, NoSuchElementException),
-    )
+    wait = _wait(browser)
     approval = stack.submit(
         f"console-approve-{uuid.uuid4().hex}",
         goal="update the pricing page once a person approves",
@@ -102,11 +120,7 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     stack.wait_status(running, "WAITING_TOOL")
     stack.wait_status(done, "SUCCEEDED")
 
-    browser.get(f"{stack.url}/ui/runs")
-    assert browser.current_url.endswith("/ui/login")
-    browser.find_element(By.ID, "token").send_keys(TOKEN)
-    browser.find_element(By.CSS_SELECTOR, "#login button").click()
-    wait.until(lambda d: d.current_url.endswith("/ui/runs"))
+    _log_in(browser, stack, TOKEN)
     assert done in browser.page_source
     browser.save_screenshot(str(shots / "console-runs.png"))
 
@@ -159,3 +173,77 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     wait.until(dead_lettered)
     browser.find_element(By.CSS_SELECTOR, "#dead-letters details summary").click()
     browser.save_screenshot(str(shots / "console-dead-letters.png"))
+
+
+def _timeline(driver: WebDriver, kind: str) -> list[str]:
+    """The text of the timeline's rows of events of ``kind``."""
+    rows = [str(row.text) for row in driver.find_elements(By.CSS_SELECTOR, "#timeline tr")]
+    return [row for row in rows if kind in row.split()]
+
+
+def test_an_operator_resolves_paused_runs_in_the_console(
+    stack: Stack, browser: WebDriver, shots: Path
+) -> None:
+    wait = _wait(browser)
+    stalled_key = f"console-stalled-{uuid.uuid4().hex}"
+    stalled = run_id_for_key(stalled_key)
+    stack.double.stalled_runs.add(stalled)
+    stack.submit(stalled_key, loop={"max_steps_without_progress": 1})
+    unknown_key = f"console-unknown-{uuid.uuid4().hex}"
+    unknown = run_id_for_key(unknown_key)
+    stack.double.undeterminable_runs.add(unknown)
+    stack.submit(unknown_key)
+    stack.wait_status(stalled, "PAUSED")
+    stack.wait_status(unknown, "PAUSED")
+    actor = f"operator:{OPERATOR}"
+
+    # the API token's session: the run's page offers no operator action
+    _log_in(browser, stack, TOKEN)
+    for run_id in (stalled, unknown):
+        browser.get(f"{stack.url}/ui/runs/{run_id}")
+        wait.until(lambda d: _text(d, "run-status") == "PAUSED")
+        assert not browser.find_elements(By.ID, "operator")
+        assert not browser.find_elements(By.ID, "resolve")
+        assert "Operator actions" not in browser.page_source
+
+    # an operator's session: continue the run that made no progress
+    _log_in(browser, stack, OPERATOR_TOKEN)
+    browser.get(f"{stack.url}/ui/runs/{stalled}")
+    wait.until(lambda d: _text(d, "run-status") == "PAUSED")
+    assert f"as {OPERATOR}" in _text(browser, "operator")
+    choices = Select(browser.find_element(By.ID, "resolve-action"))
+    assert [o.get_attribute("value") for o in choices.options] == ["continue", "fail", "succeed"]
+    assert not browser.find_elements(By.ID, "resolve-outcome")  # no call waits for a verdict
+    choices.select_by_value("continue")
+    browser.find_element(By.ID, "resolve-reason").send_keys("the index was rebuilt")
+    browser.save_screenshot(str(shots / "console-operator-continue.png"))
+    _post_form(browser, wait, "resolve-button")
+    assert not browser.find_elements(By.ID, "error")
+    # the page follows the run: reopened by the operator, a new step, paused again
+    wait.until(lambda d: any(f"by {actor}" in row for row in _timeline(d, "RunReopened")))
+    wait.until(lambda d: _text(d, "run-status") == "PAUSED" and stack.run(stalled)["resolution"])
+    assert stack.run(stalled)["resolution"] == 1
+
+    # the run paused on a tool call nobody could look up: the operator's verdict
+    browser.get(f"{stack.url}/ui/runs/{unknown}")
+    wait.until(lambda d: _text(d, "run-status") == "PAUSED")
+    choices = Select(browser.find_element(By.ID, "resolve-action"))
+    assert [o.get_attribute("value") for o in choices.options] == ["reconcile", "fail", "succeed"]
+    choices.select_by_value("reconcile")
+    Select(browser.find_element(By.ID, "resolve-outcome")).select_by_value("found_succeeded")
+    browser.find_element(By.ID, "resolve-reason").send_keys("found it in the tracker")
+    browser.save_screenshot(str(shots / "console-operator-verdict.png"))
+    _post_form(browser, wait, "resolve-button")
+    assert not browser.find_elements(By.ID, "error")
+    browser.execute_script("window.consoleMark = 'kept';")
+    wait.until(lambda d: _text(d, "run-status") == "SUCCEEDED")
+    assert browser.execute_script("return window.consoleMark;") == "kept"  # no reload
+    verdicts = _timeline(browser, "ReconcileCompleted")
+    assert any(f"by {actor}" in row for row in verdicts), verdicts
+    # an ended run: the operator may reopen it or correct its status, no longer reconcile
+    assert browser.find_elements(By.ID, "reopen")
+    choices = Select(browser.find_element(By.ID, "resolve-action"))
+    assert [o.get_attribute("value") for o in choices.options] == ["fail"]
+    browser.set_window_size(1400, 2400)
+    browser.save_screenshot(str(shots / "console-operator-run.png"))
+    browser.set_window_size(1400, 1100)

@@ -1,20 +1,26 @@
 """Operator actions over real HTTP against the real broker and Postgres: resolve, reopen and
-re-drive need an operator token, refuse hostile bodies and actions the run's status does not
-allow before anything is stored, act once per request however often it is repeated, and each
-one reaches the run's log with the operator who did it; the console offers them to an
-operator's session only."""
+re-drive need an operator token, refuse hostile bodies (any JSON, any bytes) and actions the
+run's status does not allow before anything is stored, act once per request however often it is
+repeated, and each one reaches the run's log with the operator who did it; the console offers
+them to an operator's session only."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import psycopg
+import pytest
 from agentruns.connectors.api.operator import MAX_REASON_CHARS
+from agentruns.connectors.testing.hostile import Doors, cases, check, inject
 from agentruns.processors.ids import run_id_for_key
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.support.api import OPERATOR, OPERATOR_TOKEN, TOKEN, Stack
+from tests.support.api import GUARDED, OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
 from tests.support.console import csrf_of, logged_in
 from tests.support.waiting import wait_for
 
@@ -116,6 +122,32 @@ def test_hostile_bodies_and_unknown_runs_are_refused_before_anything_is_stored(
         unknown = op.post("/runs/run-does-not-exist/resolve", json={"action": "fail"})
         assert (unknown.status_code, unknown.json()["error"]) == (404, "run_not_found")
     assert _stored(stack, run_id) == 0
+
+
+def test_the_hostile_cases_of_the_operator_routes_end_as_they_must(stack: Stack) -> None:
+    """The operator routes' cases of the hostile suite (`agentruns chaos --hostile` runs them
+    beside good runs), here against the API alone."""
+    doors = Doors(
+        stack.bootstrap,
+        stack.prefix,
+        PARTITIONS,
+        "http://unused",
+        "http://unused",
+        (),
+        api_url=stack.url,
+        api_token=TOKEN,
+        operator_token=OPERATOR_TOKEN,
+    )
+    operator_cases = [c for c in cases(api=True) if c.name.startswith("api_operator_")]
+    assert len(operator_cases) >= 5
+    try:
+        for case in operator_cases:
+            run_id = f"hostile-{uuid.uuid4().hex}"
+            injected = inject(case, doors, run_id)
+            assert check(case, injected, {}, {}) is None, (case.name, injected)
+            assert _stored(stack, run_id) == 0
+    finally:
+        doors.close()
 
 
 def test_a_run_paused_on_an_undeterminable_tool_call_is_resolved_with_the_verdict(
@@ -257,3 +289,65 @@ def test_the_console_offers_operator_actions_to_an_operator_session_only(stack: 
         page = operator.get(f"/ui/runs/{run_id}")
         assert f"by {ACTOR}" in page.text and 'id="reopen"' in page.text
     assert TOKEN != OPERATOR_TOKEN
+
+
+#: JSON values of any shape, and objects that look like the operator bodies: their field names
+#: with valid, wrong-typed, out-of-range or nested values.
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner),
+    max_leaves=12,
+)
+FIELDS = ("action", "outcome", "operation_key", "result", "reason", "goal", "version", "actor")
+CHOICES = ("continue", "fail", "succeed", "reconcile", "found_succeeded", "not_executed")
+VALUES = (
+    st.sampled_from(CHOICES)
+    | st.text(max_size=600)
+    | st.text(min_size=MAX_REASON_CHARS, max_size=MAX_REASON_CHARS + 2)
+    | JSON
+)
+BODIES = (
+    st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=5).map(
+        lambda body: json.dumps(body).encode()
+    )
+    | JSON.map(lambda value: json.dumps(value).encode())
+    | st.binary(max_size=64)
+)
+
+
+@pytest.fixture(scope="module")
+def waiting_run(stack: Stack) -> Iterator[str]:
+    """A run waiting for its user's approval: no operator action is allowed on it."""
+    run_id = stack.submit(
+        f"op-any-body-{uuid.uuid4().hex}",
+        tools=[GUARDED.model_dump()],
+        policy={"approval_required": ["write"]},
+    )
+    stack.wait_status(run_id, "WAITING_USER")
+    yield run_id
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    action=st.sampled_from(["resolve", "reopen", "redrive"]),
+    known=st.booleans(),
+    body=BODIES,
+    keyed=st.booleans(),
+)
+def test_any_body_on_the_operator_routes_is_refused_with_a_json_error_and_nothing_stored(
+    stack: Stack, waiting_run: str, action: str, known: bool, body: bytes, keyed: bool
+) -> None:
+    run_id = waiting_run if known else "run-does-not-exist"
+    headers = {"Content-Type": "application/json"}
+    if keyed:
+        headers["Idempotency-Key"] = f"any-body-{uuid.uuid4().hex}"
+    with _operator(stack) as op:
+        r = op.post(f"/runs/{run_id}/{action}", content=body, headers=headers)
+    assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+    answer = r.json()
+    assert isinstance(answer, dict) and isinstance(answer.get("error"), str), r.text
+    if r.status_code == 409:
+        assert answer["error"] == "action_not_allowed" and answer["run_status"] == "WAITING_USER"
+    assert _stored(stack, run_id) == 0
+    run = stack.run(waiting_run)
+    assert run["status"] == "WAITING_USER" and run["resolution"] == 0
