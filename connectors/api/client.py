@@ -45,7 +45,7 @@ from agentruns.connectors.api.inputs import (
     encoded_input,
     submitted_task,
 )
-from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
+from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError, NotConfiguredError
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.settings import current
 from agentruns.processors.events import CancelRequested
@@ -694,7 +694,10 @@ def main_reply(argv: Sequence[str] | None = None) -> int:
     response = _json_object(args.response, "--response")
     client = _api_client(args)
     if client is None:
-        parser.error("replies go through the API: set --api-url or AGENTRUNS_API_URL")
+        raise NotConfiguredError(
+            "replies go through the API, and none is configured",
+            hint="set --api-url or AGENTRUNS_API_URL",
+        )
     try:
         token = args.token
         if token is None:
@@ -731,14 +734,20 @@ def main_cancel(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------- operator commands
 
 
-def _operator_client(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ApiClient:
+def _operator_client(args: argparse.Namespace) -> ApiClient:
     """Operator actions go through the API, which checks the operator scope and records who
     acted; the operator's token is AGENTRUNS_OPERATOR_TOKEN."""
     if not args.api_url:
-        parser.error("operator actions go through the API: set --api-url or AGENTRUNS_API_URL")
+        raise NotConfiguredError(
+            "operator actions go through the API, and none is configured",
+            hint="set --api-url or AGENTRUNS_API_URL",
+        )
     token = current().operator_token
     if not token:
-        raise ClientError("AGENTRUNS_OPERATOR_TOKEN is not set", status=401)
+        raise NotConfiguredError(
+            "AGENTRUNS_OPERATOR_TOKEN is not set",
+            hint="set it to an operator's token (AGENTRUNS_API_OPERATOR_TOKENS of the API)",
+        )
     return ApiClient(args.api_url, token)
 
 
@@ -763,7 +772,7 @@ def main_resolve(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--result", help="with found_succeeded: the call's output (JSON)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     result = None if args.result is None else _json_value(args.result, "--result")
-    client = _operator_client(parser, args)
+    client = _operator_client(args)
     try:
         _print(
             client.resolve(
@@ -785,7 +794,7 @@ def main_reopen(argv: Sequence[str] | None = None) -> int:
     parser = _operator_parser("reopen", "Reopen an ended run to READY through the API.")
     parser.add_argument("--goal", help="a new goal for the reopened run")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    client = _operator_client(parser, args)
+    client = _operator_client(args)
     try:
         _print(
             client.reopen(args.run_id, reason=args.reason, goal=args.goal, idempotency_key=args.key)
@@ -802,7 +811,7 @@ def main_redrive(argv: Sequence[str] | None = None) -> int:
         " through the API: the model is called again, a tool call is looked up.",
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
-    client = _operator_client(parser, args)
+    client = _operator_client(args)
     try:
         _print(client.redrive(args.run_id, reason=args.reason, idempotency_key=args.key))
     finally:

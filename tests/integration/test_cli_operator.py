@@ -163,6 +163,9 @@ def test_the_operator_commands_failures_are_one_line(
     no_token = {k: v for k, v in operator_env.items() if k != "AGENTRUNS_OPERATOR_TOKEN"}
     for args in (["resolve", run_id, "fail"], ["reopen", run_id], ["redrive", run_id]):
         assert "AGENTRUNS_OPERATOR_TOKEN is not set" in one_line(agentruns(args, no_token))
+    no_api = {k: v for k, v in operator_env.items() if k != "AGENTRUNS_API_URL"}
+    for args in (["resolve", run_id, "fail"], ["reopen", run_id], ["redrive", run_id]):
+        assert "set --api-url or AGENTRUNS_API_URL" in one_line(agentruns(args, no_api))
     wrong = {**operator_env, "AGENTRUNS_OPERATOR_TOKEN": OPERATOR_TOKEN + "x"}
     assert "HTTP 401" in one_line(agentruns(["resolve", run_id, "fail"], wrong))
     # the API's own token is a valid token without the operator scope
