@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -51,7 +52,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from agentruns.connectors.executors.base import (
@@ -65,9 +66,11 @@ from agentruns.connectors.executors.base import (
 )
 from agentruns.connectors.executors.http import (
     BodyTooLargeError,
+    Connectivity,
     DeadlineError,
     HTTPWireError,
     KeepAliveHTTP,
+    Secret,
     StreamedAnswer,
 )
 from agentruns.connectors.executors.limits import DEFAULT_TOKENS_PER_CALL, RouteLimits
@@ -126,13 +129,30 @@ DEFAULT_THROTTLE_S = 1.0
 # --------------------------------------------------------------------------- routes
 
 
+PROVIDERS = frozenset({"openai", "anthropic"})
+DEFAULT_ANTHROPIC_BASE_URL = "https://api.anthropic.com"
+ANTHROPIC_VERSION = "2023-06-01"
+# Anthropic requires max_tokens on every request; a route that names none gets this.
+DEFAULT_ANTHROPIC_MAX_TOKENS = 4096
+# The model sent for the ``*`` entry or the default route when the configuration names none:
+# never the task's route name (a task cannot pick the model its run is billed for).
+DEFAULT_MODEL_NAME = "default"
+# The task's route name goes to the endpoint as ``X-Agentruns-Route`` (a gateway, the scripted
+# model server's scenarios) only when it is a plain token: nothing a header could be bent by.
+ROUTE_HEADER = "X-Agentruns-Route"
+_ROUTE_TOKEN = re.compile(r"[A-Za-z0-9._:/@+-]{1,200}")
+
+
 @dataclass(frozen=True)
 class RouteConfig:
-    """How one model route is called. ``model`` defaults to the route name."""
+    """How one model route is called: ``provider`` ``openai`` (``POST {base_url}/chat/
+    completions``) or ``anthropic`` (``POST {base_url}/v1/messages``). ``model`` defaults to
+    the name of the routes file's entry (``default`` for ``*`` and the default route)."""
 
     base_url: str = DEFAULT_BASE_URL
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     model: str | None = None
+    provider: str = "openai"
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = 30.0  # between two chunks
     # The whole call, from the request: whatever arrives (keep-alive comments, a drip), the
@@ -152,6 +172,8 @@ class RouteConfig:
     tokens_per_minute: float | None = None
 
     def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"unknown provider {self.provider!r} (one of {sorted(PROVIDERS)})")
         self.limits()  # a limit that cannot be (0, negative, infinite) is refused at load
 
     def limits(self) -> RouteLimits:
@@ -165,6 +187,19 @@ class RouteConfig:
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
 
+    def messages_url(self) -> str:
+        """Anthropic's Messages endpoint: ``{base}/v1/messages`` (a base given with its
+        ``/v1`` is taken as it is)."""
+        base = self.base_url.rstrip("/")
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def redact(self, text: str) -> str:
+        """``text`` without this route's key or header values (an error body that echoed
+        them), scrubbed as the tool path scrubs its secrets."""
+        values = [self.api_key, *self.headers.values()]
+        secrets = tuple(Secret(v, "route") for v in values if v and len(v) >= 8)
+        return Connectivity(secrets=secrets).redact(text) if secrets else text
+
 
 @dataclass(frozen=True)
 class Routes:
@@ -175,16 +210,30 @@ class Routes:
 
     @classmethod
     def from_env(cls, path: str | None = None, base_url: str | None = None) -> Routes:
-        env_base = base_url or current().model_base_url or DEFAULT_BASE_URL
+        """The routes file at ``path`` (none: the default route alone serves every task
+        route). Where an entry names no ``base_url`` or key: an ``openai`` route takes
+        ``--base-url``, ``$AGENTRUNS_MODEL_BASE_URL``, ``$OPENAI_BASE_URL``, and
+        ``$AGENTRUNS_MODEL_API_KEY``, ``$OPENAI_API_KEY``; an ``anthropic`` route takes
+        ``https://api.anthropic.com`` and ``$ANTHROPIC_API_KEY`` (never the OpenAI key)."""
+        settings = current()
+        env_base = (
+            base_url or settings.model_base_url or os.environ.get("OPENAI_BASE_URL") or ""
+        ) or DEFAULT_BASE_URL
         if not env_base.rstrip("/").endswith("/v1"):
             env_base = env_base.rstrip("/") + "/v1"
-        fallback = RouteConfig(base_url=env_base, api_key=current().model_api_key)
+        env_key = settings.model_api_key or os.environ.get("OPENAI_API_KEY") or None
+        fallback = RouteConfig(base_url=env_base, api_key=env_key)
         routes: dict[str, RouteConfig] = {}
         if path:
             try:
                 data = json.loads(Path(path).read_text())
                 for name, raw in data.items():
-                    values = {"base_url": env_base, "api_key": fallback.api_key, **raw}
+                    if raw.get("provider", "openai") == "anthropic":
+                        key = os.environ.get("ANTHROPIC_API_KEY") or None
+                        defaults = {"base_url": DEFAULT_ANTHROPIC_BASE_URL, "api_key": key}
+                    else:
+                        defaults = {"base_url": env_base, "api_key": env_key}
+                    values = {**defaults, **raw}
                     if "api_key_env" in values:
                         values["api_key"] = os.environ.get(values.pop("api_key_env"))
                     routes[name] = RouteConfig(**values)
@@ -195,12 +244,34 @@ class Routes:
     def get(self, route: str) -> RouteConfig:
         return self.routes.get(route) or self.routes.get("*") or self.fallback
 
+    def known(self, route: str) -> bool:
+        """Whether a task's route may be called: it has its own entry, the file has a ``*``
+        entry, or there is no routes file (the default route serves every task route). A
+        task's route only picks among configured routes; the model, endpoint and key are
+        the configuration's."""
+        return not self.routes or route in self.routes or "*" in self.routes
+
     def name_of(self, route: str) -> str:
         """The configured route a task's route is called through: the name of its own entry,
         ``*``, or the empty name of the default route. Limits are kept per configured route."""
         if route in self.routes:
             return route
         return "*" if "*" in self.routes else ""
+
+    def model_of(self, route: str) -> str:
+        """The model a task's route calls: its configured ``model``, else the name of its
+        entry; ``default`` for the ``*`` entry and the default route. Never the task's name
+        for a route it has no entry for."""
+        configured = self.get(route).model
+        if configured:
+            return configured
+        name = self.name_of(route)
+        return name if name not in ("", "*") else DEFAULT_MODEL_NAME
+
+
+def route_header(route: str) -> dict[str, str]:
+    """``X-Agentruns-Route`` for a task's route name that is a plain token, else nothing."""
+    return {ROUTE_HEADER: route} if _ROUTE_TOKEN.fullmatch(route) else {}
 
 
 # --------------------------------------------------------------------------- the stream
@@ -219,6 +290,9 @@ class Assembled:
     model: str | None
     detail: str = ""
     retry_after_ms: int | None = None
+    # Anthropic's thinking blocks of a finished answer, verbatim with their signatures: the
+    # API wants them back, unchanged, before the tool results they led to
+    thinking: tuple[dict[str, Any], ...] = ()
 
 
 FINISHED = frozenset({"stop", "tool_calls", "function_call"})
@@ -359,6 +433,343 @@ def sse_data(lines: Iterable[str]) -> Iterator[str]:
             yield line[5:].strip()
 
 
+# --------------------------------------------------------------------------- Anthropic
+
+
+class Folds(Protocol):
+    """What the stream readers fold events into: :class:`StreamAssembler` (OpenAI) or
+    :class:`AnthropicAssembler`."""
+
+    chunks: int
+    done: bool
+
+    def feed(self, chunk: Any) -> None: ...
+
+    def result(
+        self, *, interrupted: str | None = None, untrusted: str | None = None
+    ) -> Assembled: ...
+
+
+# stop_reason -> (outcome, the finish_reason the candidate records in OpenAI's words)
+ANTHROPIC_STOPS: Mapping[str, tuple[ModelOutcome, str]] = {
+    "end_turn": (ModelOutcome.FINISHED, "stop"),
+    "stop_sequence": (ModelOutcome.FINISHED, "stop"),
+    "tool_use": (ModelOutcome.FINISHED, "tool_calls"),
+    "max_tokens": (ModelOutcome.TRUNCATED, "length"),
+    "refusal": (ModelOutcome.BLOCKED, "content_filter"),
+}
+# `error` events that ask the client to slow down, like HTTP 429 / 529
+ANTHROPIC_THROTTLES = frozenset({"overloaded_error", "rate_limit_error"})
+# content block type -> the delta types it takes (and the field each carries)
+_BLOCK_DELTAS: Mapping[str, Mapping[str, str]] = {
+    "text": {"text_delta": "text"},
+    "tool_use": {"input_json_delta": "partial_json"},
+    "thinking": {"thinking_delta": "thinking", "signature_delta": "signature"},
+    "redacted_thinking": {},
+}
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return min(max(value, 0), MAX_AMOUNT)
+    return None
+
+
+class AnthropicAssembler:
+    """Folds Anthropic Messages stream events into one generation (pure: no I/O).
+
+    Content blocks are kept by ``index`` from ``content_block_start`` to
+    ``content_block_stop``; text, tool input JSON, thinking and signature deltas go to the
+    block of their type only. An event of a shape the protocol does not have, a delta for a
+    block that is not open, or a block type this reader does not know raises
+    :class:`MalformedChunkError` (the call ends incomplete: a block it cannot send back would
+    make the next request of the run wrong). ``message_stop`` or an ``error`` event ends the
+    stream (``done``)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, dict[str, Any]] = {}
+        self.stop_reason: str | None = None
+        self.usage: dict[str, int] = {}
+        self.completion_id: str | None = None
+        self.model: str | None = None
+        self.error: tuple[str, str] | None = None
+        self.done = False
+        self.chunks = 0
+
+    def feed(self, chunk: Any) -> None:
+        event = _object(chunk, "an event")
+        self.chunks += 1
+        kind = event.get("type")
+        match kind:
+            case "message_start":
+                self._message(_object(event.get("message"), "message"))
+            case "message":  # a whole (non-streamed) answer
+                self._message(event)
+                for index, block in enumerate(_list(event.get("content"), "content")):
+                    self._whole_block(index, _object(block, "a content block"))
+                stop = _optional_str(event.get("stop_reason"), "stop_reason")
+                self.stop_reason = stop[:100] if stop else None
+                self.done = True
+            case "content_block_start":
+                index = self._index(event)
+                if index in self.blocks:
+                    raise MalformedChunkError(f"content block {index} started twice")
+                self._start(index, _object(event.get("content_block"), "content_block"))
+            case "content_block_delta":
+                self._delta(self._open(event), _object(event.get("delta"), "delta"))
+            case "content_block_stop":
+                self._open(event)["closed"] = True
+            case "message_delta":
+                delta = _object(event.get("delta") or {}, "delta")
+                stop = _optional_str(delta.get("stop_reason"), "stop_reason")
+                if stop:
+                    self.stop_reason = stop[:100]
+                self._usage(event.get("usage"))
+            case "message_stop":
+                self.done = True
+            case "ping":
+                pass
+            case "error":
+                error = _object(event.get("error") or {}, "error")
+                error_type = _optional_str(error.get("type"), "error type") or "error"
+                message = _optional_str(error.get("message"), "error message") or ""
+                self.error = (error_type[:100], message[:300])
+                self.done = True
+            case _:
+                raise MalformedChunkError(f"unknown event type {str(kind)[:40]!r}")
+
+    def _message(self, message: Mapping[str, Any]) -> None:
+        self.completion_id = (_optional_str(message.get("id"), "id") or "")[:MAX_ID_CHARS] or None
+        self.model = (_optional_str(message.get("model"), "model") or "")[:MAX_ID_CHARS] or None
+        self._usage(message.get("usage"))
+
+    def _usage(self, usage: Any) -> None:
+        """Anthropic's counts (``message_delta`` carries the cumulative ones), and the prompt
+        and completion totals the budgets and route limits count, in OpenAI's names."""
+        if not isinstance(usage, Mapping):
+            return
+        for key, value in usage.items():
+            count = _count(value)
+            if count is not None:
+                self.usage[str(key)[:64]] = count
+        prompt = sum(
+            self.usage.get(k, 0)
+            for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        )
+        self.usage["prompt_tokens"] = min(prompt, MAX_AMOUNT)
+        self.usage["completion_tokens"] = self.usage.get("output_tokens", 0)
+
+    @staticmethod
+    def _index(event: Mapping[str, Any]) -> int:
+        index = event.get("index")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_ITEMS:
+            raise MalformedChunkError(f"a content block has no valid index ({index!r:.40})")
+        return index
+
+    def _open(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        index = self._index(event)
+        block = self.blocks.get(index)
+        if block is None or block["closed"]:
+            raise MalformedChunkError(f"content block {index} is not open")
+        return block
+
+    def _start(self, index: int, block: Mapping[str, Any]) -> dict[str, Any]:
+        kind = block.get("type")
+        if kind not in _BLOCK_DELTAS:
+            raise MalformedChunkError(f"unknown content block type {str(kind)[:40]!r}")
+        slot: dict[str, Any] = {"type": kind, "closed": False, "parts": {}}
+        if kind == "tool_use":
+            slot["id"] = _optional_str(block.get("id"), "a tool_use id")
+            slot["name"] = _optional_str(block.get("name"), "a tool name") or ""
+            slot["input"] = _object(block.get("input") or {}, "a tool_use input")
+        elif kind == "redacted_thinking":
+            slot["data"] = _optional_str(block.get("data"), "redacted thinking data") or ""
+        for field_name in _BLOCK_DELTAS[str(kind)].values():
+            initial = _optional_str(block.get(field_name), field_name)
+            slot["parts"][field_name] = [initial] if initial else []
+        self.blocks[index] = slot
+        return slot
+
+    def _whole_block(self, index: int, block: Mapping[str, Any]) -> None:
+        slot = self._start(index, block)
+        if slot["type"] == "tool_use":
+            slot["parts"]["partial_json"] = [canonical_json(slot["input"])]
+        slot["closed"] = True
+
+    @staticmethod
+    def _delta(block: dict[str, Any], delta: Mapping[str, Any]) -> None:
+        kind = delta.get("type")
+        field_name = _BLOCK_DELTAS[block["type"]].get(str(kind))
+        if field_name is None:
+            raise MalformedChunkError(f"a {str(kind)[:40]!r} delta in a {block['type']} block")
+        piece = _optional_str(delta.get(field_name), field_name)
+        if piece:
+            block["parts"][field_name].append(piece)
+
+    def result(self, *, interrupted: str | None = None, untrusted: str | None = None) -> Assembled:
+        """Classify (as :meth:`StreamAssembler.result`). A finish also needs every content
+        block closed: no tool starts on arguments whose block never ended."""
+        stop = self.stop_reason
+        open_blocks = sorted(i for i, b in self.blocks.items() if not b["closed"])
+        finish: str | None = None
+        if untrusted is not None:
+            outcome, detail = ModelOutcome.INCOMPLETE, untrusted
+        elif self.error is not None:
+            error_type, message = self.error
+            throttled = error_type in ANTHROPIC_THROTTLES
+            outcome = ModelOutcome.RATE_LIMITED if throttled else ModelOutcome.INCOMPLETE
+            detail = f"error event {error_type}: {message}"
+        elif stop is None:
+            outcome = ModelOutcome.INCOMPLETE
+            detail = interrupted or "stream ended without a stop_reason"
+        elif stop not in ANTHROPIC_STOPS:
+            outcome, detail = ModelOutcome.INCOMPLETE, f"unknown stop_reason {stop!r}"
+        else:
+            outcome, finish = ANTHROPIC_STOPS[stop]
+            detail = "" if outcome is ModelOutcome.FINISHED else f"stop_reason={stop}"
+            if outcome is ModelOutcome.FINISHED and open_blocks:
+                outcome = ModelOutcome.INCOMPLETE
+                detail = f"content block {open_blocks[0]} never closed"
+        calls: tuple[dict[str, Any], ...] = ()
+        thinking: tuple[dict[str, Any], ...] = ()
+        blocks = [b for _, b in sorted(self.blocks.items())]
+        if outcome is ModelOutcome.FINISHED:
+            calls = tuple(
+                {
+                    "id": b["id"] or f"toolu_{self.completion_id or 'x'}_{n}",
+                    "type": "function",
+                    "function": {
+                        "name": b["name"],
+                        "arguments": "".join(b["parts"]["partial_json"])
+                        or canonical_json(b["input"]),
+                    },
+                }
+                for n, b in enumerate(blocks)
+                if b["type"] == "tool_use"
+            )
+            thinking = tuple(_thinking_block(b) for b in blocks if "thinking" in b["type"])
+        return Assembled(
+            outcome=outcome,
+            finish_reason=finish or stop,
+            content="".join(t for b in blocks if b["type"] == "text" for t in b["parts"]["text"]),
+            tool_calls=calls,
+            usage=dict(self.usage),
+            completion_id=self.completion_id,
+            model=self.model,
+            detail=detail,
+            thinking=thinking,
+        )
+
+
+def _thinking_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    if block["type"] == "redacted_thinking":
+        return {"type": "redacted_thinking", "data": block["data"]}
+    parts = block["parts"]
+    return {
+        "type": "thinking",
+        "thinking": "".join(parts["thinking"]),
+        "signature": "".join(parts["signature"]),
+    }
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    """A recorded call's arguments as Anthropic's ``input`` object (arguments that are not a
+    JSON object, which validation refused, go back as ``{}``: the repair note says why)."""
+    if isinstance(arguments, str):
+        value, problem = decode_json(arguments.encode("utf-8", "surrogatepass"))
+        if problem is None and isinstance(value, dict):
+            return value
+    return {}
+
+
+def anthropic_messages(
+    messages: Sequence[Mapping[str, Any]],
+) -> tuple[str, list[dict[str, Any]]]:
+    """(system, messages) of a conversation in OpenAI form, in Anthropic's: system and
+    developer messages become the system prompt; an assistant message its thinking blocks
+    (verbatim), its text and one ``tool_use`` block per call; ``tool`` messages
+    ``tool_result`` blocks of a user message. Consecutive messages of one role are merged
+    into one (the API wants user and assistant in turn)."""
+    system: list[str] = []
+    out: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if not blocks:
+            return
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        text = content if isinstance(content, str) else ""
+        if role in ("system", "developer"):
+            if text:
+                system.append(text)
+        elif role == "assistant":
+            blocks = [dict(b) for b in message.get("thinking") or () if isinstance(b, Mapping)]
+            if text:
+                blocks.append({"type": "text", "text": text})
+            for call in message.get("tool_calls") or ():
+                function = call.get("function") or {}
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call.get("id"),
+                        "name": function.get("name"),
+                        "input": _tool_input(function.get("arguments")),
+                    }
+                )
+            add("assistant", blocks)
+        elif role == "tool":
+            result = {"type": "tool_result", "tool_use_id": message.get("tool_call_id")}
+            add("user", [{**result, "content": text}])
+        elif text:
+            add("user", [{"type": "text", "text": text}])
+    return "\n\n".join(system), out
+
+
+def anthropic_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The run's tools (OpenAI's function form) as Anthropic tools."""
+    out = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        spec: dict[str, Any] = {
+            "name": function.get("name"),
+            "input_schema": function.get("parameters") or {"type": "object"},
+        }
+        if function.get("description"):
+            spec["description"] = function["description"]
+        out.append(spec)
+    return out
+
+
+def anthropic_request(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    route: RouteConfig,
+    model: str,
+    run_id: str,
+) -> dict[str, Any]:
+    """The streamed ``POST /v1/messages`` body of one call."""
+    system, mapped = anthropic_messages(messages)
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": route.max_tokens or DEFAULT_ANTHROPIC_MAX_TOKENS,
+        "messages": mapped,
+        "stream": True,
+        "metadata": {"user_id": run_id},
+    }
+    if system:
+        payload["system"] = system
+    if tools:
+        payload["tools"] = anthropic_tools(tools)
+    if route.temperature is not None:
+        payload["temperature"] = route.temperature
+    return payload
+
+
 # --------------------------------------------------------------------------- artifacts
 
 
@@ -369,6 +780,8 @@ def candidate_artifact(
     message: dict[str, Any] = {"role": "assistant", "content": assembled.content}
     if assembled.tool_calls:
         message["tool_calls"] = list(assembled.tool_calls)
+    if assembled.thinking:
+        message["thinking"] = list(assembled.thinking)
     body = {
         "type": "candidate",
         "run_id": effect.run_id,
@@ -765,6 +1178,12 @@ class ModelHandler:
             # Started, never completed: the executor died mid-call. Nothing of that generation
             # was recorded or referenced, so calling again cannot merge two generations.
             log.info("re-calling %s after an interrupted attempt", effect.idempotency_key)
+        if not self.routes.known(effect.model_route):
+            # refused before anything is read or sent: BLOCKED is never retried, and the run
+            # fails at once (`model:blocked`); the record's detail names the route
+            detail = f"unknown model route {effect.model_route[:200]!r}: not in the routes file"
+            assembled = StreamAssembler().result(interrupted=detail)
+            return self._outcome(effect, replace_outcome(assembled, ModelOutcome.BLOCKED))
         route = self.routes.get(effect.model_route)
 
         def in_memory(refs: Sequence[str]) -> dict[str, Any]:
@@ -798,8 +1217,14 @@ class ModelHandler:
             interrupted = f"the run's deadline passed before the call ({deadline})"
             assembled = StreamAssembler().result(interrupted=interrupted)
             return self._outcome(effect, replace_outcome(assembled, ModelOutcome.TRANSPORT_ERROR))
-        payload: dict[str, Any] = {
-            "model": route.model or effect.model_route,
+        model = self.routes.model_of(effect.model_route)
+        if route.provider == "anthropic":
+            payload = anthropic_request(messages, tools, route, model, effect.run_id)
+            return self._outcome(effect, await self.stream(route, payload, effect.model_route))
+        if any("thinking" in m for m in messages):  # an answer of an Anthropic route before
+            messages = [{k: v for k, v in m.items() if k != "thinking"} for m in messages]
+        payload = {
+            "model": model,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -811,7 +1236,7 @@ class ModelHandler:
             payload["max_tokens"] = route.max_tokens
         if route.temperature is not None:
             payload["temperature"] = route.temperature
-        assembled = await self.stream(route, payload)
+        assembled = await self.stream(route, payload, effect.model_route)
         return self._outcome(effect, assembled)
 
     def _conversation(
@@ -843,20 +1268,39 @@ class ModelHandler:
             ]
         return self.registry.openai_tools() if self.registry is not None else []
 
-    async def stream(self, route: RouteConfig, payload: Mapping[str, Any]) -> Assembled:
-        """The one method that talks to the model endpoint; every failure is classified."""
+    async def stream(
+        self, route: RouteConfig, payload: Mapping[str, Any], task_route: str = ""
+    ) -> Assembled:
+        """The one method that talks to the model endpoint; every failure is classified, and
+        what it says of the answer holds none of the route's secrets."""
+        assembled = await self._stream(route, payload, task_route)
+        if assembled.outcome is not ModelOutcome.FINISHED and assembled.detail:
+            return Assembled(**{**assembled.__dict__, "detail": route.redact(assembled.detail)})
+        return assembled
+
+    async def _stream(
+        self, route: RouteConfig, payload: Mapping[str, Any], task_route: str
+    ) -> Assembled:
         headers = {
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
+            **route_header(task_route),
             **route.headers,
             **tracing.outgoing_headers(),
         }
-        if route.api_key:
-            headers["Authorization"] = f"Bearer {route.api_key}"
-        assembler = StreamAssembler()
+        assembler: Folds
+        if route.provider == "anthropic":
+            headers["anthropic-version"] = ANTHROPIC_VERSION
+            if route.api_key:
+                headers["x-api-key"] = route.api_key
+            assembler, url = AnthropicAssembler(), route.messages_url()
+        else:
+            if route.api_key:
+                headers["Authorization"] = f"Bearer {route.api_key}"
+            assembler, url = StreamAssembler(), route.chat_url()
         async with self._http.stream(
             "POST",
-            route.chat_url(),
+            url,
             timeout_s=route.total_timeout_s,
             read_timeout_s=route.read_timeout_s,
             connect_timeout_s=route.connect_timeout_s,
@@ -924,7 +1368,7 @@ class ModelHandler:
             for c in assembled.tool_calls
         )
         route = self.routes.get(effect.model_route)
-        input_tokens = int(assembled.usage.get("prompt_tokens", 0))
+        input_tokens = int(assembled.usage.get("prompt_tokens", 0))  # Anthropic's: the same names
         output_tokens = int(assembled.usage.get("completion_tokens", 0))
         cost = min(
             (
@@ -988,9 +1432,7 @@ async def _read_capped(answer: StreamedAnswer, limit: int) -> bytes:
     return bytes(body[:limit])
 
 
-async def _whole_answer(
-    answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
-) -> Assembled:
+async def _whole_answer(answer: StreamedAnswer, route: RouteConfig, assembler: Folds) -> Assembled:
     """A non-streamed ``chat.completion`` (a server that ignored ``stream: true``)."""
     body = bytearray()
     try:
@@ -1009,9 +1451,7 @@ async def _whole_answer(
     return assembler.result()
 
 
-async def _read_stream(
-    answer: StreamedAnswer, route: RouteConfig, assembler: StreamAssembler
-) -> Assembled:
+async def _read_stream(answer: StreamedAnswer, route: RouteConfig, assembler: Folds) -> Assembled:
     """Fold the SSE ``data:`` events into ``assembler`` until ``[DONE]``, the end of the
     body or a bound; comments (``: ping``) and other fields are skipped, but not free."""
     buffer = bytearray()
@@ -1053,8 +1493,10 @@ async def _finish_body(answer: StreamedAnswer, pieces: AsyncIterator[bytes]) -> 
                 return
 
 
-def _fold_line(line: bytes, assembler: StreamAssembler, max_line: int) -> bool:
-    """One SSE line into the assembler; True at ``data: [DONE]``."""
+def _fold_line(line: bytes, assembler: Folds, max_line: int) -> bool:
+    """One SSE line into the assembler; True at ``data: [DONE]`` or an event that ends the
+    stream (Anthropic's ``message_stop`` or ``error``). ``event:`` lines are skipped: each
+    Anthropic ``data`` object names its own ``type``."""
     if len(line) > max_line:
         raise MalformedChunkError(f"an SSE line over {max_line} bytes")
     if not line.startswith(b"data:"):
@@ -1067,7 +1509,7 @@ def _fold_line(line: bytes, assembler: StreamAssembler, max_line: int) -> bool:
     if problem is not None:
         raise MalformedChunkError(f"a chunk is {problem.replace('_', ' ')}: {data[:80]!r}")
     assembler.feed(chunk)
-    return False
+    return assembler.done
 
 
 # --------------------------------------------------------------------------- process
@@ -1124,12 +1566,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
+    "AnthropicAssembler",
     "Assembled",
     "ModelExecutor",
     "ModelHandler",
     "RouteConfig",
     "Routes",
     "StreamAssembler",
+    "anthropic_messages",
+    "anthropic_request",
     "build_conversation",
     "candidate_artifact",
     "main",

@@ -1,4 +1,6 @@
-"""Scripted model server: an OpenAI-compatible ``/v1/chat/completions`` driven by scenario files.
+"""Scripted model server: an OpenAI-compatible ``/v1/chat/completions`` and an Anthropic
+``/v1/messages`` (the same scenarios and faults in Anthropic's SSE events), driven by scenario
+files.
 
 Used by the demo, the tests and the benchmarks in place of a real model. A scenario (JSON file in
 ``connectors/testing/scenarios/`` or a ``--scenarios`` directory) lists the turns of a
@@ -53,6 +55,8 @@ FaultKind = Literal[
     "content_filter",
     "slow",
     "429",
+    "529",
+    "overloaded",
     "500",
     "503",
     "keepalive",
@@ -294,14 +298,17 @@ def turn_of(messages: Sequence[Mapping[str, Any]]) -> int:
     return groups
 
 
-def scenario_name_of(body: Mapping[str, Any], header: str | None) -> str | None:
-    """``X-Scenario`` header, else ``scenario:NAME`` in the model name, the system messages or
-    the first user message."""
+def scenario_name_of(
+    body: Mapping[str, Any], header: str | None, route: str | None = None
+) -> str | None:
+    """``X-Scenario`` header, else ``scenario:NAME`` in the model name, the task's route
+    (``X-Agentruns-Route``, which the model executor sends), the system messages or the first
+    user message."""
     if header:
         return header.strip()
-    model = body.get("model")
-    if isinstance(model, str) and (match := SCENARIO_MARKER.search(model)):
-        return match.group(1)
+    for named in (body.get("model"), route):
+        if isinstance(named, str) and (match := SCENARIO_MARKER.search(named)):
+            return match.group(1)
     seen_user = False
     for message in body.get("messages", []):
         role = message.get("role")
@@ -332,6 +339,36 @@ def conversation_key_of(body: Mapping[str, Any], header: str | None, scenario: s
 
 def estimate_tokens(text: str) -> int:
     return max(1, (len(text) + 3) // 4)
+
+
+def anthropic_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages request read as a chat completions one, for the scenario, turn
+    and conversation rules: ``system`` a system message, a user message of ``tool_result``
+    blocks a ``tool`` message (one group per model turn), ``metadata.user_id`` the ``user``."""
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for message in body.get("messages") or ():
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        blocks = content if isinstance(content, list) else []
+        results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+        role = "tool" if results and message.get("role") == "user" else message.get("role")
+        messages.append({"role": role, "content": _text(content)})
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return {"model": body.get("model"), "messages": messages, "user": user}
+
+
+# Anthropic's stop_reason for a scripted finish_reason (others are sent as they are)
+STOP_REASONS = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
 
 
 # --- building the answer ----------------------------------------------------------------
@@ -604,6 +641,85 @@ def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
 
+def _anthropic_error(message: str, kind: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One Anthropic SSE event: its ``event:`` line names the ``type`` of its ``data``."""
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + data + b"\n\n"
+
+
+def text_block(index: int, pieces: list[str]) -> list[bytes]:
+    """A text content block's events: start, one ``text_delta`` per piece, stop."""
+    block = {"type": "text", "text": ""}
+    deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
+    return [
+        sse_event({"type": "content_block_start", "index": index, "content_block": block}),
+        *(sse_event({"type": "content_block_delta", "index": index, "delta": d}) for d in deltas),
+        sse_event({"type": "content_block_stop", "index": index}),
+    ]
+
+
+def anthropic_blocks(answer: Answer) -> list[list[bytes]]:
+    """The content blocks of a scripted answer as Anthropic events, one list per block:
+    start, deltas (filler and text pieces; tool input JSON in two or more pieces), stop."""
+    size = answer.scenario.chunk_chars
+    blocks: list[list[bytes]] = []
+    pieces = answer.filler + _pieces(answer.turn.content, size)
+    if pieces:
+        blocks.append(text_block(0, pieces))
+    for call in answer.tool_calls:
+        index = len(blocks)
+        start = {
+            "type": "tool_use",
+            "id": call["id"],
+            "name": call["function"]["name"],
+            "input": {},
+        }
+        events = [
+            sse_event({"type": "content_block_start", "index": index, "content_block": start})
+        ]
+        for piece in _pieces(call["function"]["arguments"], size, at_least=2):
+            delta = {"type": "input_json_delta", "partial_json": piece}
+            events.append(
+                sse_event({"type": "content_block_delta", "index": index, "delta": delta})
+            )
+        blocks.append([*events, sse_event({"type": "content_block_stop", "index": index})])
+    return blocks
+
+
+def anthropic_message(answer: Answer, model: str, message_id: str, stop: str) -> dict[str, Any]:
+    """A whole (non-streamed) Anthropic message of a scripted answer."""
+    content: list[dict[str, Any]] = []
+    if answer.content:
+        content.append({"type": "text", "text": answer.content})
+    for call in answer.tool_calls:
+        arguments = json.loads(call["function"]["arguments"])
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": arguments,
+            }
+        )
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": STOP_REASONS.get(stop, stop),
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": answer.usage["prompt_tokens"],
+            "output_tokens": answer.usage["completion_tokens"],
+        },
+    }
+
+
 class ModelHandler(JSONHandler):
     @property
     def app(self) -> ModelServerApp:
@@ -648,6 +764,8 @@ class ModelHandler(JSONHandler):
             return
         if parts == ["v1", "chat", "completions"]:
             self.chat_completions(body)
+        elif parts == ["v1", "messages"]:
+            self.chat_completions(body, anthropic=True)
         elif parts == ["reset"]:
             self.app.reset()
             self.send_json(200, {"reset": True})
@@ -674,18 +792,23 @@ class ModelHandler(JSONHandler):
 
     # --- chat completions --------------------------------------------------------------
 
-    def chat_completions(self, body: Any) -> None:
+    def chat_completions(self, body: Any, anthropic: bool = False) -> None:
+        """One completion: OpenAI's ``/v1/chat/completions``, or (``anthropic``) Anthropic's
+        ``/v1/messages``, read through :func:`anthropic_view` and answered in its events."""
         began = time.monotonic()
+        error = _anthropic_error if anthropic else _error
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            self.send_json(400, _error("'messages' must be a list"))
+            self.send_json(400, error("'messages' must be a list", "invalid_request_error"))
             return
-        messages: list[dict[str, Any]] = [m for m in body["messages"] if isinstance(m, dict)]
-        name = scenario_name_of(body, self.header("X-Scenario")) or DEFAULT_SCENARIO.name
+        request = anthropic_view(body) if anthropic else body
+        messages: list[dict[str, Any]] = [m for m in request["messages"] if isinstance(m, dict)]
+        route = self.header("X-Agentruns-Route")
+        name = scenario_name_of(request, self.header("X-Scenario"), route) or DEFAULT_SCENARIO.name
         scenario = self.app.scenarios.get(name)
         if scenario is None:
-            self.send_json(404, _error(f"unknown scenario {name!r}", "not_found_error"))
+            self.send_json(404, error(f"unknown scenario {name!r}", "not_found_error"))
             return
-        conversation = conversation_key_of(body, self.header("X-Conversation-Key"), name)
+        conversation = conversation_key_of(request, self.header("X-Conversation-Key"), name)
         turn_index = turn_of(messages)
         header_fault = parse_fault_header(self.header("X-Fault"))
         if header_fault is not None and header_fault.kind not in FAULT_KINDS:
@@ -704,30 +827,38 @@ class ModelHandler(JSONHandler):
         fault, attempt = self.app.plan(scenario, conversation, turn_index, header_fault)
         if fault is not None:
             self.app.count_fault(fault.kind)
-            if fault.kind == "429":
+            if fault.kind in ("429", "529"):
                 # verbatim: `inf`, `-1`, an HTTP date or garbage reach the client as given
                 retry_after = fault.params.get("retry_after", "1")
+                kind = "rate_limit_error" if fault.kind == "429" else "overloaded_error"
                 self.send_json(
-                    429,
-                    _error("rate limited (scripted)", "rate_limit_error"),
+                    int(fault.kind),
+                    error(f"{kind} (scripted)", kind),
                     {"Retry-After": retry_after},
                 )
                 return
             if fault.kind in ("500", "503"):
-                self.send_json(int(fault.kind), _error("server error (scripted)", "server_error"))
+                kind = "api_error" if anthropic else "server_error"
+                self.send_json(int(fault.kind), error("server error (scripted)", kind))
                 return
         prompt = " ".join(_text(m.get("content")) for m in messages)
         answer = Answer(scenario, scenario.turn(turn_index), conversation, turn_index, prompt)
         model = str(body.get("model") or f"scenario:{name}")
         digest = hashlib.sha256(f"{conversation}:{turn_index}".encode()).hexdigest()[:12]
-        completion_id = f"chatcmpl-{digest}-{attempt}"
+        completion_id = f"{'msg' if anthropic else 'chatcmpl'}-{digest}-{attempt}"
         pace: Pace | None = None
         if fault is not None and fault.kind == "latency":
             spec = StreamLatency.model_validate(fault.params)
             total_ms = spec.draw_ms(conversation, turn_index, attempt)
             self.app.record_latency(conversation, total_ms)
             pace = Pace(total_ms / 1000, spec)
-        if body.get("stream"):
+        if anthropic and body.get("stream"):
+            if pace is not None:
+                answer.add_filler(pace.filler(len(answer.deltas())))
+            self.anthropic_stream(answer, model, completion_id, fault, pace)
+        elif anthropic:
+            self.respond(answer, model, completion_id, fault, pace, anthropic=True)
+        elif body.get("stream"):
             options = body.get("stream_options")
             separate_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             if pace is not None:
@@ -745,6 +876,7 @@ class ModelHandler(JSONHandler):
         completion_id: str,
         fault: FaultRequest | None,
         pace: Pace | None = None,
+        anthropic: bool = False,
     ) -> None:
         kind = fault.kind if fault else None
         delay = answer.scenario.delay_ms / 1000 * len(answer.deltas())
@@ -755,7 +887,7 @@ class ModelHandler(JSONHandler):
         if not self.server.sleep(delay):
             self.drop_connection()
             return
-        if kind in ("disconnect", "incomplete"):
+        if kind in ("disconnect", "incomplete", "overloaded"):
             self.drop_connection()
             return
         finish = answer.finish_reason
@@ -764,6 +896,9 @@ class ModelHandler(JSONHandler):
             finish, complete = str(kind), False
         if complete:
             self.app.count("completions")
+        if anthropic:
+            self.send_json(200, anthropic_message(answer, model, completion_id, finish))
+            return
         self.send_json(
             200,
             {
@@ -813,9 +948,6 @@ class ModelHandler(JSONHandler):
         deltas = [{"role": "assistant", "content": ""}, *answer.deltas()]
         events = [chunk(d, None) for d in deltas]
         kind = fault.kind if fault else None
-        delay = answer.scenario.delay_ms / 1000
-        if fault is not None and kind == "slow":
-            delay += fault.number("delay_ms", 50) / 1000
         if fault is not None and kind in ("disconnect", "incomplete"):
             events = events[: max(0, min(fault.integer("after_chunks", 2), len(events) - 1))]
         elif fault is not None and kind in ("bad_chunk", "bad_utf8"):
@@ -842,8 +974,99 @@ class ModelHandler(JSONHandler):
         elif kind in ("length", "content_filter"):
             events = events[: max(1, len(events) // 2)]
             events += finish(str(kind))
+        elif fault is not None and kind == "overloaded":  # OpenAI has no such event: an error
+            at = max(0, min(fault.integer("after_chunks", 2), len(events)))  # chunk, no finish
+            error = json.dumps(_error("Overloaded (scripted)", "overloaded_error")).encode()
+            events = [*events[:at], b"data: " + error + b"\n\n"]
         else:
             events += finish(answer.finish_reason)
+        self.send_events(answer, events, fault, pace, len(answer.deltas()))
+
+    def anthropic_stream(
+        self,
+        answer: Answer,
+        model: str,
+        message_id: str,
+        fault: FaultRequest | None,
+        pace: Pace | None = None,
+    ) -> None:
+        """The scripted answer in Anthropic's events (``message_start``, its content blocks,
+        ``message_delta`` with the stop_reason and usage, ``message_stop``), faults as in
+        :meth:`stream`; ``overloaded`` is an ``error`` event after ``after_chunks`` events."""
+        usage = answer.usage
+        start: dict[str, Any] = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": 1},
+        }
+
+        def finish(reason: str) -> list[bytes]:
+            delta = {"stop_reason": STOP_REASONS.get(reason, reason), "stop_sequence": None}
+            output = {"output_tokens": answer.usage["completion_tokens"]}
+            return [
+                sse_event({"type": "message_delta", "delta": delta, "usage": output}),
+                sse_event({"type": "message_stop"}),
+            ]
+
+        blocks = anthropic_blocks(answer)
+        events = [sse_event({"type": "message_start", "message": start})]
+        events += [event for block in blocks for event in block]
+        kind = fault.kind if fault else None
+        if fault is not None and kind in ("disconnect", "incomplete"):
+            events = events[: max(0, min(fault.integer("after_chunks", 2), len(events) - 1))]
+        elif fault is not None and kind in ("bad_chunk", "bad_utf8", "overloaded"):
+            at = max(0, min(fault.integer("after_chunks", 2), len(events)))
+            if kind == "overloaded":
+                error = _anthropic_error("Overloaded (scripted)", "overloaded_error")
+                events = [*events[:at], sse_event(error)]
+            else:
+                if kind == "bad_utf8":  # a text delta with bytes that are not UTF-8
+                    delta = {"type": "text_delta", "text": "@@"}
+                    text = json.dumps({"type": "content_block_delta", "index": 0, "delta": delta})
+                    data = text.encode().replace(b"@@", b"\xff\xfe")
+                elif fault.params.get("shape") in ("not_json", "deep", "not_object"):
+                    depth = fault.integer("depth", BAD_DEPTH)
+                    data = bad_chunk(fault.params["shape"], message_id, model, depth)
+                else:  # any other shape: a delta that is not an object
+                    data = b'{"type":"content_block_delta","index":0,"delta":"oops"}'
+                bad = b"event: content_block_delta\ndata: " + data + b"\n\n"
+                events = [*events[:at], bad, *events[at:], *finish(answer.finish_reason)]
+        elif fault is not None and kind == "huge_stream":
+            size = fault.integer("size", HUGE_STREAM_BYTES)
+            events = [events[0], *text_block(0, ["x" * 1000] * (size // 1000 + 1)), *finish("stop")]
+        elif fault is not None and kind == "huge_line":
+            content = "x" * fault.integer("size", HUGE_LINE_BYTES)
+            events = [events[0], *text_block(0, [content]), *finish("stop")]
+        elif kind == "length" and answer.tool_calls:
+            events = events[:-2]  # the last input piece and its block's stop never come
+            events += finish("length")
+        elif kind in ("length", "content_filter"):
+            events = events[: max(1, len(events) // 2)]
+            events += finish(str(kind))
+        else:
+            events += finish(answer.finish_reason)
+        self.send_events(answer, events, fault, pace, max(1, len(events) - 2))
+
+    def send_events(
+        self,
+        answer: Answer,
+        events: list[bytes],
+        fault: FaultRequest | None,
+        pace: Pace | None,
+        deltas: int,
+    ) -> None:
+        """Send a stream's events (OpenAI chunks or Anthropic events) as the fault says:
+        at once, slowed, paced (``latency``: the first ``deltas`` frames spread until L),
+        stalled (``keepalive``, ``drip``) or cut (``disconnect``)."""
+        kind = fault.kind if fault else None
+        delay = answer.scenario.delay_ms / 1000
+        if fault is not None and kind == "slow":
+            delay += fault.number("delay_ms", 50) / 1000
         head = self.head_bytes(
             200,
             {
@@ -866,7 +1089,7 @@ class ModelHandler(JSONHandler):
             self.stall(head, events, fault)
             return
         if pace is not None:
-            if self.paced(head, frames, pace.offsets(len(frames), len(answer.deltas()))):
+            if self.paced(head, frames, pace.offsets(len(frames), deltas)):
                 self.app.count("completions")
             return
         try:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from agentruns.connectors.executors.model import (
     Assembled,
@@ -48,6 +49,14 @@ def model_env(kafka_bootstrap: str, database_url: str) -> Iterator[ModelEnv]:
             "costly": RouteConfig(
                 base_url=base,
                 model="scenario:multi_tool",
+                input_cost_micros_per_1k=1000,
+                output_cost_micros_per_1k=2000,
+            ),
+            "claude": RouteConfig(
+                base_url=server.url,
+                provider="anthropic",
+                api_key="sk-ant-test-key",
+                model="claude-test",
                 input_cost_micros_per_1k=1000,
                 output_cost_micros_per_1k=2000,
             ),
@@ -288,3 +297,88 @@ def test_a_body_that_goes_on_after_done_is_closed(database_url: str) -> None:
         assert first.outcome is ModelOutcome.FINISHED and len(first.tool_calls) == 1
         assert second.outcome is ModelOutcome.FINISHED
         assert server.connections_accepted == 2  # the pinging one was not kept
+
+
+# --------------------------------------------------------------------------- Anthropic routes
+
+
+def tool_result(call_arguments: str) -> dict[str, Any]:
+    return {
+        "type": "tool_result",
+        "operation_key": "op-1",
+        "tool": "search_docs",
+        "arguments": json.loads(call_arguments),
+        "status": "succeeded",
+        "output": {"hits": ["policy: printers are high priority"]},
+    }
+
+
+def test_an_anthropic_route_runs_a_tool_use_conversation(
+    env: ModelEnv, request: pytest.FixtureRequest
+) -> None:
+    run_id = run_id_for(request)
+    first_context = env.context(run_id)
+    step1 = env.call(env.effect(run_id, first_context, route="claude"))
+    assert step1.outcome is ModelOutcome.FINISHED and step1.candidate is not None
+    (call,) = step1.candidate.tool_calls
+    assert call.name == "search_docs"
+    assert json.loads(call.arguments_json) == {"query": "escalation policy", "limit": 3}
+    assert step1.candidate.content == "Let me look up the escalation policy first."
+    usage = step1.usage
+    assert usage.input_tokens > 0 and usage.output_tokens > 0
+    assert usage.cost_micros == usage.input_tokens + 2 * usage.output_tokens
+    assert step1.candidate_ref is not None
+    artifact = env.harness.artifact(step1.candidate_ref)
+    assert artifact["finish_reason"] == "tool_calls" and artifact["model"] == "claude-test"
+
+    # step 2: the tool's result goes back as a tool_result block; the scenario's next turn
+    result = env.store.put(canonical_json(tool_result(call.arguments_json)))
+    second_context = env.context(
+        run_id, step=2, previous=first_context, candidate=step1.candidate_ref, inputs=(result,)
+    )
+    step2 = env.call(env.effect(run_id, second_context, step=2, route="claude"))
+    assert step2.outcome is ModelOutcome.FINISHED and step2.candidate is not None
+    assert [c.name for c in step2.candidate.tool_calls] == ["create_ticket"]
+
+
+@pytest.mark.parametrize(
+    ("rule", "outcome", "retry_after_ms"),
+    [
+        # message_start, 6 events of the text block, the tool_use start, one input piece
+        ({"kind": "disconnect", "after_chunks": 9}, ModelOutcome.INCOMPLETE, None),
+        ({"kind": "overloaded", "after_chunks": 4}, ModelOutcome.RATE_LIMITED, None),
+        ({"kind": "529", "retry_after": 1.5}, ModelOutcome.RATE_LIMITED, 1500),
+    ],
+)
+def test_an_anthropic_route_classifies_cuts_and_overload(
+    env: ModelEnv,
+    request: pytest.FixtureRequest,
+    rule: dict[str, Any],
+    outcome: ModelOutcome,
+    retry_after_ms: int | None,
+) -> None:
+    run_id = run_id_for(request)
+    env.fault(conversation=run_id, **rule)
+    event = env.call(env.effect(run_id, env.context(run_id), route="claude"))
+    assert event.outcome is outcome
+    assert event.candidate is None or event.candidate.tool_calls == ()  # no half arguments
+    assert event.retry_after_ms == retry_after_ms
+    if outcome is ModelOutcome.RATE_LIMITED:
+        assert event.candidate_ref is None
+
+
+def test_a_route_the_routes_file_does_not_have_is_refused(
+    env: ModelEnv, request: pytest.FixtureRequest
+) -> None:
+    run_id = run_id_for(request)
+    before = env.stats()["requests"]
+    event = env.call(env.effect(run_id, env.context(run_id), route="gpt-4-32k"))
+    assert event.outcome is ModelOutcome.BLOCKED  # not retried: the run fails model:blocked
+    assert event.candidate is None or event.candidate.tool_calls == ()
+    assert env.stats()["requests"] == before  # nothing was sent
+    with psycopg.connect(env.harness.database_url) as conn:
+        row = conn.execute(
+            "SELECT detail FROM executed_actions WHERE idempotency_key = %s",
+            (f"{run_id}:model:1:1",),
+        ).fetchone()
+    assert row is not None and "unknown model route 'gpt-4-32k'" in row[0]
