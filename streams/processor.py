@@ -96,6 +96,7 @@ from agentruns.streams.transaction import (
     classify,
     committed_offsets,
     seek,
+    watermarks,
 )
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -429,9 +430,7 @@ class Processor:
         start for a checkpoint outside the topic (a topic recreated, records deleted)."""
         start: dict[int, int] = {}
         for p in partitions:
-            low, high = reader.get_watermark_offsets(
-                TopicPartition(self.runs_topic, p), timeout=admin.TIMEOUT_S
-            )
+            low, high = watermarks(reader, self.runs_topic, p, stop=self._stop)
             at = store.checkpoint(p)
             if at < low or at > high:
                 log.warning(

@@ -341,6 +341,39 @@ def committed_offsets(
     return {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
 
 
+def watermarks(
+    consumer: Consumer,
+    topic: str,
+    partition: int,
+    *,
+    patience_s: float = 120.0,
+    try_s: float = 10.0,
+    stop: threading.Event | None = None,
+) -> tuple[int, int]:
+    """(low, high) watermark of a partition, waiting out what a broker's restart or a leader's
+    move answers meanwhile (NOT_LEADER, a timeout) as `committed_offsets` does."""
+    deadline = time.monotonic() + patience_s
+    waits = Backoff(0.2, 2.0)
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=min(try_s, patience_s)
+            )
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = kafka_error(exc)
+            if is_fatal(error):
+                raise fatal_error(error) from exc
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                raise AgentrunsKafkaError(
+                    f"the offsets of {topic} [{partition}] could not be read for"
+                    f" {patience_s:.0f}s: {exc}"
+                ) from exc
+            log.warning("the offsets of %s [%d] are not readable yet: %s", topic, partition, exc)
+            waits.failed()
+            waits.wait(stop)
+
+
 def seek(
     consumer: Consumer, topic: str, offsets: Mapping[int, int], *, lenient: bool = False
 ) -> None:
@@ -710,4 +743,5 @@ __all__ = [
     "is_fatal",
     "kafka_error",
     "seek",
+    "watermarks",
 ]
