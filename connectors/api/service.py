@@ -82,6 +82,24 @@ RUN_FIELDS = (
 )
 
 
+def _tool_result(op_key: str, tool: str, output: Any, *, via: str) -> StoredArtifact:
+    """The result artifact of a tool call that succeeded, as reported `via` a callback or an
+    operator's verdict."""
+    return StoredArtifact.of(
+        canonical_json(
+            {
+                "type": "tool_result",
+                "operation_key": op_key,
+                "tool": tool,
+                "status": "succeeded",
+                "via": via,
+                "output": output,
+            }
+        ),
+        CALLBACK_MEDIA_TYPE,
+    )
+
+
 def _run_row(conn: Conn, run_id: str) -> dict[str, Any] | None:
     cur = conn.execute(f"SELECT {RUN_FIELDS} FROM runs WHERE run_id = %s", (run_id,))
     row = cur.fetchone()
@@ -647,19 +665,7 @@ class ApiService:
 
     @staticmethod
     def _verdict_result(op_key: str, tool: str, output: Any) -> tuple[str, str]:
-        artifact = StoredArtifact.of(
-            canonical_json(
-                {
-                    "type": "tool_result",
-                    "operation_key": op_key,
-                    "tool": tool,
-                    "status": "succeeded",
-                    "via": "operator",
-                    "output": output,
-                }
-            ),
-            CALLBACK_MEDIA_TYPE,
-        )
+        artifact = _tool_result(op_key, tool, output, via="operator")
         return artifact.ref, artifact.content
 
     def _store_artifact(self, artifact: StoredArtifact) -> None:
@@ -706,19 +712,7 @@ class ApiService:
         artifact: StoredArtifact | None = None
         if status == "succeeded":
             output = body.get("result")
-            artifact = StoredArtifact.of(
-                canonical_json(
-                    {
-                        "type": "tool_result",
-                        "operation_key": op_key,
-                        "tool": tool,
-                        "status": "succeeded",
-                        "via": "callback",
-                        "output": output,
-                    }
-                ),
-                CALLBACK_MEDIA_TYPE,
-            )
+            artifact = _tool_result(op_key, tool, output, via="callback")
             text = output if isinstance(output, str) else canonical_json(output)
             size = len(text.encode())
             event = ToolCallSucceeded(
