@@ -16,6 +16,9 @@ from typing import Any
 import msgspec
 import pytest
 from agentruns.connectors.health import consumer_check
+from agentruns.processors import effects as effects_module
+from agentruns.processors import events as events_module
+from agentruns.processors import state as state_module
 from agentruns.processors import versions
 from agentruns.processors.effects import Effect
 from agentruns.processors.events import CancelRequested, Event, RunSubmitted, parse_event
@@ -95,7 +98,22 @@ JSON_VALUES = st.recursive(
     ),
     max_leaves=12,
 )
-NEW_FIELDS = st.dictionaries(st.text(min_size=1, max_size=16), JSON_VALUES, min_size=1, max_size=4)
+
+
+def _known_names() -> frozenset[str]:
+    """Every field name a struct of the core has: one left out of a body because it holds its
+    default (`rules_version`, ...) is not new."""
+    names: set[str] = set()
+    for module in (events_module, effects_module, state_module):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, msgspec.Struct):
+                names.update(value.__struct_fields__)
+    return frozenset(names)
+
+
+KNOWN_NAMES = _known_names()
+NEW_NAMES = st.text(min_size=1, max_size=16).filter(lambda name: name not in KNOWN_NAMES)
+NEW_FIELDS = st.dictionaries(NEW_NAMES, JSON_VALUES, min_size=1, max_size=4)
 
 
 def _nodes(body: Any, path: tuple[str, ...]) -> Iterator[dict[str, Any]]:
