@@ -327,7 +327,7 @@ def waiting_run(stack: Stack) -> Iterator[str]:
     yield run_id
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     action=st.sampled_from(["resolve", "reopen", "redrive"]),
     known=st.booleans(),
