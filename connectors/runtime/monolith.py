@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
@@ -139,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level, component="run")
     tracing.configure_from_env("run")
     stop = stop_on_signals()
+    # the dev stack is what `agentruns run` starts when nothing is configured: loaded here only
+    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
+
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, ExitStack() as resources:
         assert stack.endpoints is not None
         ep = stack.endpoints
