@@ -116,7 +116,7 @@ def refusal(exc: Exception) -> Refused:
 
 def fired_input(row: tuple[Any, ...]) -> dict[str, Any]:
     """The inbox input of a due timer: deterministic, so a re-fire is an exact duplicate."""
-    run_id, timer_id, due_at, trace_id = row
+    run_id, timer_id, due_at, trace_id = row[:4]
     event = TimerFired(
         run_id=run_id, event_id=f"{timer_id}:fired", at=due_at, trace_id=trace_id, timer_id=timer_id
     )
@@ -263,8 +263,10 @@ class TimerService:
             if not 0 <= effect.due_at <= MAX_TIME_MS:
                 raise Refused(DUE_AT_OUT_OF_RANGE)
             conn.execute(
-                "INSERT INTO timers (run_id, timer_id, purpose, due_at, trace_id, step, attempt)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, timer_id) DO NOTHING",
+                "INSERT INTO timers"
+                " (run_id, timer_id, purpose, due_at, trace_id, step, attempt, prefix)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (prefix, run_id, timer_id)"
+                " DO NOTHING",
                 (
                     effect.run_id,
                     effect.timer_id,
@@ -273,15 +275,16 @@ class TimerService:
                     effect.trace_id,
                     effect.step,
                     effect.attempt,
+                    self.prefix,
                 ),
             )
             self.scheduled += 1
             return "scheduled"
         if isinstance(effect, CancelTimer):
             conn.execute(
-                "UPDATE timers SET cancelled = true"
-                " WHERE run_id = %s AND timer_id = %s AND fired_at IS NULL",
-                (effect.run_id, effect.timer_id),
+                "UPDATE timers SET cancelled = true WHERE prefix IN (%s, '')"
+                " AND run_id = %s AND timer_id = %s AND fired_at IS NULL",
+                (self.prefix, effect.run_id, effect.timer_id),
             )
             return "cancelled"
         return "ignored"
@@ -291,10 +294,10 @@ class TimerService:
         conn = self._db()
         with conn.transaction():
             rows = conn.execute(
-                "SELECT run_id, timer_id, due_at, trace_id FROM timers"
-                " WHERE fired_at IS NULL AND NOT cancelled AND due_at <= %s"
-                " ORDER BY due_at LIMIT 500 FOR UPDATE SKIP LOCKED",
-                (now_ms(),),
+                "SELECT run_id, timer_id, due_at, trace_id, prefix FROM timers"
+                " WHERE prefix IN (%s, '') AND fired_at IS NULL AND NOT cancelled"
+                " AND due_at <= %s ORDER BY due_at LIMIT 500 FOR UPDATE SKIP LOCKED",
+                (self.prefix, now_ms()),
             ).fetchall()
             if not rows:
                 return
@@ -309,8 +312,9 @@ class TimerService:
             if self._producer.flush(30) != 0:
                 raise KafkaException("timer inputs not delivered within 30 s")
             conn.cursor().executemany(
-                "UPDATE timers SET fired_at = %s WHERE run_id = %s AND timer_id = %s",
-                [(now_ms(), r[0], r[1]) for r in rows],
+                "UPDATE timers SET fired_at = %s"
+                " WHERE prefix = %s AND run_id = %s AND timer_id = %s",
+                [(now_ms(), r[4], r[0], r[1]) for r in rows],
             )
         self.fired += len(rows)
         TIMERS_FIRED.inc(len(rows))

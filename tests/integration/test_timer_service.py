@@ -17,6 +17,7 @@ from agentruns.connectors.devstack.local_postgres import LocalPostgres
 from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.state import Budgets, TimerPurpose
+from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ProcessorConfig
@@ -109,6 +110,26 @@ def test_timers_fire_at_their_due_time_and_cancelled_ones_never(
     assert fired["r1"]["at"] == base + 300 and fired["r2"]["at"] == base + 800
     assert parse_event_body(str(fired["r1"]["body"])).type == "TimerFired"
     assert timer_thread.fired == 2
+
+
+def test_deployments_sharing_a_database_fire_only_their_own_timers(
+    kafka_bootstrap: str, database_url: str, prefix: str, timer_thread: TimerService
+) -> None:
+    other = f"{prefix}-other"
+    ensure_topics(kafka_bootstrap, prefix=other, partitions=PARTITIONS)
+    base = now_ms()
+    # the same run and timer ids in both: a run of the same key submitted to each deployment
+    _schedule(kafka_bootstrap, other, [_timer("same", "same:t1", base + 200)])
+    _schedule(kafka_bootstrap, prefix, [_timer("same", "same:t1", base + 200)])
+    _schedule(kafka_bootstrap, prefix, [_timer("mine", "mine:t1", base + 400)])
+    wait_for(lambda: len(_fired(kafka_bootstrap, prefix)) >= 2, timeout=30, what="two timers")
+    assert sorted(str(f["run_id"]) for f in _fired(kafka_bootstrap, prefix)) == ["mine", "same"]
+    assert _fired(kafka_bootstrap, other) == []  # its own timer service is not running
+    service = TimerService(kafka_bootstrap, database_url, prefix=other)
+    with running_on_thread(service.run, "other timers"):
+        wait_for(lambda: _fired(kafka_bootstrap, other), timeout=30, what="the other's timer")
+    assert [f["run_id"] for f in _fired(kafka_bootstrap, other)] == ["same"]
+    assert len(_fired(kafka_bootstrap, prefix)) == 2
 
 
 def _spawn(env: dict[str, str], prefix: str) -> subprocess.Popen[bytes]:
