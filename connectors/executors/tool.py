@@ -138,6 +138,8 @@ class ToolEntry:
     conn: Connectivity = DIRECT
     # what the backend allows: calls at once, requests per minute (RouteLimits)
     limits: RouteLimits = NO_LIMITS
+    # a person approves every call of this tool, whatever the task's policy says
+    approval_required: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class ToolRegistry:
                     cancel_url_template=t.get("cancel_url_template"),
                     conn=parse_connectivity(t, f"tool {t['name']!r} in {path}", defaults),
                     limits=_limits(t),
+                    approval_required=_flag(t, "approval_required", False),
                 )
                 for t in data["tools"]
             }
@@ -195,6 +198,14 @@ class ToolRegistry:
             }
             for t in (self.tools[n] for n in chosen)
         ]
+
+
+def _flag(tool: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A registry entry's boolean field (ValueError: present and not a boolean)."""
+    value = tool.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} of {tool['name']!r} is not true or false: {value!r}")
+    return value
 
 
 def _limits(tool: Mapping[str, Any]) -> RouteLimits:
