@@ -24,7 +24,7 @@ from agentruns.connectors.settings import (
 from agentruns.streams import kafka_defaults
 from agentruns.streams.kafka_defaults import client_settings, use_client_properties
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def parse(text: str) -> dict[str, str]:
@@ -244,4 +244,4 @@ def test_metrics_address_is_a_setting(clean: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_readme_lists_every_setting() -> None:
-    assert settings_table() in README.read_text()
+    assert settings_table() in CONFIGURATION.read_text()
