@@ -308,6 +308,7 @@ class ApiService:
         try:
             event = submitted_task(
                 fields,
+                catalog=self.config.catalog,
                 run_id=run_id,
                 event_id=submit_event_id(run_id),
                 at=at,
