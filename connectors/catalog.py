@@ -51,3 +51,43 @@ def configured_catalog(path: Path | str | None, *, component: str) -> Catalog | 
         path,
     )
     return catalog
+
+
+def catalog_rows(registry: ToolRegistry, catalog: Catalog) -> list[dict[str, object]]:
+    """The catalog's tools as `agentruns tools list` and the console show them, by name."""
+    rows: list[dict[str, object]] = []
+    for name in sorted(catalog.tools):
+        tool, entry = catalog.tools[name], registry.tools.get(name)
+        rows.append(
+            {
+                "name": name,
+                "permission": tool.permission,
+                "approval_required": tool.approval_required,
+                "idempotent": tool.idempotent,
+                "is_async": tool.is_async,
+                "backend": "" if entry is None else f"{entry.method} {entry.endpoint}",
+                "parameters": tool.parameters,
+            }
+        )
+    return rows
+
+
+def format_listing(version: str, rows: list[dict[str, object]]) -> str:
+    """The text of `agentruns tools list`: the catalog version, then one line per tool."""
+    head = ("name", "permission", "approval", "idempotent", "async", "backend")
+    table = [head] + [
+        (
+            str(r["name"]),
+            str(r["permission"]),
+            "required" if r["approval_required"] else "-",
+            "yes" if r["idempotent"] else "no",
+            "yes" if r["is_async"] else "no",
+            str(r["backend"]),
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
+    ]
+    return "\n".join([f"tool catalog {version} ({len(rows)} tools)", *lines])
