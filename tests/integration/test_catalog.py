@@ -14,6 +14,7 @@ from agentruns.processors.state import ToolSpec
 from agentruns.streams.records import input_record
 
 from tests.support.api import PARTITIONS, Stack, pipeline
+from tests.support.console import logged_in
 from tests.support.pipeline import SEARCH, Inbox, submitted
 
 DELETE = {"type": "object", "properties": {"record_id": {"type": "string"}}}
@@ -93,3 +94,12 @@ def test_a_task_written_to_kafka_that_widens_the_catalog_ends_failed_with_the_re
     assert run["outcome"].startswith(WIDER)
     assert run["catalog_version"] == CATALOG.version
     assert run["result"]["summary"].startswith("FAILED: " + WIDER)
+
+
+def test_the_console_shows_the_catalog_version_and_its_tools(guarded: Stack) -> None:
+    with logged_in(guarded) as client:
+        page = client.get("/ui/tools")
+    assert page.status_code == 200
+    assert f'<code id="catalog-version">{CATALOG.version}</code>' in page.text
+    assert "<code>delete_record</code></td><td>admin</td>" in page.text
+    assert "required" in page.text
