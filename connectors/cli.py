@@ -197,6 +197,22 @@ def _db_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tools_list(args: argparse.Namespace) -> int:
+    from agentruns.connectors.catalog import catalog_of, catalog_rows, format_listing
+    from agentruns.connectors.executors.tool import registry_from_args
+    from agentruns.connectors.settings import current
+
+    path = args.registry or current().tool_registry
+    registry = registry_from_args(None if path is None else str(path))
+    catalog = catalog_of(registry)
+    rows = catalog_rows(registry, catalog)
+    if args.json:
+        print(json.dumps({"version": catalog.version, "tools": rows}, sort_keys=True))
+    else:
+        print(format_listing(catalog.version, rows))
+    return 0
+
+
 def _version() -> str:
     """The installed distribution's version (the one pip reports)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -245,6 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     listing = topics_sub.add_parser("list", help="the topics and their configs")
     listing.add_argument("--prefix", default=default_prefix())
     listing.set_defaults(func=_topics_list)
+
+    tools = sub.add_parser("tools", help="the operator's tool catalog")
+    tools_sub = tools.add_subparsers(dest="tools_command", required=True)
+    tools_list = tools_sub.add_parser(
+        "list", help="the catalog's version and tools, from the tool registry"
+    )
+    tools_list.add_argument(
+        "--registry", default=None, help="the tool registry (default $AGENTRUNS_TOOL_REGISTRY)"
+    )
+    tools_list.add_argument("--json", action="store_true", help="one JSON object")
+    tools_list.set_defaults(func=_tools_list)
 
     db = sub.add_parser("db", help="database schema")
     db_sub = db.add_subparsers(dest="db_command", required=True)

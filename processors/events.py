@@ -40,6 +40,14 @@ class Message(Frozen, frozen=True, kw_only=True, gc=False):
     content: Text
 
 
+class CatalogCheck(Frozen, frozen=True, kw_only=True, gc=False):
+    """What the processor found when it held a submission against the operator's tool catalog
+    (agentruns.processors.catalog): the catalog's version and its refusal, if any."""
+
+    version: Id
+    problem: Text | None = None  # `invalid_input:<what>: detail`; None: the catalog allows it
+
+
 class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=False):
     type: ClassVar[Literal["RunSubmitted"]] = "RunSubmitted"
     goal: Text
@@ -56,6 +64,10 @@ class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=
     # rules the run keeps for its whole life (agentruns.processors.versions). UNSET (not
     # written) is version 1, so the submissions of version 1 runs are the bytes they were.
     rules_version: Count | msgspec.UnsetType = msgspec.UNSET
+    # Set by the processor that applies the submission, never by a producer: the tool catalog
+    # it checked the task against, and what it found (a producer's value is overwritten, and
+    # removed when the processor has no catalog). UNSET: no catalog; the bytes are as before.
+    catalog: CatalogCheck | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelOutcome(StrEnum):

@@ -424,6 +424,9 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     # (agentruns.processors.versions); absent (UNSET, not written) means version 1, so the
     # snapshots of version 1 runs are the bytes they always were.
     rules_version: int | msgspec.UnsetType = msgspec.UNSET
+    # The version of the operator's tool catalog the task was checked against when it was
+    # submitted (agentruns.processors.catalog); UNSET: none was configured.
+    catalog_version: str | msgspec.UnsetType = msgspec.UNSET
     goal: Text
     config: RunConfig
     step: int = 1

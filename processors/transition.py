@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 import msgspec
+from agentruns.processors.catalog import refusal as catalog_refusal
 from agentruns.processors.effects import (
     AskUser,
     CallModel,
@@ -1172,7 +1173,8 @@ def _on_input_refused(s: RunState, e: InputRefused) -> Transition:
 
 
 def _on_submitted(e: RunSubmitted) -> Transition:
-    problem = task_problem(e)
+    # the task's own consistency first, then what the processor's catalog check found
+    problem = task_problem(e) or catalog_refusal(e)
     # a refused task's tools are not kept: its state holds nothing it could not serialize
     tools = e.tools if problem is None else ()
     frozen = canonical_json(
@@ -1201,6 +1203,9 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         status=RunStatus.READY,
         version=0,
         rules_version=e.rules_version,
+        catalog_version=msgspec.UNSET
+        if isinstance(e.catalog, msgspec.UnsetType)
+        else e.catalog.version,
         goal=e.goal,
         config=config,
         memory_ref=e.memory_ref,

@@ -37,8 +37,8 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 DIRECTORY = Path(__file__).resolve().parent / "json"
 #: RunSubmitted fields a task leaves out: the submitter derives them (the run id from the
 #: idempotency key, the event id from the run id, the time when it is submitted), or the
-#: processor does (the rules version the run is submitted under).
-TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at", "rules_version")
+#: processor does (the rules version the run is submitted under, its tool catalog check).
+TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at", "rules_version", "catalog")
 
 _TASK_DESCRIPTION = (
     "A task: the body of POST /runs and of RunsProducer.submit. The fields of the RunSubmitted"
@@ -125,7 +125,25 @@ def task_schema_components(ref_template: str) -> tuple[dict[str, Any], dict[str,
     (root,), components = _components(RunSubmitted, ref_template)
     name = root["$ref"].rsplit("/", 1)[-1]
     task = _task(components.pop(name))
-    return task, components
+    return task, _referenced(task, components, ref_template)
+
+
+def _referenced(
+    root: dict[str, Any], components: dict[str, Any], ref_template: str
+) -> dict[str, Any]:
+    """The components `root` refers to, directly or through one another (a derived field's
+    type, left out of the task, is not among them)."""
+    prefix = ref_template.split("{name}")[0]
+    kept: dict[str, Any] = {}
+    pending = [root]
+    while pending:
+        text = json.dumps(pending.pop())
+        for part in text.split(f'"$ref": "{prefix}')[1:]:
+            ref = part.split('"', 1)[0]
+            if ref not in kept and ref in components:
+                kept[ref] = components[ref]
+                pending.append(components[ref])
+    return {k: v for k, v in components.items() if k in kept}
 
 
 def _components(kind: Any, ref_template: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from agentruns.processors import versions
+from agentruns.processors import catalog, versions
+from agentruns.processors.catalog import Catalog
 from agentruns.processors.effects import PublishResult, ScheduleTimer
 from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
 from agentruns.processors.ids import derive_key
@@ -188,6 +189,10 @@ class PathSettings:
     # the newest this build has. An older one keeps a rollback possible while a new rule set
     # rolls out (docs/operations.md).
     rules_version: int | None = None
+    # The operator's tool catalog every new run's task is checked against
+    # (agentruns.processors.catalog), stamped on its submission; None: tasks declare their
+    # own tools.
+    catalog: Catalog | None = None
 
 
 def record_size(record: Record) -> int:
@@ -668,7 +673,9 @@ class InputPath:
                 "EVENT_CAP",
             )
         if slot.state is None and isinstance(event, RunSubmitted):
-            event = versions.stamped(event, self.rules_version)
+            event = catalog.stamped(
+                versions.stamped(event, self.rules_version), self.settings.catalog
+            )
         # The input's trace context, else the run's (a timer, a held input, a reply); the first
         # one a run sees becomes the run's.
         context = self._incoming or slot.traceparent

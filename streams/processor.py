@@ -49,6 +49,7 @@ from typing import Any
 
 import msgspec
 from agentruns.processors import versions
+from agentruns.processors.catalog import Catalog
 from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
 from agentruns.streams import admin, metrics
@@ -169,6 +170,8 @@ class ProcessorConfig:
     # The rules version new runs are submitted under (agentruns.processors.versions); None:
     # the newest this build has (docs/operations.md, rolling out new rules).
     rules_version: int | None = None
+    # The operator's tool catalog new runs' tasks must keep within (docs/tools.md); None: none.
+    catalog: Catalog | None = None
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -245,6 +248,7 @@ class Processor:
                 gap_timeout_ms=config.gap_timeout_ms,
                 max_log_events=config.max_log_events,
                 rules_version=config.rules_version,
+                catalog=config.catalog,
             ),
             self.stats,
             limits=self._record_limits(),

@@ -20,8 +20,9 @@ Pass the same `at` when re-submitting the same task to make the retry byte-ident
 dead-letter topic (R5).
 
 `RunsProducer` refuses what the API refuses, before anything is produced: a task the core would
-fail (its decode bounds, `agentruns.processors.validation.task_problem`) and a record over
-`max_record_bytes` raise `InvalidInputError` with the reason `invalid_input:<what>: ...`.
+fail (its decode bounds, `agentruns.processors.validation.task_problem`), one that widens the
+operator's tool catalog it was given (`catalog=`), and a record over `max_record_bytes` raise
+`InvalidInputError` with the reason `invalid_input:<what>: ...`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from agentruns.connectors.api.inputs import (
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError, NotConfiguredError
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.settings import current
+from agentruns.processors.catalog import Catalog
 from agentruns.processors.events import CancelRequested
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
@@ -122,13 +124,16 @@ def task_input(
     producer_id: str,
     at: int | None = None,
     trace_id: str | None = None,
+    catalog: Catalog | None = None,
 ) -> tuple[Submission, dict[str, Any]]:
     """The inbox record of a task (input 1 of `producer_id` for its run) and what names it;
-    InvalidInputError for a task the core would refuse. Every producer of tasks builds its
+    InvalidInputError for a task the core would refuse, or the operator's tool `catalog`
+    (a tool field the task leaves out is the catalog's). Every producer of tasks builds its
     record here (RunsProducer, agentruns.connectors.faust)."""
     run_id = run_id_for_key(idempotency_key)
     event = submitted_task(
         {k: v for k, v in task.items() if k != "trace_id"},
+        catalog=catalog,
         run_id=run_id,
         event_id=submit_event_id(run_id),
         at=now_ms() if at is None else at,
@@ -150,10 +155,14 @@ class RunsProducer:
         partitions: int | None = None,
         max_record_bytes: int = MAX_RECORD_BYTES,
         extra: Mapping[str, Any] | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         if not producer_id:
             raise ValueError("producer_id must be a stable, non-empty name")
         self.producer_id = producer_id
+        # the operator's tool catalog (agentruns.connectors.catalog.catalog_of): a task that
+        # widens it is refused here, as the processor would fail its run
+        self.catalog = catalog
         self.max_record_bytes = max_record_bytes
         self.topic = topic_name(INBOX, prefix)
         self._producer = Producer(
@@ -213,6 +222,7 @@ class RunsProducer:
             producer_id=self.producer_id,
             at=at,
             trace_id=trace_id,
+            catalog=self.catalog,
         )
         self._send(record, tracing.headers_of(traceparent))
         return submission
@@ -656,7 +666,17 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
         finally:
             client.close()
         return 0
-    with RunsProducer(_bootstrap(), producer_id=args.producer_id, prefix=args.prefix) as p:
+    # the operator's registry, when this machine has it: its catalog fills and checks the task
+    registry = current().tool_registry
+    catalog = None
+    if registry is not None:
+        from agentruns.connectors.catalog import catalog_of
+        from agentruns.connectors.executors.tool import ToolRegistry
+
+        catalog = catalog_of(ToolRegistry.load(registry))
+    with RunsProducer(
+        _bootstrap(), producer_id=args.producer_id, prefix=args.prefix, catalog=catalog
+    ) as p:
         sub = p.submit(task, idempotency_key=args.key)
     _print({"run_id": sub.run_id, "trace_id": sub.trace_id, "input_id": sub.input_id})
     return 0

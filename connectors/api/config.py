@@ -15,6 +15,7 @@ from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
 from agentruns.connectors.api.tokens import OperatorTokensError, parse_operator_tokens
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.settings import current
+from agentruns.processors.catalog import Catalog
 from agentruns.streams.clock import now_ms
 from agentruns.streams.topics import DEFAULT_PREFIX
 
@@ -40,6 +41,8 @@ class ApiConfig:
     #: Bearer tokens with the operator scope: {token: operator name}.
     operator_tokens: dict[str, str] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
+    #: The operator's tool catalog tasks are held to (422 when one widens it); None: none.
+    catalog: Catalog | None = None
 
     @classmethod
     def from_env(
@@ -50,6 +53,7 @@ class ApiConfig:
         prefix: str = DEFAULT_PREFIX,
         production: bool = False,
         environ: Mapping[str, str] | None = None,
+        catalog: Catalog | None = None,
     ) -> ApiConfig:
         """Token and secret from AGENTRUNS_API_TOKEN / AGENTRUNS_API_SECRET, operator tokens
         from AGENTRUNS_API_OPERATOR_TOKENS (in ``environ``, or the settings:
@@ -112,4 +116,5 @@ class ApiConfig:
             prefix=prefix,
             secure_cookies=secure_cookies,
             operator_tokens=operators,
+            catalog=catalog,
         )

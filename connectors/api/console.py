@@ -848,6 +848,22 @@ class Console:
             csrf=self.sessions.csrf(session),
         )
 
+    async def tools_page(self, request: Request, session: str) -> Response:
+        """The operator's tool catalog the API holds tasks to (none: tasks declare their own)."""
+        catalog = self.service.config.catalog
+        tools = []
+        if catalog is not None:
+            for name in sorted(catalog.tools):
+                tool = catalog.tools[name]
+                schema = json.dumps(tool.parameters, indent=2, sort_keys=True)
+                tools.append({"name": name, "tool": tool, "schema": schema})
+        return _page(
+            "tools.html",
+            version=None if catalog is None else catalog.version,
+            tools=tools,
+            csrf=self.sessions.csrf(session),
+        )
+
     async def dead_letter_page(self, request: Request, session: str) -> Response:
         reason = request.query_params.get("reason", "").strip()[:400]
         cursor = request.query_params.get("cursor") or None
@@ -965,6 +981,7 @@ class Console:
             ),
             Route(f"{UI_PREFIX}/artifacts/{{ref}}", g(self.artifact), methods=["GET"]),
             Route(f"{UI_PREFIX}/dead-letters", g(self.dead_letter_page), methods=["GET"]),
+            Route(f"{UI_PREFIX}/tools", g(self.tools_page), methods=["GET"]),
             Route(f"{UI_PREFIX}/static/console.js", self.script, methods=["GET"]),
             Route(f"{UI_PREFIX}/static/console.css", self.style, methods=["GET"]),
         ]

@@ -2,8 +2,8 @@
 
 The size and nesting limits of request bodies and input records, `InvalidInputError`, and the
 two checks every submission passes: `submitted_task` (the core's decode bounds and
-`task_problem`, bigint range, UTF-8) and `encoded_input` (the record's bytes under the limit).
-Nothing here does I/O.
+`task_problem`, the operator's tool catalog when there is one, bigint range, UTF-8) and
+`encoded_input` (the record's bytes under the limit). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.processors.catalog import Catalog, catalog_problem, with_catalog_fields
 from agentruns.processors.events import RunSubmitted
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.processors.validation import task_problem
@@ -45,11 +46,17 @@ class InvalidInputError(AgentrunsError):
         self.errors = errors or []
 
 
-def submitted_task(fields: Mapping[str, Any], **ids: Any) -> RunSubmitted:
+def submitted_task(
+    fields: Mapping[str, Any], *, catalog: Catalog | None = None, **ids: Any
+) -> RunSubmitted:
     """The RunSubmitted of a task (its fields, `ids` the run_id, event_id, at, trace_id), or
     InvalidInputError: a field the submitter derives (the task schema, schemas/json, leaves
     them out), nested too deep, an integer a bigint cannot hold, outside the core's decode
-    bounds, refused by `agentruns.processors.validation.task_problem`, or not UTF-8."""
+    bounds, refused by `agentruns.processors.validation.task_problem`, or not UTF-8.
+
+    With the operator's `catalog`: a tool field the submitter left out is the catalog's, and
+    a task that widens what the catalog allows is refused
+    (`agentruns.processors.catalog.catalog_problem`), as the processor would fail its run."""
     derived = next((name for name in TASK_DERIVED_FIELDS if name in fields), None)
     if derived is not None:
         msg = f"`{derived}` is not a task field: the submitter derives it"
@@ -59,6 +66,9 @@ def submitted_task(fields: Mapping[str, Any], **ids: Any) -> RunSubmitted:
     big = _outsized_int(fields)
     if big is not None:
         raise InvalidInputError(f"invalid_input:integer_out_of_range: {big} is not a bigint")
+    tools = fields.get("tools")
+    if catalog is not None and isinstance(tools, list):
+        fields = {**fields, "tools": [with_catalog_fields(t, catalog) for t in tools]}
     try:
         event = RunSubmitted.model_validate({**fields, **ids})
     except msgspec.ValidationError as exc:
@@ -66,6 +76,8 @@ def submitted_task(fields: Mapping[str, Any], **ids: Any) -> RunSubmitted:
             f"invalid_input:task: {exc}", errors=_validation_detail(exc)
         ) from None
     problem = task_problem(event)
+    if problem is None and catalog is not None:
+        problem = catalog_problem(event.tools, event.policy, catalog)
     if problem is not None:
         raise InvalidInputError(problem)
     try:

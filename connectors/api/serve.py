@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse to start without AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET "
         "(also AGENTRUNS_ENV=production)",
     )
+    parser.add_argument(
+        "--registry",
+        default=current().tool_registry,
+        help="the tool registry whose catalog every task is held to (default"
+        " $AGENTRUNS_TOOL_REGISTRY); none: tasks declare their own tools",
+    )
     parser.add_argument("--log-level", default=current().log_level)
     return parser
 
@@ -63,6 +69,7 @@ def serving(config: ApiConfig) -> Iterator[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
+    from agentruns.connectors.catalog import configured_catalog
     from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
     from agentruns.connectors.logs import setup_logging
     from agentruns.connectors.postgres.migrate import migrate
@@ -70,12 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="api")
     tracing.configure_from_env("api")
+    catalog = configured_catalog(args.registry, component="api")
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
         config = ApiConfig.from_env(
-            ep.kafka_bootstrap, ep.database_url, prefix=args.prefix, production=args.production
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix=args.prefix,
+            production=args.production,
+            catalog=catalog,
         )
         app = create_app(config)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

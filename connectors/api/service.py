@@ -22,6 +22,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
@@ -308,6 +309,7 @@ class ApiService:
         try:
             event = submitted_task(
                 fields,
+                catalog=self.config.catalog,
                 run_id=run_id,
                 event_id=submit_event_id(run_id),
                 at=at,
@@ -410,6 +412,10 @@ class ApiService:
             },
             "cancel_requested": state.cancel_requested,
             "warnings": list(state.warnings),
+            # the operator's tool catalog the task was checked against (None: no catalog)
+            "catalog_version": None
+            if isinstance(state.catalog_version, msgspec.UnsetType)
+            else state.catalog_version,
             "operations": _operations(conn, run_id),
             "question": None,
             "result": None,

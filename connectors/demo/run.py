@@ -367,7 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             sup = Supervisor(log_dir, env)
             common = ("--prefix", prefix)
-            sup.add("processor", "agentruns.connectors.runtime.processor", *common)
+            sup.add(
+                "processor",
+                "agentruns.connectors.runtime.processor",
+                *common,
+                "--registry",
+                str(REGISTRY),
+            )
             sup.add(
                 "model-executor",
                 "agentruns.connectors.executors.model",

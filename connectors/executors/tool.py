@@ -19,8 +19,11 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   ToolCallTimedOut (the operation is UNKNOWN, never failed); a connection that could not be
   opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
   failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
-  :func:`error_for_status`. Each tool's auth, proxy and TLS come from the registry
-  (read by :mod:`agentruns.connectors.executors.tool_http`, carried by
+  :func:`error_for_status`. A tool the registry no longer has -> ToolCallFailed
+  ``unknown_tool``; one it marks ``approval_required`` whose call no person approved (the
+  operation's ``policy_decision``) -> ToolCallFailed PERMISSION_DENIED ``not_approved``: the
+  registry as it is at call time is the catalog (docs/tools.md). Each tool's auth, proxy and
+  TLS come from the registry (read by :mod:`agentruns.connectors.executors.tool_http`, carried by
   :mod:`agentruns.connectors.executors.http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
   not_executed (safe to resend with the same key), anything else = undeterminable.
@@ -470,6 +473,17 @@ class ToolHandler:
                 message=f"{op.tool} is not in tool registry {self.registry.version}",
             )
             return Outcome(event, detail="unknown tool")
+        if entry.approval_required and op.policy_decision != "approved":
+            # the registry is the catalog as it is now: a tool it puts under approval since the
+            # run was submitted is not called on a decision no person made
+            event = ToolCallFailed(
+                **ids,
+                error_class=ErrorClass.PERMISSION_DENIED,
+                error_code="not_approved",
+                message=f"{op.tool} requires a person's approval in tool registry "
+                f"{self.registry.version}; this call was not approved",
+            )
+            return Outcome(event, detail="not approved")
         try:
             arguments = json.loads(op.arguments_json)
         except ValueError:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
+from agentruns.connectors.catalog import catalog_of
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
@@ -32,6 +33,7 @@ from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.sink import Sink, SinkConfig
 from agentruns.connectors.runtime.timers import TimerService
 from agentruns.connectors.settings import current
+from agentruns.processors.catalog import Catalog
 from agentruns.streams import tracing
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
@@ -59,11 +61,15 @@ class Monolith:
         self._closers: list[Callable[[], object]] = []
         store = PostgresArtifactStore(database_url)
         self._closers.append(store.close)
+        # the registry the tool executor calls is also the catalog tasks are held to
+        self.catalog = catalog_of(registry)
+        log.info("tool catalog %s (%d tools)", self.catalog.version, len(self.catalog.tools))
         self.processor = Processor(
             ProcessorConfig(
                 bootstrap=bootstrap,
                 prefix=prefix,
                 store_dir=str(current().processor_store_dir()),
+                catalog=self.catalog,
             ),
             store.put_many,
         )
@@ -162,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tool_base_url=tool_url,
         )
         monolith.start()
-        api = _start_api(ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port)
+        api = _start_api(
+            ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port, monolith.catalog
+        )
         if "testcontainers" in (ep.kafka_source, ep.postgres_source):
             # The client commands find a local stack in the state directory, not containers.
             print(
@@ -187,14 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start_api(
-    bootstrap: str, database_url: str, prefix: str, port: int
+    bootstrap: str, database_url: str, prefix: str, port: int, catalog: Catalog
 ) -> Callable[[], None] | None:
     """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
     import uvicorn
     from agentruns.connectors.api.config import ApiConfig
     from agentruns.connectors.api.http import create_app
 
-    app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix))
+    app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix, catalog=catalog))
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from agentruns.connectors import health
+from agentruns.connectors.catalog import configured_catalog
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the previous one while a new rule set rolls out, so a rollback stays possible "
         "(docs/operations.md)",
     )
+    p.add_argument(
+        "--registry",
+        default=current().tool_registry,
+        help="the tool registry whose catalog every new run's task is held to (default"
+        " $AGENTRUNS_TOOL_REGISTRY); none: tasks declare their own tools (docs/tools.md)",
+    )
     health.add_arguments(p)
     p.add_argument("--log-level", default=current().log_level)
     return p
@@ -103,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(versions.UnknownRulesVersionError(args.rules_version)))
     setup_logging(args.log_level, component="processor")
     tracing.configure_from_env("processor")
+    catalog = configured_catalog(args.registry, component="processor")
     stop = stop_on_signals()
     from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
@@ -132,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 store_dir=args.store_dir or str(current().processor_store_dir()),
                 rules_version=args.rules_version,
+                catalog=catalog,
             )
             tune_gc()
             tune_switch_interval()

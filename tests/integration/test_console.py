@@ -37,7 +37,13 @@ HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 
 def test_every_page_refuses_without_a_session_and_the_api_refuses_a_session(stack: Stack) -> None:
     run_id = stack.submit(f"console-anon-{uuid.uuid4().hex}")
-    pages = ["/ui/runs", f"/ui/runs/{run_id}", "/ui/dead-letters", "/ui/artifacts/sha256:00"]
+    pages = [
+        "/ui/runs",
+        f"/ui/runs/{run_id}",
+        "/ui/dead-letters",
+        "/ui/tools",
+        "/ui/artifacts/sha256:00",
+    ]
     forms = [f"/ui/runs/{run_id}/reply", f"/ui/runs/{run_id}/cancel", "/ui/logout"]
     forged = {"agentruns_console": "99999999999999.nonce.forged"}
     for cookies in ({}, forged):

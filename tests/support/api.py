@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
+from agentruns.processors.catalog import Catalog
 from agentruns.processors.effects import CallModel, CallTool, CancelTool, Reconcile
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -179,11 +180,16 @@ class Stack:
 
 
 @contextmanager
-def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
-    """Processor + sink + executor double + API for one topic prefix."""
+def pipeline(
+    bootstrap: str, database_url: str, *, catalog: Catalog | None = None
+) -> Iterator[Stack]:
+    """Processor + sink + executor double + API for one topic prefix; with `catalog`, the
+    processor and the API hold tasks to it."""
     prefix = f"t-api-{uuid.uuid4().hex[:10]}"
     ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
-    config = ProcessorConfig(bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc")
+    config = ProcessorConfig(
+        bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc", catalog=catalog
+    )
     double = ScriptedDouble(bootstrap, prefix)
     api = ApiConfig(
         bootstrap=bootstrap,
@@ -192,6 +198,7 @@ def pipeline(bootstrap: str, database_url: str) -> Iterator[Stack]:
         secret=SECRET,
         prefix=prefix,
         operator_tokens={OPERATOR_TOKEN: OPERATOR},
+        catalog=catalog,
     )
     with running_processor(config, database_url):
         double.start()

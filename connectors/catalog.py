@@ -1,0 +1,93 @@
+"""The operator's tool catalog, made from the tool registry (docs/tools.md, "Tool catalog").
+
+The processor, the API and `agentruns run` hold every task to the catalog of the registry they
+are given (``--registry``, else the ``tool_registry`` setting, ``AGENTRUNS_TOOL_REGISTRY``); with
+none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`, whatever
+the registry's tools came from, never from its file directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from agentruns.connectors.executors.tool import ToolRegistry, registry_from_args
+from agentruns.processors.catalog import Catalog, CatalogTool
+
+log = logging.getLogger("agentruns.catalog")
+
+#: What a process without a catalog logs when it starts.
+NO_CATALOG = "no tool catalog: tasks declare their own tools"
+
+
+def catalog_of(registry: ToolRegistry) -> Catalog:
+    """The catalog of ``registry``: its tools as the operator declares them, under the
+    registry's version plus a hash of that content."""
+    tools = {
+        name: CatalogTool(
+            parameters=dict(entry.parameters),
+            permission=entry.permission,
+            approval_required=entry.approval_required,
+            idempotent=entry.idempotent,
+            is_async=entry.is_async,
+        )
+        for name, entry in registry.tools.items()
+    }
+    return Catalog.of(registry.version, tools)
+
+
+def configured_catalog(path: Path | str | None, *, component: str) -> Catalog | None:
+    """The catalog of the registry at ``path`` (ExecutorError when it cannot be read), or None
+    without one; either way logged once, at start."""
+    if path is None or str(path) == "":
+        log.info("%s: %s", component, NO_CATALOG)
+        return None
+    catalog = catalog_of(registry_from_args(str(path)))
+    log.info(
+        "%s: tool catalog %s (%d tools) from %s",
+        component,
+        catalog.version,
+        len(catalog.tools),
+        path,
+    )
+    return catalog
+
+
+def catalog_rows(registry: ToolRegistry, catalog: Catalog) -> list[dict[str, object]]:
+    """The catalog's tools as `agentruns tools list` and the console show them, by name."""
+    rows: list[dict[str, object]] = []
+    for name in sorted(catalog.tools):
+        tool, entry = catalog.tools[name], registry.tools.get(name)
+        rows.append(
+            {
+                "name": name,
+                "permission": tool.permission,
+                "approval_required": tool.approval_required,
+                "idempotent": tool.idempotent,
+                "is_async": tool.is_async,
+                "backend": "" if entry is None else f"{entry.method} {entry.endpoint}",
+                "parameters": tool.parameters,
+            }
+        )
+    return rows
+
+
+def format_listing(version: str, rows: list[dict[str, object]]) -> str:
+    """The text of `agentruns tools list`: the catalog version, then one line per tool."""
+    head = ("name", "permission", "approval", "idempotent", "async", "backend")
+    table = [head] + [
+        (
+            str(r["name"]),
+            str(r["permission"]),
+            "required" if r["approval_required"] else "-",
+            "yes" if r["idempotent"] else "no",
+            "yes" if r["is_async"] else "no",
+            str(r["backend"]),
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
+    ]
+    return "\n".join([f"tool catalog {version} ({len(rows)} tools)", *lines])

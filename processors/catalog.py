@@ -1,0 +1,148 @@
+"""The operator's tool catalog: what a task may declare about a tool (pure, no I/O).
+
+A task carries its own tool list (`ToolSpec`) and policy. With a catalog configured, a task may
+only narrow what the catalog allows (docs/tools.md, "Tool catalog"):
+
+- every tool it declares is in the catalog (``tool_not_in_catalog``);
+- a tool's ``permission`` is the catalog's or a stricter one (read < write < admin); a
+  permission outside that ranking must equal the catalog's;
+- its ``parameters`` schema is the catalog's, canonical JSON equal (a task cannot loosen a
+  schema, and telling a stricter one from a looser one is not decidable in general);
+- ``idempotent`` and ``is_async`` are the catalog's (they decide resends and polling);
+- a tool the catalog marks ``approval_required`` is under approval in the task's policy: its
+  declared permission is in ``policy.approval_required``. A task that leaves it out is refused
+  rather than widened, so what a run does follows from its task and the stamped check alone.
+
+The doors that can see what a submitter omitted (the API's JSON, the client's dicts) first fill
+an omitted tool field from the catalog (`with_catalog_fields`); the core compares what it
+receives. `catalog_problem` never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from agentruns.processors.events import CatalogCheck, RunSubmitted
+from agentruns.processors.ids import canonical_json
+from agentruns.processors.limits import Id
+from agentruns.processors.state import Frozen, Policy, ToolSpec
+
+#: Permission names by strictness: a tool declared with a higher rank is narrower.
+PERMISSION_RANK: dict[str, int] = {"read": 0, "write": 1, "admin": 2}
+#: The ToolSpec fields a door fills from the catalog when the submitter left them out.
+FILLED_FIELDS = ("parameters", "permission", "idempotent", "is_async")
+# Reasons are capped like the core's other invalid_input reasons.
+_MAX_REASON = 300
+# The registry's own label is cut to this before the content hash is added (an id's bound).
+_MAX_LABEL = 200
+
+
+class CatalogTool(Frozen, frozen=True, kw_only=True, gc=False):
+    """What the operator allows of one tool."""
+
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+    permission: Id = "read"
+    approval_required: bool = False
+    idempotent: bool = True
+    is_async: bool = False
+
+
+class Catalog(Frozen, frozen=True, kw_only=True, gc=False):
+    """The tools a task may use, by name, under a version that changes with any of them."""
+
+    version: Id
+    tools: dict[str, CatalogTool]
+
+    @classmethod
+    def of(cls, label: str, tools: Mapping[str, CatalogTool]) -> Catalog:
+        """A catalog whose version is ``label`` plus a short hash of its content, so an edited
+        registry whose own version was not bumped is still a new catalog version."""
+        content = canonical_json({name: tools[name].model_dump() for name in sorted(tools)})
+        digest = hashlib.sha256(content.encode()).hexdigest()[:12]
+        return cls(version=f"{label[:_MAX_LABEL]}+{digest}", tools=dict(tools))
+
+
+def catalog_problem(tools: tuple[ToolSpec, ...], policy: Policy, catalog: Catalog) -> str | None:
+    """Why a task's tools and policy widen what ``catalog`` allows
+    (``invalid_input:<what>: <tool>: <field> ...``), or None. The first problem, in the
+    task's tool order."""
+    for spec in tools:
+        allowed = catalog.tools.get(spec.name)
+        if allowed is None:
+            return _reason(f"invalid_input:tool_not_in_catalog: {spec.name}")
+        problem = _tool_problem(spec, allowed, policy)
+        if problem is not None:
+            return _reason(f"invalid_input:tool_differs_from_catalog: {spec.name}: {problem}")
+    return None
+
+
+def _tool_problem(spec: ToolSpec, allowed: CatalogTool, policy: Policy) -> str | None:
+    if spec.permission != allowed.permission:
+        mine, theirs = PERMISSION_RANK.get(spec.permission), PERMISSION_RANK.get(allowed.permission)
+        if mine is None or theirs is None:
+            return f"permission {spec.permission} differs from the catalog's {allowed.permission}"
+        if mine < theirs:
+            return f"permission {spec.permission} is wider than the catalog's {allowed.permission}"
+    if canonical_json(spec.parameters) != canonical_json(allowed.parameters):
+        return "parameters differ from the catalog's schema"
+    for name in ("idempotent", "is_async"):
+        mine_flag, theirs_flag = getattr(spec, name), getattr(allowed, name)
+        if mine_flag != theirs_flag:
+            return f"{name} {_flag(mine_flag)} differs from the catalog's {_flag(theirs_flag)}"
+    if allowed.approval_required and spec.permission not in policy.approval_required:
+        return (
+            "approval_required: the catalog requires a person's approval of every call; "
+            f"policy.approval_required must list its permission {spec.permission}"
+        )
+    return None
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _reason(text: str) -> str:
+    return text[:_MAX_REASON]
+
+
+def check(event: RunSubmitted, catalog: Catalog) -> CatalogCheck:
+    """The submission held against ``catalog``: its version and its refusal, if any."""
+    try:
+        problem = catalog_problem(event.tools, event.policy, catalog)
+    except Exception as exc:  # a schema canonical JSON cannot write (never in a decoded task)
+        problem = _reason(f"invalid_input:tool_schema: {type(exc).__name__}")
+    return CatalogCheck(version=catalog.version, problem=problem)
+
+
+def stamped(event: RunSubmitted, catalog: Catalog | None) -> RunSubmitted:
+    """The submission as the processor applies and logs it: with the check against its
+    catalog, whatever the producer wrote; without one when it has no catalog."""
+    value: CatalogCheck | msgspec.UnsetType = (
+        msgspec.UNSET if catalog is None else check(event, catalog)
+    )
+    if event.catalog == value:
+        return event
+    return event.model_copy(update={"catalog": value})
+
+
+def refusal(event: RunSubmitted) -> str | None:
+    """The catalog's refusal the processor stamped on a submission, or None."""
+    stamp = event.catalog
+    return None if isinstance(stamp, msgspec.UnsetType) else stamp.problem
+
+
+def with_catalog_fields(tool: Any, catalog: Catalog) -> Any:
+    """A task's tool as a door received it (a parsed JSON object), with each field of
+    `FILLED_FIELDS` the submitter left out taken from the catalog; anything else (not an
+    object, a name the catalog lacks) is returned as it came, for the checks to refuse."""
+    if not isinstance(tool, Mapping):
+        return tool
+    name = tool.get("name")
+    allowed = catalog.tools.get(name) if isinstance(name, str) else None
+    if allowed is None:
+        return tool
+    declared = allowed.model_dump()
+    return {**{f: declared[f] for f in FILLED_FIELDS if f not in tool}, **tool}
