@@ -123,6 +123,10 @@ def _events(body: bytes) -> tuple[list[Any], str | None]:
 
 def validate_call_result(result: Mapping[str, Any]) -> str | None:
     """None when ``result`` is a ``CallToolResult`` by the SDK's types, else why not."""
+    if not isinstance(result.get("isError", False), bool):  # pydantic would take "yes"
+        return "bad_result: isError is not a boolean"
+    if not isinstance(result.get("structuredContent", {}), dict):
+        return "bad_result: structuredContent is not an object"
     try:
         CallToolResult.model_validate(result, by_name=False)
     except ValidationError as exc:
