@@ -102,6 +102,8 @@ def parse_answer(answer: Answer, request_id: int) -> Reply:
         if isinstance(error, dict) and "code" in message["error"]:
             return Reply("error", error, answer.status, list_changed=list_changed)
         return Reply("invalid", detail="not_jsonrpc", status=answer.status)
+    if content_type == "text/event-stream":  # the stream ended before the answer: unknown
+        return Reply("unknown", detail="stream ended without the answer", status=answer.status)
     return Reply("invalid", detail="no_response", status=answer.status, list_changed=list_changed)
 
 

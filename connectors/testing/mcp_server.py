@@ -41,7 +41,7 @@ from typing import Any
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations
+from mcp_types import ToolAnnotations, ToolListChangedNotification
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -138,7 +138,10 @@ def build(state: ServerState) -> MCPServer:
                 return "x" * max(fault.size, 0)
             case "tools_changed":
                 _add_archive(server)
-                await ctx.request_context.session.send_tool_list_changed()
+                # on this request's stream, so a client without a GET stream hears it too
+                await ctx.request_context.session.send_notification(
+                    ToolListChangedNotification(), related_request_id=ctx.request_context.request_id
+                )
         return None
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))

@@ -294,7 +294,7 @@ def test_answers_as_json_or_as_an_event_stream() -> None:
         (b'{"jsonrpc":"2.0","id":7,"result":[1]}', "application/json", "not_jsonrpc"),
         (b'{"jsonrpc":"2.0","id":7,"error":"bad"}', "application/json", "not_jsonrpc"),
         (b"[1, 2]", "application/json", "not_jsonrpc"),
-        (b"", "text/event-stream", "no_response"),
+        (b'{"jsonrpc":"2.0","method":"notifications/x"}', "application/json", "no_response"),
         (b"data: [[[[" + b"[" * 200 + b"\n\n", "text/event-stream", "not_json"),
         (b"[" * 100 + b"]" * 100, "application/json", "too_deep"),
         (b"<html>", "text/html", "content_type:text/html"),
@@ -311,4 +311,9 @@ def test_answers_that_are_no_answer_to_the_request_are_invalid(
 @given(st.binary(max_size=400), st.sampled_from(["application/json", "text/event-stream"]))
 def test_any_bytes_make_a_reply_and_never_raise(body: bytes, content_type: str) -> None:
     reply = parse_answer(_answer(body, content_type), 1)
-    assert reply.kind in ("result", "error", "invalid")
+    assert reply.kind in ("result", "error", "invalid", "unknown")
+
+
+def test_an_event_stream_that_ends_before_the_answer_is_an_unknown_outcome() -> None:
+    reply = parse_answer(_answer(b": ping\n\n", "text/event-stream"), 7)
+    assert reply.kind == "unknown"
