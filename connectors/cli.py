@@ -133,6 +133,10 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
         "agentruns.connectors.testing.tool_server",
         "run the example tool server",
     ),
+    ("dev", "mcp-server"): (
+        "agentruns.connectors.testing.mcp_server",
+        "run the example MCP tool server",
+    ),
     ("bench", "core"): ("agentruns.bench.core", "fold events through the pure core"),
     ("bench", "processor"): ("agentruns.bench.processor", "the processor against the real broker"),
     ("bench", "executors"): ("agentruns.bench.executors", "tool calls through the tool executor"),

@@ -959,6 +959,10 @@ class Executor:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            closing = getattr(self.handler, "aclose", None)  # sessions ended on their loop
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(closing(), 5)
             self.handler.close()
             for _ in range(2):  # a closed transport lets its socket go on the next iteration
                 await asyncio.sleep(0)

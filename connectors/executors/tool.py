@@ -52,7 +52,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,20 @@ from agentruns.connectors.executors.loop import (
     config_from_args,
     run_until_signal,
 )
-from agentruns.connectors.executors.tool_http import parse_connectivity
+from agentruns.connectors.executors.mcp_client import Reply, validate_call_result
+from agentruns.connectors.executors.mcp_rules import (
+    KEY_META,
+    RUN_META,
+    SEPARATOR,
+    MCPServerSpec,
+    output_of,
+    parse_mcp_servers,
+    rpc_error_class,
+    status_class,
+    text_of,
+)
+from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
+from agentruns.connectors.executors.tool_mcp import MCPTools, discover
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
 from agentruns.processors.events import (
@@ -143,16 +156,22 @@ class ToolEntry:
     limits: RouteLimits = NO_LIMITS
     # a person approves every call of this tool, whatever the task's policy says
     approval_required: bool = False
+    # "http" (this module's convention) or "mcp" (a tool an MCP server listed: docs/tools.md)
+    backend: str = "http"
+    mcp_server: str | None = None  # the registry's name of the MCP server
+    mcp_tool: str | None = None  # the tool's name at that server
 
 
 @dataclass(frozen=True)
 class ToolRegistry:
-    """The tool registry file (JSON): ``version``, ``base_url``, ``tools``."""
+    """The tool registry file (JSON): ``version``, ``base_url``, ``tools``, ``mcp_servers``
+    (MCP servers whose tools the tool executor lists: docs/tools.md)."""
 
     version: str
     base_url: str
     tools: Mapping[str, ToolEntry]
     path: str = ""
+    mcp_servers: Mapping[str, MCPServerSpec] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path | str) -> ToolRegistry:
@@ -181,9 +200,21 @@ class ToolRegistry:
                     limits=_limits(t),
                     approval_required=_flag(t, "approval_required", False),
                 )
-                for t in data["tools"]
+                for t in data.get("tools", [])
             }
-            return cls(str(data.get("version", "unversioned")), data.get("base_url", ""), tools)
+            servers = parse_mcp_servers(data, f"tool registry {path}", defaults)
+            clash = sorted(t for t in tools if t.partition(SEPARATOR)[0] in servers)
+            if clash:
+                raise ExecutorError(
+                    f"invalid tool registry {path}: HTTP tools {clash} are named like the tools"
+                    " of an MCP server (<server>__<tool>)"
+                )
+            return cls(
+                str(data.get("version", "unversioned")),
+                data.get("base_url", ""),
+                tools,
+                mcp_servers=servers,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ExecutorError(f"invalid tool registry {path}: {exc!r}") from exc
 
@@ -319,7 +350,7 @@ class ToolHandler:
     ) -> None:
         self.registry = registry
         self.base_url = (base_url or registry.base_url).rstrip("/")
-        if not self.base_url:
+        if not self.base_url and registry.tools:
             raise ExecutorError(
                 "no tool base URL", hint="set base_url in the registry or --base-url"
             )
@@ -329,6 +360,20 @@ class ToolHandler:
         self.connect_timeout_s = connect_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self._http = KeepAliveHTTP(connect_timeout_s, max_body_bytes)
+        self.mcp = MCPTools(
+            registry.mcp_servers, self._http, registry.tools.__contains__, ToolEntry
+        )
+        if registry.mcp_servers:  # listed now, so the first calls find their tools
+            self.mcp.seed(*discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry))
+
+    def tools(self) -> dict[str, ToolEntry]:
+        """Every tool this executor runs now: the registry's HTTP tools and the tools its MCP
+        servers listed."""
+        return {**self.mcp.entries, **self.registry.tools}
+
+    async def aclose(self) -> None:
+        """End the MCP sessions (on the executor's event loop, before :meth:`close`)."""
+        await self.mcp.close()
 
     def close(self) -> None:
         self._http.close()
@@ -344,7 +389,10 @@ class ToolHandler:
                 tool = effect.tool
             case _:
                 tool = ""
-        return tool if tool in self.registry.tools else ""
+        if tool in self.registry.tools or tool in self.mcp.entries:
+            return tool
+        server = self.mcp.server_of(tool)  # a tool its server has not listed (yet)
+        return "" if server is None else f"mcp:{server.name}"
 
     def limits(self, route: str) -> RouteLimits:
         entry = self._entry(route)
@@ -406,18 +454,14 @@ class ToolHandler:
             body=body,
             conn=entry.conn,
         )
-        if not entry.conn.secrets:
-            return answer
-        scrubbed = answer.body
-        for secret in entry.conn.secrets:
-            value = secret.reveal().encode()
-            if value in scrubbed:
-                scrubbed = scrubbed.replace(value, b"[redacted]")
-        return replace(answer, body=scrubbed, detail=entry.conn.redact(answer.detail))
+        return scrub_answer(answer, entry.conn)
 
     # ------------------------------------------------------------------ dispatch
 
     async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
+        tool = _tool_of(effect)
+        if self.mcp.server_of(tool) is not None and tool not in self.registry.tools:
+            return await self._execute_mcp(effect, previous)
         match effect:
             case CallTool():
                 if previous is not None and previous.status == "started":
@@ -445,7 +489,7 @@ class ToolHandler:
         return url
 
     def _entry(self, tool: str) -> ToolEntry | None:
-        return self.registry.tools.get(tool)
+        return self.registry.tools.get(tool) or self.mcp.entries.get(tool)
 
     def _url(self, template: str, key: str) -> str:
         path = template.replace("{key}", quote(key, safe=""))
@@ -724,6 +768,185 @@ class ToolHandler:
         if answer.status in (200, 404):
             return Outcome(CancelConfirmed(**ids), detail=detail)
         return Outcome(CancelUnconfirmed(**ids), detail=detail)
+
+    # ------------------------------------------------------------------ MCP tools
+
+    async def _execute_mcp(self, effect: Effect, previous: ActionRecord | None) -> Outcome:
+        """A tool effect of an MCP server's tool (docs/tools.md)."""
+        match effect:
+            case CallTool():
+                entry, problem = await self.mcp.entry(effect.operation.tool)
+                if previous is not None and previous.status == "started":
+                    return await self._resume_mcp(effect, entry, problem)
+                return await self._call_mcp(effect, entry, problem)
+            case Reconcile():
+                return await self._reconcile_mcp(effect)
+            case PollTool():
+                ids = self._ids(effect, effect.operation_key, effect.dispatch)
+                event: Event = ToolCallFailed(
+                    **ids,
+                    error_class=ErrorClass.UNKNOWN,
+                    error_code="not_pollable",
+                    message="an MCP tool's call is answered in its request; it has no status",
+                )
+                return Outcome(event, detail="poll of an MCP tool")
+            case CancelTool():
+                return await self._cancel_mcp(effect)
+            case _:
+                raise ExecutorError(f"not a tool effect: {effect.type}")
+
+    async def _resume_mcp(self, effect: CallTool, entry: ToolEntry | None, problem: str) -> Outcome:
+        """A started MCP call without a result (a crash between the call and its answer): an
+        MCP server has no look-up by key, so only an idempotent tool is called again; any other
+        is answered timed out (the core reconciles: undeterminable, a person decides)."""
+        op = effect.operation
+        if entry is not None and entry.idempotent:
+            outcome = await self._call_mcp(effect, entry, problem)
+            return replace(outcome, detail=f"resumed (idempotent): {outcome.detail}")
+        ids = self._ids(effect, op.key, op.dispatch)
+        return Outcome(ToolCallTimedOut(**ids), detail="resumed after a crash: no MCP look-up")
+
+    async def _call_mcp(self, effect: CallTool, entry: ToolEntry | None, problem: str) -> Outcome:
+        op = effect.operation
+        ids = self._ids(effect, op.key, op.dispatch)
+        if entry is None or entry.mcp_server is None or entry.mcp_tool is None:
+            server = self.mcp.server_of(op.tool)
+            if server is not None and problem:  # its server could not be asked: nothing sent
+                event: Event = ToolCallFailed(
+                    **ids,
+                    error_class=ErrorClass.TRANSIENT,
+                    error_code="connect_failed",
+                    message=f"MCP server {server.name}: {problem}"[:500],
+                )
+                return Outcome(event, detail=problem)
+            event = ToolCallFailed(
+                **ids,
+                error_class=ErrorClass.UNKNOWN,
+                error_code="unknown_tool",
+                message=f"{op.tool} is not a tool its MCP server lists",
+            )
+            return Outcome(event, detail="unknown MCP tool")
+        try:
+            arguments = json.loads(op.arguments_json)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):  # MCP arguments are an object
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.UNKNOWN, error_code="invalid_arguments_json"
+            )
+            return Outcome(event, detail="arguments are not a JSON object")
+        meta = {KEY_META: op.key, RUN_META: effect.run_id}
+        if op.expected_version is not None:
+            meta["agentruns/expected_version"] = op.expected_version
+        params = {"name": entry.mcp_tool, "arguments": arguments, "_meta": meta}
+        session = self.mcp.session(entry.mcp_server)
+        reply = await session.request("tools/call", params, entry.timeout_ms / 1000, op.key)
+        if reply.list_changed:
+            self.mcp.stale(entry.mcp_server)
+        return self._mcp_outcome(effect, ids, entry, arguments, reply)
+
+    def _mcp_outcome(
+        self,
+        effect: CallTool,
+        ids: dict[str, Any],
+        entry: ToolEntry,
+        arguments: Any,
+        reply: Reply,
+    ) -> Outcome:
+        """The answer to a ``tools/call`` by what came of it (docs/tools.md, "Errors")."""
+        detail = f"MCP {reply.kind}" + (f": {reply.detail}" if reply.detail else "")
+        detail = entry.conn.redact(detail)[:500]
+        event: Event
+        if reply.kind == "result":
+            problem = validate_call_result(reply.value)
+            if problem is not None:
+                return self.failure(effect, "invalid_output:bad_result", problem)
+            if reply.value.get("isError") is True:
+                message = entry.conn.redact(text_of(reply.value.get("content")))[:500]
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code="tool_error", message=message
+                )
+                return Outcome(event, detail="MCP isError")
+            output = output_of(reply.value)
+            outcome = self._succeeded(
+                effect, ids, effect.operation.tool, arguments, output, reply.status
+            )
+            return replace(outcome, detail="MCP result")
+        if reply.kind == "error":
+            error_class, code = rpc_error_class(reply.value.get("code"))
+            message = entry.conn.redact(str(reply.value.get("message", "")))[:500]
+            event = ToolCallFailed(**ids, error_class=error_class, error_code=code, message=message)
+            return Outcome(event, detail=detail)
+        if reply.kind == "tls":
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.UNKNOWN, error_code="tls_failed", message=detail
+            )
+            return Outcome(event, detail=detail)
+        if reply.kind == "too_large":
+            return self.failure(effect, "invalid_output:too_large", detail)
+        if reply.kind == "invalid" and reply.sent:
+            what = reply.detail.split(":")[0] or "not_jsonrpc"
+            return self.failure(effect, f"invalid_output:{what}", detail)
+        if reply.kind == "cancelled":
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.UNKNOWN, error_code="cancelled", message=detail
+            )
+            return Outcome(event, detail=detail)
+        if reply.kind == "status":
+            error = status_class(reply.status, entry.idempotent)
+            if error is not None:
+                error_class, code = error
+                if not reply.sent and error_class is ErrorClass.UNKNOWN:
+                    error_class, code = ErrorClass.TRANSIENT, f"session_failed:{code}"
+                event = ToolCallFailed(
+                    **ids, error_class=error_class, error_code=code, message=detail
+                )
+                throttle = DEFAULT_THROTTLE_S if error_class is ErrorClass.RATE_LIMIT else None
+                return Outcome(event, detail=detail, throttle_s=throttle)
+            if not reply.sent:
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.TRANSIENT, error_code="session_failed",
+                    message=detail,
+                )  # fmt: skip
+                return Outcome(event, detail=detail)
+            return Outcome(ToolCallTimedOut(**ids), detail=detail)
+        if not reply.sent or reply.kind in ("not_sent", "session_lost"):
+            # nothing of the call reached the tool: the core resends it with the same key
+            code = "connect_failed" if reply.kind == "not_sent" else "session_failed"
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.TRANSIENT, error_code=code, message=detail
+            )
+            return Outcome(event, detail=detail)
+        # "unknown": sent, and no answer by the deadline (or the connection was lost)
+        return Outcome(ToolCallTimedOut(**ids), detail=detail)
+
+    async def _reconcile_mcp(self, effect: Reconcile) -> Outcome:
+        """No look-up by key at an MCP server: an idempotent tool's call may be sent again
+        (``not_executed``: the core resends it); any other's outcome a person decides."""
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        entry, _ = await self.mcp.entry(effect.tool)
+        if entry is not None and entry.idempotent:
+            event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.NOT_EXECUTED)
+            return Outcome(event, detail="MCP tool is idempotent: safe to resend")
+        event = ReconcileCompleted(**ids, outcome=ReconcileOutcome.UNDETERMINABLE)
+        return Outcome(event, detail="MCP tool has no look-up and is not idempotent")
+
+    async def _cancel_mcp(self, effect: CancelTool) -> Outcome:
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        server = self.mcp.server_of(effect.tool)
+        assert server is not None
+        state = await self.mcp.session(server.name).cancel(
+            effect.operation_key, self.lookup_timeout_s
+        )
+        if state == "never_sent":
+            return Outcome(CancelConfirmed(**ids), detail="cancel: the call was never sent")
+        return Outcome(CancelUnconfirmed(**ids), detail=f"cancel: {state}")
+
+
+def _tool_of(effect: Effect) -> str:
+    if isinstance(effect, CallTool):
+        return effect.operation.tool
+    return str(getattr(effect, "tool", ""))
 
 
 def _op_of(effect: Effect) -> tuple[str, int]:

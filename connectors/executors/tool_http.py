@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from agentruns.connectors.executors.base import ExecutorError
-from agentruns.connectors.executors.http import Connectivity, Secret
+from agentruns.connectors.executors.http import Answer, Connectivity, Secret
 
 
 def _read_secret(spec: Mapping[str, Any], stem: str, where: str) -> Secret:
@@ -101,4 +102,17 @@ def parse_connectivity(
     return Connectivity(header, cert_file, key_file, ca_file, verify, proxy, tuple(secrets))
 
 
-__all__ = ["parse_connectivity"]
+def scrub_answer(answer: Answer, conn: Connectivity) -> Answer:
+    """``answer`` without any of the backend's secrets, whatever it echoed: its body becomes
+    artifacts and messages, its detail action records and logs."""
+    if not conn.secrets:
+        return answer
+    scrubbed = answer.body
+    for secret in conn.secrets:
+        value = secret.reveal().encode()
+        if value in scrubbed:
+            scrubbed = scrubbed.replace(value, b"[redacted]")
+    return replace(answer, body=scrubbed, detail=conn.redact(answer.detail))
+
+
+__all__ = ["parse_connectivity", "scrub_answer"]

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 from agentruns.connectors.catalog import catalog_of
@@ -136,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-port", type=int, default=8080)
     parser.add_argument("--log-level", default=current().log_level)
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.dev_servers and not args.registry:
+    dev_registry = args.dev_servers and not args.registry
+    if dev_registry:
         from agentruns.connectors.testing import tool_server
 
         args.registry = str(tool_server.DEFAULT_REGISTRY)
@@ -154,11 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
         model_url = tool_url = None
         if args.dev_servers:
-            from agentruns.connectors.testing import model_server, tool_server
+            from agentruns.connectors.executors.mcp_rules import parse_mcp_servers
+            from agentruns.connectors.testing import mcp_server, model_server, tool_server
 
             model_url = resources.enter_context(model_server.serve("127.0.0.1", 0)).url
             tool_url = resources.enter_context(tool_server.serve("127.0.0.1", 0)).url
-            log.info("dev servers: model %s, tools %s", model_url, tool_url)
+            mcp_url = resources.enter_context(mcp_server.serve("127.0.0.1", 0)).url
+            log.info("dev servers: model %s, tools %s, MCP %s", model_url, tool_url, mcp_url)
+            if dev_registry:  # the example MCP server's tools join the example registry
+                entry = {"mcp_servers": [mcp_server.dev_registry_entry(mcp_url)]}
+                servers = parse_mcp_servers(entry, "the dev registry")
+                registry = replace(registry, mcp_servers={**registry.mcp_servers, **servers})
         monolith = Monolith(
             ep.kafka_bootstrap,
             ep.database_url,

@@ -1,0 +1,292 @@
+"""Example MCP tool server (streamable HTTP, built on the MCP SDK's ``MCPServer``) with fault
+injection. Used by ``agentruns run --dev-servers``, the MCP executor tests and the docs.
+
+Tools (names as the server lists them; the executor names them ``<server>__<tool>``):
+
+- ``lookup_order`` (``readOnlyHint``): an order's status and amount, structured output;
+- ``refund_order`` (``destructiveHint``, not idempotent): refunds an order; every execution
+  is counted per idempotency key (the request's ``_meta["agentruns/idempotency_key"]``), so a
+  test can prove that no key was executed twice;
+- ``set_order_note`` (``idempotentHint``, not destructive): sets an order's note; a repeat
+  with the same note changes nothing.
+
+Admin routes (plain HTTP beside the MCP endpoint ``/mcp``): ``GET /stats`` (calls and
+executions per key, fault counts), ``POST /faults`` with ``{"target": tool or "*", "kind":
+..., "times": n or null, "delay_ms": ..., "size": ...}``, ``DELETE /faults``. Fault kinds:
+``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in the middle of
+the call, after counting the call and before answering), ``error`` (an ``isError`` result,
+nothing executed), ``huge`` (a text block of ``size`` bytes), ``tools_changed`` (the call
+adds the tool ``archive_order`` to the list and tells the client: ``notifications/tools/
+list_changed``). With ``--counts-file`` every call and execution is appended to a file and
+read back at start, so the counts survive a crash.
+
+    python -m agentruns.connectors.testing.mcp_server --port 8702
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations, ToolListChangedNotification
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+DEFAULT_PORT = 8702
+KEY_META = "agentruns/idempotency_key"
+RUN_META = "agentruns/run_id"
+FAULT_KINDS = frozenset({"slow", "crash", "error", "huge", "tools_changed"})
+HUGE_BYTES = 1024 * 1024
+MAX_DELAY_MS = 60_000
+
+
+@dataclass
+class Fault:
+    target: str
+    kind: str
+    times: int | None = 1
+    delay_ms: float = 200.0
+    size: int = HUGE_BYTES
+
+
+@dataclass
+class ServerState:
+    """What the server counts and the faults it was asked to inject (one lock: the tools run
+    on the server's event loop, the admin routes too, but a test may read from a thread)."""
+
+    counts_file: Path | None = None
+    calls: Counter[str] = field(default_factory=Counter)
+    executions: Counter[str] = field(default_factory=Counter)
+    faults: list[Fault] = field(default_factory=list)
+    injected: Counter[str] = field(default_factory=Counter)
+    notes: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.counts_file is not None and self.counts_file.exists():
+            for line in self.counts_file.read_text().splitlines():
+                what, _, key = line.partition(" ")
+                (self.calls if what == "call" else self.executions)[key] += 1
+
+    def count(self, what: str, key: str) -> None:
+        with self.lock:
+            (self.calls if what == "call" else self.executions)[key] += 1
+            if self.counts_file is not None:  # one write per line: survives os._exit
+                with self.counts_file.open("a") as out:
+                    out.write(f"{what} {key}\n")
+
+    def take_fault(self, tool: str) -> Fault | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault.target in (tool, "*"):
+                    if fault.times is not None:
+                        fault.times -= 1
+                        if fault.times <= 0:
+                            self.faults.remove(fault)
+                    self.injected[fault.kind] += 1
+                    return fault
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "calls": dict(self.calls),
+                "executions": dict(self.executions),
+                "faults_injected": dict(self.injected),
+            }
+
+
+def _key(ctx: Context) -> str:
+    meta: Any = ctx.request_context.meta
+    value = meta.get(KEY_META) if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def build(state: ServerState) -> MCPServer:
+    """The example server: its tools, their annotations and the admin routes."""
+    server: MCPServer = MCPServer("agentruns-example", version="1", log_level="WARNING")
+    logging.getLogger("mcp").setLevel(logging.WARNING)
+
+    async def before(tool: str, ctx: Context) -> str | None:
+        """Count the call and apply a fault (ToolError: an ``isError`` result, nothing
+        executed); a huge text the tool answers instead of its own."""
+        state.count("call", _key(ctx))
+        fault = state.take_fault(tool)
+        if fault is None:
+            return None
+        match fault.kind:
+            case "slow":
+                await asyncio.sleep(min(fault.delay_ms, MAX_DELAY_MS) / 1000)
+            case "crash":
+                os._exit(17)  # the process ends mid-call, the answer is never sent
+            case "error":
+                raise ToolError(f"{tool} failed (injected)")
+            case "huge":
+                return "x" * max(fault.size, 0)
+            case "tools_changed":
+                _add_archive(server)
+                # on this request's stream, so a client without a GET stream hears it too
+                await ctx.request_context.session.send_notification(
+                    ToolListChangedNotification(), related_request_id=ctx.request_context.request_id
+                )
+        return None
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def lookup_order(order_id: str, ctx: Context) -> dict[str, Any]:
+        """An order's status and amount (read-only)."""
+        huge = await before("lookup_order", ctx)
+        if huge is not None:
+            return {"order_id": order_id, "padding": huge}
+        return {"order_id": order_id, "status": "delivered", "amount_cents": 4200}
+
+    @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False))
+    async def refund_order(order_id: str, amount_cents: int, ctx: Context) -> str:
+        """Refund an order (destructive, not idempotent: every call refunds again)."""
+        huge = await before("refund_order", ctx)
+        key = _key(ctx)
+        state.count("execution", key)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        return huge or f"refunded {amount_cents} cents on {order_id} (refund R-{digest})"
+
+    @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=True))
+    async def set_order_note(order_id: str, note: str, ctx: Context) -> str:
+        """Set an order's note (idempotent: the same note twice changes nothing)."""
+        huge = await before("set_order_note", ctx)
+        state.count("execution", _key(ctx))
+        state.notes[order_id] = note
+        return huge or f"note of {order_id}: {note}"
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(state.stats())
+
+    async def faults(request: Request) -> Response:
+        if request.method == "DELETE":
+            with state.lock:
+                state.faults.clear()
+            return JSONResponse({"faults": 0})
+        try:
+            rule = await request.json()
+            fault = Fault(
+                target=str(rule.get("target", "*")),
+                kind=str(rule["kind"]),
+                times=rule.get("times", 1),
+                delay_ms=float(rule.get("delay_ms", 200.0)),
+                size=int(rule.get("size", HUGE_BYTES)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return JSONResponse({"error": f"invalid fault: {exc!r}"}, status_code=400)
+        if fault.kind not in FAULT_KINDS:
+            return JSONResponse({"error": f"kind must be one of {sorted(FAULT_KINDS)}"}, 400)
+        with state.lock:
+            state.faults.append(fault)
+        return JSONResponse({"faults": len(state.faults)})
+
+    server.custom_route("/stats", methods=["GET"])(stats)
+    server.custom_route("/faults", methods=["POST", "DELETE"])(faults)
+    return server
+
+
+def _add_archive(server: MCPServer) -> None:
+    if any(t.name == "archive_order" for t in server._tool_manager.list_tools()):
+        return
+
+    async def archive_order(order_id: str) -> str:
+        """Archive an order (added while the server runs)."""
+        return f"archived {order_id}"
+
+    server.add_tool(archive_order, annotations=ToolAnnotations(destructive_hint=True))
+
+
+class MCPServerHandle:
+    """The server in a background thread (uvicorn on its own event loop)."""
+
+    def __init__(self, host: str, port: int, state: ServerState) -> None:
+        self.state = state
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = int(self.sock.getsockname()[1])
+        self.url = f"http://{host}:{self.port}"
+        app = build(state).streamable_http_app()
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def mcp_url(self) -> str:
+        return f"{self.url}/mcp"
+
+    def start(self) -> MCPServerHandle:
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        raise RuntimeError("the MCP server did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def __enter__(self) -> MCPServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(
+    host: str = "127.0.0.1", port: int = 0, counts_file: Path | None = None
+) -> MCPServerHandle:
+    """Start the server in a background thread (port 0 picks a free port)."""
+    return MCPServerHandle(host, port, ServerState(counts_file)).start()
+
+
+def dev_registry_entry(url: str, name: str = "shop") -> dict[str, Any]:
+    """The ``mcp_servers`` entry of the dev registry for a server at ``url`` (its base)."""
+    return {"name": name, "url": f"{url.rstrip('/')}/mcp", "timeout_ms": 5000}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentruns dev mcp-server",
+        description="Example MCP tool server (streamable HTTP at /mcp; faults at /faults).",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--counts-file", type=Path, help="keep the call counts in this file")
+    args = parser.parse_args(argv)
+    state = ServerState(args.counts_file)
+    app = build(state).streamable_http_app()
+    print(f"MCP server listening on http://{args.host}:{args.port}/mcp", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["KEY_META", "RUN_META", "MCPServerHandle", "ServerState", "build", "main", "serve"]

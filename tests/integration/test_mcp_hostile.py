@@ -1,0 +1,232 @@
+"""A hostile MCP endpoint (a tiny HTTP server in the test) against the tool executor's MCP
+handling: every bad answer becomes a classified failure and the next call still works.
+
+The handler runs on an event loop of the test's own (no broker needed: what is tested is what
+the executor makes of the endpoint's bytes, over real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
+from agentruns.processors.events import (
+    CancelConfirmed,
+    CancelUnconfirmed,
+    ToolCallFailed,
+    ToolCallSucceeded,
+    ToolCallTimedOut,
+)
+from agentruns.processors.state import ErrorClass
+
+from tests.support.executors import Ids
+
+TOOL = {
+    "name": "act",
+    "inputSchema": {"type": "object"},
+    "annotations": {"destructiveHint": True},
+}
+GOOD = {"content": [{"type": "text", "text": "done"}]}
+
+
+class Endpoint:
+    """Answers initialize and tools/list properly, and tools/call as ``mode`` says."""
+
+    def __init__(self) -> None:
+        self.mode = "good"
+        self.sessions = 0
+        self.calls = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                if status == 200 and b'"protocolVersion"' in body:
+                    self.send_header("Mcp-Session-Id", f"s{endpoint.sessions}")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                method, rid = message.get("method"), message.get("id")
+
+                def reply(result: Any) -> bytes:
+                    return json.dumps({"jsonrpc": "2.0", "id": rid, "result": result}).encode()
+
+                if method == "initialize":
+                    endpoint.sessions += 1
+                    info = {"name": "hostile", "version": "0"}
+                    result = {
+                        "protocolVersion": "2025-06-18",
+                        "capabilities": {},
+                        "serverInfo": info,
+                    }
+                    return self.send(200, reply(result))
+                if "id" not in message:
+                    return self.send(202, b"")
+                if method == "tools/list":
+                    return self.send(200, reply({"tools": [TOOL]}))
+                endpoint.calls += 1
+                match endpoint.mode:
+                    case "good":
+                        self.send(200, reply(GOOD))
+                    case "malformed":
+                        self.send(200, b'{"jsonrpc": "2.0", "id": ')
+                    case "other_id":
+                        body = json.dumps({"jsonrpc": "2.0", "id": 999, "result": GOOD})
+                        self.send(200, body.encode())
+                    case "huge":
+                        self.send(200, b" " * (9 * 1024 * 1024))
+                    case "garbage_blocks":
+                        self.send(200, reply({"content": [{"type": "hologram", "x": 1}]}))
+                    case "invalid_params":
+                        error = {"code": -32602, "message": "order_id is required"}
+                        body = json.dumps({"jsonrpc": "2.0", "id": rid, "error": error})
+                        self.send(200, body.encode())
+                    case "html":
+                        self.send(200, b"<html>hi</html>", "text/html")
+                    case "500":
+                        self.send(500, b"oops", "text/plain")
+                    case "session_gone":  # the server lost the session: 404 to it, once
+                        endpoint.mode = "good"
+                        self.send(404, b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600}}')
+                    case "slow":
+                        time.sleep(1.0)
+                        self.send(200, reply(GOOD))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/mcp"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[Endpoint]:
+    server = Endpoint()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _handler(endpoint: Endpoint, tmp: Path) -> ToolHandler:
+    path = tmp / "tools.json"
+    entry = {"name": "evil", "url": endpoint.url, "timeout_ms": 600}
+    path.write_text(json.dumps({"mcp_servers": [entry]}))
+    return ToolHandler(ToolRegistry.load(path))
+
+
+@pytest.mark.parametrize(
+    ("mode", "code"),
+    [
+        ("malformed", "invalid_output:not_json"),
+        ("other_id", "invalid_output:wrong_id"),
+        ("huge", "invalid_output:too_large"),
+        ("garbage_blocks", "invalid_output:bad_result"),
+        ("invalid_params", "invalid_arguments"),
+        ("html", "invalid_output:content_type"),
+    ],
+)
+def test_a_hostile_answer_is_a_classified_failure_and_the_next_call_works(
+    endpoint: Endpoint, tmp_path: Path, mode: str, code: str
+) -> None:
+    handler = _handler(endpoint, tmp_path)
+    ids = Ids(f"run-hostile-{mode}")
+
+    async def run() -> None:
+        endpoint.mode = mode
+        outcome = await handler.execute(ids.call("evil__act", {"x": 1}), None, {})
+        assert isinstance(outcome.event, ToolCallFailed), outcome
+        assert outcome.event.error_class is ErrorClass.UNKNOWN  # the core does not resend it
+        assert outcome.event.error_code == code
+        endpoint.mode = "good"
+        after = await handler.execute(ids.call("evil__act", {"x": 2}), None, {})
+        assert isinstance(after.event, ToolCallSucceeded), after
+        await handler.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        handler.close()
+
+
+def test_sessions_statuses_timeouts_and_cancels(endpoint: Endpoint, tmp_path: Path) -> None:
+    handler = _handler(endpoint, tmp_path)
+    ids = Ids("run-hostile-sessions")
+
+    async def call(mode: str) -> Any:
+        endpoint.mode = mode
+        return (await handler.execute(ids.call("evil__act", {}), None, {})).event
+
+    async def run() -> None:
+        # a lost session is opened again and the call sent once more (it never reached a tool)
+        sessions, calls = endpoint.sessions, endpoint.calls
+        assert isinstance(await call("good"), ToolCallSucceeded)
+        assert isinstance(await call("session_gone"), ToolCallSucceeded)
+        assert endpoint.sessions >= sessions + 1 and endpoint.calls == calls + 3
+        # a 500 to a tool that may not be repeated: its outcome is unknown
+        assert isinstance(await call("500"), ToolCallTimedOut)
+        # no answer by the tool's timeout: unknown
+        assert isinstance(await call("slow"), ToolCallTimedOut)
+        # a cancel of a call in flight is sent to the server and stays unconfirmed
+        endpoint.mode = "slow"
+        running = ids.call("evil__act", {"x": "cancel me"})
+        task = asyncio.get_running_loop().create_task(handler.execute(running, None, {}))
+        await asyncio.sleep(0.2)
+        cancel = await handler.execute(ids.cancel(running), None, {})
+        assert isinstance(cancel.event, CancelUnconfirmed) and cancel.detail == "cancel: notified"
+        await task
+        # a cancel of a call this executor does not hold: unconfirmed
+        gone = await handler.execute(ids.cancel(ids.call("evil__act", {})), None, {})
+        assert isinstance(gone.event, CancelUnconfirmed) and gone.detail == "cancel: not_here"
+        await handler.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        handler.close()
+
+
+def test_a_cancel_before_the_call_left_is_confirmed(endpoint: Endpoint, tmp_path: Path) -> None:
+    handler = _handler(endpoint, tmp_path)
+    ids = Ids("run-hostile-cancel")
+    endpoint.mode = "good"
+
+    async def run() -> None:
+        session = handler.mcp.session("evil")
+        session.opened = False  # the next call waits for the session to open first
+        lock = session._lock = asyncio.Lock()
+        await lock.acquire()
+        waiting = ids.call("evil__act", {})
+        task = asyncio.get_running_loop().create_task(handler.execute(waiting, None, {}))
+        await asyncio.sleep(0.05)
+        cancel = await handler.execute(ids.cancel(waiting), None, {})
+        lock.release()
+        assert isinstance(cancel.event, CancelConfirmed)
+        outcome = await task
+        assert isinstance(outcome.event, ToolCallFailed) and outcome.event.error_code == "cancelled"
+        await handler.aclose()
+
+    calls = endpoint.calls
+    try:
+        asyncio.run(run())
+    finally:
+        handler.close()
+    assert endpoint.calls == calls  # never sent
