@@ -2,16 +2,19 @@
 
 The processor, the API and `agentruns run` hold every task to the catalog of the registry they
 are given (``--registry``, else the ``tool_registry`` setting, ``AGENTRUNS_TOOL_REGISTRY``); with
-none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`, whatever
-the registry's tools came from, never from its file directly.
+none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`: its HTTP
+tools and the tools its MCP servers list when the catalog is made (a server that does not
+answer then has no tools in it until the process starts again: docs/tools.md).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
-from agentruns.connectors.executors.tool import ToolRegistry, registry_from_args
+from agentruns.connectors.executors.tool import ToolEntry, ToolRegistry, registry_from_args
+from agentruns.connectors.executors.tool_mcp import discover
 from agentruns.processors.catalog import Catalog, CatalogTool
 
 log = logging.getLogger("agentruns.catalog")
@@ -20,9 +23,18 @@ log = logging.getLogger("agentruns.catalog")
 NO_CATALOG = "no tool catalog: tasks declare their own tools"
 
 
-def catalog_of(registry: ToolRegistry) -> Catalog:
-    """The catalog of ``registry``: its tools as the operator declares them, under the
-    registry's version plus a hash of that content."""
+def tools_of(registry: ToolRegistry) -> dict[str, ToolEntry]:
+    """Every tool of ``registry``: its HTTP tools and what its MCP servers list now."""
+    listed, _ = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
+    return {**listed, **registry.tools}
+
+
+def catalog_of(registry: ToolRegistry, entries: Mapping[str, ToolEntry] | None = None) -> Catalog:
+    """The catalog of ``registry`` (of ``entries``, its tools, when the caller has listed
+    them already): its tools as the operator declares them, under the registry's version plus
+    a hash of that content."""
+    if entries is None:
+        entries = tools_of(registry)
     tools = {
         name: CatalogTool(
             parameters=dict(entry.parameters),
@@ -31,7 +43,7 @@ def catalog_of(registry: ToolRegistry) -> Catalog:
             idempotent=entry.idempotent,
             is_async=entry.is_async,
         )
-        for name, entry in registry.tools.items()
+        for name, entry in entries.items()
     }
     return Catalog.of(registry.version, tools)
 
@@ -53,11 +65,19 @@ def configured_catalog(path: Path | str | None, *, component: str) -> Catalog | 
     return catalog
 
 
-def catalog_rows(registry: ToolRegistry, catalog: Catalog) -> list[dict[str, object]]:
+def _backend(entry: ToolEntry | None) -> str:
+    if entry is None:
+        return ""
+    if entry.backend == "mcp":
+        return f"mcp {entry.mcp_server} {entry.mcp_tool}"
+    return f"{entry.method} {entry.endpoint}"
+
+
+def catalog_rows(entries: Mapping[str, ToolEntry], catalog: Catalog) -> list[dict[str, object]]:
     """The catalog's tools as `agentruns tools list` and the console show them, by name."""
     rows: list[dict[str, object]] = []
     for name in sorted(catalog.tools):
-        tool, entry = catalog.tools[name], registry.tools.get(name)
+        tool, entry = catalog.tools[name], entries.get(name)
         rows.append(
             {
                 "name": name,
@@ -65,7 +85,7 @@ def catalog_rows(registry: ToolRegistry, catalog: Catalog) -> list[dict[str, obj
                 "approval_required": tool.approval_required,
                 "idempotent": tool.idempotent,
                 "is_async": tool.is_async,
-                "backend": "" if entry is None else f"{entry.method} {entry.endpoint}",
+                "backend": _backend(entry),
                 "parameters": tool.parameters,
             }
         )

@@ -202,14 +202,15 @@ def _db_migrate(args: argparse.Namespace) -> int:
 
 
 def _tools_list(args: argparse.Namespace) -> int:
-    from agentruns.connectors.catalog import catalog_of, catalog_rows, format_listing
+    from agentruns.connectors.catalog import catalog_of, catalog_rows, format_listing, tools_of
     from agentruns.connectors.executors.tool import registry_from_args
     from agentruns.connectors.settings import current
 
     path = args.registry or current().tool_registry
     registry = registry_from_args(None if path is None else str(path))
-    catalog = catalog_of(registry)
-    rows = catalog_rows(registry, catalog)
+    entries = tools_of(registry)
+    catalog = catalog_of(registry, entries)
+    rows = catalog_rows(entries, catalog)
     if args.json:
         print(json.dumps({"version": catalog.version, "tools": rows}, sort_keys=True))
     else:

@@ -22,7 +22,9 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from agentruns.connectors.catalog import catalog_of, catalog_rows, tools_of
 from agentruns.connectors.executors.tool import ToolExecutor, ToolHandler, ToolRegistry
+from agentruns.processors.catalog import catalog_problem
 from agentruns.processors.events import (
     ReconcileCompleted,
     ReconcileOutcome,
@@ -30,7 +32,7 @@ from agentruns.processors.events import (
     ToolCallSucceeded,
     ToolCallTimedOut,
 )
-from agentruns.processors.state import ErrorClass
+from agentruns.processors.state import ErrorClass, Policy, ToolSpec
 
 from tests.support.executors import Harness, ids_for, make_harness
 from tests.support.waiting import wait_for
@@ -146,6 +148,31 @@ def test_discovery_names_the_tools_and_reads_their_annotations(env: MCPEnv) -> N
     assert refund.backend == "mcp" and refund.mcp_tool == "refund_order"
     assert refund.parameters["required"] == ["order_id", "amount_cents"]
     assert refund.timeout_ms == 1500
+
+
+def test_the_catalog_holds_the_listed_tools_and_refuses_a_task_that_widens_one(
+    env: MCPEnv,
+) -> None:
+    registry = ToolRegistry.load(env.registry)
+    catalog = catalog_of(registry)
+    refund = catalog.tools["shop__refund_order"]
+    assert (refund.permission, refund.approval_required, refund.idempotent) == (
+        "write",
+        True,
+        False,
+    )
+    spec = ToolSpec(
+        name="shop__refund_order",
+        parameters=dict(refund.parameters),
+        permission="read",  # narrower than the tool does: refused
+        idempotent=False,
+    )
+    problem = catalog_problem((spec,), Policy(approval_required=("write",)), catalog)
+    assert problem is not None and "shop__refund_order: permission read" in problem
+    honest = msgspec.structs.replace(spec, permission="write")
+    assert catalog_problem((honest,), Policy(approval_required=("write",)), catalog) is None
+    rows = {r["name"]: r for r in catalog_rows(tools_of(registry), catalog)}
+    assert rows["shop__refund_order"]["backend"] == "mcp shop refund_order"
 
 
 def test_a_call_end_to_end_executes_once_with_its_key_in_meta(
