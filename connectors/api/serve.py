@@ -77,11 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     setup_logging(args.log_level, component="api")
     tracing.configure_from_env("api")
-    catalog = configured_catalog(args.registry, component="api")
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
+        catalog = configured_catalog(args.registry, component="api")
         config = ApiConfig.from_env(
             ep.kafka_bootstrap,
             ep.database_url,

@@ -110,7 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(versions.UnknownRulesVersionError(args.rules_version)))
     setup_logging(args.log_level, component="processor")
     tracing.configure_from_env("processor")
-    catalog = configured_catalog(args.registry, component="processor")
     stop = stop_on_signals()
     from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
@@ -123,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with serving as status:
             migrate(ep.database_url)
             ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+            catalog = configured_catalog(args.registry, component="processor")
             store = PostgresArtifactStore(ep.database_url)
             config = ProcessorConfig(
                 bootstrap=ep.kafka_bootstrap,
