@@ -17,13 +17,16 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+from agentruns.connectors.catalog import tools_of
 from agentruns.connectors.devstack.services import ServiceStack, state_dir
 from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.executors.tool import ToolRegistry
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.testing import model_server, tool_server
+from agentruns.connectors.testing import mcp_server, model_server, tool_server
 from agentruns.processors.effects import AskUser, CallTool
 from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
 from agentruns.processors.ids import canonicalize_arguments, operation_key
@@ -40,6 +43,8 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 PARTITIONS = 3
 REGISTRY = tool_server.DEFAULT_REGISTRY
 SCENARIOS = model_server.BUILTIN_SCENARIOS
+#: The demo's model route on the Anthropic Messages API (the scripted server's Anthropic mode).
+ANTHROPIC_ROUTE = "claude"
 
 
 def registry_tools() -> tuple[ToolSpec, ...]:
@@ -57,6 +62,35 @@ def registry_tools() -> tuple[ToolSpec, ...]:
     )
 
 
+def _configuration(folder: Path, models_url: str, shop_url: str) -> tuple[Path, Path]:
+    """The demo's tool registry (the example registry and the example MCP server) and model
+    routes (every route to the scripted server; ``claude`` through its Anthropic mode)."""
+    registry = folder / "tools.json"
+    spec = json.loads(REGISTRY.read_text())
+    spec["mcp_servers"] = [mcp_server.dev_registry_entry(shop_url)]
+    registry.write_text(json.dumps(spec))
+    routes = folder / "routes.json"
+    anthropic = {"provider": "anthropic", "base_url": models_url, "model": "claude-demo"}
+    routes.write_text(json.dumps({ANTHROPIC_ROUTE: {**anthropic, "api_key": "demo-key"}, "*": {}}))
+    return registry, routes
+
+
+def mcp_tool_specs(registry: Path) -> tuple[ToolSpec, ...]:
+    """The MCP server's tools as the catalog declares them (listed from the server)."""
+    entries = tools_of(ToolRegistry.load(registry))
+    return tuple(
+        ToolSpec(
+            name=e.name,
+            parameters=dict(e.parameters),
+            permission=e.permission,
+            idempotent=e.idempotent,
+            is_async=e.is_async,
+        )
+        for e in entries.values()
+        if e.backend == "mcp"
+    )
+
+
 @dataclass
 class Scenario:
     name: str
@@ -71,6 +105,10 @@ class Scenario:
     drive: Callable[[Demo, Scenario, RunState | None], None] | None = None
     done_driving: bool = False
     note: str = ""
+    # the task's model route (default: the scripted scenario's own) and its tools: the example
+    # registry's HTTP tools, or the example MCP server's
+    route: str = ""
+    mcp_tools: bool = False
 
 
 class Demo:
@@ -94,6 +132,7 @@ class Demo:
             "tool": self._reader(topic_name(effect_suffix("tool"), prefix)),
         }
         self.op_keys: dict[str, set[str]] = {}
+        self.mcp_tools: tuple[ToolSpec, ...] = ()
 
     def _reader(self, topic: str) -> Consumer:
         consumer = Consumer(
@@ -158,6 +197,8 @@ class Demo:
 
 
 def submit(demo: Demo, sc: Scenario, tools: tuple[ToolSpec, ...]) -> None:
+    if sc.mcp_tools:
+        tools = demo.mcp_tools
     run_id = f"{sc.name}-{uuid.uuid4().hex[:6]}"
     sc.run_id = run_id
     event = RunSubmitted(
@@ -172,7 +213,7 @@ def submit(demo: Demo, sc: Scenario, tools: tuple[ToolSpec, ...]) -> None:
         ),
         tools=tools,
         policy=sc.policy,
-        model_route=f"scenario:{sc.model_scenario}",
+        model_route=sc.route or f"scenario:{sc.model_scenario}",
         budgets=sc.budgets,
         loop=sc.loop,
     )
@@ -295,6 +336,22 @@ def scenarios() -> list[Scenario]:
         Scenario("loop-detected", "loop_forever", "check the order status", "FAILED"),
         Scenario("stream-broken", "flaky_stream", "open a refund ticket", "SUCCEEDED"),
         Scenario(
+            "mcp-tool-approved",
+            "mcp_refund",
+            "refund order O-42 through the shop's MCP server",
+            "SUCCEEDED",
+            policy=Policy(approval_required=("write",)),
+            drive=approve_after_delay,
+            mcp_tools=True,
+        ),
+        Scenario(
+            "anthropic-route",
+            "multi_tool",
+            "open a ticket and notify the customer, through the Anthropic Messages API",
+            "SUCCEEDED",
+            route=ANTHROPIC_ROUTE,
+        ),
+        Scenario(
             "processor-killed",
             "multi_tool",
             "the same work while the processor is killed -9",
@@ -304,10 +361,13 @@ def scenarios() -> list[Scenario]:
     ]
 
 
-def _tool_server_duplicates(tools_url: str) -> dict[str, int]:
-    stats = httpx.get(f"{tools_url}/stats", timeout=10).json()
-    executions: dict[str, int] = stats.get("executions", {})
-    return {key: n for key, n in executions.items() if n > 1}
+def _duplicates(*servers: str) -> dict[str, int]:
+    """The operation keys the tool servers (HTTP and MCP) executed more than once."""
+    twice: dict[str, int] = {}
+    for url in servers:
+        executions: dict[str, int] = httpx.get(f"{url}/stats", timeout=10).json()["executions"]
+        twice.update((key, n) for key, n in executions.items() if n > 1)
+    return twice
 
 
 def _table(demo: Demo, items: list[Scenario], duplicates: dict[str, int]) -> list[str]:
@@ -357,8 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with (
             model_server.serve("127.0.0.1", 0) as models,
             tool_server.serve("127.0.0.1", 0, report_delay_ms=60_000) as tools,
+            mcp_server.serve("127.0.0.1", 0) as shop,
         ):
             log_dir = state_dir() / "logs" / prefix
+            log_dir.mkdir(parents=True, exist_ok=True)
+            registry, routes = _configuration(log_dir, models.url, shop.url)
             env = {
                 **os.environ,
                 "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
@@ -372,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "agentruns.connectors.runtime.processor",
                 *common,
                 "--registry",
-                str(REGISTRY),
+                str(registry),
             )
             sup.add(
                 "model-executor",
@@ -380,8 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *common,
                 "--base-url",
                 models.url,
+                "--routes",
+                str(routes),
                 "--registry",
-                str(REGISTRY),
+                str(registry),
             )
             sup.add(
                 "tool-executor",
@@ -390,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--base-url",
                 tools.url,
                 "--registry",
-                str(REGISTRY),
+                str(registry),
             )
             sup.add("timer", "agentruns.connectors.runtime.timers", *common)
             sup.add(
@@ -398,11 +463,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             sup.start_all()
             demo = Demo(ep.kafka_bootstrap, prefix, sup, tools.url)
+            demo.mcp_tools = mcp_tool_specs(registry)
             items = [s for s in scenarios() if not args.only or s.name in args.only]
             try:
                 code = _run(demo, items, args.timeout)
-                lines = _table(demo, items, _tool_server_duplicates(tools.url))
+                lines = _table(demo, items, _duplicates(tools.url, shop.url))
                 print("\n" + "\n".join(lines), flush=True)
+                served = httpx.get(f"{models.url}/stats", timeout=10).json()
+                shop_calls = httpx.get(f"{shop.url}/stats", timeout=10).json()["calls"]
+                print(
+                    f"\nmodel server: {served['requests']} requests, "
+                    f"{served['anthropic_requests']} of them to the Anthropic Messages API;"
+                    f" MCP server: {sum(shop_calls.values())} tool calls",
+                    flush=True,
+                )
                 again = (
                     f"KAFKA_BOOTSTRAP_SERVERS={ep.kafka_bootstrap} "
                     if ep.kafka_source == "env"

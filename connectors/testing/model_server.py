@@ -497,6 +497,7 @@ class ModelServerApp:
             return {
                 "requests": self._stats["requests"],
                 "completions": self._stats["completions"],
+                "anthropic_requests": self._stats["anthropic_requests"],
                 "faults_served": sum(self._faults.values()),
                 "faults": dict(self._faults),
                 "by_scenario": dict(self._by_scenario),
@@ -797,6 +798,8 @@ class ModelHandler(JSONHandler):
         ``/v1/messages``, read through :func:`anthropic_view` and answered in its events."""
         began = time.monotonic()
         error = _anthropic_error if anthropic else _error
+        if anthropic:
+            self.app.count("anthropic_requests")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             self.send_json(400, error("'messages' must be a list", "invalid_request_error"))
             return
