@@ -14,8 +14,11 @@ only narrow what the catalog allows (docs/tools.md, "Tool catalog"):
   rather than widened, so what a run does follows from its task and the stamped check alone.
 
 The doors that can see what a submitter omitted (the API's JSON, the client's dicts) first fill
-an omitted tool field from the catalog (`with_catalog_fields`); the core compares what it
-receives. `catalog_problem` never raises.
+an omitted tool field from the catalog (`with_catalog_fields`). A record straight on Kafka
+cannot tell an omitted field from one written with `ToolSpec`'s default, so the processor takes
+the catalog's value for every field of `FILLED_FIELDS` that holds the default
+(`with_catalog_defaults`: the catalog's is never wider) and logs the submission with the tools
+it checked. `catalog_problem` never raises.
 """
 
 from __future__ import annotations
@@ -108,6 +111,25 @@ def _reason(text: str) -> str:
     return text[:_MAX_REASON]
 
 
+_DEFAULTS = ToolSpec(name="-")
+
+
+def with_catalog_defaults(tools: tuple[ToolSpec, ...], catalog: Catalog) -> tuple[ToolSpec, ...]:
+    """``tools`` with each `FILLED_FIELDS` field that holds `ToolSpec`'s default (omitted, as
+    far as a decoded record can tell) taken from the catalog; tools it lacks as they are."""
+    out: list[ToolSpec] = []
+    for spec in tools:
+        allowed = catalog.tools.get(spec.name)
+        update = {}
+        if allowed is not None:
+            for name in FILLED_FIELDS:
+                mine, default = getattr(spec, name), getattr(_DEFAULTS, name)
+                if mine == default and getattr(allowed, name) != default:
+                    update[name] = getattr(allowed, name)
+        out.append(msgspec.structs.replace(spec, **update) if update else spec)
+    return tuple(out)
+
+
 def check(event: RunSubmitted, catalog: Catalog) -> CatalogCheck:
     """The submission held against ``catalog``: its version and its refusal, if any."""
     try:
@@ -118,11 +140,17 @@ def check(event: RunSubmitted, catalog: Catalog) -> CatalogCheck:
 
 
 def stamped(event: RunSubmitted, catalog: Catalog | None) -> RunSubmitted:
-    """The submission as the processor applies and logs it: with the check against its
-    catalog, whatever the producer wrote; without one when it has no catalog."""
-    value: CatalogCheck | msgspec.UnsetType = (
-        msgspec.UNSET if catalog is None else check(event, catalog)
-    )
+    """The submission as the processor applies and logs it: its tools with the catalog's
+    defaults and the check against its catalog, whatever the producer wrote; without a check
+    when it has no catalog."""
+    if catalog is None:
+        if isinstance(event.catalog, msgspec.UnsetType):
+            return event
+        return event.model_copy(update={"catalog": msgspec.UNSET})
+    tools = with_catalog_defaults(event.tools, catalog)
+    if tools != event.tools:
+        event = event.model_copy(update={"tools": tools})
+    value = check(event, catalog)
     if event.catalog == value:
         return event
     return event.model_copy(update={"catalog": value})

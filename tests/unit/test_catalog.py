@@ -219,12 +219,12 @@ def submission(tools: tuple[ToolSpec, ...], **fields: Any) -> RunSubmitted:
 
 def test_the_stamp_is_the_processors_whatever_the_producer_wrote() -> None:
     forged = CatalogCheck(version="forged", problem=None)
-    widened = submission((declared("update", permission="read"),), policy=POLICY, catalog=forged)
+    widened = submission((declared("special", permission="write"),), policy=POLICY, catalog=forged)
     stamped = catalog_module.stamped(widened, CATALOG)
     assert stamped.catalog == CatalogCheck(
         version=CATALOG.version,
-        problem="invalid_input:tool_differs_from_catalog: update: permission read is wider "
-        "than the catalog's write",
+        problem="invalid_input:tool_differs_from_catalog: special: permission write differs "
+        "from the catalog's billing",
     )
     assert catalog_module.stamped(widened, None).catalog is msgspec.UNSET
     fine = submission((declared("lookup"),))
@@ -232,12 +232,12 @@ def test_the_stamp_is_the_processors_whatever_the_producer_wrote() -> None:
 
 
 def test_the_core_fails_a_run_the_catalog_refused_and_records_the_version() -> None:
-    widened = submission((declared("update", permission="read"),), policy=POLICY)
+    widened = submission((declared("special", permission="write"),), policy=POLICY)
     result = transition(None, catalog_module.stamped(widened, CATALOG))
     assert result.state is not None and result.state.status is RunStatus.FAILED
     assert result.state.outcome == (
-        "invalid_input:tool_differs_from_catalog: update: permission read is wider than the "
-        "catalog's write"
+        "invalid_input:tool_differs_from_catalog: special: permission write differs from the "
+        "catalog's billing"
     )
     assert result.state.catalog_version == CATALOG.version
     assert result.state.config.tools == ()
@@ -245,6 +245,16 @@ def test_the_core_fails_a_run_the_catalog_refused_and_records_the_version() -> N
     allowed = transition(None, catalog_module.stamped(submission((declared("lookup"),)), CATALOG))
     assert allowed.state is not None and allowed.state.status is RunStatus.MODEL_RUNNING
     assert allowed.state.catalog_version == CATALOG.version
+
+
+def test_a_record_that_names_its_tools_only_gets_the_catalogs_declarations() -> None:
+    bare = submission(tuple(ToolSpec(name=n) for n in ("lookup", "update", "report")))
+    stamped = catalog_module.stamped(bare, CATALOG)
+    assert stamped.catalog == CatalogCheck(version=CATALOG.version)
+    assert stamped.tools == (declared("lookup"), declared("update"), declared("report"))
+    # what differs from a default is the task's own, and checked
+    narrower = submission((declared("lookup", permission="write"),))
+    assert catalog_module.stamped(narrower, CATALOG).tools == narrower.tools
 
 
 def test_a_run_submitted_without_a_catalog_is_the_bytes_it_was() -> None:
@@ -280,11 +290,15 @@ def test_the_processor_fails_a_raw_submission_that_widens_its_catalog() -> None:
     path.handle(Inbound("t.inbox", 0, 0, b"r1", value, [], AT), batch)
     (logged,) = [decode(r[2], "Event").record for r in batch.records if r[0] == TOPICS.events]
     body = json.loads(logged["body"])
+    # the fields a record cannot tell from omitted are the catalog's; its approval is missing
     reason = (
-        "invalid_input:tool_differs_from_catalog: delete_record: permission read is wider than "
-        "the catalog's write"
+        "invalid_input:tool_differs_from_catalog: delete_record: approval_required: the catalog "
+        "requires a person's approval of every call; policy.approval_required must list its "
+        "permission write"
     )
     assert body["catalog"] == {"version": CATALOG.version, "problem": reason}
+    (tool,) = body["tools"]
+    assert (tool["parameters"], tool["permission"]) == (DELETE, "write")
     (result,) = [decode(r[2], "Result").record for r in batch.records if r[0] == TOPICS.results]
     assert result["status"] == "FAILED" and reason in result["summary"]
     state = path.slots[0]["r1"].state
