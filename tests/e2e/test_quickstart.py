@@ -137,13 +137,13 @@ def test_the_readme_quick_start_runs_as_written(
             if words[1:2] == ["submit"] or words[0] == "python":
                 submitted.extend(RUN_ID.findall(done.stdout)[:1])
 
-        assert len(submitted) == 3
+        assert len(submitted) == 4
         assert results == {run_id: "SUCCEEDED" for run_id in submitted}
         replay = next(out for cmd, out in printed.items() if cmd.startswith("agentruns replay"))
         assert RUN_ID.findall(replay)[0] in submitted
         assert "final: SUCCEEDED" in replay
         audit = next(out for cmd, out in printed.items() if cmd.startswith("agentruns audit"))
-        assert "audited 3 runs: 0 differences" in audit
+        assert "audited 4 runs: 0 differences" in audit
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=60)
