@@ -252,6 +252,17 @@ _ENV.filters["duration"] = _duration
 _ENV.filters["when"] = _when
 
 
+def _usage(payload: Any) -> dict[str, int] | None:
+    """A model answer's token usage (its event's ``usage``), or None for any other event."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    try:
+        return {k: int(usage.get(k) or 0) for k in ("input_tokens", "output_tokens")}
+    except (TypeError, ValueError):
+        return None
+
+
 def _refs(payload: Any) -> list[tuple[str, str]]:
     """(field, artifact ref) of every `*_ref` / `*_refs` field of an event."""
     found: list[tuple[str, str]] = []
@@ -643,6 +654,7 @@ class Console:
         state = None if run is None else _state_of(run)
         for e in events:
             e["refs"] = _refs(e["payload"])
+            e["usage"] = _usage(e["payload"])
             e["at_text"] = e["at"].strftime("%H:%M:%S.%f")[:-3]
         waits = view.get("waits") or {}
         split = [

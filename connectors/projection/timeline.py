@@ -73,6 +73,8 @@ class TimelineEntry:
     effects: list[str]
     operations: list[str]
     waits_ms: dict[str, int]
+    # what the event added to the run's model usage (a model answer's tokens and cost)
+    usage: dict[str, int]
 
 
 def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], RunState | None]:
@@ -99,6 +101,11 @@ def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], Ru
         for q in projected.questions:
             expires = q["expires_at"].strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
             ops.append(f"question {q['question_id']} {q['kind']} {q['status']} expires={expires}")
+        old_usage = None if state is None else state.usage
+        usage = {
+            k: getattr(new.usage, k) - (0 if old_usage is None else getattr(old_usage, k))
+            for k in ("input_tokens", "output_tokens", "cost_micros")
+        }
         waits = {"system": 0, "tool": 0, "user": 0}
         if state is not None:
             waits = {
@@ -123,6 +130,7 @@ def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], Ru
                 effects=[describe_effect(e) for e in projected.effects],
                 operations=ops,
                 waits_ms=waits,
+                usage=usage,
             )
         )
         state = new
@@ -152,6 +160,11 @@ def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunSta
         for op in e.operations:
             kind = "" if op.startswith("question ") else "operation: "
             lines.append(f"      {kind}{op}")
+        if any(e.usage.values()):
+            lines.append(
+                f"      usage: +{e.usage['input_tokens']} in / +{e.usage['output_tokens']} out"
+                f" tokens, +{e.usage['cost_micros']} micros"
+            )
         waited = ", ".join(f"{k} +{v}ms" for k, v in e.waits_ms.items() if v)
         if waited:
             lines.append(f"      time: {waited}")

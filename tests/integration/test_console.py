@@ -308,6 +308,21 @@ def test_a_run_page_lists_the_context_output_and_results_of_its_newest_steps(
                 f"&#34;run_id&#34;: &#34;{run_id}&#34;" in console.get(f"/ui/artifacts/{ref}").text
             )
         assert "model output" in table and 'id="older-steps"' not in html
+        # each model answer's row in the timeline shows the tokens it used
+        with psycopg.connect(database_url) as conn:
+            usages = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT payload -> 'usage' FROM events"
+                    " WHERE run_id = %s AND type = 'ModelCallCompleted' ORDER BY seq",
+                    (run_id,),
+                )
+            ]
+        timeline = html.split('id="timeline"')[1].split("</table>")[0]
+        cells = re.findall(r'<td class="tokens">([^<]*)</td>', timeline)
+        shown = [c for c in cells if c]
+        assert shown == [f"{u['input_tokens']} in · {u['output_tokens']} out" for u in usages]
+        assert len(usages) >= 2 and len(cells) > len(shown)  # other events show none
 
         # a chain longer than the page shows: the newest MAX_STEPS steps and a note
         with psycopg.connect(database_url) as conn:
