@@ -26,6 +26,12 @@ and tool calls instant) one after the other alone, then beside SLOW runs whose m
 ``--model-latency`` (2000:0.5 by default): ``instant_beside_over_alone`` is 1.0 when the slow
 runs hold the instant ones back not at all.
 
+``--tool-path mcp`` makes every tool call of the runs a call of the example MCP server's
+``set_order_note`` (through the tool executor's MCP client) instead of the example HTTP tool
+server's ``create_ticket``; ``--tool-path both`` runs the levels once on each path, HTTP first,
+in the same run, and reports ``tool_paths``: the tool executor's and the tool server's CPU
+microseconds per step on each path, and the MCP path's over the HTTP path's.
+
 Without latencies, first, on the same broker, the Kafka floor at the same concurrencies
 (`agentruns.bench.floor`: two bare transactional consume -> produce loops, four of whose hops
 make a step); each level
@@ -65,16 +71,18 @@ from agentruns.bench.overhead import (
     tool_latency_rule,
 )
 from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.catalog import tools_of
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.tool import ToolRegistry
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.testing import tool_server
+from agentruns.connectors.testing import mcp_server, tool_server
 from agentruns.connectors.testing.model_server import BUILTIN_SCENARIOS
 from agentruns.processors.events import Message, RunSubmitted
-from agentruns.processors.state import Budgets
+from agentruns.processors.state import Budgets, ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
@@ -91,6 +99,10 @@ STEPS = 10
 #: another name, which a latency rule for SCENARIO does not touch (the instant runs of --mixed).
 SCENARIO = "bench_10"
 SCENARIO_ALONE = "bench_10_alone"
+#: The same ten steps, each a call of the example MCP server's idempotent ``set_order_note``.
+SCENARIO_MCP = "bench_10_mcp"
+#: The name the example MCP server has in the bench's registry (its tools: ``shop__<tool>``).
+MCP_SERVER = "shop"
 
 
 def _numbered(name: str, i: int, count: int) -> str:
@@ -119,6 +131,7 @@ class Driver:
         )
         self.inbox = topic_name(INBOX, prefix)
         self.tools = registry_tools()
+        self.tools_of: dict[str, tuple[ToolSpec, ...]] = {}  # other scenarios' tools
         self.submitted: dict[str, float] = {}
         self.step_seen: dict[str, tuple[int, float]] = {}
         self.step_latencies: list[float] = []
@@ -158,7 +171,7 @@ class Driver:
             trace_id=uuid.uuid4().hex,
             goal="ten tickets",
             messages=(Message(role="user", content=f"scenario:{scenario} run {run_id}"),),
-            tools=self.tools,
+            tools=self.tools_of.get(scenario, self.tools),
             model_route=f"scenario:{scenario}",
             budgets=Budgets(max_steps=STEPS + 5),
         )
@@ -256,17 +269,81 @@ class Driver:
         close_consumer(self._consumer, 10)
 
 
+def _wait_for(url: str, timeout: float) -> None:
+    """Until ``url`` answers (a server the supervisor started is listening)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _metrics_ports(count: int, start: int) -> list[int]:
     first = free_port_block(count, start=start)
     return list(range(first, first + count))
 
 
 def _scenarios_dir(root: Path) -> Path:
-    """A scenario directory with ``SCENARIO_ALONE``: ``SCENARIO`` under another name."""
+    """A scenario directory with ``SCENARIO_ALONE``: ``SCENARIO`` under another name, and
+    ``SCENARIO_MCP``: its steps as calls of the MCP server's ``set_order_note``."""
+    root.mkdir(exist_ok=True)
     scenario = json.loads((BUILTIN_SCENARIOS / f"{SCENARIO}.json").read_text())
     scenario["name"] = SCENARIO_ALONE
     (root / f"{SCENARIO_ALONE}.json").write_text(json.dumps(scenario))
+    turns = []
+    for i, turn in enumerate(scenario["turns"], start=1):
+        if turn.get("tool_calls"):
+            arguments = {"order_id": f"O-{i}", "note": f"bench step {i}"}
+            call = {"name": f"{MCP_SERVER}__set_order_note", "arguments": arguments}
+            turn = {**turn, "tool_calls": [call]}
+        turns.append(turn)
+    mcp = {**scenario, "name": SCENARIO_MCP, "turns": turns}
+    (root / f"{SCENARIO_MCP}.json").write_text(json.dumps(mcp))
     return root
+
+
+def _registry_with_mcp(root: Path, mcp_url: str) -> Path:
+    """The example registry plus the example MCP server at ``mcp_url``."""
+    registry = json.loads(tool_server.DEFAULT_REGISTRY.read_text())
+    registry["mcp_servers"] = [mcp_server.dev_registry_entry(mcp_url, MCP_SERVER)]
+    path = root / "tools.json"  # beside the scenario directory: the model server reads it all
+    path.write_text(json.dumps(registry))
+    return path
+
+
+def _mcp_tools(registry: Path) -> tuple[ToolSpec, ...]:
+    """The MCP server's tools as its listing declares them."""
+    entries = tools_of(ToolRegistry.load(registry)).values()
+    return tuple(
+        ToolSpec(name=e.name, parameters=dict(e.parameters), permission=e.permission,
+                 idempotent=e.idempotent)
+        for e in entries
+        if e.backend == "mcp"
+    )  # fmt: skip
+
+
+def _tool_paths(
+    http: Sequence[Mapping[str, Any]], mcp: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Per level: the tool executor's and the tool server's CPU per step on each path."""
+    out: dict[str, Any] = {}
+    for h, m in zip(http, mcp, strict=True):
+        h_cpu, m_cpu = h.get("cpu_us_per_step") or {}, m.get("cpu_us_per_step") or {}
+        http_exec, mcp_exec = h_cpu.get("tool-executor"), m_cpu.get("tool-executor")
+        out[str(h["concurrency"])] = {
+            "http_tool_executor_cpu_us_per_step": http_exec,
+            "mcp_tool_executor_cpu_us_per_step": mcp_exec,
+            "mcp_over_http": round(mcp_exec / http_exec, 2) if http_exec and mcp_exec else None,
+            "http_tool_server_cpu_us_per_step": h_cpu.get("tool-server"),
+            "mcp_server_cpu_us_per_step": m_cpu.get("mcp-server"),
+            "http_durable_steps_per_s": h["durable_steps_per_s"],
+            "mcp_durable_steps_per_s": m["durable_steps_per_s"],
+        }
+    return out
 
 
 def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str, Any]:
@@ -347,6 +424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the executors' --max-in-flight (default: 512, or the highest level if higher)",
     )
     parser.add_argument(
+        "--tool-path",
+        choices=("http", "mcp", "both"),
+        default="http",
+        help="the runs' tool calls: the example HTTP tool server, the example MCP server, or"
+        " the levels once on each (HTTP first)",
+    )
+    parser.add_argument(
         "--no-floor", action="store_true", help="skip the Kafka floor (skipped with latencies)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
@@ -374,6 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"a latency is MEDIAN_MS[:SIGMA] or MIN_MS:MAX_MS: {exc}")
     with_latency = model_rule is not None or tool_rule is not None
+    if args.tool_path != "http" and (with_latency or mixed):
+        parser.error("--tool-path mcp|both measures instant backends: no latencies, no --mixed")
     max_in_flight = args.max_in_flight or max(ExecutorConfig.max_in_flight, *levels)
     prefix = f"loop-{uuid.uuid4().hex[:8]}"
     with ServiceStack(ephemeral=True) as stack, tempfile.TemporaryDirectory() as tmp:
@@ -392,7 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         model_port = free_port_block(1, start=30000)
         tool_port = free_port_block(1, start=model_port + 1)
-        metrics = _metrics_ports(2 * args.executors + args.processors, tool_port + 1)
+        mcp_port = free_port_block(1, start=tool_port + 1)
+        metrics = _metrics_ports(2 * args.executors + args.processors, mcp_port + 1)
+        mcp_url = f"http://127.0.0.1:{mcp_port}"
+        registry = tool_server.DEFAULT_REGISTRY
+        if args.tool_path != "http":
+            registry = _registry_with_mcp(Path(tmp), mcp_url)
         env = {
             **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
@@ -401,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         sup = Supervisor(Path(tempfile.gettempdir()) / f"{prefix}-logs", env)
         common = ("--prefix", prefix)
-        scenarios = _scenarios_dir(Path(tmp))
+        scenarios = _scenarios_dir(Path(tmp) / "scenarios")
         sup.add(
             "model-server",
             "agentruns.connectors.testing.model_server",
@@ -411,6 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             str(scenarios),
         )
         sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
+        if args.tool_path != "http":
+            sup.add(
+                "mcp-server", "agentruns.connectors.testing.mcp_server", "--port", str(mcp_port)
+            )
         watched: dict[str, str] = {}
         for i in range(args.processors):
             name = _numbered("processor", i, args.processors)
@@ -444,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--base-url",
                     f"http://127.0.0.1:{port}",
                     "--registry",
-                    str(tool_server.DEFAULT_REGISTRY),
+                    str(registry),
                     "--gather-ms",
                     str(args.gather_ms),
                     "--max-in-flight",
@@ -457,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sup.start_all()
         model_url, tool_url = f"http://127.0.0.1:{model_port}", f"http://127.0.0.1:{tool_port}"
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
-        results = []
+        results: list[dict[str, Any]] = []
+        mcp_results: list[dict[str, Any]] | None = None
         mixed_figures = None
         try:
             driver.level(1, 1, 120)  # warm-up: every process connected and joined
@@ -468,39 +564,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             components = {
                 c.process.pid: name for name, c in sup.components.items() if c.process is not None
             }
-            for concurrency, count in zip(levels, runs, strict=True):
-                print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
-                machine = MachineCpu.start({**services, **components})
-                sampler = InFlightSampler(sampled, watched).start()
-                level = driver.level(concurrency, count, args.timeout)
-                in_flight = sampler.stop()
-                cpu = machine.stop()
-                # every step a completed run took, the first one's too
-                steps = level["completed"] * STEPS
-                level["cpu_us_per_step"] = per_item_us(cpu.get("cpu_s_by_process"), steps)
-                level["busy_cores"] = cpu.get("busy_cores")
-                level["steal_pct"] = cpu.get("steal_pct")
-                level["in_flight"] = in_flight
-                if floor is not None:
-                    floor_at = floor_level(floor, concurrency)
-                    level["ratio_to_floor"] = ratios_to_floor(level, floor_at)
-                if with_latency:
-                    model_latency = get_json(model_url + "/latency")
-                    backends = backend_ms(model_latency, get_json(tool_url + "/latency"))
-                    level["model_served_over_planned"] = served_over_planned(
-                        model_latency, driver.last_runs
-                    )
-                    level.update(
-                        overhead_figures(
-                            driver.last_runs,
-                            driver.latency_of,
-                            backends,
-                            concurrency,
-                            level["seconds"],
+
+            def measure_levels(scenario: str) -> list[dict[str, Any]]:
+                measured: list[dict[str, Any]] = []
+                for concurrency, count in zip(levels, runs, strict=True):
+                    print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
+                    machine = MachineCpu.start({**services, **components})
+                    sampler = InFlightSampler(sampled, watched).start()
+                    level = driver.level(concurrency, count, args.timeout, scenario)
+                    in_flight = sampler.stop()
+                    cpu = machine.stop()
+                    # every step a completed run took, the first one's too
+                    steps = level["completed"] * STEPS
+                    level["cpu_us_per_step"] = per_item_us(cpu.get("cpu_s_by_process"), steps)
+                    level["busy_cores"] = cpu.get("busy_cores")
+                    level["steal_pct"] = cpu.get("steal_pct")
+                    level["in_flight"] = in_flight
+                    if floor is not None:
+                        floor_at = floor_level(floor, concurrency)
+                        level["ratio_to_floor"] = ratios_to_floor(level, floor_at)
+                    if with_latency:
+                        model_latency = get_json(model_url + "/latency")
+                        backends = backend_ms(model_latency, get_json(tool_url + "/latency"))
+                        level["model_served_over_planned"] = served_over_planned(
+                            model_latency, driver.last_runs
                         )
-                    )
-                results.append(level)
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+                        level.update(
+                            overhead_figures(
+                                driver.last_runs,
+                                driver.latency_of,
+                                backends,
+                                concurrency,
+                                level["seconds"],
+                            )
+                        )
+                    measured.append(level)
+                    print(json.dumps(measured[-1]), file=sys.stderr, flush=True)
+                return measured
+
+            if args.tool_path != "http":
+                _wait_for(mcp_url + "/stats", 60)
+                driver.tools_of[SCENARIO_MCP] = _mcp_tools(registry)
+                driver.level(1, 1, 120, SCENARIO_MCP)  # warm-up: the MCP session is open
+            results = measure_levels(SCENARIO_MCP if args.tool_path == "mcp" else SCENARIO)
+            if args.tool_path == "both":
+                print("the same levels through the MCP server", file=sys.stderr, flush=True)
+                mcp_results = measure_levels(SCENARIO_MCP)
             if mixed is not None:
                 print(f"mixed: {mixed[1]} instant beside {mixed[0]} slow", file=sys.stderr)
                 # instant: every call of the instant runs, their tools' too
@@ -538,7 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_rss_mib": rss,
         "executor_stats": stats,
         "floor": floor,
+        "tool_path": args.tool_path,
     }
+    if mcp_results is not None:
+        figures["mcp_levels"] = mcp_results
+        figures["tool_paths"] = _tool_paths(results, mcp_results)
     figures.update(evaluate(figures, targets(with_latency, by_level, mixed_figures)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
