@@ -78,8 +78,10 @@ unit: $(STAMP)
 integration: setup
 	$(VENV)/bin/pytest tests/integration tests/e2e -q $(PYTEST_ARGS)
 
+# Two workers: most tests wait on the broker, so two run side by side in about the time of one;
+# the heavy ones (tests/conftest.py, HEAVY) one after another on one worker.
 test: setup chromium lint typecheck
-	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -16,6 +16,25 @@ from pathlib import Path
 import pytest
 from agentruns.connectors.devstack.services import Endpoints, ServiceStack
 
+#: Tests that start brokers of their own, cut the network or kill processes at random: with
+#: `pytest -n 2` (`make test`) they run one after another on one worker, so that no two of them
+#: share the machine's two cores while the other tests, mostly waiting on the broker, run beside.
+HEAVY = {
+    "tests/e2e/test_chaos.py",
+    "tests/e2e/test_chaos_cluster.py",
+    "tests/e2e/test_executor_kills.py",
+    "tests/e2e/test_hostile.py",
+    "tests/integration/test_cluster_faults.py",
+    "tests/integration/test_full_disk.py",
+    "tests/integration/test_network_partition.py",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in HEAVY:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
