@@ -71,13 +71,12 @@ from agentruns.bench.overhead import (
     tool_latency_rule,
 )
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.catalog import tools_of
 from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack.procs import free_port_block
 from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
 from agentruns.connectors.executors.loop import ExecutorConfig
-from agentruns.connectors.executors.tool import ToolRegistry
+from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.testing import mcp_server, tool_server
 from agentruns.connectors.testing.model_server import BUILTIN_SCENARIOS

@@ -13,20 +13,18 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from agentruns.connectors.executors.tool import ToolEntry, ToolRegistry, registry_from_args
-from agentruns.connectors.executors.tool_mcp import discover
+from agentruns.connectors.executors.tool import (
+    ToolEntry,
+    ToolRegistry,
+    registry_from_args,
+    tools_of,
+)
 from agentruns.processors.catalog import Catalog, CatalogTool
 
 log = logging.getLogger("agentruns.catalog")
 
 #: What a process without a catalog logs when it starts.
 NO_CATALOG = "no tool catalog: tasks declare their own tools"
-
-
-def tools_of(registry: ToolRegistry) -> dict[str, ToolEntry]:
-    """Every tool of ``registry``: its HTTP tools and what its MCP servers list now."""
-    listed, _ = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
-    return {**listed, **registry.tools}
 
 
 def catalog_of(registry: ToolRegistry, entries: Mapping[str, ToolEntry] | None = None) -> Catalog:

@@ -202,8 +202,8 @@ def _db_migrate(args: argparse.Namespace) -> int:
 
 
 def _tools_list(args: argparse.Namespace) -> int:
-    from agentruns.connectors.catalog import catalog_of, catalog_rows, format_listing, tools_of
-    from agentruns.connectors.executors.tool import registry_from_args
+    from agentruns.connectors.catalog import catalog_of, catalog_rows, format_listing
+    from agentruns.connectors.executors.tool import registry_from_args, tools_of
     from agentruns.connectors.settings import current
 
     path = args.registry or current().tool_registry

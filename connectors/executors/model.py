@@ -83,9 +83,11 @@ from agentruns.connectors.executors.loop import (
 )
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
+    ToolEntry,
     ToolRegistry,
     registry_from_args,
     retry_after_ms,
+    tools_of,
 )
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
 from agentruns.connectors.settings import current
@@ -1146,6 +1148,9 @@ class ModelHandler:
     ) -> None:
         self.routes = routes
         self.registry = registry
+        # the tools' descriptions the model is offered: the registry's HTTP tools and what its
+        # MCP servers list at start
+        self.described: Mapping[str, ToolEntry] = {} if registry is None else tools_of(registry)
         self._cache = _ArtifactCache(database_url)
         self._conversations = Conversations()
         # One keep-alive connection per worker thread and origin. Connect timeouts and byte
@@ -1251,7 +1256,7 @@ class ModelHandler:
         if isinstance(registry_ref, str):
             specs = load([registry_ref]).get(registry_ref)
         if isinstance(specs, list):
-            described = self.registry.tools if self.registry is not None else {}
+            described = self.described
             return [
                 {
                     "type": "function",

@@ -234,6 +234,13 @@ class ToolRegistry:
         ]
 
 
+def tools_of(registry: ToolRegistry) -> dict[str, ToolEntry]:
+    """Every tool of ``registry``: its HTTP tools and what its MCP servers list now (a server
+    that does not answer is logged and has none)."""
+    listed, _ = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
+    return {**listed, **registry.tools}
+
+
 def _flag(tool: Mapping[str, Any], name: str, default: bool) -> bool:
     """A registry entry's boolean field (ValueError: present and not a boolean)."""
     value = tool.get(name, default)

@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from agentruns.connectors.catalog import catalog_of, catalog_rows, tools_of
-from agentruns.connectors.executors.tool import ToolExecutor, ToolHandler, ToolRegistry
+from agentruns.connectors.catalog import catalog_of, catalog_rows
+from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
+from agentruns.connectors.executors.tool import ToolExecutor, ToolHandler, ToolRegistry, tools_of
 from agentruns.processors.catalog import catalog_problem
 from agentruns.processors.events import (
     ReconcileCompleted,
@@ -173,6 +174,18 @@ def test_the_catalog_holds_the_listed_tools_and_refuses_a_task_that_widens_one(
     assert catalog_problem((honest,), Policy(approval_required=("write",)), catalog) is None
     rows = {r["name"]: r for r in catalog_rows(tools_of(registry), catalog)}
     assert rows["shop__refund_order"]["backend"] == "mcp shop refund_order"
+
+
+def test_the_model_is_offered_an_mcp_tool_with_its_description(
+    env: MCPEnv, database_url: str
+) -> None:
+    routes = Routes({}, RouteConfig(base_url="http://127.0.0.1:9/v1"))
+    handler = ModelHandler(database_url, routes, ToolRegistry.load(env.registry))
+    try:
+        described = handler.described["shop__lookup_order"].description
+    finally:
+        handler.close()
+    assert "read-only" in described
 
 
 def test_a_call_end_to_end_executes_once_with_its_key_in_meta(
