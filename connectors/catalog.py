@@ -27,10 +27,14 @@ log = logging.getLogger("agentruns.catalog")
 NO_CATALOG = "no tool catalog: tasks declare their own tools"
 
 
-def catalog_of(registry: ToolRegistry, entries: Mapping[str, ToolEntry] | None = None) -> Catalog:
+def catalog_of(
+    registry: ToolRegistry,
+    entries: Mapping[str, ToolEntry] | None = None,
+    routes: tuple[str, ...] | None = None,
+) -> Catalog:
     """The catalog of ``registry`` (of ``entries``, its tools, when the caller has listed
-    them already): its tools as the operator declares them, under the registry's version plus
-    a hash of that content."""
+    them already) and of the model ``routes`` tasks may name (None: any): its tools as the
+    operator declares them, under the registry's version plus a hash of that content."""
     if entries is None:
         entries = tools_of(registry)
     tools = {
@@ -43,21 +47,30 @@ def catalog_of(registry: ToolRegistry, entries: Mapping[str, ToolEntry] | None =
         )
         for name, entry in entries.items()
     }
-    return Catalog.of(registry.version, tools)
+    return Catalog.of(registry.version, tools, routes)
 
 
-def configured_catalog(path: Path | str | None, *, component: str) -> Catalog | None:
-    """The catalog of the registry at ``path`` (ExecutorError when it cannot be read), or None
-    without one; either way logged once, at start."""
+def configured_catalog(
+    path: Path | str | None, *, component: str, routes: Path | str | None = None
+) -> Catalog | None:
+    """The catalog of the registry at ``path`` and of the model routes file ``routes`` (the
+    model executor's: the routes a task may name; none: any), or None without a registry
+    (ExecutorError when either cannot be read); either way logged once, at start."""
     if path is None or str(path) == "":
         log.info("%s: %s", component, NO_CATALOG)
         return None
-    catalog = catalog_of(registry_from_args(str(path)))
+    names = None
+    if routes is not None and str(routes) != "":
+        from agentruns.connectors.executors.model import Routes
+
+        names = tuple(Routes.from_env(str(routes)).routes)
+    catalog = catalog_of(registry_from_args(str(path)), routes=names)
     log.info(
-        "%s: tool catalog %s (%d tools) from %s",
+        "%s: tool catalog %s (%d tools, %s) from %s",
         component,
         catalog.version,
         len(catalog.tools),
+        "any model route" if names is None else f"model routes {', '.join(names)}",
         path,
     )
     return catalog

@@ -121,6 +121,12 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_TOOL_REGISTRY",
         description="the tools registry file, when --registry is not given",
     )
+    model_routes: Path | None = Field(
+        None,
+        alias="AGENTRUNS_MODEL_ROUTES",
+        description="the model routes file, when --routes is not given: the model executor's"
+        " routes, and the only routes a task may name where a catalog is held",
+    )
     store_dir: Path | None = Field(
         None,
         alias="AGENTRUNS_STORE_DIR",

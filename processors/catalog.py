@@ -58,14 +58,42 @@ class Catalog(Frozen, frozen=True, kw_only=True, gc=False):
 
     version: Id
     tools: dict[str, CatalogTool]
+    # the model routes a task may name (the model executor's routes file; "*" admits any);
+    # None: any route
+    routes: tuple[Id, ...] | None = None
 
     @classmethod
-    def of(cls, label: str, tools: Mapping[str, CatalogTool]) -> Catalog:
+    def of(
+        cls,
+        label: str,
+        tools: Mapping[str, CatalogTool],
+        routes: tuple[str, ...] | None = None,
+    ) -> Catalog:
         """A catalog whose version is ``label`` plus a short hash of its content, so an edited
         registry whose own version was not bumped is still a new catalog version."""
-        content = canonical_json({name: tools[name].model_dump() for name in sorted(tools)})
-        digest = hashlib.sha256(content.encode()).hexdigest()[:12]
-        return cls(version=f"{label[:_MAX_LABEL]}+{digest}", tools=dict(tools))
+        described: dict[str, Any] = {name: tools[name].model_dump() for name in sorted(tools)}
+        if routes is not None:  # a catalog without routes keeps the version it had
+            described = {"tools": described, "routes": sorted(routes)}
+        digest = hashlib.sha256(canonical_json(described).encode()).hexdigest()[:12]
+        return cls(
+            version=f"{label[:_MAX_LABEL]}+{digest}",
+            tools=dict(tools),
+            routes=None if routes is None else tuple(sorted(routes)),
+        )
+
+
+def route_problem(route: str, catalog: Catalog) -> str | None:
+    """Why a task may not name ``route`` (a model route the configuration lacks), or None."""
+    if catalog.routes is None or route in catalog.routes or "*" in catalog.routes:
+        return None
+    return _reason(f"invalid_input:model_route_not_configured: {route}")
+
+
+def submission_problem(event: RunSubmitted, catalog: Catalog) -> str | None:
+    """Why ``catalog`` refuses a submission: its model route, then its tools."""
+    return route_problem(event.model_route, catalog) or catalog_problem(
+        event.tools, event.policy, catalog
+    )
 
 
 def catalog_problem(tools: tuple[ToolSpec, ...], policy: Policy, catalog: Catalog) -> str | None:
@@ -133,7 +161,7 @@ def with_catalog_defaults(tools: tuple[ToolSpec, ...], catalog: Catalog) -> tupl
 def check(event: RunSubmitted, catalog: Catalog) -> CatalogCheck:
     """The submission held against ``catalog``: its version and its refusal, if any."""
     try:
-        problem = catalog_problem(event.tools, event.policy, catalog)
+        problem = submission_problem(event, catalog)
     except Exception as exc:  # a schema canonical JSON cannot write (never in a decoded task)
         problem = _reason(f"invalid_input:tool_schema: {type(exc).__name__}")
     return CatalogCheck(version=catalog.version, problem=problem)

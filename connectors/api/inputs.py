@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.processors.catalog import Catalog, catalog_problem, with_catalog_fields
+from agentruns.processors.catalog import Catalog, submission_problem, with_catalog_fields
 from agentruns.processors.events import RunSubmitted
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.processors.validation import task_problem
@@ -56,7 +56,8 @@ def submitted_task(
 
     With the operator's `catalog`: a tool field the submitter left out is the catalog's, and
     a task that widens what the catalog allows is refused
-    (`agentruns.processors.catalog.catalog_problem`), as the processor would fail its run."""
+    (`agentruns.processors.catalog.submission_problem`: its model route, its tools), as the
+    processor would fail its run."""
     derived = next((name for name in TASK_DERIVED_FIELDS if name in fields), None)
     if derived is not None:
         msg = f"`{derived}` is not a task field: the submitter derives it"
@@ -77,7 +78,7 @@ def submitted_task(
         ) from None
     problem = task_problem(event)
     if problem is None and catalog is not None:
-        problem = catalog_problem(event.tools, event.policy, catalog)
+        problem = submission_problem(event, catalog)
     if problem is not None:
         raise InvalidInputError(problem)
     try:

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the tool registry whose catalog every task is held to (default"
         " $AGENTRUNS_TOOL_REGISTRY); none: tasks declare their own tools",
     )
+    parser.add_argument(
+        "--routes",
+        default=current().model_routes,
+        help="the model routes file (the model executor's): with --registry, a task naming"
+        " another route is refused (default $AGENTRUNS_MODEL_ROUTES)",
+    )
     parser.add_argument("--log-level", default=current().log_level)
     return parser
 
@@ -81,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
-        catalog = configured_catalog(args.registry, component="api")
+        catalog = configured_catalog(args.registry, component="api", routes=args.routes)
         config = ApiConfig.from_env(
             ep.kafka_bootstrap,
             ep.database_url,

@@ -1552,7 +1552,11 @@ def main(argv: list[str] | None = None) -> int:
         help="OpenAI-compatible base URL (default $AGENTRUNS_MODEL_BASE_URL, else "
         f"{DEFAULT_BASE_URL})",
     )
-    parser.add_argument("--routes", default=None, help='per-route JSON: {"route": {...}}')
+    parser.add_argument(
+        "--routes",
+        default=current().model_routes,
+        help='per-route JSON: {"route": {...}} (default $AGENTRUNS_MODEL_ROUTES)',
+    )
     parser.add_argument(
         "--registry",
         default=current().tool_registry,

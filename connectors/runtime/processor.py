@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the tool registry whose catalog every new run's task is held to (default"
         " $AGENTRUNS_TOOL_REGISTRY); none: tasks declare their own tools (docs/tools.md)",
     )
+    p.add_argument(
+        "--routes",
+        default=current().model_routes,
+        help="the model routes file (the model executor's): with --registry, a task naming"
+        " another route is refused (default $AGENTRUNS_MODEL_ROUTES)",
+    )
     health.add_arguments(p)
     p.add_argument("--log-level", default=current().log_level)
     return p
@@ -122,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with serving as status:
             migrate(ep.database_url)
             ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
-            catalog = configured_catalog(args.registry, component="processor")
+            catalog = configured_catalog(args.registry, component="processor", routes=args.routes)
             store = PostgresArtifactStore(ep.database_url)
             config = ProcessorConfig(
                 bootstrap=ep.kafka_bootstrap,

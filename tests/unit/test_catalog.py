@@ -342,6 +342,34 @@ def test_a_door_refuses_a_task_that_widens_the_catalog(tool: dict[str, Any], rea
     submitted_task({"goal": "g", "tools": [tool]}, **IDS)
 
 
+ROUTED = Catalog.of("test-1", CATALOG.tools, ("gpt", "claude"))
+
+
+@given(route=st.text(min_size=1, max_size=40))
+def test_a_task_may_name_only_a_configured_model_route(route: str) -> None:
+    event = submission((), model_route=route)
+    problem = catalog_module.submission_problem(event, ROUTED)
+    if route in ("gpt", "claude"):
+        assert problem is None
+    else:
+        assert problem == f"invalid_input:model_route_not_configured: {route}"[:300]
+    # no routes file: any route; a "*" route: any route
+    assert catalog_module.submission_problem(event, CATALOG) is None
+    star = Catalog.of("test-1", CATALOG.tools, ("gpt", "*"))
+    assert catalog_module.submission_problem(event, star) is None
+
+
+def test_routes_are_part_of_the_version_and_refused_at_every_door() -> None:
+    assert ROUTED.version != CATALOG.version
+    assert Catalog.of("test-1", CATALOG.tools, ("claude", "gpt")).version == ROUTED.version
+    with pytest.raises(InvalidInputError, match="model_route_not_configured: mine"):
+        submitted_task({"goal": "g", "model_route": "mine"}, catalog=ROUTED, **IDS)
+    stamped = catalog_module.stamped(submission((), model_route="mine"), ROUTED)
+    result = transition(None, stamped)
+    assert result.state is not None and result.state.status is RunStatus.FAILED
+    assert result.state.outcome == "invalid_input:model_route_not_configured: mine"
+
+
 def test_a_task_cannot_carry_the_processors_stamp() -> None:
     with pytest.raises(InvalidInputError, match="`catalog` is not a task field"):
         submitted_task({"goal": "g", "catalog": {"version": "mine"}}, catalog=CATALOG, **IDS)
