@@ -63,6 +63,16 @@ from agentruns.streams.sequencing import (
     Sequencer,
     next_seq,
 )
+from agentruns.streams.topics import (
+    DLQ,
+    EVENTS,
+    INBOX,
+    RESULTS,
+    RUNS,
+    STATE,
+    effect_suffix,
+    topic_name,
+)
 from agentruns.streams.transaction import Headers, Record
 from confluent_kafka import Message
 
@@ -153,6 +163,22 @@ class Topics:
     results: str
     dlq: str
     effects: Mapping[str, str]  # effect kind -> topic
+
+    @classmethod
+    def of(cls, prefix: str) -> Topics:
+        """The topics of the deployment whose topic prefix is ``prefix``."""
+        return cls(
+            inbox=topic_name(INBOX, prefix),
+            events=topic_name(EVENTS, prefix),
+            state=topic_name(STATE, prefix),
+            runs=topic_name(RUNS, prefix),
+            results=topic_name(RESULTS, prefix),
+            dlq=topic_name(DLQ, prefix),
+            effects={
+                kind: topic_name(effect_suffix(kind), prefix)
+                for kind in sorted(set(EFFECT_TOPIC_KIND.values()))
+            },
+        )
 
     def outputs(self) -> list[str]:
         return [

@@ -70,7 +70,6 @@ from agentruns.streams.kafka_defaults import client_settings, close_consumer, pa
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
 from agentruns.streams.records import (
-    EFFECT_TOPIC_KIND,
     Parked,
     RunSlot,
     ended_run_of,
@@ -84,7 +83,6 @@ from agentruns.streams.topics import (
     RESULTS,
     RUNS,
     STATE,
-    effect_suffix,
     topic_name,
 )
 from agentruns.streams.transaction import (
@@ -227,18 +225,7 @@ class Processor:
         self.runs_topic = topic_name(RUNS, p)
         self.results = topic_name(RESULTS, p)
         self.dlq = topic_name(DLQ, p)
-        self.topics = Topics(
-            inbox=self.inbox,
-            events=self.events,
-            state=self.state_topic,
-            runs=self.runs_topic,
-            results=self.results,
-            dlq=self.dlq,
-            effects={
-                kind: topic_name(effect_suffix(kind), p)
-                for kind in sorted(set(EFFECT_TOPIC_KIND.values()))
-            },
-        )
+        self.topics = Topics.of(p)
         self.stats = metrics.ProcessorStats()
         self._model_partitions = 0  # of the model effects topic, read on first use
         self._path = InputPath(

@@ -264,15 +264,7 @@ def test_a_run_submitted_without_a_catalog_is_the_bytes_it_was() -> None:
     assert "catalog" not in submission(()).model_dump_json()
 
 
-TOPICS = Topics(
-    inbox="t.inbox",
-    events="t.events",
-    state="t.state",
-    runs="t.runs",
-    results="t.results",
-    dlq="t.dlq",
-    effects={"model": "t.effects.model", "tool": "t.effects.tool", "timer": "t.effects.timer"},
-)
+TOPICS = Topics.of("t")
 
 
 def test_the_processor_fails_a_raw_submission_that_widens_its_catalog() -> None:

@@ -40,15 +40,7 @@ from msgspec.structs import replace
 
 LIMIT = 32 << 10
 AT = 1_700_000_000_000
-TOPICS = Topics(
-    inbox="t.inbox",
-    events="t.events",
-    state="t.state",
-    runs="t.runs",
-    results="t.results",
-    dlq="t.dlq",
-    effects={"model": "t.effects.model", "tool": "t.effects.tool", "timer": "t.effects.timer"},
-)
+TOPICS = Topics.of("t")
 
 
 def new_path(limit: int = LIMIT, cls: type[InputPath] = InputPath) -> InputPath:

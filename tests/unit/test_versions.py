@@ -236,15 +236,7 @@ def test_a_submission_is_stamped_with_the_processors_version_whatever_the_produc
     assert versions.stamped(submission("r", rules_version=9), 1).rules_version is msgspec.UNSET
 
 
-TOPICS = Topics(
-    inbox="t.inbox",
-    events="t.events",
-    state="t.state",
-    runs="t.runs",
-    results="t.results",
-    dlq="t.dlq",
-    effects={"model": "t.effects.model", "tool": "t.effects.tool", "timer": "t.effects.timer"},
-)
+TOPICS = Topics.of("t")
 
 
 def new_path(rules_version: int | None = None) -> InputPath:
