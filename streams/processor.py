@@ -76,15 +76,6 @@ from agentruns.streams.records import (
     result_ref_of,
 )
 from agentruns.streams.run_store import RunStore, StoredRun
-from agentruns.streams.topics import (
-    DLQ,
-    EVENTS,
-    INBOX,
-    RESULTS,
-    RUNS,
-    STATE,
-    topic_name,
-)
 from agentruns.streams.transaction import (
     Backoff,
     Clients,
@@ -218,14 +209,10 @@ class Processor:
         self.config = config
         self._write_artifacts = write_artifacts
         self._artifact_writer = ThreadPoolExecutor(1, thread_name_prefix="artifacts")
-        p = config.prefix
-        self.inbox = topic_name(INBOX, p)
-        self.events = topic_name(EVENTS, p)
-        self.state_topic = topic_name(STATE, p)
-        self.runs_topic = topic_name(RUNS, p)
-        self.results = topic_name(RESULTS, p)
-        self.dlq = topic_name(DLQ, p)
-        self.topics = Topics.of(p)
+        self.topics = Topics.of(config.prefix)
+        self.inbox, self.events = self.topics.inbox, self.topics.events
+        self.state_topic, self.runs_topic = self.topics.state, self.topics.runs
+        self.results, self.dlq = self.topics.results, self.topics.dlq
         self.stats = metrics.ProcessorStats()
         self._model_partitions = 0  # of the model effects topic, read on first use
         self._path = InputPath(
