@@ -7,6 +7,7 @@ the executor makes of the endpoint's bytes, over real sockets)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -58,7 +59,9 @@ class Endpoint:
                 if status == 200 and b'"protocolVersion"' in body:
                     self.send_header("Mcp-Session-Id", f"s{endpoint.sessions}")
                 self.end_headers()
-                self.wfile.write(body)
+                # the client stops reading a body over its cap: as it must
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(body)
 
             def do_POST(self) -> None:
                 message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
