@@ -81,8 +81,10 @@ def test_a_task_written_to_kafka_that_widens_the_catalog_ends_failed_with_the_re
     guarded: Stack,
 ) -> None:
     run_id = f"catalog-raw-{uuid.uuid4().hex}"
+    # written with `write`, below the catalog's `admin` (a record's `read` would be taken as
+    # omitted, and filled in from the catalog)
     task = submitted(run_id).model_copy(
-        update={"tools": (ToolSpec(name="delete_record", parameters=DELETE),)}
+        update={"tools": (ToolSpec(name="delete_record", parameters=DELETE, permission="write"),)}
     )
     inbox = Inbox(guarded.bootstrap, guarded.prefix, PARTITIONS)
     try:
@@ -91,9 +93,10 @@ def test_a_task_written_to_kafka_that_widens_the_catalog_ends_failed_with_the_re
     finally:
         inbox.close()
     run = guarded.wait_status(run_id, "FAILED")
-    assert run["outcome"].startswith(WIDER)
+    wider = WIDER.replace("permission read", "permission write")
+    assert run["outcome"].startswith(wider)
     assert run["catalog_version"] == CATALOG.version
-    assert run["result"]["summary"].startswith("FAILED: " + WIDER)
+    assert run["result"]["summary"].startswith("FAILED: " + wider)
 
 
 def test_the_console_shows_the_catalog_version_and_its_tools(guarded: Stack) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,12 @@ def missing(starts: set[str], lines: list[str]) -> set[str]:
     return {s for s in starts if not any(line.startswith(s) for line in lines)}
 
 
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @contextmanager
 def faust_worker(tmp_path: Path, bootstrap: str, prefix: str, tasks: Path) -> Iterator[Worker]:
     output = tmp_path / "worker.out"
@@ -76,7 +83,9 @@ def faust_worker(tmp_path: Path, bootstrap: str, prefix: str, tasks: Path) -> It
     }
     with output.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "worker", "--loglevel=warn"],
+            # the worker binds a web port whatever web_enabled says: one of its own, as tests
+            # run side by side
+            [sys.executable, str(EXAMPLE), "worker", "--loglevel=warn", f"--web-port={_port()}"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
