@@ -7,12 +7,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv broker-jars postgres chromium demo test unit integration lint typecheck fmt bench clean
+.PHONY: help setup venv broker-jars postgres chromium demo test unit integration lint typecheck docs fmt bench clean
 
 help:
 	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
 	@echo "make test   - set up, then ruff, mypy and the whole pytest suite (real broker + db)"
-	@echo "make lint | typecheck | unit | integration | bench | fmt | clean"
+	@echo "make lint | typecheck | docs | unit | integration | bench | fmt | clean"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "agentruns needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
@@ -72,6 +72,11 @@ typecheck: $(STAMP)
 	@ln -sf ../../../agentruns/__init__.py ../../../agentruns/py.typed build/typecheck/agentruns/
 	$(VENV)/bin/mypy
 
+# The documentation site (mkdocs.yml over docs/, the client API rendered from its docstrings)
+# into build/site; warnings fail it. mkdocstrings reads the package through build/typecheck.
+docs: typecheck
+	$(VENV)/bin/mkdocs build --strict -d build/site
+
 unit: $(STAMP)
 	$(VENV)/bin/pytest tests/unit -q $(PYTEST_ARGS)
 
@@ -80,7 +85,7 @@ integration: setup
 
 # Two workers: most tests wait on the broker, so two run side by side in about the time of one;
 # the heavy ones (tests/conftest.py, HEAVY) one after another on one worker.
-test: setup chromium lint typecheck
+test: setup chromium lint typecheck docs
 	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 fmt: $(STAMP)

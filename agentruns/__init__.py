@@ -1,5 +1,24 @@
 """agentruns: durable, restartable LLM-agent runs on Apache Kafka.
 
+The client API is exported here:
+
+- `RunsProducer` submits tasks (and cancels) to the inbox topic, idempotently;
+- `ResultsConsumer` reads terminal results, read_committed, as a consumer group;
+- `ApiClient` talks to the HTTP API (submit, read, reply, cancel, operator actions);
+- `Submission`, `RunResult` are what they return; `InvalidInputError` (a task refused before
+  anything is produced) and `ClientError` (an HTTP call failed) what they raise.
+
+Example:
+    ```python
+    from agentruns import ResultsConsumer, RunsProducer
+
+    with RunsProducer("127.0.0.1:19092", producer_id="orders-service") as producer:
+        producer.submit(task, idempotency_key="order-42")
+    with ResultsConsumer("127.0.0.1:19092", group_id="billing") as results:
+        for result in results.results(follow=True):
+            print(result.run_id, result.status.value)
+    ```
+
 The installed package holds four layers, imported one way:
 ``agentruns.processors`` (the pure core) <- ``agentruns.streams`` (Kafka plumbing)
 <- ``agentruns.connectors`` (services, adapters, CLI); ``agentruns.schemas`` holds the Avro

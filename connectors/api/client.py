@@ -91,7 +91,14 @@ __all__ = [
 
 
 class ClientError(AgentrunsError):
-    """A call through the client failed; `status` is the HTTP status when there was one."""
+    """A call through `ApiClient` failed.
+
+    Attributes:
+        status: The HTTP status of the answer, or None when no answer came (a connection
+            error); the error is retryable when there was no answer or the status is 5xx.
+        code: The API's error code (`error` of the answer's body), when it gave one.
+        reason: `invalid_input:<what>: ...` when the API refused the input.
+    """
 
     def __init__(
         self,
@@ -109,6 +116,15 @@ class ClientError(AgentrunsError):
 
 @dataclass(frozen=True, slots=True)
 class Submission:
+    """What names a queued input: returned by `RunsProducer.submit` and `RunsProducer.cancel`.
+
+    Attributes:
+        run_id: The run's id, derived from the idempotency key (`run-<32 hex>`): the same key
+            always names the same run.
+        trace_id: The run's trace id.
+        input_id: The input's id on the inbox (`<run_id>:submit` for a task).
+    """
+
     run_id: str
     trace_id: str
     input_id: str
@@ -144,7 +160,47 @@ def task_input(
 
 
 class RunsProducer:
-    """Submits tasks to the inbox: idempotent, numbered with producer_id / producer_seq."""
+    """Submits tasks (and cancels) straight to the `<prefix>.inbox` topic.
+
+    Submission is idempotent: the idempotency key names the run, and a task is input 1 of its
+    producer for that run, so submitting the same key again (after a crash, from another
+    process with the same `producer_id`) never starts a second run. A task the API would
+    refuse is refused here too, before anything is produced. Use it as a context manager:
+    leaving the block waits for every queued input to be acknowledged.
+
+    Args:
+        bootstrap: Kafka bootstrap servers, `host:port[,...]`.
+        producer_id: A stable, non-empty name of this producer (a service name): inputs are
+            numbered per run and producer.
+        prefix: The topic prefix of the deployment (`agentruns` by default).
+        partitions: The inbox's partition count; None reads it from the broker.
+        max_record_bytes: The largest record to produce; a larger one raises
+            `InvalidInputError`.
+        extra: librdkafka settings added to the producer's (security: `security.protocol`,
+            `sasl.*`, `ssl.*`).
+        catalog: The operator's tool catalog (`agentruns.connectors.catalog.catalog_of`); a
+            task that widens it is refused. None: no catalog check here (the processor still
+            makes it when it holds one).
+
+    Raises:
+        ValueError: `producer_id` is empty.
+        AgentrunsKafkaError: the inbox's partition count could not be read.
+
+    Example:
+        ```python
+        from agentruns import RunsProducer
+
+        with RunsProducer("127.0.0.1:19092", producer_id="orders-service") as producer:
+            submission = producer.submit(
+                {
+                    "goal": "Tell the customer of order 42 when it ships.",
+                    "messages": [{"role": "user", "content": "When does order 42 ship?"}],
+                },
+                idempotency_key="order-42",
+            )
+        print(submission.run_id)  # the same for every submission of "order-42"
+        ```
+    """
 
     def __init__(
         self,
@@ -188,13 +244,27 @@ class RunsProducer:
         trace_id: str | None = None,
         traceparent: str | None = None,
     ) -> Submission:
-        """Queue a task (schemas/json/task.schema.json: the RunSubmitted fields but ids and
-        time; `trace_id` here, else the task's, else derived); `flush()` to wait for it.
-        `traceparent` (W3C) is the parent of the run's trace, else a new trace starts (a
-        malformed one is ignored).
+        """Queue a task for its run; `flush()` (or leaving the `with` block) waits for it.
 
-        Raises InvalidInputError, producing nothing, for a task the core would refuse or whose
-        record is over `max_record_bytes`."""
+        Args:
+            task: The task (`schemas/json/task.schema.json`): `goal`, `messages`, `tools`
+                and optionally `policy`, `budgets`, `loop`, `model_route`, `trace_id`.
+            idempotency_key: Names the run: the same key never starts a second run.
+            at: The submission time in ms since the epoch; None: now. Pass the same `at` when
+                submitting a task again to make the retry byte-identical.
+            trace_id: The run's trace id; None: the task's, else one derived from the run id.
+            traceparent: A W3C `traceparent` to continue as the run's trace; None or a
+                malformed one: a new trace starts.
+
+        Returns:
+            The run id, trace id and input id of the submission.
+
+        Raises:
+            InvalidInputError: The core would refuse the task, it widens the catalog, or its
+                record is over `max_record_bytes`; `reason` is `invalid_input:<what>: ...`
+                and nothing is produced.
+            AgentrunsKafkaError: The record could not be queued (the local queue is full).
+        """
         context = tracing.parse(traceparent)
         if not tracing.enabled():
             return self._submit(task, idempotency_key, at, trace_id, context)
@@ -236,7 +306,22 @@ class RunsProducer:
         trace_id: str | None = None,
         at: int | None = None,
     ) -> Submission:
-        """Queue a CancelRequested for a run (numbered if `producer_seq` is given)."""
+        """Queue a request to cancel a run.
+
+        Args:
+            run_id: The run to cancel.
+            producer_seq: This producer's number of the input for the run (2 for the first
+                cancel of a run it submitted); None: deduplicated by its input id alone.
+            reason: Recorded with the cancellation.
+            trace_id: The run's trace id; None: derived from the run id.
+            at: The request time in ms since the epoch; None: now.
+
+        Returns:
+            The run id, trace id and input id of the request.
+
+        Raises:
+            AgentrunsKafkaError: The record could not be queued.
+        """
         tag = producer_seq if producer_seq is not None else "x"
         input_id = f"cancel:{run_id}:{self.producer_id}:{tag}"
         event = CancelRequested(
@@ -274,7 +359,15 @@ class RunsProducer:
         self._producer.poll(0)
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued input is acknowledged; raise if any was not."""
+        """Wait until every queued input is acknowledged by the broker.
+
+        Args:
+            timeout_s: How long to wait.
+
+        Raises:
+            AgentrunsKafkaError: An input was not acknowledged in time or not delivered
+                (retryable: submitting the same task again is safe).
+        """
         left = self._producer.flush(timeout_s)
         if left:
             raise AgentrunsKafkaError(f"{left} inputs not acknowledged in time", retryable=True)
@@ -283,8 +376,13 @@ class RunsProducer:
             raise AgentrunsKafkaError(f"an input was not delivered: {first}", retryable=True)
 
     def close(self) -> None:
-        """Wait for every queued input (raising as :meth:`flush` does), then release the
-        client; inputs still unacknowledged when it raised are dropped, never sent later."""
+        """Wait for every queued input, then release the client.
+
+        Inputs still unacknowledged when it raises are dropped, never sent later.
+
+        Raises:
+            AgentrunsKafkaError: As `flush` does.
+        """
         try:
             self.flush()
         finally:
@@ -302,6 +400,22 @@ class RunsProducer:
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
+    """One run's terminal result, as read from `<prefix>.results`.
+
+    Attributes:
+        run_id: The run.
+        status: Its terminal status (`SUCCEEDED`, `FAILED`, `CANCELLED`, `EXPIRED`, ...).
+        version: The run's state version at its end.
+        seq: The run's last seq at its end.
+        result_ref: The content-addressed artifact of the final answer, if any.
+        summary: A short text of the outcome (the failure reason for a failed run).
+        trace_id: The run's trace id.
+        at: The event time of the end, ms since the epoch.
+        body: The whole result record's body.
+        partition: The record's partition on the results topic.
+        offset: The record's offset there.
+    """
+
     run_id: str
     status: RunStatus
     version: int
@@ -315,6 +429,7 @@ class RunResult:
     offset: int
 
     def as_json(self) -> dict[str, Any]:
+        """The result's fields as a JSON object (what `agentruns results` prints a line of)."""
         return {
             "run_id": self.run_id,
             "status": self.status.value,
@@ -328,12 +443,32 @@ class RunResult:
 
 
 class ResultsConsumer:
-    """Yields terminal results from `<prefix>.results` (read_committed).
+    """Reads terminal results from `<prefix>.results` as a member of a consumer group.
 
+    It reads read_committed, so it never sees a result whose run's events were not committed.
     Offsets are committed for the group: a result's offset is stored once the caller asks for
     the next one (it has handled this one), and committed every `commit_interval_ms` and at
-    `close()`. So a restarted consumer resumes after the last handled result: at least once,
-    never a result that was not committed by the processor's transaction.
+    `close()`. So a restarted consumer resumes after the last handled result: at least once.
+    A record that cannot be decoded is logged, counted in `skipped` and passed over.
+
+    Args:
+        bootstrap: Kafka bootstrap servers, `host:port[,...]`.
+        group_id: The consumer group; a service keeps one stable id to resume where it
+            stopped, and several members of one group share the partitions.
+        prefix: The topic prefix of the deployment (`agentruns` by default).
+        from_beginning: Where a group without committed offsets starts: the oldest result
+            (True) or only new ones (False).
+        commit_interval_ms: How often stored offsets are committed.
+        extra: librdkafka settings added to the consumer's (security settings).
+
+    Example:
+        ```python
+        from agentruns import ResultsConsumer
+
+        with ResultsConsumer("127.0.0.1:19092", group_id="billing") as results:
+            for result in results.results(follow=True):
+                print(result.run_id, result.status.value, result.result_ref)
+        ```
     """
 
     def __init__(
@@ -386,10 +521,22 @@ class ResultsConsumer:
         idle_timeout_s: float = 30.0,
         stop: threading.Event | None = None,
     ) -> Iterator[RunResult]:
-        """Terminal results in partition order. `follow=False` stops at the end of every
-        assigned partition (or after `idle_timeout_s` with no assignment); `follow=True`
-        waits for new results until `stop` is set, the consumer is closed or the caller stops
-        iterating."""
+        """Iterate over terminal results, in order within each partition.
+
+        Args:
+            follow: False: stop at the end of every assigned partition. True: wait for new
+                results until `stop` is set or the caller stops iterating.
+            idle_timeout_s: Without `follow`, stop after this long with no partition assigned
+                and no record.
+            stop: An event that ends the iteration when set (from another thread).
+
+        Yields:
+            Each result; its offset is stored for the group when the next one is asked for.
+
+        Raises:
+            AgentrunsKafkaError: Consuming failed (retryable: a new consumer of the same
+                group resumes after the last handled result).
+        """
         idle_since = time.monotonic()
         while stop is None or not stop.is_set():
             msg = self._consumer.poll(0.2)
@@ -441,13 +588,23 @@ class ResultsConsumer:
             self._consumer.store_offsets(msg)
 
     def ack(self, result: RunResult) -> None:
-        """Mark `result` handled now (e.g. before breaking out of the loop on it; otherwise
-        the result a loop stops on is delivered again to the group: at least once)."""
+        """Mark `result` handled now.
+
+        Call it before breaking out of the loop on a result: otherwise the result a loop stops
+        on is delivered to the group again (at least once).
+
+        Args:
+            result: A result this consumer yielded.
+        """
         tp = TopicPartition(self.topic, result.partition, result.offset + 1)
         self._consumer.store_offsets(offsets=[tp])
 
     def commit(self) -> None:
-        """Commit the stored offsets now (also done periodically and at close)."""
+        """Commit the stored offsets now (also done periodically and at close).
+
+        Raises:
+            AgentrunsKafkaError: The commit failed.
+        """
         try:
             self._consumer.commit(asynchronous=False)
         except KafkaException as exc:
@@ -455,6 +612,11 @@ class ResultsConsumer:
                 raise AgentrunsKafkaError(f"committing offsets: {exc}", retryable=True) from exc
 
     def close(self) -> None:
+        """Commit the stored offsets and leave the group.
+
+        Raises:
+            AgentrunsKafkaError: The final commit failed (the consumer is closed anyway).
+        """
         try:
             self.commit()
         finally:
@@ -471,7 +633,28 @@ class ResultsConsumer:
 
 
 class ApiClient:
-    """A small synchronous client of `agentruns api` (httpx)."""
+    """A synchronous client of the HTTP API (`agentruns api`).
+
+    Every method returns the API's JSON answer as a dict and raises `ClientError` on a
+    connection error or an answer of 400 or more. Replies to a run's question always go
+    through the API, which checks the signed resume token.
+
+    Args:
+        base_url: The API's URL, e.g. `http://127.0.0.1:8080`.
+        token: A bearer token: the API token, or an operator token for `resolve`, `reopen`
+            and `redrive`.
+        timeout_s: The deadline of each request.
+
+    Example:
+        ```python
+        from agentruns import ApiClient
+
+        api = ApiClient("http://127.0.0.1:8080", token)
+        run = api.submit(task, idempotency_key="order-42")
+        print(api.wait(run["run_id"])["status"])
+        api.close()
+        ```
+    """
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0) -> None:
         self._http = httpx.Client(
@@ -502,21 +685,35 @@ class ApiClient:
         return dict(payload)
 
     def submit(self, task: Mapping[str, Any], *, idempotency_key: str) -> dict[str, Any]:
+        """Submit a task (`POST /runs`); the same key never starts a second run.
+
+        Raises:
+            ClientError: 422 with `reason` `invalid_input:<what>: ...` for a refused task.
+        """
         return self._call(
             "POST", "/runs", json=dict(task), headers={"Idempotency-Key": idempotency_key}
         )
 
     def get(self, run_id: str) -> dict[str, Any]:
+        """A run as the projection holds it (`GET /runs/{id}`); 404 until it is projected."""
         return self._call("GET", f"/runs/{run_id}")
 
     def events(self, run_id: str, *, after_seq: int = 0) -> dict[str, Any]:
+        """A run's events after `after_seq` (`GET /runs/{id}/events`)."""
         return self._call("GET", f"/runs/{run_id}/events", params={"after_seq": after_seq})
 
     def reply(self, run_id: str, resume_token: str, response: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer a run's question with the resume token of its `GET /runs/{id}`.
+
+        Raises:
+            ClientError: 409 for a forged, expired or used token; 422 for a response nested
+                too deep.
+        """
         body = {"resume_token": resume_token, "response": dict(response)}
         return self._call("POST", f"/runs/{run_id}/replies", json=body)
 
     def cancel(self, run_id: str, *, reason: str = "requested") -> dict[str, Any]:
+        """Ask for a run to be cancelled (`POST /runs/{id}/cancel`)."""
         return self._call("POST", f"/runs/{run_id}/cancel", json={"reason": reason})
 
     def resolve(
@@ -570,7 +767,11 @@ class ApiClient:
     def wait(
         self, run_id: str, *, timeout_s: float = 60.0, every_s: float = 0.25
     ) -> dict[str, Any]:
-        """Poll until the run is terminal (as committed) and return it."""
+        """Poll until the run is terminal (as committed) and return it.
+
+        Raises:
+            ClientError: The run is not terminal after `timeout_s`, or a call failed.
+        """
         deadline = time.monotonic() + timeout_s
         terminal = {s.value for s in TERMINAL}
         while True:
@@ -586,6 +787,7 @@ class ApiClient:
             time.sleep(every_s)
 
     def close(self) -> None:
+        """Close the client's connections."""
         self._http.close()
 
 
