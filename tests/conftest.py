@@ -28,11 +28,23 @@ HEAVY = {
     "tests/integration/test_full_disk.py",
     "tests/integration/test_network_partition.py",
 }
+#: Files or single tests (``path::name``) marked `slow`: the heavy ones and those taking more
+#: than about 20 s each. `make check` leaves them out (`-m "not slow"`); `make test` runs them.
+SLOW = HEAVY | set[str]()
 
 
+def _listed(item: pytest.Item, listing: set[str]) -> bool:
+    path, _, name = item.nodeid.partition("::")
+    return path in listing or f"{path}::{name.split('[', 1)[0]}" in listing
+
+
+# Before the `-m` selection, which reads the markers added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.split("::", 1)[0] in HEAVY:
+        if _listed(item, SLOW):
+            item.add_marker(pytest.mark.slow)
+        if _listed(item, HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
