@@ -28,9 +28,30 @@ HEAVY = {
     "tests/integration/test_full_disk.py",
     "tests/integration/test_network_partition.py",
 }
-#: Files or single tests (``path::name``) marked `slow`: the heavy ones and those taking more
-#: than about 20 s each. `make check` leaves them out (`-m "not slow"`); `make test` runs them.
-SLOW = HEAVY | set[str]()
+#: Files or single tests (``path::name``, every parameter) marked `slow`: the heavy ones, those
+#: that start a broker of their own, and those taking more than about 15 s each (`make test
+#: --durations`). `make check` leaves them out (`-m "not slow"`); `make test` runs them.
+SLOW = HEAVY | {
+    "tests/e2e/test_sasl.py",
+    "tests/integration/test_versions.py",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_an_instant_run_ends_while_slow_runs_are_still_in_their_first_call",
+    "tests/integration/test_kafka_logs.py::test_clients_at_a_dead_port_log_a_few_lines_not_hundreds",
+    "tests/integration/test_processor.py::test_a_failed_transaction_drops_the_batch_applied_behind_it",
+    "tests/integration/test_processor.py::test_a_killed_member_is_replaced_by_the_other",
+    "tests/integration/test_processor.py::"
+    "test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice",
+    "tests/integration/test_processor.py::test_kill_9_at_random_points_loses_and_repeats_nothing",
+    "tests/integration/test_processor_hostile.py::"
+    "test_a_batch_the_broker_keeps_refusing_is_isolated_and_its_poison_dead_lettered",
+    "tests/integration/test_processor_hostile.py::"
+    "test_an_evicted_run_stays_ended_across_restarts_whatever_its_resubmissions_say",
+    "tests/integration/test_resubmission.py::"
+    "test_a_key_never_starts_its_run_twice_however_it_arrives_after_a_restart",
+    "tests/integration/test_tool_executor.py::"
+    "test_a_second_executor_joining_mid_stream_executes_nothing_twice",
+    "tests/integration/test_tool_executor.py::test_kill_9_mid_batch_and_restart_executes_no_key_twice",
+}
 
 
 def _listed(item: pytest.Item, listing: set[str]) -> bool:
