@@ -87,8 +87,9 @@ integration: setup
 test: setup chromium lint typecheck
 	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
-# The edit-test loop: the same checks and every test not marked slow (tests/conftest.py, SLOW).
-check: setup chromium lint typecheck
+# The edit-test loop: the same checks and every test not marked slow (tests/conftest.py, SLOW;
+# the browser test is one of them, hence no chromium).
+check: setup lint typecheck
 	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 fmt: $(STAMP)

@@ -29,11 +29,36 @@ HEAVY = {
     "tests/integration/test_network_partition.py",
 }
 #: Files or single tests (``path::name``, every parameter) marked `slow`: the heavy ones, those
-#: that start a broker of their own, and those taking more than about 15 s each (`make test
-#: --durations`). `make check` leaves them out (`-m "not slow"`); `make test` runs them.
+#: that start a broker, a JVM, a browser or the whole stack of their own, and those taking more
+#: than about 10 s each (`--durations`), so that `make check`, which leaves them out
+#: (`-m "not slow"`), stays within about 5 minutes on two cores; `make test` runs them.
 SLOW = HEAVY | {
+    "tests/e2e/test_monolith.py",
+    "tests/e2e/test_quickstart.py",
     "tests/e2e/test_sasl.py",
+    "tests/integration/test_bench_restore.py",
+    "tests/integration/test_console_browser.py",
+    "tests/integration/test_faust.py",
+    "tests/integration/test_health_endpoints.py",
+    "tests/integration/test_java_consumer.py",
     "tests/integration/test_versions.py",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_a_call_longer_than_the_poll_interval_keeps_the_executor_in_its_group",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_a_rebalance_with_calls_in_flight_answers_each_effect_once",
+    "tests/integration/test_cli_dev.py::test_a_command_leaves_running_what_another_command_started",
+    "tests/integration/test_cli_dev.py::test_dev_up_status_down_leaves_nothing_behind",
+    "tests/integration/test_cli_dev.py::test_unreachable_bootstrap_is_one_clear_line",
+    "tests/integration/test_cli_errors.py::"
+    "test_a_broker_that_does_not_answer_is_one_line_in_bounded_time",
+    "tests/integration/test_cli_errors.py::"
+    "test_client_commands_use_the_local_stack_another_command_started",
+    "tests/integration/test_cli_operator.py::test_the_operator_commands_failures_are_one_line",
+    "tests/integration/test_idle_fetch.py::test_idle_executor_and_sink_poll_rarely",
+    "tests/integration/test_mcp_tools.py::test_kill_9_of_the_executor_mid_calls_executes_no_key_twice",
+    "tests/integration/test_processor.py::test_out_of_order_duplicates_conflicts_and_gap_timeout",
+    "tests/integration/test_processor_hostile.py::"
+    "test_an_ended_run_is_held_as_its_snapshot_and_answered_late_across_a_restart",
     "tests/integration/test_calls_in_flight.py::"
     "test_an_instant_run_ends_while_slow_runs_are_still_in_their_first_call",
     "tests/integration/test_kafka_logs.py::test_clients_at_a_dead_port_log_a_few_lines_not_hundreds",
