@@ -7,11 +7,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv broker-jars postgres chromium demo test unit integration lint typecheck docs fmt bench clean
+.PHONY: help setup venv broker-jars postgres chromium demo test check unit integration lint typecheck docs fmt bench clean
 
 help:
 	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
-	@echo "make test   - set up, then ruff, mypy and the whole pytest suite (real broker + db)"
+	@echo "make test   - set up, then ruff, mypy, the import contracts, the docs build and the whole pytest suite (real broker + db)"
+	@echo "make check  - the same without the docs and the tests marked slow (chaos, clusters, kills): a few minutes"
 	@echo "make lint | typecheck | docs | unit | integration | bench | fmt | clean"
 
 $(STAMP): pyproject.toml
@@ -66,11 +67,14 @@ lint: $(STAMP)
 
 # mypy reads the source folders through a tree of links laid out as the installed namespace
 # (agentruns.processors -> processors/, ...): it cannot follow an editable install's import hook.
+# lint-imports (the contracts in pyproject.toml) reads the same tree: it puts its working
+# directory first on the path, hence the cd (from the root it would find ./agentruns alone).
 typecheck: $(STAMP)
 	@mkdir -p build/typecheck/agentruns
 	@for d in processors streams schemas connectors bench; do ln -sfn ../../../$$d build/typecheck/agentruns/$$d; done
 	@ln -sf ../../../agentruns/__init__.py ../../../agentruns/py.typed build/typecheck/agentruns/
 	$(VENV)/bin/mypy
+	cd build/typecheck && ../../$(VENV)/bin/lint-imports --no-cache --config ../../pyproject.toml
 
 # The documentation site (mkdocs.yml over docs/, the client API rendered from its docstrings)
 # into build/site; warnings fail it. mkdocstrings reads the package through build/typecheck.
@@ -87,6 +91,11 @@ integration: setup
 # the heavy ones (tests/conftest.py, HEAVY) one after another on one worker.
 test: setup chromium lint typecheck docs
 	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# The edit-test loop: the same checks and every test not marked slow (tests/conftest.py, SLOW;
+# the browser test is one of them, hence no chromium).
+check: setup lint typecheck
+	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

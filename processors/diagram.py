@@ -1,14 +1,10 @@
-"""Mermaid state diagram generated from the transition table.
+"""Mermaid state diagram generated from the transition table (text in, text out).
 
-``python -m agentruns.processors.diagram --write docs/design.md`` replaces the block between the
-markers; ``python -m agentruns.processors.diagram`` prints it.
+``python -m agentruns.connectors.diagram_doc --write docs/design.md`` replaces the block between
+the markers; ``python -m agentruns.connectors.diagram_doc`` prints it.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
 
 from agentruns.processors.state import TERMINAL, TRANSIENT, RunStatus
 from agentruns.processors.transition import PASS_THROUGH, RESTING, TABLE
@@ -54,19 +50,3 @@ def render_into(document: str) -> str:
     start = document.index(BEGIN) + len(BEGIN)
     stop = document.index(END)
     return document[:start] + "\n" + mermaid() + "\n" + document[stop:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agentruns.processors.diagram")
-    parser.add_argument("--write", metavar="DOC", help="replace the block in this document")
-    args = parser.parse_args(argv)
-    if args.write is None:
-        print(mermaid())
-        return 0
-    path = Path(args.write)
-    path.write_text(render_into(path.read_text(encoding="utf-8")), encoding="utf-8")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

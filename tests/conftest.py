@@ -28,11 +28,69 @@ HEAVY = {
     "tests/integration/test_full_disk.py",
     "tests/integration/test_network_partition.py",
 }
+#: Files or single tests (``path::name``, every parameter) marked `slow`: the heavy ones, those
+#: that start a broker, a JVM, a browser or the whole stack of their own, and those taking more
+#: than about 10 s each (`--durations`), so that `make check`, which leaves them out
+#: (`-m "not slow"`), stays within about 5 minutes on two cores; `make test` runs them.
+SLOW = HEAVY | {
+    "tests/e2e/test_monolith.py",
+    "tests/e2e/test_quickstart.py",
+    "tests/e2e/test_sasl.py",
+    "tests/integration/test_bench_restore.py",
+    "tests/integration/test_console_browser.py",
+    "tests/integration/test_faust.py",
+    "tests/integration/test_health_endpoints.py",
+    "tests/integration/test_java_consumer.py",
+    "tests/integration/test_versions.py",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_a_call_longer_than_the_poll_interval_keeps_the_executor_in_its_group",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_a_rebalance_with_calls_in_flight_answers_each_effect_once",
+    "tests/integration/test_cli_dev.py::test_a_command_leaves_running_what_another_command_started",
+    "tests/integration/test_cli_dev.py::test_dev_up_status_down_leaves_nothing_behind",
+    "tests/integration/test_cli_dev.py::test_unreachable_bootstrap_is_one_clear_line",
+    "tests/integration/test_cli_errors.py::"
+    "test_a_broker_that_does_not_answer_is_one_line_in_bounded_time",
+    "tests/integration/test_cli_errors.py::"
+    "test_client_commands_use_the_local_stack_another_command_started",
+    "tests/integration/test_cli_operator.py::test_the_operator_commands_failures_are_one_line",
+    "tests/integration/test_idle_fetch.py::test_idle_executor_and_sink_poll_rarely",
+    "tests/integration/test_mcp_tools.py::test_kill_9_of_the_executor_mid_calls_executes_no_key_twice",
+    "tests/integration/test_processor.py::test_out_of_order_duplicates_conflicts_and_gap_timeout",
+    "tests/integration/test_processor_hostile.py::"
+    "test_an_ended_run_is_held_as_its_snapshot_and_answered_late_across_a_restart",
+    "tests/integration/test_calls_in_flight.py::"
+    "test_an_instant_run_ends_while_slow_runs_are_still_in_their_first_call",
+    "tests/integration/test_kafka_logs.py::test_clients_at_a_dead_port_log_a_few_lines_not_hundreds",
+    "tests/integration/test_processor.py::test_a_failed_transaction_drops_the_batch_applied_behind_it",
+    "tests/integration/test_processor.py::test_a_killed_member_is_replaced_by_the_other",
+    "tests/integration/test_processor.py::"
+    "test_a_paused_member_comes_back_as_a_zombie_and_commits_nothing_twice",
+    "tests/integration/test_processor.py::test_kill_9_at_random_points_loses_and_repeats_nothing",
+    "tests/integration/test_processor_hostile.py::"
+    "test_a_batch_the_broker_keeps_refusing_is_isolated_and_its_poison_dead_lettered",
+    "tests/integration/test_processor_hostile.py::"
+    "test_an_evicted_run_stays_ended_across_restarts_whatever_its_resubmissions_say",
+    "tests/integration/test_resubmission.py::"
+    "test_a_key_never_starts_its_run_twice_however_it_arrives_after_a_restart",
+    "tests/integration/test_tool_executor.py::"
+    "test_a_second_executor_joining_mid_stream_executes_nothing_twice",
+    "tests/integration/test_tool_executor.py::test_kill_9_mid_batch_and_restart_executes_no_key_twice",
+}
 
 
+def _listed(item: pytest.Item, listing: set[str]) -> bool:
+    path, _, name = item.nodeid.partition("::")
+    return path in listing or f"{path}::{name.split('[', 1)[0]}" in listing
+
+
+# Before the `-m` selection, which reads the markers added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.split("::", 1)[0] in HEAVY:
+        if _listed(item, SLOW):
+            item.add_marker(pytest.mark.slow)
+        if _listed(item, HEAVY):
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 

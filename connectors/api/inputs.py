@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.json_schemas import TASK_DERIVED_FIELDS
 from agentruns.processors.catalog import Catalog, submission_problem, with_catalog_fields
 from agentruns.processors.events import RunSubmitted
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
 from agentruns.processors.validation import task_problem
-from agentruns.schemas.json_schemas import TASK_DERIVED_FIELDS
 from agentruns.streams.codec import encode
 
 #: Largest request body read (a named default of `ApiConfig.max_body_bytes`).

@@ -1,7 +1,7 @@
 """`OPENAPI`: the OpenAPI 3.1 document of the API, served at /openapi.json.
 
 Hand-written but for the task: its schema, and the schemas of the core's types it refers to,
-are generated from the core's types (`agentruns.schemas.json_schemas`, the same schema as
+are generated from the core's types (`agentruns.connectors.json_schemas`, the same schema as
 schemas/json/task.schema.json).
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 from agentruns.connectors.api.operator import RedriveBody, ReopenBody, ResolveBody
-from agentruns.schemas.json_schemas import task_schema_components
+from agentruns.connectors.json_schemas import task_schema_components
 
 _TASK, _TASK_PARTS = task_schema_components("#/components/schemas/{name}")
 (_RESOLVE, _REOPEN, _REDRIVE), _OPERATOR_BODIES = msgspec.json.schema_components(

@@ -15,9 +15,9 @@ import psycopg
 from agentruns.connectors.api.client import ResultsConsumer
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES
 from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
+from agentruns.connectors.json_schemas import DIRECTORY, task_schema_components
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
-from agentruns.schemas.json_schemas import DIRECTORY, task_schema_components
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from agentruns.connectors.json_schemas import DIRECTORY
 from agentruns.processors.ids import run_id_for_key
-from agentruns.schemas.json_schemas import DIRECTORY
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import RESULTS, topic_name
 from jsonschema import Draft202012Validator

@@ -11,6 +11,7 @@ from typing import Any
 
 import fastavro
 import pytest
+from agentruns.connectors.json_schemas import DIRECTORY
 from agentruns.processors.events import RunSubmitted, parse_event
 from agentruns.processors.ids import (
     RUN_NAMESPACE,
@@ -20,7 +21,6 @@ from agentruns.processors.ids import (
     trace_id_for,
 )
 from agentruns.schemas import registry
-from agentruns.schemas.json_schemas import DIRECTORY
 from agentruns.streams import dlq
 from agentruns.streams.codec import InvalidRecordError, decode, encode
 from agentruns.streams.inputs import Batch

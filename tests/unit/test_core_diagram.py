@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from agentruns.connectors import diagram_doc
 from agentruns.processors import diagram
 from agentruns.processors.state import RunStatus
 
@@ -15,7 +16,7 @@ def test_design_doc_diagram_is_current() -> None:
     start = text.index(diagram.BEGIN) + len(diagram.BEGIN)
     stop = text.index(diagram.END)
     assert text[start:stop].strip() == diagram.mermaid().strip(), (
-        "stale: run python -m agentruns.processors.diagram --write docs/design.md"
+        "stale: run python -m agentruns.connectors.diagram_doc --write docs/design.md"
     )
     assert diagram.render_into(text) == text
 
@@ -29,7 +30,7 @@ def test_every_status_appears() -> None:
 def test_cli_prints_and_writes(tmp_path: Path, capsys: object) -> None:
     doc = tmp_path / "d.md"
     doc.write_text(f"before\n{diagram.BEGIN}\nold\n{diagram.END}\nafter\n", encoding="utf-8")
-    assert diagram.main(["--write", str(doc)]) == 0
+    assert diagram_doc.main(["--write", str(doc)]) == 0
     written = doc.read_text(encoding="utf-8")
     assert written.startswith("before\n") and written.endswith("after\n") and "old" not in written
-    assert diagram.main([]) == 0
+    assert diagram_doc.main([]) == 0

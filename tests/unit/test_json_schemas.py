@@ -7,16 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agentruns.connectors.json_schemas import DIRECTORY, documents, file_text
 from agentruns.processors.effects import PublishResult
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition
-from agentruns.schemas.json_schemas import DIRECTORY, documents, file_text
 from jsonschema import Draft202012Validator
 
 from tests.unit.test_core_golden import CASES, load
 
 ROOT = Path(__file__).resolve().parents[2]
-REWRITE = "python -m agentruns.schemas.json_schemas --write"
+REWRITE = "python -m agentruns.connectors.json_schemas --write"
 
 
 def validator(file_name: str) -> Draft202012Validator:

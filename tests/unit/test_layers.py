@@ -43,8 +43,6 @@ CORE_ALLOWED = {
     "re2",
     "agentruns.processors",
 }
-# The state diagram's generator writes docs/design.md when run as a script.
-CORE_SCRIPT_ALLOWED = {"diagram.py": {"argparse", "sys", "pathlib"}}
 
 PRODUCTION = ("api", "executors", "projection", "runtime", "postgres")
 DEV_ONLY = (
@@ -96,7 +94,7 @@ def test_the_project_is_imported_through_its_namespace(path: Path) -> None:
 
 @pytest.mark.parametrize("path", modules("processors"), ids=rel)
 def test_the_core_imports_only_its_allowlist(path: Path) -> None:
-    allow = CORE_ALLOWED | CORE_SCRIPT_ALLOWED.get(path.name, set())
+    allow = CORE_ALLOWED
     # `from x import name` adds both x and x.name: judge the module named by the statement.
     found = {m for m in imports(path) if not any(m.startswith(o + ".") for o in imports(path))}
     bad = {m for m in found if not allowed(m, allow)}

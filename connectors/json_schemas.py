@@ -6,8 +6,10 @@ consumers in other languages, and the API's OpenAPI document uses the task schem
 derived from the msgspec Structs with :func:`msgspec.json.schema_components`, so they say what
 the core decodes: field names, types, bounds, defaults, and no unknown fields.
 
-``python -m agentruns.schemas.json_schemas --write`` rewrites the committed files
-(``schemas/json/*.schema.json``); a unit test fails while they differ from :func:`documents`.
+``python -m agentruns.connectors.json_schemas --write`` rewrites the committed files
+(``schemas/json/*.schema.json``, package data of ``agentruns.schemas``); a unit test fails while
+they differ from :func:`documents`. The generator lives here, not in ``agentruns.schemas``,
+because it reads the core's types and ``agentruns.schemas`` imports nothing of the layers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import agentruns.schemas
 import msgspec
 from agentruns.processors.effects import Effect, PublishResult
 from agentruns.processors.events import Event, RunSubmitted
@@ -34,7 +37,7 @@ __all__ = [
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 #: Where the generated files live, beside the Avro schemas (package data).
-DIRECTORY = Path(__file__).resolve().parent / "json"
+DIRECTORY = Path(agentruns.schemas.__file__).resolve().parent / "json"
 #: RunSubmitted fields a task leaves out: the submitter derives them (the run id from the
 #: idempotency key, the event id from the run id, the time when it is submitted), or the
 #: processor does (the rules version the run is submitted under, its tool catalog check).
@@ -180,7 +183,7 @@ def file_text(document: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m agentruns.schemas.json_schemas",
+        prog="python -m agentruns.connectors.json_schemas",
         description="Generate the JSON Schemas of the message bodies from the core's types.",
     )
     parser.add_argument(
