@@ -17,7 +17,8 @@ from agentruns.streams.topics import default_prefix
 
 
 def _dev_up(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory) or StackConfig.from_env()
@@ -42,7 +43,8 @@ def _dev_up(args: argparse.Namespace) -> int:
 
 
 def _dev_down(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory)
@@ -55,7 +57,8 @@ def _dev_down(args: argparse.Namespace) -> int:
 
 
 def _dev_status(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig, state_dir
+    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
     config = StackConfig.load(directory)
@@ -166,37 +169,31 @@ def _forwarded(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def _topics_create(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.endpoints import configured_kafka
     from agentruns.streams.admin import ensure_topics
 
-    with ServiceStack() as stack:
-        assert stack.endpoints is not None
-        outcome = ensure_topics(
-            stack.endpoints.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions
-        )
+    outcome = ensure_topics(configured_kafka(), prefix=args.prefix, partitions=args.partitions)
     for name, what in outcome.items():
         print(f"{what:8} {name}")
     return 0
 
 
 def _topics_list(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.endpoints import configured_kafka
     from agentruns.streams.admin import describe_topics
 
-    with ServiceStack() as stack:
-        assert stack.endpoints is not None
-        for row in describe_topics(stack.endpoints.kafka_bootstrap, prefix=args.prefix):
-            print(row)
+    for row in describe_topics(configured_kafka(), prefix=args.prefix):
+        print(row)
     return 0
 
 
 def _db_migrate(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.endpoints import configured_postgres
     from agentruns.connectors.postgres.migrate import migrate
 
-    with ServiceStack() as stack:
-        assert stack.endpoints is not None
-        applied = migrate(stack.endpoints.database_url)
+    database = configured_postgres(required="set DATABASE_URL")
+    assert database is not None
+    applied = migrate(database)
     print(f"migrations applied: {', '.join(applied) if applied else 'none new'}")
     return 0
 

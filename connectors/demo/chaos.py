@@ -52,8 +52,9 @@ from agentruns.connectors.demo.run import registry_tools
 from agentruns.connectors.devstack import netlab
 from agentruns.connectors.devstack.netlab import NetLab
 from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.devstack.services import ServiceStack, state_dir
+from agentruns.connectors.devstack.services import ServiceStack
 from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import RESTART_ME
 from agentruns.connectors.postgres.migrate import migrate

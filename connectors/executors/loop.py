@@ -1459,27 +1459,21 @@ def add_common_arguments(parser: Any, kind: str) -> None:
     health.add_arguments(parser)
 
 
-def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
-    """The executor config; resolves Kafka/Postgres like every command when not given.
-
-    Returns the config and the ServiceStack to close (or None)."""
+def config_from_args(args: Any, kind: str) -> ExecutorConfig:
+    """The executor config; Kafka and Postgres from the flags, else the settings (`endpoints`)."""
     setup_logging(args.log_level, component=f"executor-{kind}")
     tracing.configure_from_env(f"executor-{kind}")
-    stack = None
-    bootstrap, database = args.bootstrap, args.database_url
-    if not bootstrap or not database:
-        from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-
-        stack = ServiceStack(patience_s=SERVICE_PATIENCE_S)
-        endpoints = stack.start()
-        bootstrap = bootstrap or endpoints.kafka_bootstrap
-        database = database or endpoints.database_url
-    else:
-        from agentruns.connectors.devstack.services import check_kafka
-
-        check_kafka(bootstrap)  # unreachable, or the credentials refused: one line, at once
+    from agentruns.connectors import endpoints
     from agentruns.connectors.postgres.migrate import migrate
 
+    patience = endpoints.SERVICE_PATIENCE_S
+    if args.bootstrap:
+        endpoints.check_kafka(args.bootstrap)  # unreachable, or credentials refused: one line
+    bootstrap = args.bootstrap or endpoints.configured_kafka(patience_s=patience)
+    database = args.database_url or endpoints.configured_postgres(
+        required="set DATABASE_URL (or --database-url)", patience_s=patience
+    )
+    assert database is not None
     migrate(database)
     for name in ("max_in_flight", "max_batch"):
         if getattr(args, name) < 1:
@@ -1497,7 +1491,7 @@ def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
         gather_ms=args.gather_ms,
         stop_wait_s=args.stop_wait_s,
     )
-    return config, stack
+    return config
 
 
 __all__ = [

@@ -1565,13 +1565,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry) if args.registry else None
-    config, stack = config_from_args(args, "model")
-    try:
-        routes = Routes.from_env(args.routes, args.base_url)
-        return run_until_signal(ModelExecutor(config, routes, registry), args)
-    finally:
-        if stack is not None:
-            stack.close()
+    config = config_from_args(args, "model")
+    routes = Routes.from_env(args.routes, args.base_url)
+    return run_until_signal(ModelExecutor(config, routes, registry), args)
 
 
 __all__ = [

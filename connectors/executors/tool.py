@@ -1021,21 +1021,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry)
-    config, stack = config_from_args(args, "tool")
-    try:
-        executor = ToolExecutor(
-            config,
-            registry,
-            base_url=args.base_url,
-            callback_url=args.callback_url,
-            callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
-            summary_bytes=args.summary_bytes,
-            max_body_bytes=args.max_body_bytes,
-        )
-        return run_until_signal(executor, args)
-    finally:
-        if stack is not None:
-            stack.close()
+    config = config_from_args(args, "tool")
+    executor = ToolExecutor(
+        config,
+        registry,
+        base_url=args.base_url,
+        callback_url=args.callback_url,
+        callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
+        summary_bytes=args.summary_bytes,
+        max_body_bytes=args.max_body_bytes,
+    )
+    return run_until_signal(executor, args)
 
 
 __all__ = [

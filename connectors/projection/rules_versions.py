@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import configured_postgres
+    from agentruns.connectors.endpoints import configured_postgres
 
     database_url = configured_postgres(required="set DATABASE_URL to the projection's database")
     assert database_url is not None

@@ -147,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracing.configure_from_env("run")
     stop = stop_on_signals()
     # the dev stack is what `agentruns run` starts when nothing is configured: loaded here only
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
+    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.endpoints import SERVICE_PATIENCE_S
 
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, ExitStack() as resources:
         assert stack.endpoints is not None

@@ -17,19 +17,16 @@ if the timer already fired.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
 from agentruns.connectors import health
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.runtime.timers import fired_input
+from agentruns.connectors.service import run_service
 from agentruns.processors.state import TERMINAL
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
@@ -186,24 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     health.add_arguments(parser)  # with --every
     args = parser.parse_args(list(argv) if argv is not None else None)
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-
-    setup_logging(args.log_level, component="scanner")
-    stop = stop_on_signals()
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, contextlib.ExitStack() as serving:
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        if args.every is not None:
-            status = serving.enter_context(
-                health.serving(
-                    args,
-                    "scanner",
-                    bootstrap=ep.kafka_bootstrap,
-                    database_url=ep.database_url,
-                    consumer=False,
-                )
-            )
-            status.watch_loop(stop, threading.current_thread())
+    service = run_service(
+        args, "scanner", serve_health=args.every is not None, consumer=False, migrations=False
+    )
+    with service as running:
+        ep, stop = running.endpoints, running.stop
+        running.serving_loop()
         while True:
             found = scan(
                 ep.kafka_bootstrap,

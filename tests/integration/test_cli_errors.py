@@ -95,6 +95,23 @@ def test_no_cluster_configured_starts_nothing(bare_env: dict[str, str], args: li
     assert not (Path(bare_env["AGENTRUNS_STATE_DIR"]) / "kafka").exists()  # nothing started
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["processor"], ["timer"], ["scan"], ["api"], ["executor", "tool"], ["db", "migrate"]],
+    ids=lambda a: "-".join(a),
+)
+def test_a_service_with_nothing_configured_refuses_to_start(
+    bare_env: dict[str, str], args: list[str]
+) -> None:
+    """A production command takes Kafka and Postgres from the settings; it starts neither."""
+    began = time.monotonic()
+    line = one_line(run(args, bare_env))
+    assert time.monotonic() - began < 30
+    assert "not configured" in line or "no Kafka cluster configured" in line, line
+    assert "KAFKA_BOOTSTRAP_SERVERS" in line or "DATABASE_URL" in line, line
+    assert not (Path(bare_env["AGENTRUNS_STATE_DIR"]) / "kafka").exists()  # nothing started
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "args", [["results"], ["submit", "--key", "k", "--goal", "g"]], ids=lambda a: a[0]
