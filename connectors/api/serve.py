@@ -1,8 +1,8 @@
 """`agentruns api`: the HTTP API (Starlette on uvicorn) over the inbox and the projection.
 
-Resolves Kafka and Postgres (`ServiceStack`), applies the migrations, reads the token and the
-signing secret from the environment (`ApiConfig.from_env`) and serves `create_app` until
-stopped.
+Takes Kafka and Postgres from the settings (`connectors.endpoints`), applies the migrations,
+reads the token and the signing secret from the environment (`ApiConfig.from_env`) and serves
+`create_app` until stopped.
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ import json
 from typing import Any
 
 import psycopg
+from agentruns.connectors.projection.stuck import TERMINAL_SQL
 from agentruns.processors import versions
-from agentruns.processors.state import TERMINAL
-
-TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(t.value for t in TERMINAL)) + ")"
 
 # One pass over the runs table; the state text is parsed by Postgres (json, not jsonb: no
 # need to build the binary form to read one top-level key).

@@ -1,6 +1,6 @@
 """`agentruns processor`: one processor process (production mode), wired to its adapters.
 
-Kafka and Postgres come from `ServiceStack` (env, Docker, or the `dev up` stack); artifacts go
+Kafka and Postgres come from the settings (`connectors.endpoints`); artifacts go
 to the Postgres artifact store. SIGTERM/SIGINT stop it cleanly: the open transaction commits and
 the consumer leaves the group. Run several with distinct `--instance-id`s to split partitions.
 """

@@ -21,13 +21,12 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import psycopg
 from agentruns.connectors import health
+from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.connectors.runtime.timers import fired_input
 from agentruns.connectors.service import run_service
-from agentruns.processors.state import TERMINAL
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
@@ -83,25 +82,6 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
         return lag
     finally:
         close_consumer(consumer)
-
-
-#: The terminal statuses as an SQL list, written out so that the planner can match it with the
-#: partial index of live runs (migration 0007 spells the same list).
-TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(t.value for t in TERMINAL)) + ")"
-
-
-def stuck_condition(now_ms: int, stale_after_s: float) -> tuple[str, list[Any]]:
-    """The SQL condition on `runs` (with its parameters) of a run without progress: not
-    terminal, no event for `stale_after_s`, and not merely waiting for a person (a run in
-    WAITING_USER counts only when one of its timers is due and has not fired). The scanner and
-    the run list (`GET /runs?stuck_minutes=`) share it."""
-    sql = (
-        f"status NOT IN {TERMINAL_SQL} AND last_event_at < to_timestamp(%s / 1000.0)"
-        " AND (status <> 'WAITING_USER' OR EXISTS (SELECT 1 FROM"
-        " jsonb_array_elements(coalesce(state::jsonb -> 'timers', '[]'::jsonb)) t"
-        " WHERE (t ->> 'due_at')::bigint <= %s))"
-    )
-    return sql, [now_ms - stale_after_s * 1000, now_ms]
 
 
 def scan(

@@ -73,4 +73,8 @@ def test_every_service_entry_point_sets_up_json_logs() -> None:
             continue  # the app; `serve` is its entry point
         path = ROOT / (module.removeprefix("agentruns.").replace(".", "/") + ".py")
         text = path.read_text()
-        assert _calls(path, "setup_logging") or "config_from_args" in text, module
+        assert (
+            _calls(path, "setup_logging")
+            or _calls(path, "run_service")
+            or ("config_from_args" in text)
+        ), module
