@@ -17,7 +17,7 @@ from agentruns.streams.topics import default_prefix
 
 
 def _dev_up(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.dev.stack.services import LocalStack, StackConfig
     from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
@@ -43,7 +43,7 @@ def _dev_up(args: argparse.Namespace) -> int:
 
 
 def _dev_down(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.dev.stack.services import LocalStack, StackConfig
     from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
@@ -57,7 +57,7 @@ def _dev_down(args: argparse.Namespace) -> int:
 
 
 def _dev_status(args: argparse.Namespace) -> int:
-    from agentruns.connectors.devstack.services import LocalStack, StackConfig
+    from agentruns.connectors.dev.stack.services import LocalStack, StackConfig
     from agentruns.connectors.endpoints import state_dir
 
     directory = state_dir()
@@ -80,7 +80,7 @@ def _dev_status(args: argparse.Namespace) -> int:
 # Commands whose module parses its own arguments: `agentruns <words...> [args]` runs
 # `module.main(args)`. They are listed in the parser too, for `agentruns --help`.
 FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
-    ("run",): ("agentruns.connectors.runtime.monolith", "every layer in one process (development)"),
+    ("run",): ("agentruns.connectors.monolith", "every layer in one process (development)"),
     ("processor",): ("agentruns.connectors.runtime.processor", "run a processor process"),
     ("executor", "model"): ("agentruns.connectors.executors.model", "run a model executor process"),
     ("executor", "tool"): ("agentruns.connectors.executors.tool", "run a tool executor process"),
@@ -126,18 +126,21 @@ FORWARDED: dict[tuple[str, ...], tuple[str, str]] = {
         "agentruns.connectors.projection.rules_versions",
         "which rules versions the runs use, with counts",
     ),
-    ("demo",): ("agentruns.connectors.demo.run", "start what is needed and run the demo scenarios"),
-    ("chaos",): ("agentruns.connectors.demo.chaos", "mixed runs while components are killed"),
+    ("demo",): (
+        "agentruns.connectors.dev.demo.run",
+        "start what is needed and run the demo scenarios",
+    ),
+    ("chaos",): ("agentruns.connectors.dev.demo.chaos", "mixed runs while components are killed"),
     ("dev", "model-server"): (
-        "agentruns.connectors.testing.model_server",
+        "agentruns.connectors.dev.servers.model_server",
         "run the scripted model server",
     ),
     ("dev", "tool-server"): (
-        "agentruns.connectors.testing.tool_server",
+        "agentruns.connectors.dev.servers.tool_server",
         "run the example tool server",
     ),
     ("dev", "mcp-server"): (
-        "agentruns.connectors.testing.mcp_server",
+        "agentruns.connectors.dev.servers.mcp_server",
         "run the example MCP tool server",
     ),
     ("bench", "core"): ("agentruns.bench.core", "fold events through the pure core"),

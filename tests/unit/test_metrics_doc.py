@@ -18,7 +18,7 @@ SERVICE_MODULES = (
     "agentruns.connectors.runtime.processor",
     "agentruns.connectors.runtime.timers",
     "agentruns.connectors.runtime.scanner",
-    "agentruns.connectors.runtime.monolith",
+    "agentruns.connectors.monolith",
     "agentruns.connectors.executors.model",
     "agentruns.connectors.executors.tool",
     "agentruns.connectors.projection.sink",

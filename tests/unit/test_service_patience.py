@@ -7,7 +7,7 @@ import time
 
 import pytest
 from agentruns.connectors import endpoints as services
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.errors import ServiceUnreachableError
 
 

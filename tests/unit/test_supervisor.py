@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.dev.stack.supervisor import Supervisor
 
 SERVER = ("http.server", "0", "--bind", "127.0.0.1")  # runs until signalled
 
@@ -51,7 +51,7 @@ def test_a_component_that_exits_by_itself_reports_its_status(tmp_path: Path) -> 
 
 def test_a_component_writes_its_thread_stacks_when_asked_and_goes_on(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path, env={})
-    sup.add("service", "agentruns.connectors.testing.tool_server", "--port", "0")
+    sup.add("service", "agentruns.connectors.dev.servers.tool_server", "--port", "0")
     sup.start("service")
     try:
         deadline = time.monotonic() + 60

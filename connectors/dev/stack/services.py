@@ -28,9 +28,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from agentruns.connectors.devstack.local_kafka import LocalKafka, broker_settings, container_env
-from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.local_kafka import LocalKafka, broker_settings, container_env
+from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.endpoints import (
     Endpoints,
     check_kafka,
