@@ -198,7 +198,7 @@ def _db_migrate(args: argparse.Namespace) -> int:
     from agentruns.connectors.endpoints import configured_postgres
     from agentruns.connectors.postgres.migrate import migrate
 
-    database = configured_postgres(required="set DATABASE_URL")
+    database = configured_postgres(required="")
     assert database is not None
     applied = migrate(database)
     print(f"migrations applied: {', '.join(applied) if applied else 'none new'}")

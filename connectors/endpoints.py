@@ -106,7 +106,8 @@ def configured_postgres(
     *, required: str | None, timeout: float = 10.0, patience_s: float = 0.0
 ) -> str | None:
     """DATABASE_URL (checked), else the Postgres a development command recorded in the state
-    directory, else None; or, when ``required`` (what to do instead), an error."""
+    directory, else None; or, when ``required`` is given, an error (``required``: what else
+    the user may do, "" when nothing else)."""
     explicit = current().database_url
     if explicit:
         check_postgres(explicit, timeout, patience_s=patience_s)
@@ -121,14 +122,15 @@ def configured_postgres(
     raise NotConfiguredError(
         f"no Postgres configured (DATABASE_URL is not set and no local server runs in "
         f"{state_dir()})",
-        hint=f"start one with `agentruns dev up`, set DATABASE_URL, or {required}",
+        hint="start one with `agentruns dev up`, or set DATABASE_URL"
+        + (f", or {required}" if required else ""),
     )
 
 
 def resolve(*, patience_s: float = SERVICE_PATIENCE_S) -> Endpoints:
     """Kafka and Postgres of a long-running service, both required (see the module's order)."""
     kafka = configured_kafka(patience_s=patience_s)
-    database = configured_postgres(required="set DATABASE_URL", patience_s=patience_s)
+    database = configured_postgres(required="", patience_s=patience_s)
     assert database is not None
     ksrc = "env" if current().kafka_bootstrap_servers else f"recorded in {state_dir()}"
     psrc = "env" if current().database_url else f"recorded in {state_dir()}"

@@ -1471,7 +1471,7 @@ def config_from_args(args: Any, kind: str) -> ExecutorConfig:
         endpoints.check_kafka(args.bootstrap)  # unreachable, or credentials refused: one line
     bootstrap = args.bootstrap or endpoints.configured_kafka(patience_s=patience)
     database = args.database_url or endpoints.configured_postgres(
-        required="set DATABASE_URL (or --database-url)", patience_s=patience
+        required="pass --database-url", patience_s=patience
     )
     assert database is not None
     migrate(database)

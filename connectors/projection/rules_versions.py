@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from agentruns.connectors.endpoints import configured_postgres
 
-    database_url = configured_postgres(required="set DATABASE_URL to the projection's database")
+    database_url = configured_postgres(required="")
     assert database_url is not None
     found = report(count_versions(database_url))
     print(json.dumps(found) if args.json else format_report(found))

@@ -97,7 +97,7 @@ def test_no_cluster_configured_starts_nothing(bare_env: dict[str, str], args: li
 
 @pytest.mark.parametrize(
     "args",
-    [["processor"], ["timer"], ["scan"], ["api"], ["executor", "tool"], ["db", "migrate"]],
+    [["processor"], ["timer"], ["scan"], ["api"], ["executor", "model"], ["db", "migrate"]],
     ids=lambda a: "-".join(a),
 )
 def test_a_service_with_nothing_configured_refuses_to_start(

@@ -30,8 +30,9 @@ def test_nothing_configured_is_one_line_naming_what_to_set(bare: Path) -> None:
 
 def test_postgres_not_configured_names_database_url(bare: Path) -> None:
     with pytest.raises(NotConfiguredError) as caught:
-        endpoints.configured_postgres(required="set DATABASE_URL")
-    assert "DATABASE_URL" in caught.value.one_line()
+        endpoints.configured_postgres(required="pass --database-url")
+    line = caught.value.one_line()
+    assert line.endswith("or set DATABASE_URL, or pass --database-url"), line
     assert endpoints.configured_postgres(required=None) is None
 
 
@@ -64,4 +65,4 @@ def test_a_recorded_broker_that_does_not_answer_is_not_configured(
         endpoints.configured_kafka()
     assert "no local broker runs in" in caught.value.one_line()
     with pytest.raises(NotConfiguredError):
-        endpoints.configured_postgres(required="set DATABASE_URL")
+        endpoints.configured_postgres(required="")
