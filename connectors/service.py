@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -45,17 +45,17 @@ def run_service(
     consumer: bool = True,
     migrations: bool = True,
     signals: bool = True,
-    resolved: Endpoints | None = None,
+    resolve: Callable[[], Endpoints] = endpoints.resolve,
 ) -> Iterator[Running]:
     """The service ``component`` set up from ``args`` (``--log-level`` and the health flags of
-    `health.add_arguments`); `resolved` names Kafka and Postgres when the flags did (else the
-    settings do, `endpoints.resolve`)."""
+    `health.add_arguments`); ``resolve`` finds its Kafka and Postgres (the settings; a command
+    with flags of its own for them passes its own)."""
     from agentruns.connectors.postgres.migrate import migrate
 
     setup_logging(args.log_level, component=component)
     tracing.configure_from_env(component)
     stop = stop_on_signals() if signals else threading.Event()
-    ep = resolved or endpoints.resolve()
+    ep = resolve()
     with ExitStack() as stack:
         status = None
         if serve_health:

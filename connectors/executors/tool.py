@@ -79,8 +79,7 @@ from agentruns.connectors.executors.loop import (
     Executor,
     ExecutorConfig,
     add_common_arguments,
-    config_from_args,
-    run_until_signal,
+    serve_executor,
 )
 from agentruns.connectors.executors.mcp_client import Reply, validate_call_result
 from agentruns.connectors.executors.mcp_rules import (
@@ -1021,17 +1020,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry)
-    config = config_from_args(args, "tool")
-    executor = ToolExecutor(
-        config,
-        registry,
-        base_url=args.base_url,
-        callback_url=args.callback_url,
-        callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
-        summary_bytes=args.summary_bytes,
-        max_body_bytes=args.max_body_bytes,
-    )
-    return run_until_signal(executor, args)
+
+    def make(config: ExecutorConfig) -> ToolExecutor:
+        return ToolExecutor(
+            config,
+            registry,
+            base_url=args.base_url,
+            callback_url=args.callback_url,
+            callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
+            summary_bytes=args.summary_bytes,
+            max_body_bytes=args.max_body_bytes,
+        )
+
+    return serve_executor(args, "tool", make)
 
 
 __all__ = [

@@ -76,5 +76,5 @@ def test_every_service_entry_point_sets_up_json_logs() -> None:
         assert (
             _calls(path, "setup_logging")
             or _calls(path, "run_service")
-            or ("config_from_args" in text)
+            or ("serve_executor" in text)
         ), module
