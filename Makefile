@@ -26,17 +26,17 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The broker jars come from Maven Central through connectors/devstack/kafka/pom.xml, cached outside the
+# The broker jars come from Maven Central through connectors/dev/stack/kafka/pom.xml, cached outside the
 # repo (~/.cache/agentruns/kafka-<version>, or $$AGENTRUNS_KAFKA_HOME).
 broker-jars: $(STAMP)
 	@command -v java >/dev/null || { echo "java is missing: install a JDK 17+ (apt-get install -y openjdk-17-jre-headless)"; exit 2; }
-	@$(PY) -c 'from agentruns.connectors.devstack.local_kafka import ensure_jars; print("kafka jars:", ensure_jars())' \
+	@$(PY) -c 'from agentruns.connectors.dev.stack.local_kafka import ensure_jars; print("kafka jars:", ensure_jars())' \
 	  || { echo "could not fetch the Kafka jars (is mvn installed? apt-get install -y maven)"; exit 2; }
 
 # Postgres server binaries: Debian's package when missing and we are root.
 postgres: $(STAMP)
-	@if $(PY) -c 'from agentruns.connectors.devstack.local_postgres import find_bindir; find_bindir()' 2>/dev/null; then \
-	  echo "postgres: $$($(PY) -c 'from agentruns.connectors.devstack.local_postgres import find_bindir; print(find_bindir())')"; \
+	@if $(PY) -c 'from agentruns.connectors.dev.stack.local_postgres import find_bindir; find_bindir()' 2>/dev/null; then \
+	  echo "postgres: $$($(PY) -c 'from agentruns.connectors.dev.stack.local_postgres import find_bindir; print(find_bindir())')"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing PostgreSQL with apt-get"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \

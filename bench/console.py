@@ -10,7 +10,7 @@ Fills the projection with ``--runs`` runs (default 100,000) and one run of ``--e
 
 Rows are what the sink writes (``agentruns.connectors.projection.rows.run_values`` and
 ``event_values``): states and events folded by the real core from simulated runs
-(``agentruns.connectors.testing.workload``), each copied under many run ids with start times
+(``agentruns.connectors.dev.servers.workload``), each copied under many run ids with start times
 spread over the last week, so the status mix is the one the simulated world ends in, plus a
 share of resting runs. Every run has its events (one row per event, each with its step), so the
 runs page's step latency chart reads the per-step rows of the runs that moved in the last hour
@@ -36,6 +36,7 @@ import psycopg
 from agentruns.bench.core import host_speed
 from agentruns.bench.latency import percentile
 from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.dev.servers.workload import simulate
 from agentruns.connectors.projection.rows import (
     EVENT_COLUMNS,
     RUN_COLUMNS,
@@ -44,7 +45,6 @@ from agentruns.connectors.projection.rows import (
     run_row,
     run_values,
 )
-from agentruns.connectors.testing.workload import simulate
 from agentruns.processors.events import Event
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.state import RunState
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=1_000, help="events of the big run")
     parser.add_argument("--repeat", type=int, default=40, help="timed requests per filter")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.dev.stack.services import ServiceStack
 
     speed = host_speed()
     with ServiceStack(ephemeral=True) as stack:

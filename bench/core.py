@@ -2,7 +2,7 @@
 
 Prints one JSON object on its last stdout line: transitions per second and the serialized
 snapshot bytes of a run at step 50. The runs come from
-:func:`agentruns.connectors.testing.workload.simulate`.
+:func:`agentruns.connectors.dev.servers.workload.simulate`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import timeit
 
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.testing.workload import simulate
+from agentruns.connectors.dev.servers.workload import simulate
 from agentruns.processors.events import Event
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition

@@ -46,9 +46,9 @@ from agentruns.bench.core import host_speed
 from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.targets import Target, evaluate
+from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.lifecycle import progress
-from agentruns.connectors.testing import tool_server
 from agentruns.streams.clock import now_ms
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer
 
@@ -188,7 +188,13 @@ def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str
     prefix = f"bench{uuid.uuid4().hex[:8]}"
     ensure_topics(bootstrap, prefix=prefix, partitions=args.partitions)
     effects_topic = topic_name(effect_suffix("tool"), prefix)
-    server_cmd = [sys.executable, "-m", "agentruns.connectors.testing.tool_server", "--port", "0"]
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "agentruns.connectors.dev.servers.tool_server",
+        "--port",
+        "0",
+    ]
     with (
         tempfile.TemporaryDirectory() as tmp,
         _process(server_cmd, banner=True) as (server, banner),
@@ -366,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.dev.stack.services import ServiceStack
 
     speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:

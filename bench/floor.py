@@ -525,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--modes: one or more of {', '.join(MODES)}")
     if args.hops < 1:
         parser.error("--hops must be 1 or more")
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.dev.stack.services import ServiceStack
 
     with ServiceStack(ephemeral=True) as stack:
         assert stack.endpoints is not None

@@ -218,7 +218,7 @@ def scenario_events() -> int:
     """The SSE events (chunks and ``[DONE]``) of a ``SCENARIO`` answer, as the model server
     sends them to a call that asks for usage: the role delta, the deltas, the finish chunk,
     the usage chunk and ``[DONE]``."""
-    from agentruns.connectors.testing.model_server import Answer, Scenario
+    from agentruns.connectors.dev.servers.model_server import Answer, Scenario
 
     scenario = Scenario.model_validate(SCENARIO)
     answer = Answer(scenario, scenario.turn(0), "inflight-0", 0, "")
@@ -231,7 +231,7 @@ def model_server(scenarios: Path) -> Iterator[tuple[subprocess.Popen[str], str]]
     command = [
         sys.executable,
         "-m",
-        "agentruns.connectors.testing.model_server",
+        "agentruns.connectors.dev.servers.model_server",
         "--port",
         "0",
         "--scenarios",

@@ -71,15 +71,15 @@ from agentruns.bench.overhead import (
     tool_latency_rule,
 )
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.demo.run import registry_tools
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.devstack.services import ServiceStack
-from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.dev.demo.run import registry_tools
+from agentruns.connectors.dev.servers import mcp_server, tool_server
+from agentruns.connectors.dev.servers.model_server import BUILTIN_SCENARIOS
+from agentruns.connectors.dev.stack.procs import free_port_block
+from agentruns.connectors.dev.stack.services import ServiceStack
+from agentruns.connectors.dev.stack.supervisor import Supervisor
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.testing import mcp_server, tool_server
-from agentruns.connectors.testing.model_server import BUILTIN_SCENARIOS
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets, ToolSpec
 from agentruns.streams.admin import ensure_topics
@@ -494,16 +494,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         scenarios = _scenarios_dir(Path(tmp) / "scenarios")
         sup.add(
             "model-server",
-            "agentruns.connectors.testing.model_server",
+            "agentruns.connectors.dev.servers.model_server",
             "--port",
             str(model_port),
             "--scenarios",
             str(scenarios),
         )
-        sup.add("tool-server", "agentruns.connectors.testing.tool_server", "--port", str(tool_port))
+        sup.add(
+            "tool-server", "agentruns.connectors.dev.servers.tool_server", "--port", str(tool_port)
+        )
         if args.tool_path != "http":
             sup.add(
-                "mcp-server", "agentruns.connectors.testing.mcp_server", "--port", str(mcp_port)
+                "mcp-server", "agentruns.connectors.dev.servers.mcp_server", "--port", str(mcp_port)
             )
         watched: dict[str, str] = {}
         for i in range(args.processors):

@@ -40,8 +40,8 @@ from agentruns.bench.core import host_speed
 from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, metrics_text, scrape
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.dev.stack.procs import free_port_block
+from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.processors.effects import CallModel, CallTool
 from agentruns.processors.events import (
     Candidate,

@@ -1,9 +1,9 @@
 """``agentruns bench sink``: how fast the Postgres projection keeps up with the run log.
 
 Run logs are produced the way the processor produces them: realistic runs (the simulated world
-of ``agentruns.connectors.testing.workload``) are folded with the real core and written as Event,
-Snapshot and Result records in Kafka transactions
-(``agentruns.connectors.testing.log_writer.LogWriter``).
+of ``agentruns.connectors.dev.servers.workload``) are folded with the real core and written as
+Event, Snapshot and Result records in Kafka transactions
+(``agentruns.connectors.dev.servers.log_writer.LogWriter``).
 
 Three phases; the first two with one sink (``agentruns.connectors.projection.sink.Sink``, in a
 thread):
@@ -49,10 +49,10 @@ from agentruns.bench.core import host_speed
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds, scrape
 from agentruns.bench.targets import Target, evaluate
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.servers.log_writer import LogWriter, Record
+from agentruns.connectors.dev.servers.workload import interleave, simulate
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.lifecycle import progress
-from agentruns.connectors.testing.log_writer import LogWriter, Record
-from agentruns.connectors.testing.workload import interleave, simulate
 from agentruns.processors.events import Event
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sinks", type=int, default=2, help="sink processes of the scale-out phase (1: none)"
     )
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import ServiceStack
+    from agentruns.connectors.dev.stack.services import ServiceStack
 
     speed = host_speed()  # before the services start: the host, not our load
     with ServiceStack(ephemeral=True) as stack:

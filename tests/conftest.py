@@ -1,9 +1,9 @@
 """Fixtures shared by the whole test run: one real Kafka broker and one real Postgres.
 
-Resolved like every command (agentruns.connectors.devstack.services): KAFKA_BOOTSTRAP_SERVERS /
-DATABASE_URL if
-set, testcontainers when Docker answers, else local processes started in a temporary directory
-on free ports and stopped at the end. Fixtures are lazy: unit tests never start anything.
+Resolved by the development harness (agentruns.connectors.dev.stack.services):
+KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL if set, testcontainers when Docker answers, else local
+processes started in a temporary directory on free ports
+and stopped at the end. Fixtures are lazy: unit tests never start anything.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.services import Endpoints, ServiceStack
+from agentruns.connectors.dev.stack.services import ServiceStack
+from agentruns.connectors.endpoints import Endpoints
 
 #: Tests that start brokers of their own, cut the network or kill processes at random: with
 #: `pytest -n 2` (`make test`) they run one after another on one worker, so that no two of them

@@ -814,7 +814,7 @@ def _common(parser: argparse.ArgumentParser, *, api: bool) -> None:
 
 
 def _bootstrap() -> str:
-    from agentruns.connectors.devstack.services import configured_kafka
+    from agentruns.connectors.endpoints import configured_kafka
 
     return configured_kafka()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.pool import Conn
-from agentruns.connectors.runtime.scanner import stuck_condition
+from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.state import RunStatus
 from agentruns.streams.clock import datetime_of, ms_of

@@ -1,8 +1,8 @@
 """`agentruns api`: the HTTP API (Starlette on uvicorn) over the inbox and the projection.
 
-Resolves Kafka and Postgres (`ServiceStack`), applies the migrations, reads the token and the
-signing secret from the environment (`ApiConfig.from_env`) and serves `create_app` until
-stopped.
+Takes Kafka and Postgres from the settings (`connectors.endpoints`), applies the migrations,
+reads the token and the signing secret from the environment (`ApiConfig.from_env`) and serves
+`create_app` until stopped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.http import create_app
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.settings import current
-from agentruns.streams import tracing
 from agentruns.streams.topics import default_prefix
 
 
@@ -76,17 +75,12 @@ def serving(config: ApiConfig) -> Iterator[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
     from agentruns.connectors.catalog import configured_catalog
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-    from agentruns.connectors.logs import setup_logging
-    from agentruns.connectors.postgres.migrate import migrate
+    from agentruns.connectors.service import run_service
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    setup_logging(args.log_level, component="api")
-    tracing.configure_from_env("api")
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        migrate(ep.database_url)
+    # uvicorn stops on SIGTERM itself; the API's health is its own /healthz
+    with run_service(args, "api", serve_health=False, signals=False) as running:
+        ep = running.endpoints
         catalog = configured_catalog(args.registry, component="api", routes=args.routes)
         config = ApiConfig.from_env(
             ep.kafka_bootstrap,

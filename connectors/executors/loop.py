@@ -55,18 +55,17 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import msgspec
 import psycopg
-from agentruns.connectors import health
+from agentruns.connectors import endpoints, health
+from agentruns.connectors.endpoints import Endpoints
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.executors.base import (
     NOTHING_AHEAD,
@@ -80,8 +79,8 @@ from agentruns.connectors.executors.base import (
 )
 from agentruns.connectors.executors.limits import Permit, RouteLimiter
 from agentruns.connectors.executors.records import ActionRecords, Completion, operation_key_of
-from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES
+from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
 from agentruns.processors.effects import Effect
 from agentruns.streams import dlq, tracing
@@ -1384,37 +1383,6 @@ def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:
 # --------------------------------------------------------------------------- process mains
 
 
-def run_until_signal(executor: Executor, args: Any = None) -> int:
-    """Run in this thread until SIGTERM/SIGINT; the calls in flight then get ``stop_wait_s``
-    to end and be committed, then exit 0.
-
-    With the command's ``args``: serve its health endpoints meanwhile (`health.serving`)."""
-    stop = threading.Event()
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    c = executor.config
-    serving = (
-        health.serving(
-            args, f"executor-{c.kind}", bootstrap=c.bootstrap, database_url=c.database_url
-        )
-        if args is not None
-        else contextlib.nullcontext(None)
-    )
-    try:
-        with serving as status:
-            if status is not None:
-                status.watch_consumer(executor.membership, c.group)
-                status.watch_loop(stop, threading.current_thread())
-            executor.run(stop)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 0
-
-
 def add_common_arguments(parser: Any, kind: str) -> None:
     parser.add_argument("--bootstrap", default=current().kafka_bootstrap_servers)
     parser.add_argument("--database-url", default=current().database_url)
@@ -1459,45 +1427,49 @@ def add_common_arguments(parser: Any, kind: str) -> None:
     health.add_arguments(parser)
 
 
-def config_from_args(args: Any, kind: str) -> tuple[ExecutorConfig, Any]:
-    """The executor config; resolves Kafka/Postgres like every command when not given.
+def endpoints_from_args(args: Any) -> Endpoints:
+    """Kafka and Postgres from ``--bootstrap`` / ``--database-url``, else the settings."""
+    patience = endpoints.SERVICE_PATIENCE_S
+    if args.bootstrap:
+        endpoints.check_kafka(args.bootstrap)  # unreachable, or credentials refused: one line
+    bootstrap = args.bootstrap or endpoints.configured_kafka(patience_s=patience)
+    database = args.database_url or endpoints.configured_postgres(
+        required="pass --database-url", patience_s=patience
+    )
+    assert database is not None
+    return Endpoints(
+        bootstrap, database, "--bootstrap" if args.bootstrap else "settings", "settings"
+    )
 
-    Returns the config and the ServiceStack to close (or None)."""
-    setup_logging(args.log_level, component=f"executor-{kind}")
-    tracing.configure_from_env(f"executor-{kind}")
-    stack = None
-    bootstrap, database = args.bootstrap, args.database_url
-    if not bootstrap or not database:
-        from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
 
-        stack = ServiceStack(patience_s=SERVICE_PATIENCE_S)
-        endpoints = stack.start()
-        bootstrap = bootstrap or endpoints.kafka_bootstrap
-        database = database or endpoints.database_url
-    else:
-        from agentruns.connectors.devstack.services import check_kafka
-
-        check_kafka(bootstrap)  # unreachable, or the credentials refused: one line, at once
-    from agentruns.connectors.postgres.migrate import migrate
-
-    migrate(database)
+def serve_executor(args: Any, kind: str, make: Callable[[ExecutorConfig], Executor]) -> int:
+    """Run the executor ``make`` builds from the command's flags (`service.run_service`) until
+    SIGTERM/SIGINT; the calls in flight then get ``stop_wait_s`` to end and be committed."""
     for name in ("max_in_flight", "max_batch"):
         if getattr(args, name) < 1:
             raise ExecutorError(f"--{name.replace('_', '-')} must be at least 1")
-    config = ExecutorConfig(
-        bootstrap=bootstrap,
-        database_url=database,
-        kind=kind,
-        prefix=args.prefix,
-        group_id=args.group,
-        instance_id=args.instance,
-        max_in_flight=args.max_in_flight,
-        max_held=args.max_held,
-        max_batch=args.max_batch,
-        gather_ms=args.gather_ms,
-        stop_wait_s=args.stop_wait_s,
-    )
-    return config, stack
+    component = f"executor-{kind}"
+    with run_service(args, component, resolve=lambda: endpoints_from_args(args)) as running:
+        ep, status = running.endpoints, running.health
+        assert status is not None
+        config = ExecutorConfig(
+            bootstrap=ep.kafka_bootstrap,
+            database_url=ep.database_url,
+            kind=kind,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance,
+            max_in_flight=args.max_in_flight,
+            max_held=args.max_held,
+            max_batch=args.max_batch,
+            gather_ms=args.gather_ms,
+            stop_wait_s=args.stop_wait_s,
+        )
+        executor = make(config)
+        status.watch_consumer(executor.membership, config.group)
+        running.serving_loop()
+        executor.run(running.stop)
+    return 0
 
 
 __all__ = [
@@ -1505,6 +1477,6 @@ __all__ = [
     "ExecutorConfig",
     "ExecutorStats",
     "add_common_arguments",
-    "config_from_args",
-    "run_until_signal",
+    "endpoints_from_args",
+    "serve_executor",
 ]

@@ -78,8 +78,7 @@ from agentruns.connectors.executors.loop import (
     Executor,
     ExecutorConfig,
     add_common_arguments,
-    config_from_args,
-    run_until_signal,
+    serve_executor,
 )
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
@@ -1565,13 +1564,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry) if args.registry else None
-    config, stack = config_from_args(args, "model")
-    try:
-        routes = Routes.from_env(args.routes, args.base_url)
-        return run_until_signal(ModelExecutor(config, routes, registry), args)
-    finally:
-        if stack is not None:
-            stack.close()
+
+    def make(config: ExecutorConfig) -> ModelExecutor:
+        return ModelExecutor(config, Routes.from_env(args.routes, args.base_url), registry)
+
+    return serve_executor(args, "model", make)
 
 
 __all__ = [

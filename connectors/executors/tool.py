@@ -79,8 +79,7 @@ from agentruns.connectors.executors.loop import (
     Executor,
     ExecutorConfig,
     add_common_arguments,
-    config_from_args,
-    run_until_signal,
+    serve_executor,
 )
 from agentruns.connectors.executors.mcp_client import Reply, validate_call_result
 from agentruns.connectors.executors.mcp_rules import (
@@ -1021,9 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     registry = registry_from_args(args.registry)
-    config, stack = config_from_args(args, "tool")
-    try:
-        executor = ToolExecutor(
+
+    def make(config: ExecutorConfig) -> ToolExecutor:
+        return ToolExecutor(
             config,
             registry,
             base_url=args.base_url,
@@ -1032,10 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
             summary_bytes=args.summary_bytes,
             max_body_bytes=args.max_body_bytes,
         )
-        return run_until_signal(executor, args)
-    finally:
-        if stack is not None:
-            stack.close()
+
+    return serve_executor(args, "tool", make)
 
 
 __all__ = [

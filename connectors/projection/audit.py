@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     health.add_arguments(parser)  # with --every
     parser.add_argument("--json", action="store_true", help="differences as JSON lines")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+    from agentruns.connectors.endpoints import configured_kafka, configured_postgres
 
     bootstrap = configured_kafka()
     # The projection comparison needs Postgres: without one, say so rather than skip it.

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=default_prefix())
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import configured_kafka
+    from agentruns.connectors.endpoints import configured_kafka
 
     logs = read_log(configured_kafka(), args.prefix, [args.run_id], say=progress("replay"))
     records = logs.get(args.run_id, [])

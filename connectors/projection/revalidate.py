@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed-only", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line per candidate")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import configured_kafka, configured_postgres
+    from agentruns.connectors.endpoints import configured_kafka, configured_postgres
 
     # Candidates stored only as artifacts need Postgres; the others are in the log itself.
     database_url = configured_postgres(required=None)

@@ -13,10 +13,8 @@ import json
 from typing import Any
 
 import psycopg
+from agentruns.connectors.projection.stuck import TERMINAL_SQL
 from agentruns.processors import versions
-from agentruns.processors.state import TERMINAL
-
-TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(t.value for t in TERMINAL)) + ")"
 
 # One pass over the runs table; the state text is parsed by Postgres (json, not jsonb: no
 # need to build the binary form to read one top-level key).
@@ -70,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args(argv)
-    from agentruns.connectors.devstack.services import configured_postgres
+    from agentruns.connectors.endpoints import configured_postgres
 
-    database_url = configured_postgres(required="set DATABASE_URL to the projection's database")
+    database_url = configured_postgres(required="")
     assert database_url is not None
     found = report(count_versions(database_url))
     print(json.dumps(found) if args.json else format_report(found))

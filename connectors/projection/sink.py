@@ -51,7 +51,6 @@ from typing import Any
 import psycopg
 from agentruns.connectors import dead_letters, health
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.postgres.bulk import prefer_lz4, write_rows
 from agentruns.connectors.projection.rows import (
     OP_COLUMNS,
@@ -80,6 +79,7 @@ from agentruns.connectors.projection.sql import (
     Conn,
     read_offsets,
 )
+from agentruns.connectors.service import run_service
 from agentruns.processors.state import RunState
 from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
@@ -843,40 +843,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-    from agentruns.connectors.logs import setup_logging
-    from agentruns.connectors.postgres.migrate import migrate
-
-    setup_logging(args.log_level, component="sink")
-    tracing.configure_from_env("sink")
-    stop = stop_on_signals()
     tune_gc()
     try:
-        with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
-            assert stack.endpoints is not None
-            ep = stack.endpoints
-            serving = health.serving(
-                args, "sink", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
-            )
-            with serving as status:
-                migrate(ep.database_url)
-                sink = Sink(
-                    SinkConfig(
-                        bootstrap=ep.kafka_bootstrap,
-                        database_url=ep.database_url,
-                        prefix=args.prefix,
-                        group_id=args.group,
-                        assign=args.assign,
-                        instance_id=args.instance_id,
-                        batch_size=args.batch_size,
-                        poll_timeout_s=args.poll_ms / 1000,
-                    )
+        with run_service(args, "sink") as running:
+            ep, status = running.endpoints, running.health
+            assert status is not None
+            sink = Sink(
+                SinkConfig(
+                    bootstrap=ep.kafka_bootstrap,
+                    database_url=ep.database_url,
+                    prefix=args.prefix,
+                    group_id=args.group,
+                    assign=args.assign,
+                    instance_id=args.instance_id,
+                    batch_size=args.batch_size,
+                    poll_timeout_s=args.poll_ms / 1000,
                 )
-                status.watch_consumer(sink.membership, sink.config.group_id)
-                status.watch_loop(stop, threading.current_thread())
-                log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
-                sink.run(stop)
-                log.info("sink stopped: %s", sink.stats)
+            )
+            status.watch_consumer(sink.membership, sink.config.group_id)
+            running.serving_loop()
+            log.info("sink started: %s -> Postgres", ", ".join(sink.topics))
+            sink.run(running.stop)
+            log.info("sink stopped: %s", sink.stats)
     except AgentrunsError as exc:
         print(f"agentruns sink: {exc.one_line()}", file=sys.stderr)
         return 2

@@ -1,1 +1,1 @@
-"""The services that host the core: the processor, the timer service, the scanner, the monolith."""
+"""The services that host the core: the processor, the timer service, the scanner."""

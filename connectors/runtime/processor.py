@@ -1,6 +1,6 @@
 """`agentruns processor`: one processor process (production mode), wired to its adapters.
 
-Kafka and Postgres come from `ServiceStack` (env, Docker, or the `dev up` stack); artifacts go
+Kafka and Postgres come from the settings (`connectors.endpoints`); artifacts go
 to the Postgres artifact store. SIGTERM/SIGINT stop it cleanly: the open transaction commits and
 the consumer leaves the group. Run several with distinct `--instance-id`s to split partitions.
 """
@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 from collections.abc import Sequence
 
 from agentruns.connectors import health
 from agentruns.connectors.catalog import configured_catalog
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
 from agentruns.processors import versions
-from agentruns.streams import tracing
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.interpreter import tune_gc, tune_switch_interval
 from agentruns.streams.processor import Processor, ProcessorConfig
@@ -114,50 +110,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.rules_version is not None and not versions.known(args.rules_version):
         parser.error(str(versions.UnknownRulesVersionError(args.rules_version)))
-    setup_logging(args.log_level, component="processor")
-    tracing.configure_from_env("processor")
-    stop = stop_on_signals()
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        serving = health.serving(
-            args, "processor", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
+    with run_service(args, "processor") as running:
+        ep, status = running.endpoints, running.health
+        assert status is not None
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
+        catalog = configured_catalog(args.registry, component="processor", routes=args.routes)
+        store = PostgresArtifactStore(ep.database_url)
+        config = ProcessorConfig(
+            bootstrap=ep.kafka_bootstrap,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance_id,
+            commit_interval_ms=args.commit_interval_ms,
+            fetch_window_ms=args.fetch_window_ms,
+            max_batch=args.max_batch,
+            gap_timeout_ms=args.gap_timeout_ms,
+            buffer_limit=args.buffer_limit,
+            max_record_bytes=args.max_record_bytes,
+            terminal_retention_ms=(
+                None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
+            ),
+            store_dir=args.store_dir or str(current().processor_store_dir()),
+            rules_version=args.rules_version,
+            catalog=catalog,
         )
-        with serving as status:
-            migrate(ep.database_url)
-            ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
-            catalog = configured_catalog(args.registry, component="processor", routes=args.routes)
-            store = PostgresArtifactStore(ep.database_url)
-            config = ProcessorConfig(
-                bootstrap=ep.kafka_bootstrap,
-                prefix=args.prefix,
-                group_id=args.group,
-                instance_id=args.instance_id,
-                commit_interval_ms=args.commit_interval_ms,
-                fetch_window_ms=args.fetch_window_ms,
-                max_batch=args.max_batch,
-                gap_timeout_ms=args.gap_timeout_ms,
-                buffer_limit=args.buffer_limit,
-                max_record_bytes=args.max_record_bytes,
-                terminal_retention_ms=(
-                    None if args.terminal_retention_ms < 0 else args.terminal_retention_ms
-                ),
-                store_dir=args.store_dir or str(current().processor_store_dir()),
-                rules_version=args.rules_version,
-                catalog=catalog,
-            )
-            tune_gc()
-            tune_switch_interval()
-            processor = Processor(config, store.put_many)
-            status.watch_consumer(processor.membership, config.group_id)
-            status.watch_loop(stop, threading.current_thread())
-            log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
-            try:
-                processor.run(stop)
-            finally:
-                store.close()
+        tune_gc()
+        tune_switch_interval()
+        processor = Processor(config, store.put_many)
+        status.watch_consumer(processor.membership, config.group_id)
+        running.serving_loop()
+        log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
+        try:
+            processor.run(running.stop)
+        finally:
+            store.close()
     log.info("processor %s stopped", args.instance_id)
     return 0
 

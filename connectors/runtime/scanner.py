@@ -17,20 +17,16 @@ if the timer already fired.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import psycopg
 from agentruns.connectors import health
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.logs import setup_logging
+from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.connectors.runtime.timers import fired_input
-from agentruns.processors.state import TERMINAL
+from agentruns.connectors.service import run_service
 from agentruns.streams import clock
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
@@ -86,25 +82,6 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int | None:
         return lag
     finally:
         close_consumer(consumer)
-
-
-#: The terminal statuses as an SQL list, written out so that the planner can match it with the
-#: partial index of live runs (migration 0007 spells the same list).
-TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(t.value for t in TERMINAL)) + ")"
-
-
-def stuck_condition(now_ms: int, stale_after_s: float) -> tuple[str, list[Any]]:
-    """The SQL condition on `runs` (with its parameters) of a run without progress: not
-    terminal, no event for `stale_after_s`, and not merely waiting for a person (a run in
-    WAITING_USER counts only when one of its timers is due and has not fired). The scanner and
-    the run list (`GET /runs?stuck_minutes=`) share it."""
-    sql = (
-        f"status NOT IN {TERMINAL_SQL} AND last_event_at < to_timestamp(%s / 1000.0)"
-        " AND (status <> 'WAITING_USER' OR EXISTS (SELECT 1 FROM"
-        " jsonb_array_elements(coalesce(state::jsonb -> 'timers', '[]'::jsonb)) t"
-        " WHERE (t ->> 'due_at')::bigint <= %s))"
-    )
-    return sql, [now_ms - stale_after_s * 1000, now_ms]
 
 
 def scan(
@@ -186,24 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("AGENTRUNS_LOG_LEVEL", "INFO"))
     health.add_arguments(parser)  # with --every
     args = parser.parse_args(list(argv) if argv is not None else None)
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-
-    setup_logging(args.log_level, component="scanner")
-    stop = stop_on_signals()
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, contextlib.ExitStack() as serving:
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        if args.every is not None:
-            status = serving.enter_context(
-                health.serving(
-                    args,
-                    "scanner",
-                    bootstrap=ep.kafka_bootstrap,
-                    database_url=ep.database_url,
-                    consumer=False,
-                )
-            )
-            status.watch_loop(stop, threading.current_thread())
+    service = run_service(
+        args, "scanner", serve_health=args.every is not None, consumer=False, migrations=False
+    )
+    with service as running:
+        ep, stop = running.endpoints, running.stop
+        running.serving_loop()
         while True:
             found = scan(
                 ep.kafka_bootstrap,

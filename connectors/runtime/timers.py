@@ -32,9 +32,7 @@ from typing import Any
 import msgspec
 import psycopg
 from agentruns.connectors import dead_letters, health
-from agentruns.connectors.lifecycle import stop_on_signals
-from agentruns.connectors.logs import setup_logging
-from agentruns.connectors.postgres.migrate import migrate
+from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.events import TimerFired
@@ -340,30 +338,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default=current().log_level)
     health.add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
-    setup_logging(args.log_level, component="timer")
-    stop = stop_on_signals()
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
-
-    with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack:
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        serving = health.serving(
-            args, "timer", bootstrap=ep.kafka_bootstrap, database_url=ep.database_url
+    with run_service(args, "timer") as running:
+        ep, status = running.endpoints, running.health
+        assert status is not None
+        ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
+        service = TimerService(
+            ep.kafka_bootstrap,
+            ep.database_url,
+            prefix=args.prefix,
+            group_id=args.group,
+            instance_id=args.instance_id,
+            tick_ms=args.tick_ms,
         )
-        with serving as status:
-            migrate(ep.database_url)
-            ensure_topics(ep.kafka_bootstrap, prefix=args.prefix)
-            service = TimerService(
-                ep.kafka_bootstrap,
-                ep.database_url,
-                prefix=args.prefix,
-                group_id=args.group,
-                instance_id=args.instance_id,
-                tick_ms=args.tick_ms,
-            )
-            status.watch_consumer(service.membership, service.group_id)
-            status.watch_loop(stop, threading.current_thread())
-            service.run(stop)
+        status.watch_consumer(service.membership, service.group_id)
+        running.serving_loop()
+        service.run(running.stop)
     return 0
 
 

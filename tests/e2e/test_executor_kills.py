@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.dev.servers.model_server import Scenario
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import model_server, tool_server
-from agentruns.connectors.testing.model_server import Scenario
 from agentruns.processors.events import ToolCallSucceeded
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics

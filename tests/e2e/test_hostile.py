@@ -1,4 +1,4 @@
-"""The hostile-world suite: every hostile case of `agentruns.connectors.testing.hostile` goes in
+"""The hostile-world suite: every hostile case of `agentruns.connectors.dev.servers.hostile` goes in
 through its door
 (inbox, API, effect and event topics, model and tool servers) among good runs, against the real
 broker, Postgres and servers, with every component a process of its own and no fault injected.
@@ -11,8 +11,8 @@ its own, and every consumer group has consumed everything (no stalled partition)
 from __future__ import annotations
 
 import pytest
-from agentruns.connectors.demo.chaos import ok_figures, run_chaos
-from agentruns.connectors.testing.hostile import cases
+from agentruns.connectors.dev.demo.chaos import ok_figures, run_chaos
+from agentruns.connectors.dev.servers.hostile import cases
 
 
 @pytest.mark.timeout(900)

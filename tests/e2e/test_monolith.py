@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 from agentruns.connectors.api.client import ApiClient
-from agentruns.connectors.demo.run import registry_tools
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.demo.run import registry_tools
+from agentruns.connectors.dev.stack.procs import free_port_block
 
 from tests.support.waiting import wait_for
 
@@ -32,7 +32,7 @@ def test_monolith_runs_a_task_submitted_over_http(
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{unique_name}-monolith.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentruns.connectors.runtime.monolith", "--dev-servers",
+            [sys.executable, "-m", "agentruns.connectors.monolith", "--dev-servers",
             "--prefix",
              unique_name, "--partitions", "3", "--api-port", str(port), "--log-level", "WARNING"],
             env=env,

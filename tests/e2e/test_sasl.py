@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.local_kafka import LocalKafka, ScramUser
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.testing.tool_server import DEFAULT_REGISTRY
+from agentruns.connectors.dev.servers.tool_server import DEFAULT_REGISTRY
+from agentruns.connectors.dev.stack.local_kafka import LocalKafka, ScramUser
+from agentruns.connectors.dev.stack.procs import free_port_block
 
 AGENTRUNS = str(Path(sys.executable).parent / "agentruns")
 USER = ScramUser("agentruns-svc", "s3cret-for-the-test")

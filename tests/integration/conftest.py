@@ -5,8 +5,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.streams.admin import ensure_topics
 

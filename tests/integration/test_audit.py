@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers.workload import START_AT, simulate, submitted
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
 from agentruns.connectors.projection import reading
@@ -19,7 +20,6 @@ from agentruns.connectors.projection import revalidate as revalidate_cli
 from agentruns.connectors.projection.audit import RECONCILE_DIFFERENCES, Reconciler
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.revalidate import revalidate_runs
-from agentruns.connectors.testing.workload import START_AT, simulate, submitted
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
 
 from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs

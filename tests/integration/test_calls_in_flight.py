@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
+from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor, ToolRegistry
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.effects import CallModel, CallTool, Effect
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome, ToolCallSucceeded
 from agentruns.processors.ids import canonical_json

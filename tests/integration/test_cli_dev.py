@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.procs import free_port_block, pid_alive
-from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.dev.stack.procs import free_port_block, pid_alive
+from agentruns.connectors.dev.stack.services import ServiceStack
 
 AGENTRUNS = [sys.executable, "-m", "agentruns.connectors.cli"]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.devstack.services import ServiceStack
+from agentruns.connectors.dev.stack.procs import free_port_block
+from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.streams.admin import ensure_topics
 
@@ -92,6 +92,23 @@ def test_no_cluster_configured_starts_nothing(bare_env: dict[str, str], args: li
     line = one_line(run(args, bare_env))
     assert "no Kafka cluster configured" in line
     assert "agentruns dev up" in line and "KAFKA_BOOTSTRAP_SERVERS" in line
+    assert not (Path(bare_env["AGENTRUNS_STATE_DIR"]) / "kafka").exists()  # nothing started
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["processor"], ["timer"], ["scan"], ["api"], ["executor", "model"], ["db", "migrate"]],
+    ids=lambda a: "-".join(a),
+)
+def test_a_service_with_nothing_configured_refuses_to_start(
+    bare_env: dict[str, str], args: list[str]
+) -> None:
+    """A production command takes Kafka and Postgres from the settings; it starts neither."""
+    began = time.monotonic()
+    line = one_line(run(args, bare_env))
+    assert time.monotonic() - began < 30
+    assert "no Kafka cluster configured" in line or "no Postgres configured" in line, line
+    assert "KAFKA_BOOTSTRAP_SERVERS is not set" in line or "DATABASE_URL is not set" in line
     assert not (Path(bare_env["AGENTRUNS_STATE_DIR"]) / "kafka").exists()  # nothing started
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.processors.ids import run_id_for_key
 
 from tests.support.api import OPERATOR, OPERATOR_TOKEN, TOKEN, Stack

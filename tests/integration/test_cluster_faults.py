@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentruns.connectors.demo.cluster_faults import transaction_coordinator
-from agentruns.connectors.devstack.local_kafka import LocalKafka
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.demo.cluster_faults import transaction_coordinator
+from agentruns.connectors.dev.stack.local_kafka import LocalKafka
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.streams import admin, transaction
 from agentruns.streams.admin import ensure_topics, record_limits
 from agentruns.streams.kafka_defaults import client_settings, close_consumer, release

@@ -19,12 +19,12 @@ import httpx
 import msgspec
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.base import ActionRecord, Ahead, Outcome
 from agentruns.connectors.executors.loop import Executor
 from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
 from agentruns.connectors.executors.tool import MAX_RETRY_AFTER_MS, ToolHandler, ToolRegistry
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.effects import CallModel, CallTool, Effect
 from agentruns.processors.events import (
     ModelCallCompleted,

@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 import pytest
+from agentruns.connectors.dev.servers.model_server import Scenario
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing.model_server import Scenario
 
 from tests.support.pipeline import Pipeline, running_pipeline
 from tests.support.waiting import wait_for

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.streams.kafka_defaults import KAFKA_LOGS
 from agentruns.streams.topics import (
     EVENTS,

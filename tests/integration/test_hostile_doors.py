@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from agentruns.connectors.testing.hostile import Doors, Injected
+from agentruns.connectors.dev.servers.hostile import Doors, Injected
 from agentruns.streams.topics import INBOX, topic_name
 
 PARTITIONS = 2

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
-from agentruns.connectors.testing import tool_server
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from agentruns.connectors.devstack.procs import free_port_block
+from agentruns.connectors.dev.stack.procs import free_port_block
 
 CLIENTS = """
     import time

@@ -59,7 +59,7 @@ class ServerProcess:
 
     def start(self) -> None:
         command = [
-            sys.executable, "-m", "agentruns.connectors.testing.mcp_server",
+            sys.executable, "-m", "agentruns.connectors.dev.servers.mcp_server",
             "--port", str(self.port), "--counts-file", str(self.counts),
         ]  # fmt: skip
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL)

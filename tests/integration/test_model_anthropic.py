@@ -12,6 +12,8 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+from agentruns.connectors.dev.servers import model_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.model import (
     Assembled,
     ModelHandler,
@@ -19,8 +21,6 @@ from agentruns.connectors.executors.model import (
     Routes,
     anthropic_request,
 )
-from agentruns.connectors.testing import model_server
-from agentruns.connectors.testing.httpserver import ServerHandle
 from agentruns.processors.events import ModelOutcome
 
 TOOLS = [{"name": "search_docs", "input_schema": {"type": "object"}}]

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.model import (
     Assembled,
     ModelExecutor,
@@ -26,7 +27,6 @@ from agentruns.connectors.executors.model import (
     build_conversation,
 )
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.effects import RepairNote
 from agentruns.processors.events import ModelOutcome
 from agentruns.processors.ids import canonical_json

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from agentruns.connectors.testing import model_server
-from agentruns.connectors.testing.httpserver import ServerHandle
+from agentruns.connectors.dev.servers import model_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
 
 SCENARIOS = Path(model_server.__file__).with_name("scenarios")
 REPO = Path(__file__).resolve().parents[2]
@@ -655,7 +655,7 @@ def test_many_concurrent_latency_streams_overlap(server: ServerHandle) -> None:
 
 def test_main_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentruns.connectors.testing.model_server", "--port", "0"],
+        [sys.executable, "-m", "agentruns.connectors.dev.servers.model_server", "--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -15,7 +15,7 @@ import httpx
 import psycopg
 import pytest
 from agentruns.connectors.api.operator import MAX_REASON_CHARS
-from agentruns.connectors.testing.hostile import Doors, cases, check, inject
+from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject
 from agentruns.processors.ids import run_id_for_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

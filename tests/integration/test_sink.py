@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
-from agentruns.connectors.devstack.local_postgres import LocalPostgres
+from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
 from agentruns.connectors.postgres.bulk import prefer_lz4
 from agentruns.connectors.projection.audit import audit
 from agentruns.processors.effects import CallModel

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.connectors.devstack.local_postgres import LocalPostgres
+from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
 from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.state import Budgets, TimerPurpose

@@ -23,10 +23,10 @@ from typing import Any
 import msgspec
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers import tool_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
+from agentruns.connectors.dev.servers.tool_server import ServerAuth, server_tls
 from agentruns.connectors.executors.tool import ToolExecutor
-from agentruns.connectors.testing import tool_server
-from agentruns.connectors.testing.httpserver import ServerHandle
-from agentruns.connectors.testing.tool_server import ServerAuth, server_tls
 from agentruns.processors.events import ToolCallFailed, ToolCallSucceeded
 from agentruns.processors.state import ErrorClass
 from agentruns.streams.topics import DLQ, topic_name

@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers import tool_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.tool import ToolExecutor
-from agentruns.connectors.testing import tool_server
-from agentruns.connectors.testing.httpserver import ServerHandle
 from agentruns.processors.effects import CallTool
 from agentruns.processors.events import (
     CancelConfirmed,

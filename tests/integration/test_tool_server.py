@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from agentruns.connectors.testing import tool_server
-from agentruns.connectors.testing.httpserver import ServerHandle
-from agentruns.connectors.testing.latency import LatencyParams
+from agentruns.connectors.dev.servers import tool_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
+from agentruns.connectors.dev.servers.latency import LatencyParams
 
 from tests.support.waiting import wait_for
 
@@ -473,7 +473,7 @@ def test_many_concurrent_latency_calls_overlap(server: ServerHandle) -> None:
 
 def test_main_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentruns.connectors.testing.tool_server", "--port", "0"],
+        [sys.executable, "-m", "agentruns.connectors.dev.servers.tool_server", "--port", "0"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

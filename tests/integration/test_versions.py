@@ -26,11 +26,11 @@ from typing import Any
 
 import httpx
 import pytest
+from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.projection.audit import audit
-from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors import versions
 from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
 from agentruns.processors.state import Policy, ToolSpec

@@ -54,8 +54,8 @@ def test_the_wheel_holds_agentruns_alone(wheel: Path) -> None:
     assert top_level.decode().split() == ["agentruns"]
     # What the runtime loads from package data travels with it; bench results do not.
     assert "agentruns/connectors/postgres/migrations/0001_artifacts.sql" in names
-    assert "agentruns/connectors/devstack/kafka/pom.xml" in names
-    assert "agentruns/connectors/testing/scenarios/approval.json" in names
+    assert "agentruns/connectors/dev/stack/kafka/pom.xml" in names
+    assert "agentruns/connectors/dev/servers/scenarios/approval.json" in names
     assert "agentruns/schemas/agentruns.Event.v1.avsc" in names
     assert "agentruns/schemas/json/task.schema.json" in names
     assert "agentruns/connectors/api/templates/run.html" in names

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import httpx
 import psycopg
 import pytest
+from agentruns.connectors.dev.servers import tool_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.loop import Executor, ExecutorConfig
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-from agentruns.connectors.testing import tool_server
-from agentruns.connectors.testing.httpserver import ServerHandle
 from agentruns.processors.effects import (
     CallModel,
     CallTool,

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.runtime.timers import TimerService
-from agentruns.connectors.testing import model_server, tool_server
-from agentruns.connectors.testing.httpserver import ServerHandle
 from agentruns.processors.effects import CallModel, CallTool
 from agentruns.processors.events import (
     Candidate,

@@ -6,7 +6,7 @@ import itertools
 import json
 from typing import Any
 
-from agentruns.connectors.testing.workload import START_AT, TOOLS
+from agentruns.connectors.dev.servers.workload import START_AT, TOOLS
 from agentruns.processors.effects import CallModel, CallTool, Effect
 from agentruns.processors.events import (
     Candidate,

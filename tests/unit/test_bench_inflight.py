@@ -11,7 +11,7 @@ import time
 
 import pytest
 from agentruns.bench import inflight
-from agentruns.connectors.testing import model_server
+from agentruns.connectors.dev.servers import model_server
 
 
 def test_window_figures_count_the_calls_that_ended_in_it() -> None:

@@ -13,8 +13,8 @@ from agentruns.bench.overhead import (
     served_over_planned,
     tool_latency_rule,
 )
-from agentruns.connectors.testing.model_server import FaultRule
-from agentruns.connectors.testing.tool_server import FaultRule as ToolFaultRule
+from agentruns.connectors.dev.servers.model_server import FaultRule
+from agentruns.connectors.dev.servers.tool_server import FaultRule as ToolFaultRule
 
 
 def test_the_ideal_closed_loop_starts_each_run_as_a_slot_frees() -> None:

@@ -20,9 +20,9 @@ import pytest
 from agentruns.connectors import cli
 from agentruns.connectors.api.inputs import InvalidInputError, submitted_task
 from agentruns.connectors.catalog import catalog_of
+from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.executors.base import NOTHING_AHEAD
 from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
-from agentruns.connectors.testing import tool_server
 from agentruns.processors import catalog as catalog_module
 from agentruns.processors.catalog import (
     PERMISSION_RANK,

@@ -3,7 +3,7 @@ fault stalled the log, the summary's percentiles."""
 
 from __future__ import annotations
 
-from agentruns.connectors.demo.cluster_faults import (
+from agentruns.connectors.dev.demo.cluster_faults import (
     STALL_HORIZON_S,
     ProgressWatch,
     java_string_hash,

@@ -83,7 +83,7 @@ def test_a_question_form_is_typed_by_the_response_schema() -> None:
 
 def test_the_partial_index_of_live_runs_spells_the_terminal_statuses_of_the_stuck_rule() -> None:
     from agentruns.connectors.postgres.migrate import migration_files
-    from agentruns.connectors.runtime.scanner import TERMINAL_SQL
+    from agentruns.connectors.projection.stuck import TERMINAL_SQL
 
     sql = dict(migration_files())["0007_console"]
     assert f"WHERE status NOT IN {TERMINAL_SQL};" in sql

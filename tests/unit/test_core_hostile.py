@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from agentruns.connectors.testing.workload import TOOLS
+from agentruns.connectors.dev.servers.workload import TOOLS
 from agentruns.processors.effects import EFFECT_DECODER, AskUser, ScheduleTimer
 from agentruns.processors.events import (
     EVENT_TYPES,

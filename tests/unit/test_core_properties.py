@@ -7,7 +7,7 @@ import json
 import random
 from collections.abc import Iterator
 
-from agentruns.connectors.testing.workload import simulate, submitted
+from agentruns.connectors.dev.servers.workload import simulate, submitted
 from agentruns.processors import fold
 from agentruns.processors.effects import EFFECT_DECODER, CallModel, CallTool
 from agentruns.processors.events import (

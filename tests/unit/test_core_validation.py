@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from agentruns.connectors.testing.workload import TOOLS
+from agentruns.connectors.dev.servers.workload import TOOLS
 from agentruns.processors.events import Candidate, ToolCallRequest
 from agentruns.processors.ids import content_ref
 from agentruns.processors.state import CURRENT_VALIDATOR_VERSION, Policy

@@ -1,4 +1,4 @@
-"""Where Kafka and Postgres come from (agentruns.connectors.devstack.services), with the Docker
+"""Where Kafka and Postgres come from (agentruns.connectors.dev.stack.services), with the Docker
 check faked: no engine runs here. The containers and docker-compose.kafka.yml must configure
 the broker as the local one does."""
 
@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentruns.connectors.devstack import services
-from agentruns.connectors.devstack.local_kafka import (
+from agentruns.connectors.dev.stack import services
+from agentruns.connectors.dev.stack.local_kafka import (
     KafkaNode,
     broker_settings,
     container_env,
     server_properties,
 )
-from agentruns.connectors.devstack.services import (
+from agentruns.connectors.dev.stack.services import (
     CONTAINER,
     ENV,
     LOCAL,

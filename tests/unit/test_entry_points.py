@@ -13,7 +13,7 @@ MODULES = {
     "agentruns.connectors.runtime.processor": "processor",
     "agentruns.connectors.runtime.timers": "timer",
     "agentruns.connectors.runtime.scanner": "scan",
-    "agentruns.connectors.runtime.monolith": "run",
+    "agentruns.connectors.monolith": "run",
     "agentruns.connectors.api.serve": "api",
     "agentruns.connectors.projection.sink": "sink",
     "agentruns.connectors.projection.replay": "replay",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,17 @@ def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _contract_modules() -> set[str]:
+    """The modules the contracts name as sources or forbidden ones."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {
+        name
+        for contract in contracts["contracts"]
+        for key in ("source_modules", "forbidden_modules")
+        for name in contract.get(key, [])
+    }
+
+
 def test_the_source_tree_keeps_every_contract(tmp_path: Path) -> None:
     package = tmp_path / "agentruns"
     package.mkdir()
@@ -47,6 +59,7 @@ def test_the_source_tree_keeps_every_contract(tmp_path: Path) -> None:
         ("streams", "agentruns.connectors.cli", "Streams import neither"),
         ("schemas", "agentruns.processors.events", "Schemas import none of the layers"),
         ("connectors", "agentruns.bench.core", "Connectors do not import the benches"),
+        ("streams", "agentruns.connectors.dev", "Production code does not import the development"),
     ],
 )
 def test_a_wrong_way_import_breaks_a_contract(
@@ -59,6 +72,10 @@ def test_a_wrong_way_import_breaks_a_contract(
     (package / "__init__.py").write_text("")
     for name in ("streams/codec.py", "connectors/cli.py", "bench/core.py", "processors/events.py"):
         (package / name).write_text("")
+    for name in _contract_modules():  # every module a contract names exists in the tree
+        folder = tmp_path.joinpath(*name.split("."))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").touch()
     clean = lint_imports(tmp_path)
     assert clean.returncode == 0, clean.stdout + clean.stderr
 

@@ -6,7 +6,7 @@ import math
 import statistics
 
 import pytest
-from agentruns.connectors.testing.latency import (
+from agentruns.connectors.dev.servers.latency import (
     MAX_MS,
     LatencyParams,
     lognormal_ms,

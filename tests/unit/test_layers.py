@@ -5,15 +5,19 @@
 - The core (``processors/``) imports only what is on its allowlist: the standard library's pure
   parts, msgspec, pydantic, jsonschema and RE2, and itself (R1).
 - Layers import one way: ``processors`` <- ``streams`` <- ``connectors``; ``bench`` is imported by
-  nothing but itself and the tests of the benches.
-- The production parts of ``connectors`` (API, executors, projection, runtime, Postgres) import
-  nothing from the dev stack, the test backends or the demo at module level; a service's
-  ``main`` may resolve its services lazily.
+  nothing but itself, the tests of the benches and (lazily) the `agentruns bench` commands.
+- Production code (all of ``connectors`` but ``connectors/dev/``, the development harness: the
+  local stack, the scripted servers, the demo) imports nothing from the harness, not even inside
+  a function; only the command line's development commands and ``agentruns run`` reach it, and
+  every production module imports with the harness made unimportable.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,14 +48,10 @@ CORE_ALLOWED = {
     "agentruns.processors",
 }
 
-PRODUCTION = ("api", "executors", "projection", "runtime", "postgres")
-DEV_ONLY = (
-    "agentruns.connectors.devstack",
-    "agentruns.connectors.testing",
-    "agentruns.connectors.demo",
-)
-# `agentruns run --dev-servers` starts the scripted backends in-process.
-DEV_ALLOWED = {"connectors/runtime/monolith.py"}
+HARNESS = "agentruns.connectors.dev"
+# The command line's `dev`, `demo`, `chaos` and `bench` commands, and `agentruns run` (which
+# starts a local stack, and the scripted servers with --dev-servers), reach the harness lazily.
+HARNESS_ALLOWED = {"connectors/cli.py", "connectors/monolith.py"}
 
 
 def modules(folder: str) -> list[Path]:
@@ -107,8 +107,16 @@ def test_streams_import_only_the_core(path: Path) -> None:
     assert not bad, f"{rel(path)} imports a higher layer: {sorted(bad)}"
 
 
+# `agentruns bench ...` runs a bench: the command line's development commands load it lazily.
+BENCH_COMMANDS = ROOT / "connectors" / "dev" / "commands.py"
+
+
 @pytest.mark.parametrize("path", modules("connectors"), ids=rel)
 def test_nothing_outside_bench_imports_bench(path: Path) -> None:
+    if path == BENCH_COMMANDS:
+        path_imports = imports(path, top_level_only=True)
+        assert not {m for m in path_imports if allowed(m, {"agentruns.bench"})}
+        return
     bad = {m for m in imports(path) if allowed(m, {"agentruns.bench"})}
     assert not bad, f"{rel(path)} imports {sorted(bad)}"
 
@@ -127,19 +135,64 @@ def test_tests_take_no_fixture_from_bench(path: Path) -> None:
     assert not bad, f"{rel(path)} imports {sorted(bad)}"
 
 
-PRODUCTION_MODULES = [
-    p
-    for p in modules("connectors")
-    if p.parent == ROOT / "connectors" or p.relative_to(ROOT / "connectors").parts[0] in PRODUCTION
-]
+HARNESS_DIR = ROOT / "connectors" / "dev"
+PRODUCTION_MODULES = [p for p in modules("connectors") if HARNESS_DIR not in p.parents]
 
 
 @pytest.mark.parametrize("path", PRODUCTION_MODULES, ids=rel)
-def test_production_code_does_not_import_the_dev_stack(path: Path) -> None:
-    if rel(path) in DEV_ALLOWED or path.name == "cli.py":
+def test_production_code_does_not_import_the_harness(path: Path) -> None:
+    if rel(path) in HARNESS_ALLOWED:
+        bad = {m for m in imports(path, top_level_only=True) if allowed(m, {HARNESS})}
+        assert not bad, f"{rel(path)} imports {sorted(bad)} at module level"
         return
-    bad = {m for m in imports(path, top_level_only=True) if allowed(m, set(DEV_ONLY))}
-    assert not bad, f"{rel(path)} imports {sorted(bad)} at module level"
+    bad = {m for m in imports(path) if allowed(m, {HARNESS})}
+    assert not bad, f"{rel(path)} imports {sorted(bad)}: production code takes the settings"
+
+
+# Imports every production module while the harness cannot be imported, then runs a service
+# with nothing configured: it must refuse in one line, without reaching for the harness.
+WITHOUT_HARNESS = """
+import importlib, sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "agentruns.connectors.dev" or name.startswith("agentruns.connectors.dev."):
+            raise ImportError("the development harness is not for production: " + name)
+        return None
+
+sys.meta_path.insert(0, Refuse())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from agentruns.connectors.cli import main
+sys.exit(main(["processor"]))
+"""
+
+
+def test_production_modules_import_and_refuse_without_the_harness(tmp_path: Path) -> None:
+    names = [
+        "agentruns." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in PRODUCTION_MODULES
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL", "AGENTRUNS_KAFKA_CONFIG")
+    }
+    env["AGENTRUNS_STATE_DIR"] = str(tmp_path / "state")  # nothing recorded there
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_HARNESS, *names],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("agentruns: no Kafka cluster configured"), lines[0]
+    assert "KAFKA_BOOTSTRAP_SERVERS" in lines[0]
+    assert not (tmp_path / "state").exists()  # nothing started
 
 
 def test_the_detector_sees_forbidden_imports(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from agentruns.connectors.testing.httpserver import Frames, Pacer
+from agentruns.connectors.dev.servers.httpserver import Frames, Pacer
 
 
 @pytest.fixture

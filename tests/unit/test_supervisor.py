@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
-from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.dev.stack.supervisor import Supervisor
 
 SERVER = ("http.server", "0", "--bind", "127.0.0.1")  # runs until signalled
 
@@ -50,8 +51,10 @@ def test_a_component_that_exits_by_itself_reports_its_status(tmp_path: Path) -> 
 
 
 def test_a_component_writes_its_thread_stacks_when_asked_and_goes_on(tmp_path: Path) -> None:
-    sup = Supervisor(tmp_path, env={})
-    sup.add("service", "agentruns.connectors.testing.tool_server", "--port", "0")
+    # the component imports the same agentruns as the test (the source tree on PYTHONPATH)
+    env = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    sup = Supervisor(tmp_path, env=env)
+    sup.add("service", "agentruns.connectors.dev.servers.tool_server", "--port", "0")
     sup.start("service")
     try:
         deadline = time.monotonic() + 60

@@ -20,7 +20,7 @@ adds the tool ``archive_order`` to the list and tells the client: ``notification
 list_changed``). With ``--counts-file`` every call and execution is appended to a file and
 read back at start, so the counts survive a crash.
 
-    python -m agentruns.connectors.testing.mcp_server --port 8702
+    python -m agentruns.connectors.dev.servers.mcp_server --port 8702
 """
 
 from __future__ import annotations

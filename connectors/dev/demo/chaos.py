@@ -9,7 +9,7 @@ session timeout (6 s) the group has moved on and it resumes as a zombie, past th
 timeout (10 s) the coordinator has aborted its open transaction. When the broker is ours it
 restarts it once and pauses it once (SIGSTOP, 5-20 s: every client's requests time out, every
 session expires when it goes on). With ``--brokers 3`` (a local cluster, every topic 3 replicas)
-one fault in three is a cluster fault (`agentruns.connectors.demo.cluster_faults`): kill -9 of
+one fault in three is a cluster fault (`agentruns.connectors.dev.demo.cluster_faults`): kill -9 of
 the leading broker, of a transaction coordinator, of the active controller, of two brokers at
 once, and, as root, network partitions. It waits for every run to end, and then checks:
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from agentruns.connectors.demo.cluster_faults import (
+from agentruns.connectors.dev.demo.cluster_faults import (
     PARTITION_FAULTS,
     ClusterFaults,
     FaultRecord,
@@ -48,19 +48,20 @@ from agentruns.connectors.demo.cluster_faults import (
     acknowledged_missing,
     percentiles,
 )
-from agentruns.connectors.demo.run import registry_tools
-from agentruns.connectors.devstack import netlab
-from agentruns.connectors.devstack.netlab import NetLab
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.devstack.services import ServiceStack, state_dir
-from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.dev.demo.run import registry_tools
+from agentruns.connectors.dev.servers import hostile as hostile_cases
+from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.dev.stack import netlab
+from agentruns.connectors.dev.stack.netlab import NetLab
+from agentruns.connectors.dev.stack.procs import free_port_block
+from agentruns.connectors.dev.stack.services import ServiceStack
+from agentruns.connectors.dev.stack.supervisor import Supervisor
+from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import RESTART_ME
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.connectors.projection.audit import audit
 from agentruns.connectors.projection.reading import read_topic
-from agentruns.connectors.testing import hostile as hostile_cases
-from agentruns.connectors.testing import model_server, tool_server
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets, Policy
 from agentruns.streams.admin import ensure_topics
@@ -198,10 +199,10 @@ def run_chaos(
     flight); every ~`kill_every` s kill a component (0: never), or with probability
     `pause_share` pause one, until every run is terminal. Bad inputs go in among the runs: a
     garbage record every 50 runs, or with `hostile` every case of
-    `agentruns.connectors.testing.hostile`
+    `agentruns.connectors.dev.servers.hostile`
     through its door (the API then runs too), each checked against its one allowed ending.
     With `brokers` >= 3 (a local cluster), one fault in three is a cluster fault
-    (`agentruns.connectors.demo.cluster_faults`), each kind at least once."""
+    (`agentruns.connectors.dev.demo.cluster_faults`), each kind at least once."""
     # Two streams, so that the sequence of faults depends on the seed alone, not on how the
     # submitting thread's draws interleave with the killer's.
     rng = random.Random(seed)

@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     dev_registry = args.dev_servers and not args.registry
     if dev_registry:
-        from agentruns.connectors.testing import tool_server
+        from agentruns.connectors.dev.servers import tool_server
 
         args.registry = str(tool_server.DEFAULT_REGISTRY)
     registry = registry_from_args(args.registry)
@@ -147,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracing.configure_from_env("run")
     stop = stop_on_signals()
     # the dev stack is what `agentruns run` starts when nothing is configured: loaded here only
-    from agentruns.connectors.devstack.services import SERVICE_PATIENCE_S, ServiceStack
+    from agentruns.connectors.dev.stack.services import ServiceStack
+    from agentruns.connectors.endpoints import SERVICE_PATIENCE_S
 
     with ServiceStack(patience_s=SERVICE_PATIENCE_S) as stack, ExitStack() as resources:
         assert stack.endpoints is not None
@@ -156,8 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
         model_url = tool_url = None
         if args.dev_servers:
+            from agentruns.connectors.dev.servers import mcp_server, model_server, tool_server
             from agentruns.connectors.executors.mcp_rules import parse_mcp_servers
-            from agentruns.connectors.testing import mcp_server, model_server, tool_server
 
             model_url = resources.enter_context(model_server.serve("127.0.0.1", 0)).url
             tool_url = resources.enter_context(tool_server.serve("127.0.0.1", 0)).url

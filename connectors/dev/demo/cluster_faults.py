@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentruns.connectors.devstack.local_kafka import LocalKafka
-from agentruns.connectors.devstack.netlab import HOST, NetLab
+from agentruns.connectors.dev.stack.local_kafka import LocalKafka
+from agentruns.connectors.dev.stack.netlab import HOST, NetLab
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient

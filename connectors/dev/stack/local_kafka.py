@@ -1,6 +1,6 @@
 """Run a real Apache Kafka 4.x broker (KRaft) from Maven Central jars, without Docker.
 
-The jars are resolved once by `connectors/devstack/kafka/pom.xml` (`mvn
+The jars are resolved once by `connectors/dev/stack/kafka/pom.xml` (`mvn
 dependency:copy-dependencies`)
 into a cache outside the repo (`~/.cache/agentruns/kafka-<version>/libs`, or
 `$AGENTRUNS_KAFKA_HOME`). A cluster is one or more combined broker+controller nodes on
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from agentruns.connectors.devstack.procs import (
+from agentruns.connectors.dev.stack.procs import (
     ensure_ports_free,
     pid_alive,
     read_pid,
@@ -49,7 +49,7 @@ def kafka_home() -> Path:
 
 
 def _pom_path() -> Path:
-    return Path(str(resources.files("agentruns.connectors.devstack") / "kafka" / POM))
+    return Path(str(resources.files("agentruns.connectors.dev.stack") / "kafka" / POM))
 
 
 def ensure_jars(home: Path | None = None, *, quiet: bool = True) -> Path:
@@ -126,7 +126,7 @@ class KafkaNode:
     #: The SASL_PLAINTEXT (SCRAM) listener's port, when the cluster has one.
     sasl_port: int | None = None
     #: Where it listens, and what its command runs in (fault tests: a network namespace, see
-    #: `agentruns.connectors.devstack.netlab`).
+    #: `agentruns.connectors.dev.stack.netlab`).
     host: str = "127.0.0.1"
     wrap: tuple[str, ...] = ()
 
@@ -141,7 +141,7 @@ class KafkaNode:
 
 def broker_settings(replicas: int) -> dict[str, str]:
     """The settings of every agentruns development broker, whatever runs it: the local nodes
-    here, the containers of `agentruns.connectors.devstack.services` and
+    here, the containers of `agentruns.connectors.dev.stack.services` and
     docker-compose.kafka.yml (unit tests compare them). Internal topics are sized for a local
     cluster of `replicas` brokers; listeners and storage are each launcher's own."""
     min_isr = 1 if replicas == 1 else 2
@@ -294,7 +294,7 @@ class LocalKafka:
         log4j = self.directory / "log4j2.properties"
         log4j.write_text(
             (
-                resources.files("agentruns.connectors.devstack") / "kafka" / "log4j2.properties"
+                resources.files("agentruns.connectors.dev.stack") / "kafka" / "log4j2.properties"
             ).read_text()
         )
         classpath = f"{libs}/*"

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agentruns.connectors.devstack.services import ServiceStack, state_dir
-from agentruns.connectors.devstack.supervisor import Supervisor
+from agentruns.connectors.dev.servers import mcp_server, model_server, tool_server
+from agentruns.connectors.dev.stack.services import ServiceStack
+from agentruns.connectors.dev.stack.supervisor import Supervisor
+from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.testing import mcp_server, model_server, tool_server
 from agentruns.processors.effects import AskUser, CallTool
 from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
 from agentruns.processors.ids import canonicalize_arguments, operation_key

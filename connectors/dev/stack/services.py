@@ -1,29 +1,26 @@
-"""Where Kafka and Postgres come from, in one resolution order for every command and test.
+"""The development harness's Kafka and Postgres: found, or started, for tests, benchmarks,
+`agentruns run` and `agentruns dev`. Production commands never come here: they take what the
+settings name (`agentruns.connectors.endpoints`).
 
 1. `KAFKA_BOOTSTRAP_SERVERS` / `DATABASE_URL` when set (checked: an unreachable one is an error,
    never a silent fallback);
 2. testcontainers (the `docker` extra), when a Docker daemon answers a ping; without the extra
    that is an error naming it (AGENTRUNS_NO_DOCKER=1 skips Docker);
-3. the local processes of `agentruns.connectors.devstack.local_kafka` /
-`agentruns.connectors.devstack.local_postgres`: the running
-   `agentruns dev up` stack if there is one, otherwise a new one.
+3. the local processes of `local_kafka` / `local_postgres`: the running `agentruns dev up` stack
+   if there is one, otherwise a new one.
 
-`ServiceStack` remembers what it started and `close()` stops exactly that. The client commands
-(submit, results, cancel, replay, audit, revalidate) start nothing: `configured_kafka` and
-`configured_postgres` take the environment's services or the local stack already running in the
-state directory (`agentruns dev up`, or the one `agentruns run` started), and otherwise say that
-none is configured and how to get one.
+`ServiceStack` remembers what it started and `close()` stops exactly that. A local stack started
+in the state directory is recorded there (`endpoints.record`) while it runs, so the commands run
+beside it (`agentruns submit` in another terminal) find it without starting anything.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from dataclasses import asdict, dataclass, field
@@ -31,34 +28,23 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from agentruns.connectors.devstack.local_kafka import LocalKafka, broker_settings, container_env
-from agentruns.connectors.devstack.local_postgres import LocalPostgres
-from agentruns.connectors.devstack.procs import free_port_block
-from agentruns.connectors.errors import (
-    MissingToolError,
-    NotConfiguredError,
-    ServiceUnreachableError,
+from agentruns.connectors.dev.stack.local_kafka import LocalKafka, broker_settings, container_env
+from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
+from agentruns.connectors.dev.stack.procs import free_port_block
+from agentruns.connectors.endpoints import (
+    Endpoints,
+    check_kafka,
+    check_postgres,
+    forget,
+    record,
+    state_dir,
 )
+from agentruns.connectors.errors import MissingToolError
 from agentruns.connectors.settings import current
-from agentruns.streams.kafka_defaults import client_settings
-
-log = logging.getLogger("agentruns.services")
-
-#: How long a long-running service started while its configured Kafka or Postgres does not
-#: answer (a broker restart, a database failover) waits for it before it gives up.
-SERVICE_PATIENCE_S = 120.0
 
 # testcontainers' KafkaContainer drives Confluent's image; cp-kafka 8.0 is Apache Kafka 4.0 (KRaft).
 KAFKA_IMAGE = "confluentinc/cp-kafka:8.0.0"
 POSTGRES_IMAGE = "postgres:16-alpine"
-
-
-def state_dir() -> Path:
-    """The `agentruns dev up` state directory (data, logs, pid files)."""
-    env = os.environ.get("AGENTRUNS_STATE_DIR")
-    if env:
-        return Path(env)
-    return Path(tempfile.gettempdir()) / f"agentruns-{os.geteuid()}"
 
 
 @dataclass
@@ -118,9 +104,11 @@ class LocalStack:
         except Exception:
             self.kafka.stop()
             raise
+        record(self.directory, kafka=self.kafka.bootstrap_servers, database=self.postgres.url)
         return timings
 
     def down(self, *, wipe: bool = False) -> None:
+        forget(self.directory)
         self.kafka.stop()
         self.postgres.stop()
         if wipe:
@@ -154,54 +142,6 @@ def running_dev_stack() -> LocalStack | None:
     return None
 
 
-def _state_dir_stack() -> LocalStack:
-    """The local stack of the state directory, running or not (`agentruns run` starts one there
-    without saving its config, so the environment's ports are assumed then, as it does)."""
-    directory = state_dir()
-    return LocalStack(directory, StackConfig.load(directory) or StackConfig.from_env())
-
-
-#: How to get a cluster, for the client commands that find none.
-START_ONE = "start one with `agentruns dev up` (or `agentruns run`), or set KAFKA_BOOTSTRAP_SERVERS"
-
-
-def configured_kafka(timeout: float = 10.0) -> str:
-    """The bootstrap servers of a client command: KAFKA_BOOTSTRAP_SERVERS (checked: it must
-    answer within ``timeout``), else the broker running in the state directory; never starts
-    one."""
-    explicit = current().kafka_bootstrap_servers
-    if explicit:
-        check_kafka(explicit, timeout)
-        return explicit
-    kafka = _state_dir_stack().kafka
-    if kafka.running():
-        return kafka.bootstrap_servers
-    raise NotConfiguredError(
-        f"no Kafka cluster configured (KAFKA_BOOTSTRAP_SERVERS is not set and no local "
-        f"broker runs in {state_dir()})",
-        hint=START_ONE,
-    )
-
-
-def configured_postgres(*, required: str | None, timeout: float = 10.0) -> str | None:
-    """The database URL of a client command: DATABASE_URL (checked), else the Postgres running in
-    the state directory, else None; or, when ``required`` (what to do instead), an error."""
-    explicit = current().database_url
-    if explicit:
-        check_postgres(explicit, timeout)
-        return explicit
-    postgres = _state_dir_stack().postgres
-    if postgres.running():
-        return postgres.url
-    if required is None:
-        return None
-    raise NotConfiguredError(
-        f"no Postgres configured (DATABASE_URL is not set and no local server runs in "
-        f"{state_dir()})",
-        hint=f"start one with `agentruns dev up`, set DATABASE_URL, or {required}",
-    )
-
-
 def docker_available() -> bool:
     """True when a Docker daemon answers `GET /_ping` (testcontainers can then run services).
 
@@ -231,68 +171,6 @@ def docker_available() -> bool:
         return head.startswith(b"HTTP/1.") and b" 200 " in head
     except OSError:
         return False
-
-
-def check_kafka(bootstrap: str, timeout: float = 10.0, *, patience_s: float = 0.0) -> None:
-    """Kafka at ``bootstrap`` answers within ``timeout`` and takes the client's credentials (a
-    refused login raises at once, from the client's error callback, see ``client_settings``);
-    with `patience_s`, an unreachable one is tried that long first (see `_patiently`)."""
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    def attempt() -> None:
-        admin = AdminClient({"bootstrap.servers": bootstrap, **client_settings(), "log_level": 0})
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
-                return
-            except KafkaException as exc:
-                admin.poll(0.05)  # serves the error callback: a refused login raises here
-                if time.monotonic() < deadline:
-                    continue
-                error = exc.args[0] if exc.args else None
-                reason = error.str() if isinstance(error, KafkaError) else str(exc)
-                raise ServiceUnreachableError(
-                    f"Kafka at {bootstrap} does not answer within {timeout:.0f}s ({reason})",
-                    hint="check KAFKA_BOOTSTRAP_SERVERS, or unset it to use a local broker",
-                ) from exc
-
-    _patiently(attempt, patience_s)
-
-
-def check_postgres(url: str, timeout: float = 10.0, *, patience_s: float = 0.0) -> None:
-    """Raise ServiceUnreachableError unless Postgres answers; with `patience_s`, keep trying
-    that long first (see `_patiently`)."""
-    import psycopg
-
-    def attempt() -> None:
-        try:
-            with psycopg.connect(url, connect_timeout=int(timeout)) as conn:
-                conn.execute("SELECT 1")
-        except psycopg.Error as exc:
-            raise ServiceUnreachableError(
-                f"Postgres at {url} does not answer ({str(exc).strip().splitlines()[0]})",
-                hint="check DATABASE_URL, or unset it to use a local server",
-            ) from exc
-
-    _patiently(attempt, patience_s)
-
-
-def _patiently(attempt: Callable[[], None], patience_s: float) -> None:
-    """Run `attempt` until it succeeds or `patience_s` has passed, then raise its error. A
-    service started while its broker restarts (or its database fails over) waits it out
-    instead of exiting and being restarted in a loop; a command run by hand fails at once."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            attempt()
-            return
-        except ServiceUnreachableError as exc:
-            if time.monotonic() >= deadline:
-                raise
-            log.warning("%s; waiting up to %.0fs more", exc, deadline - time.monotonic())
-            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
 ENV, CONTAINER, LOCAL = "env", "container", "local"
@@ -336,14 +214,6 @@ def kafka_container_env() -> dict[str, str]:
     return container_env(broker_settings(1))
 
 
-@dataclass
-class Endpoints:
-    kafka_bootstrap: str
-    database_url: str
-    kafka_source: str
-    postgres_source: str
-
-
 class ServiceStack(AbstractContextManager["ServiceStack"]):
     """Resolve Kafka and Postgres; stop on close only what this object started.
 
@@ -367,6 +237,7 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         self._tmp: Path | None = None
         self.local: LocalStack | None = None
         self.endpoints: Endpoints | None = None
+        self._recorded: Path | None = None
 
     def __enter__(self) -> ServiceStack:
         try:
@@ -419,6 +290,13 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
                         self._started.append(local.postgres)
                     local.postgres.start()
                 database, psrc = local.postgres.url, where
+            if running is None and not self.ephemeral:  # for the commands run beside this one
+                record(
+                    local.directory,
+                    kafka=kafka if ksrc == where else None,
+                    database=database if psrc == where else None,
+                )
+                self._recorded = local.directory
         self.endpoints = Endpoints(kafka, database, ksrc, psrc)
         return self.endpoints
 
@@ -454,6 +332,9 @@ class ServiceStack(AbstractContextManager["ServiceStack"]):
         return str(container.get_connection_url())
 
     def close(self) -> None:
+        if self._recorded is not None and self._started:
+            forget(self._recorded)  # what we recorded, we stop
+        self._recorded = None
         while self._started:
             service = self._started.pop()
             with suppress(Exception):

@@ -8,7 +8,7 @@ are readable at ``GET /stats`` and ``GET /executions/{key}``. Rejections (valida
 injected faults) execute nothing and store nothing. Results are deterministic: ids derive from
 the idempotency key. See ``docs/servers.md``.
 
-    python -m agentruns.connectors.testing.tool_server --port 8701
+    python -m agentruns.connectors.dev.servers.tool_server --port 8701
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import quote
 
-from agentruns.connectors.testing.httpserver import (
+from agentruns.connectors.dev.servers.httpserver import (
     FaultRequest,
     JSONHandler,
     ServerHandle,
@@ -39,7 +39,7 @@ from agentruns.connectors.testing.httpserver import (
     run_until_signal,
     start_server,
 )
-from agentruns.connectors.testing.latency import LatencyParams
+from agentruns.connectors.dev.servers.latency import LatencyParams
 from jsonschema import validators
 from jsonschema.protocols import Validator
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator

@@ -3,7 +3,7 @@
 files.
 
 Used by the demo, the tests and the benchmarks in place of a real model. A scenario (JSON file in
-``connectors/testing/scenarios/`` or a ``--scenarios`` directory) lists the turns of a
+``connectors/dev/servers/scenarios/`` or a ``--scenarios`` directory) lists the turns of a
 conversation; the
 turn is the number of tool-result groups already in the request's messages, so the same
 conversation always gets the same answer (deterministic: no clock, no randomness in bodies).
@@ -12,7 +12,7 @@ Faults are injected per request by the scenario turn (``faults``, counted per co
 retry can succeed), by the ``X-Fault`` request header, or by rules posted to ``/faults``.
 See ``docs/servers.md`` for the protocol, the scenario format and the fault catalogue.
 
-    python -m agentruns.connectors.testing.model_server --port 8700 [--scenarios DIR]
+    python -m agentruns.connectors.dev.servers.model_server --port 8700 [--scenarios DIR]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from agentruns.connectors.testing.httpserver import (
+from agentruns.connectors.dev.servers.httpserver import (
     FaultRequest,
     Frames,
     JSONHandler,
@@ -41,7 +41,7 @@ from agentruns.connectors.testing.httpserver import (
     run_until_signal,
     start_server,
 )
-from agentruns.connectors.testing.latency import MAX_MS, LatencyParams
+from agentruns.connectors.dev.servers.latency import MAX_MS, LatencyParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 BUILTIN_SCENARIOS = Path(__file__).with_name("scenarios")
@@ -1183,7 +1183,7 @@ def serve(
 ) -> ServerHandle:
     """Start the model server in a background thread (port 0 picks a free port).
 
-    Scenarios: the built-in ``connectors/testing/scenarios``, then ``scenarios_dir``, then
+    Scenarios: the built-in ``connectors/dev/servers/scenarios``, then ``scenarios_dir``, then
     ``scenarios``
     (later ones override earlier ones by name). The handle's ``app`` is the ``ModelServerApp``.
     """

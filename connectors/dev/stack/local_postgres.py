@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from agentruns.connectors.devstack.procs import ensure_ports_free, tail
+from agentruns.connectors.dev.stack.procs import ensure_ports_free, tail
 from agentruns.connectors.errors import MissingToolError, ServiceStartError
 
 DB_NAME = "agentruns"
