@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from agentruns.streams.kafka_defaults import client_settings
 from confluent_kafka.admin import AdminClient, ConfigResource
+
+from agentruns.streams.kafka_defaults import client_settings
 
 # Per-partition transaction verification (KIP-890 part 1) costs a round trip to the transaction
 # coordinator for every partition a transaction writes; see docs/design.md, "Broker settings".

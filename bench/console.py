@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import psycopg
+
 from agentruns.bench.core import host_speed
 from agentruns.bench.latency import percentile
 from agentruns.bench.targets import Target, evaluate

@@ -179,10 +179,11 @@ def _effects(prefix: str, count: int, start: int) -> list[tuple[str, bytes, str]
 
 
 def run(args: argparse.Namespace, bootstrap: str, database_url: str) -> dict[str, Any]:
+    from confluent_kafka import Producer
+
     from agentruns.connectors.postgres.migrate import migrate
     from agentruns.streams.admin import ensure_topics
     from agentruns.streams.topics import INBOX, effect_suffix, topic_name
-    from confluent_kafka import Producer
 
     migrate(database_url)
     prefix = f"bench{uuid.uuid4().hex[:8]}"

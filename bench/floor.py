@@ -38,6 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
 from agentruns.bench.broker import broker_settings
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
@@ -51,8 +54,6 @@ from agentruns.streams.kafka_defaults import (
     release,
 )
 from agentruns.streams.polling import poll_batch
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
 MODES = ("transactional", "plain")
 #: hops per step of the agent loop: the processor, the model executor, the processor, the tool

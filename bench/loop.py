@@ -56,6 +56,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import Consumer, Producer, TopicPartition
+
 from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
 from agentruns.bench.latency import percentile
@@ -91,7 +93,6 @@ from agentruns.streams.polling import poll_batch
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, STATE, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
 
 STEPS = 10
 #: The runs' scenario: ten tool calls, then the answer. SCENARIO_ALONE is the same scenario under

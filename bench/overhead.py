@@ -17,8 +17,9 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agentruns.bench.latency import percentile
 from prometheus_client.parser import text_string_to_metric_families
+
+from agentruns.bench.latency import percentile
 
 Json = dict[str, Any]
 

@@ -35,6 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
 from agentruns.bench.broker import broker_settings
 from agentruns.bench.core import host_speed
 from agentruns.bench.latency import p99_by_second, percentile
@@ -64,7 +66,6 @@ from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.run_store import RunStore
 from agentruns.streams.topics import EVENTS, INBOX, RUNS, STATE, topic_name
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 TOOL = ToolSpec(
     name="search_docs",

@@ -44,6 +44,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
+
 from agentruns.bench.broker import broker_settings
 from agentruns.bench.core import host_speed
 from agentruns.bench.latency import percentile
@@ -64,8 +67,6 @@ from agentruns.streams.records import (
     parse_event_body,
 )
 from agentruns.streams.topics import EVENTS, topic_name
-from confluent_kafka import ConsumerGroupState, KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient
 
 
 def make_runs(count_events: int, tag: str, seed: int = 7) -> list[list[Event]]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from confluent_kafka import KafkaException, Message, Producer
+
 from agentruns.streams import dlq
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
-from confluent_kafka import KafkaException, Message, Producer
 
 #: How long a flush of dead letters may wait for the broker before the caller retries.
 FLUSH_TIMEOUT_S = 30.0

@@ -33,12 +33,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psycopg
-from agentruns.connectors.settings import current
-from agentruns.streams.kafka_defaults import client_settings
-from agentruns.streams.membership import Membership
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from agentruns.connectors.settings import current
+from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.membership import Membership
 
 log = logging.getLogger("agentruns.health")
 

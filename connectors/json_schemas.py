@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import agentruns.schemas
 import msgspec
+
+import agentruns.schemas
 from agentruns.processors.effects import Effect, PublishResult
 from agentruns.processors.events import Event, RunSubmitted
 

@@ -187,8 +187,9 @@ def _jaas_credentials(value: str, source: str, number: int) -> dict[str, str]:
 def check_with_librdkafka(properties: dict[str, str], source: str) -> None:
     """Refuse, in one line, what librdkafka refuses: an unknown property, a bad value, a CA file
     that does not load. A client made with them and no bootstrap servers connects nowhere."""
-    from agentruns.streams.kafka_defaults import KAFKA_LOGS
     from confluent_kafka import KafkaException, Producer
+
+    from agentruns.streams.kafka_defaults import KAFKA_LOGS
 
     try:
         Producer({**properties, **KAFKA_LOGS, "log_level": 0})

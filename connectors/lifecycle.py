@@ -14,8 +14,9 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 
-from agentruns.streams.errors import AgentrunsError, FatalConsumerError
 from confluent_kafka import KafkaException
+
+from agentruns.streams.errors import AgentrunsError, FatalConsumerError
 
 #: The exit code of a service that stops so that its supervisor starts it again (its consumer
 #: was fenced: a fresh member joins where this one cannot): sysexits' EX_TEMPFAIL, not the 2 of

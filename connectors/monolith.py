@@ -208,6 +208,7 @@ def _start_api(
 ) -> Callable[[], None] | None:
     """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
     import uvicorn
+
     from agentruns.connectors.api.config import ApiConfig
     from agentruns.connectors.api.http import create_app
 

@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from agentruns.connectors.kafka_properties import check_with_librdkafka, read_properties_file
 from agentruns.streams.kafka_defaults import client_properties, use_client_properties
 from agentruns.streams.topics import DEFAULT_PREFIX
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 KAFKA_CONFIG_ENV = "AGENTRUNS_KAFKA_CONFIG"
 KAFKA_CONFIG_FLAG = "--kafka-config"

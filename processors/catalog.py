@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+
 from agentruns.processors.events import CatalogCheck, RunSubmitted
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.limits import Id

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import msgspec
+
 from agentruns.processors.limits import Id, TimeMs
 from agentruns.processors.state import Decoder, Frozen, RunStatus, TimerPurpose
 

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+
 from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 from agentruns.processors.state import (
     CURRENT_VALIDATOR_VERSION,

@@ -23,10 +23,11 @@ from typing import Any
 
 import re2
 import referencing
-from agentruns.processors.limits import SCHEMA_STEPS_BASE, SCHEMA_STEPS_PER_VALUE_NODE
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
+
+from agentruns.processors.limits import SCHEMA_STEPS_BASE, SCHEMA_STEPS_PER_VALUE_NODE
 
 _OPTIONS = re2.Options()
 _OPTIONS.log_errors = False  # a refused pattern is reported to the caller, not to stderr

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 import msgspec
 import msgspec.inspect
+
 from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
 
 CURRENT_VALIDATOR_VERSION = 2

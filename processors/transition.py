@@ -13,6 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
+
 from agentruns.processors.catalog import refusal as catalog_refusal
 from agentruns.processors.effects import (
     AskUser,
@@ -97,7 +99,6 @@ from agentruns.processors.validation import (
     schema_problem,
     task_problem,
 )
-from msgspec.structs import replace
 
 RECENT_EVENT_IDS = 8
 RESULT_REFS_KEPT = 24

@@ -12,6 +12,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
+
 from agentruns.processors.events import Candidate, RunSubmitted, ToolCallRequest
 from agentruns.processors.ids import canonical_json, derive_key
 from agentruns.processors.limits import MAX_JSON_DEPTH, json_depth
@@ -26,9 +30,6 @@ from agentruns.processors.linear_schema import (
     validator_for,
 )
 from agentruns.processors.state import CURRENT_VALIDATOR_VERSION, Frozen, Policy, RunState, ToolSpec
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-from jsonschema.protocols import Validator
 
 Action = Literal["dispatch", "approve", "finalize", "repair", "fail"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import msgspec
+
 from agentruns.processors.events import Event, RunSubmitted
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import Transition, transition

@@ -12,6 +12,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from confluent_kafka import KafkaError, KafkaException, TopicCollection
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
+
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.topics import (
@@ -21,15 +31,6 @@ from agentruns.streams.topics import (
     TopicSpec,
     topic_name,
     topic_specs,
-)
-from confluent_kafka import KafkaError, KafkaException, TopicCollection
-from confluent_kafka.admin import (
-    AdminClient,
-    AlterConfigOpType,
-    ConfigEntry,
-    ConfigResource,
-    NewTopic,
-    ResourceType,
 )
 
 TIMEOUT_S = 30.0

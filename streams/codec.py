@@ -31,10 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from fastavro import schemaless_reader
+
 from agentruns.schemas import Registry, SchemaVersion, registry
 from agentruns.streams.avro_reader import Read, compile_reader
 from agentruns.streams.avro_writer import Write, compile_writer
-from fastavro import schemaless_reader
 
 __all__ = [
     "HEADER_LEN",

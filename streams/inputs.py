@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from confluent_kafka import Message
+
 from agentruns.processors import catalog, versions
 from agentruns.processors.catalog import Catalog
 from agentruns.processors.effects import PublishResult, ScheduleTimer
@@ -74,7 +76,6 @@ from agentruns.streams.topics import (
     topic_name,
 )
 from agentruns.streams.transaction import Headers, Record
-from confluent_kafka import Message
 
 log = logging.getLogger("agentruns.processor")
 

@@ -10,9 +10,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_logs import KAFKA_LOG
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 log = logging.getLogger("agentruns.kafka")
 

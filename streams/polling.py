@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from agentruns.streams.transaction import fatal_error, is_fatal
 from confluent_kafka import Consumer, Message
+
+from agentruns.streams.transaction import fatal_error, is_fatal
 
 
 def check_fatal(messages: list[Message]) -> list[Message]:

@@ -48,6 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
 from agentruns.processors import versions
 from agentruns.processors.catalog import Catalog
 from agentruns.processors.state import TERMINAL
@@ -87,15 +97,6 @@ from agentruns.streams.transaction import (
     committed_offsets,
     seek,
     watermarks,
-)
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
 )
 
 log = logging.getLogger("agentruns.processor")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from agentruns.processors.effects import EFFECT_DECODER, Effect, PublishResult
 from agentruns.processors.events import EVENT_DECODER, Event
 from agentruns.processors.state import RunState, decode_state

@@ -46,6 +46,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeGuard, TypeVar
 
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
     GROUP_CONSUMER_LOG_LEVEL,
@@ -56,15 +66,6 @@ from agentruns.streams.kafka_defaults import (
     commit_timed,
     fetch_settings,
     release,
-)
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
 )
 
 log = logging.getLogger("agentruns.transaction")

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
 from agentruns.connectors.api.inputs import (
     MAX_RECORD_BYTES,
     InvalidInputError,
@@ -67,7 +69,6 @@ from agentruns.streams.kafka_defaults import (
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 log = logging.getLogger("agentruns.client")
 

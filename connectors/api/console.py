@@ -32,6 +32,12 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import psycopg
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.operator import ACTIONS, allowed
@@ -42,11 +48,6 @@ from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.diagram import edges
 from agentruns.processors.state import TERMINAL, RunState, RunStatus
 from agentruns.streams.clock import datetime_of, ms_of
-from jinja2 import Environment, FileSystemLoader, select_autoescape
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
-from starlette.routing import Route
 
 UI_PREFIX = "/ui"
 SESSION_COOKIE = "agentruns_console"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentruns.connectors.errors import AgentrunsError
 from starlette.responses import JSONResponse
+
+from agentruns.connectors.errors import AgentrunsError
 
 
 class ApiError(AgentrunsError):

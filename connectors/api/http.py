@@ -19,6 +19,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.console import UI_PREFIX, Console
 from agentruns.connectors.api.errors import ApiError, invalid_input
@@ -31,13 +39,6 @@ from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.health import metrics_text
 from agentruns.processors.limits import json_depth
 from agentruns.streams import tracing
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("agentruns.api")
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError
 from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, topic_name
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 
 class Inbox:

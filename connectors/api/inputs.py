@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.json_schemas import TASK_DERIVED_FIELDS
 from agentruns.processors.catalog import Catalog, submission_problem, with_catalog_fields

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from agentruns.connectors.api.operator import RedriveBody, ReopenBody, ResolveBody
 from agentruns.connectors.json_schemas import task_schema_components
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
+
 from agentruns.connectors.api.errors import ApiError
 from agentruns.processors.events import (
     Event,

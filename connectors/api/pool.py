@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+
 from agentruns.connectors.api.errors import ApiError
 
 Conn = psycopg.Connection[tuple[Any, ...]]

@@ -74,6 +74,7 @@ def serving(config: ApiConfig) -> Iterator[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
+
     from agentruns.connectors.catalog import configured_catalog
     from agentruns.connectors.service import run_service
 

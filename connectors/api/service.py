@@ -23,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from prometheus_client import Counter
+
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
@@ -61,7 +63,6 @@ from agentruns.streams import tracing
 from agentruns.streams.clock import ms_of
 from agentruns.streams.codec import decode
 from agentruns.streams.records import input_record, parse_state
-from prometheus_client import Counter
 
 API_PRODUCER_ID = "api"
 

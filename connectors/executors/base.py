@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
+
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.executors.limits import RouteLimits
 from agentruns.connectors.postgres.artifacts import StoredArtifact

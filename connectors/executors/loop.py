@@ -64,6 +64,9 @@ from typing import Any
 
 import msgspec
 import psycopg
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from prometheus_client import Counter, Gauge, Histogram
+
 from agentruns.connectors import endpoints, health
 from agentruns.connectors.endpoints import Endpoints
 from agentruns.connectors.errors import AgentrunsError
@@ -94,8 +97,6 @@ from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
 from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings
-from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
-from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger("agentruns.executor")
 

@@ -29,14 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from mcp_types import CallToolResult, InitializeResult, ListToolsResult
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
+from pydantic import ValidationError
+
 from agentruns.connectors.executors.base import decode_json
 from agentruns.connectors.executors.http import Answer, KeepAliveHTTP
 from agentruns.connectors.executors.mcp_rules import MCPServerSpec
 from agentruns.connectors.executors.tool_http import scrub_answer
 from agentruns.streams import tracing
-from mcp_types import CallToolResult, InitializeResult, ListToolsResult
-from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
-from pydantic import ValidationError
 
 CLIENT_INFO = {"name": "agentruns-tool-executor", "version": "1"}
 SESSION_HEADER = "Mcp-Session-Id"

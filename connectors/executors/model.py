@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+
 from agentruns.connectors.executors.base import (
     NOTHING_AHEAD,
     ActionRecord,

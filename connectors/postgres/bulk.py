@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import sql
+
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams.errors import AgentrunsError
-from psycopg import sql
 
 T = TypeVar("T")
 Conn = psycopg.Connection[tuple[Any, ...]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from importlib import resources
 
 import psycopg
+
 from agentruns.connectors.errors import ServiceUnreachableError
 
 _LOCK_ID = 0x6167656E7472  # "agentr": one advisory lock for migrations

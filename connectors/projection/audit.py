@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
+from prometheus_client import Counter, Gauge
+
 from agentruns.connectors import health
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import progress, stop_on_signals
@@ -42,7 +44,6 @@ from agentruns.processors import versions
 from agentruns.processors.state import RunState
 from agentruns.streams.records import RunSlot
 from agentruns.streams.topics import default_prefix
-from prometheus_client import Counter, Gauge
 
 log = logging.getLogger("agentruns.audit")
 

@@ -14,12 +14,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import EVENTS, STATE, topic_name
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 log = logging.getLogger("agentruns.audit")
 

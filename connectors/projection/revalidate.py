@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import AuditError, read_log
 from agentruns.processors import versions

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import psycopg
+
 from agentruns.connectors.projection.stuck import TERMINAL_SQL
 from agentruns.processors import versions
 

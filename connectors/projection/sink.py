@@ -49,6 +49,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from prometheus_client import Counter, Gauge, Histogram
+
 from agentruns.connectors import dead_letters, health
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.postgres.bulk import prefer_lz4, write_rows
@@ -106,16 +117,6 @@ from agentruns.streams.topics import (
     default_prefix,
     topic_name,
 )
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
-from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger("agentruns.sink")
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
+
 from agentruns.connectors.postgres.bulk import Table
 from agentruns.connectors.projection.rows import (
     DEAD_LETTER_COLUMNS,

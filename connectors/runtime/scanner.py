@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client import Counter
+
 from agentruns.connectors import health
 from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.connectors.runtime.timers import fired_input
@@ -32,8 +35,6 @@ from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, default_prefix, effect_suffix, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
-from prometheus_client import Counter
 
 STUCK = Counter("agentruns_stuck_runs_total", "Runs found without progress by the scanner")
 WAITING_ON = {

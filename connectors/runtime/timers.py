@@ -31,6 +31,9 @@ from typing import Any
 
 import msgspec
 import psycopg
+from confluent_kafka import Consumer, KafkaException, Message, Producer
+from prometheus_client import Counter, Histogram
+
 from agentruns.connectors import dead_letters, health
 from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
@@ -56,8 +59,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.polling import check_fatal
 from agentruns.streams.records import input_record, parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
-from confluent_kafka import Consumer, KafkaException, Message, Producer
-from prometheus_client import Counter, Histogram
 
 log = logging.getLogger("agentruns.timer")
 Conn = psycopg.Connection[tuple[Any, ...]]

@@ -9,6 +9,7 @@ and Postgres in agreement, and the DLQ holds exactly the injected bad inputs.
 from __future__ import annotations
 
 import pytest
+
 from agentruns.connectors.dev.demo.chaos import ok_figures, run_chaos
 
 

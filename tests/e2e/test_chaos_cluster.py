@@ -14,6 +14,7 @@ acknowledged is in the inbox and was consumed, and each fault's stall is measure
 from __future__ import annotations
 
 import pytest
+
 from agentruns.connectors.dev.demo.chaos import ok_figures, run_chaos
 from agentruns.connectors.dev.demo.cluster_faults import CLUSTER_FAULTS, PARTITION_FAULTS
 

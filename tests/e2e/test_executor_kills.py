@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.dev.servers.model_server import Scenario
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -23,7 +24,6 @@ from agentruns.processors.events import ToolCallSucceeded
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
-
 from tests.support.executors import Ids, fast_registry, make_harness
 from tests.support.pipeline import Inbox, Pipeline
 from tests.support.waiting import wait_for

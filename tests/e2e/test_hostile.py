@@ -11,6 +11,7 @@ its own, and every consumer group has consumed everything (no stalled partition)
 from __future__ import annotations
 
 import pytest
+
 from agentruns.connectors.dev.demo.chaos import ok_figures, run_chaos
 from agentruns.connectors.dev.servers.hostile import cases
 

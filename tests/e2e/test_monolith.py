@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 
 import httpx
+
 from agentruns.connectors.api.client import ApiClient
 from agentruns.connectors.dev.demo.run import registry_tools
 from agentruns.connectors.dev.stack.procs import free_port_block
-
 from tests.support.waiting import wait_for
 
 

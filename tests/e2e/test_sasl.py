@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.servers.tool_server import DEFAULT_REGISTRY
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka, ScramUser
 from agentruns.connectors.dev.stack.procs import free_port_block

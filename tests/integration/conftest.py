@@ -5,11 +5,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.streams.admin import ensure_topics
-
 from tests.support.api import Stack, pipeline
 
 

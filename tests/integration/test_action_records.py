@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+
 from agentruns.connectors.executors.records import ActionRecords, Completion
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.effects import CallModel

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 import psycopg
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.api.client import ResultsConsumer
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES
 from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
@@ -21,8 +23,6 @@ from agentruns.processors.limits import MAX_JSON_DEPTH
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from jsonschema import Draft202012Validator
-
 from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
 from tests.support.pipeline import SEARCH, Inbox, now_ms, read_all, read_raw, submitted
 from tests.support.waiting import wait_for

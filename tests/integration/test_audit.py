@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from agentruns.connectors.dev.servers.workload import START_AT, simulate, submitted
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection import audit as audit_cli
@@ -21,7 +22,6 @@ from agentruns.connectors.projection.audit import RECONCILE_DIFFERENCES, Reconci
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.projection.revalidate import revalidate_runs
 from agentruns.processors.events import Candidate, ModelCallCompleted, ModelOutcome, ToolCallRequest
-
 from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
 from tests.support.waiting import wait_for
 

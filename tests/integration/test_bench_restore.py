@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from agentruns.bench.processor import restore_figures
 
 PARTITIONS = 3

@@ -4,6 +4,7 @@ the partitions and project a backlog written in one transaction, each event exac
 from __future__ import annotations
 
 import psycopg
+
 from agentruns.bench.sink import scale_out
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.streams.partitioning import partition_for

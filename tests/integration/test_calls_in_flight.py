@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor, ToolRegistry
@@ -23,7 +24,6 @@ from agentruns.processors.effects import CallModel, CallTool, Effect
 from agentruns.processors.events import ModelCallCompleted, ModelOutcome, ToolCallSucceeded
 from agentruns.processors.ids import canonical_json
 from agentruns.streams.records import parse_event_body
-
 from tests.support.executors import (
     TICKET,
     Harness,

@@ -8,11 +8,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+
 from agentruns.connectors.api.client import InvalidInputError, RunsProducer
 from agentruns.processors.catalog import Catalog, CatalogTool
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.records import input_record
-
 from tests.support.api import PARTITIONS, Stack, pipeline
 from tests.support.console import logged_in
 from tests.support.pipeline import SEARCH, Inbox, submitted

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.stack.procs import free_port_block, pid_alive
 from agentruns.connectors.dev.stack.services import ServiceStack
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.postgres.migrate import migrate

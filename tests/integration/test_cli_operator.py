@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.processors.ids import run_id_for_key
-
 from tests.support.api import OPERATOR, OPERATOR_TOKEN, TOKEN, Stack
 from tests.support.waiting import wait_for
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.api.client import (
     ApiClient,
     ClientError,
@@ -28,7 +29,6 @@ from agentruns.connectors.api.client import (
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import DLQ, INBOX, topic_name
-
 from tests.support.api import GUARDED, TOKEN, Stack
 from tests.support.pipeline import SEARCH, now_ms, read_all
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Consumer
+
 from agentruns.connectors.dev.demo.cluster_faults import transaction_coordinator
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka
 from agentruns.connectors.dev.stack.procs import free_port_block
@@ -33,7 +35,6 @@ from agentruns.streams.admin import ensure_topics, record_limits
 from agentruns.streams.kafka_defaults import client_settings, close_consumer, release
 from agentruns.streams.topics import INBOX, topic_name
 from agentruns.streams.transaction import Clients, Committer, Record, Timings
-from confluent_kafka import Consumer
 
 DOWN_S = 12.0
 SHORT_TIMEOUT_S = 4.0  # each call's bound, shorter than the brokers stay down

@@ -15,6 +15,8 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
+
 from agentruns.connectors.api.console import CHARTS_TTL_MS, MAX_STEPS, step_latency
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.connectors.projection.rows import STORED_BYTES, UNDECODABLE, run_row
@@ -24,8 +26,6 @@ from agentruns.streams.clock import ms_of
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.topics import DLQ, INBOX, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
-
 from tests.support.api import TOKEN, Stack
 from tests.support.console import csrf_of, logged_in
 from tests.support.runlog import running_sink

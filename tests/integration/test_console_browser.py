@@ -16,9 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentruns.processors.ids import run_id_for_key
-from agentruns.streams.kafka_defaults import client_settings
-from agentruns.streams.topics import INBOX, topic_name
 from confluent_kafka import Producer
 from selenium import webdriver
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
@@ -28,6 +25,9 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
+from agentruns.processors.ids import run_id_for_key
+from agentruns.streams.kafka_defaults import client_settings
+from agentruns.streams.topics import INBOX, topic_name
 from tests.support.api import GUARDED, OPERATOR, OPERATOR_TOKEN, REPORT, TOKEN, Stack
 from tests.support.pipeline import SEARCH
 

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import psycopg
 import pytest
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.base import ActionRecord, Ahead, Outcome
 from agentruns.connectors.executors.loop import Executor
@@ -37,7 +38,6 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.state import ErrorClass
 from agentruns.streams.topics import DLQ, topic_name
-
 from tests.support.executors import (
     TICKET,
     Harness,

@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers.model_server import Scenario
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
-
 from tests.support.pipeline import Pipeline, running_pipeline
 from tests.support.waiting import wait_for
 

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from confluent_kafka import Producer
+
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import partition_count
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from confluent_kafka import Producer
-
 from tests.support.api import Stack
 from tests.support.pipeline import SEARCH, now_ms, read_all
 

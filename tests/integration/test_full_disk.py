@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.dev.stack.smalldisk import SmallDisk
-
 from tests.support.cluster import PARTITIONS, Writer, create_topic, missing_from_log
 
 FULL = 3  # the broker whose disk fills

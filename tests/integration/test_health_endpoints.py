@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from confluent_kafka import Consumer
+
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.streams.kafka_defaults import KAFKA_LOGS
 from agentruns.streams.topics import (
@@ -26,8 +28,6 @@ from agentruns.streams.topics import (
     effect_suffix,
     topic_name,
 )
-from confluent_kafka import Consumer
-
 from tests.support.waiting import wait_for
 
 PARTITIONS = 2

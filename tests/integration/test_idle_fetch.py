@@ -21,7 +21,6 @@ from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record
-
 from tests.support.pipeline import Inbox, running_on_thread, running_processor, submitted
 from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for

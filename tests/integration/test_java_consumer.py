@@ -11,12 +11,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.json_schemas import DIRECTORY
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import RESULTS, topic_name
-from jsonschema import Draft202012Validator
-
 from tests.support.api import PARTITIONS, Stack
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -26,7 +27,6 @@ from agentruns.processors.events import (
     ToolCallTimedOut,
 )
 from agentruns.processors.state import ErrorClass
-
 from tests.support.executors import Ids
 
 TOOL = {

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+
 from agentruns.connectors.catalog import catalog_of, catalog_rows
 from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor, ToolHandler, ToolRegistry, tools_of
@@ -34,7 +35,6 @@ from agentruns.processors.events import (
     ToolCallTimedOut,
 )
 from agentruns.processors.state import ErrorClass, Policy, ToolSpec
-
 from tests.support.executors import Harness, ids_for, make_harness
 from tests.support.waiting import wait_for
 

@@ -12,6 +12,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers import model_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.model import (

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.model import (
     Assembled,
@@ -31,7 +32,6 @@ from agentruns.processors.effects import RepairNote
 from agentruns.processors.events import ModelOutcome
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.transition import load_candidate
-
 from tests.support.executors import ModelEnv, make_harness
 from tests.support.waiting import wait_for
 

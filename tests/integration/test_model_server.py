@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers import model_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 

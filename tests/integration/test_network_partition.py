@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient
+
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka
 from agentruns.connectors.dev.stack.netlab import HOST, NetLab
 from agentruns.connectors.dev.stack.procs import free_port_block
-from confluent_kafka.admin import AdminClient
-
 from tests.support.cluster import PARTITIONS, TOPIC, Writer, create_topic, missing_from_log
 
 CUT_S = 15.0

@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from agentruns.connectors.api.operator import MAX_REASON_CHARS
-from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject
-from agentruns.processors.ids import run_id_for_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentruns.connectors.api.operator import MAX_REASON_CHARS
+from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject
+from agentruns.processors.ids import run_id_for_key
 from tests.support.api import GUARDED, OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
 from tests.support.console import csrf_of, logged_in
 from tests.support.waiting import wait_for

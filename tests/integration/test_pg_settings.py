@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+
 from agentruns.connectors.postgres.bulk import prefer_lz4
 
 

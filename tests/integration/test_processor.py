@@ -15,6 +15,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
+from prometheus_client import REGISTRY
+
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.events import CancelRequested, GoalChanged, TimerFired
 from agentruns.processors.transition import Artifact, transition
@@ -22,9 +25,6 @@ from agentruns.streams.codec import encode
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import parse_effect_body, parse_event_body, parse_state
 from agentruns.streams.topics import DLQ, EVENTS, STATE, effect_suffix, topic_name
-from confluent_kafka import KafkaError, KafkaException
-from prometheus_client import REGISTRY
-
 from tests.support.pipeline import (
     ExecutorDouble,
     Inbox,

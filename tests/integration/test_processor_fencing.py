@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
 from agentruns.processors.transition import transition
 from agentruns.streams.codec import encode
 from agentruns.streams.errors import FatalConsumerError
@@ -23,8 +25,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import RunSlot
 from agentruns.streams.topics import INBOX, STATE, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
-
 from tests.support.pipeline import submitted
 from tests.support.waiting import wait_for
 

@@ -9,6 +9,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
 from agentruns.processors.events import CancelRequested, GoalChanged, RunSubmitted
 from agentruns.streams import dlq
 from agentruns.streams.admin import record_limits
@@ -17,8 +19,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import DLQ, EVENTS, RESULTS, STATE, topic_name
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-
 from tests.support.pipeline import (
     ExecutorDouble,
     Inbox,

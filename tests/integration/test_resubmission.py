@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 
 import httpx
+from confluent_kafka import Producer
+
 from agentruns.connectors.api.client import RunsProducer
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
@@ -22,8 +24,6 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.topics import EVENTS, INBOX, RESULTS, topic_name
-from confluent_kafka import Producer
-
 from tests.support.api import SECRET, TOKEN
 from tests.support.pipeline import (
     ExecutorDouble,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+
 from agentruns.connectors.projection.rules_versions import count_versions, format_report, report
 from agentruns.processors.events import RunSubmitted
 from agentruns.processors.state import RunStatus

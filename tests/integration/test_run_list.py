@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from agentruns.processors.ids import run_id_for_key
 
+from agentruns.processors.ids import run_id_for_key
 from tests.support.api import Stack
 
 

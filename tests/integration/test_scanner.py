@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+
 from agentruns.connectors.runtime.scanner import scan
 from agentruns.processors.state import Budgets
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.topics import RESULTS, topic_name
-
 from tests.support.pipeline import (
     Inbox,
     input_record,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import psycopg
-from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
-from agentruns.connectors.postgres.migrate import migrate
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore, StoredArtifact
+from agentruns.connectors.postgres.migrate import migrate
 from tests.support.pipeline import read_raw
 
 

@@ -13,6 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import Producer
+
 from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
 from agentruns.connectors.postgres.bulk import prefer_lz4
 from agentruns.connectors.projection.audit import audit
@@ -30,8 +32,6 @@ from agentruns.processors.transition import fold, transition
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.records import event_record, parse_event_body
 from agentruns.streams.topics import DLQ, EVENTS, topic_name
-from confluent_kafka import Producer
-
 from tests.support.pipeline import SEARCH, now_ms, read_all, submitted
 from tests.support.runlog import new_log, projected_events, running_sink, scripted_runs, write_runs
 from tests.support.waiting import wait_for

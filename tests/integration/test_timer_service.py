@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Producer
+
 from agentruns.connectors.dev.stack.local_postgres import LocalPostgres
 from agentruns.connectors.runtime.timers import DUE_AT_OUT_OF_RANGE, TimerService
 from agentruns.processors.effects import CancelTimer, ScheduleTimer
@@ -23,8 +25,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import DLQ, INBOX, RESULTS, effect_suffix, topic_name
-from confluent_kafka import Producer
-
 from tests.support.pipeline import (
     Inbox,
     input_record,

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import psycopg
 import pytest
+
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.dev.servers.tool_server import ServerAuth, server_tls
@@ -30,7 +31,6 @@ from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.processors.events import ToolCallFailed, ToolCallSucceeded
 from agentruns.processors.state import ErrorClass
 from agentruns.streams.topics import DLQ, topic_name
-
 from tests.support.certs import TestCA
 from tests.support.executors import TICKET, Harness, ids_for, make_harness
 from tests.support.pipeline import read_all

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.tool import ToolExecutor
@@ -39,7 +40,6 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.state import ErrorClass
-
 from tests.support.executors import (
     TICKET,
     Harness,

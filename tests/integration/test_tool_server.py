@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
+
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.dev.servers.latency import LatencyParams
-
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from agentruns.connectors.errors import AgentrunsKafkaError
-from agentruns.streams.admin import describe_topics, ensure_topics
-from agentruns.streams.topics import topic_specs
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -13,6 +10,10 @@ from confluent_kafka.admin import (
     ConfigResource,
     ResourceType,
 )
+
+from agentruns.connectors.errors import AgentrunsKafkaError
+from agentruns.streams.admin import describe_topics, ensure_topics
+from agentruns.streams.topics import topic_specs
 
 
 def test_topics_created_with_their_configs_and_idempotent(

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from agentruns.connectors.api.client import RunsProducer
-from agentruns.streams import tracing
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from agentruns.connectors.api.client import RunsProducer
+from agentruns.streams import tracing
 from tests.support.pipeline import running_pipeline
 from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for

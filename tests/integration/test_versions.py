@@ -26,6 +26,9 @@ from typing import Any
 
 import httpx
 import pytest
+from confluent_kafka import Producer
+from prometheus_client import REGISTRY
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.loop import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
@@ -42,9 +45,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import STATE, topic_name
-from confluent_kafka import Producer
-from prometheus_client import REGISTRY
-
 from tests.support.executors import fast_registry
 from tests.support.newer import NEWER_FIELD
 from tests.support.pipeline import Inbox, read_all, running_processor

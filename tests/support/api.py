@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
 from agentruns.processors.catalog import Catalog
@@ -30,7 +31,6 @@ from agentruns.processors.events import (
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import ProcessorConfig
-
 from tests.support.pipeline import (
     SEARCH,
     ExecutorDouble,

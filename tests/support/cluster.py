@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from agentruns.streams.kafka_defaults import client_settings
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -16,6 +15,8 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from agentruns.streams.kafka_defaults import client_settings
 
 TOPIC = "cluster-traffic"
 PARTITIONS = 6

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import httpx
 import psycopg
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.loop import Executor, ExecutorConfig
@@ -39,8 +41,6 @@ from agentruns.streams.kafka_defaults import KAFKA_LOGS, LONG_POLL_MS, close_con
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import effect_record, parse_event_body
 from agentruns.streams.topics import INBOX, effect_suffix, topic_name
-from confluent_kafka import Consumer, Producer, TopicPartition
-
 from tests.support.waiting import wait_for
 
 PARTITIONS = 2

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
 from agentruns.connectors.executors.loop import ExecutorConfig
@@ -48,8 +50,6 @@ from agentruns.streams.partitioning import partition_for
 from agentruns.streams.processor import ArtifactWriter, Processor, ProcessorConfig
 from agentruns.streams.records import input_record, parse_effect_body
 from agentruns.streams.topics import INBOX, RESULTS, effect_suffix, topic_name
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-
 from tests.support.executors import fast_registry
 from tests.support.waiting import wait_for
 

@@ -9,13 +9,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+
 from agentruns.connectors.dev.servers.log_writer import LogWriter
 from agentruns.connectors.dev.servers.workload import interleave, simulate
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.projection.sink import Sink, SinkConfig
 from agentruns.processors.events import Event
 from agentruns.streams.admin import ensure_topics
-
 from tests.support.pipeline import running_on_thread
 
 PARTITIONS = 3

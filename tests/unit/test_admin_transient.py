@@ -3,9 +3,10 @@ electing a controller, brokers coming back), not a broker that never answered no
 
 from __future__ import annotations
 
+from confluent_kafka import KafkaError, KafkaException
+
 from agentruns.streams.admin import KafkaUnreachableError, _transient, configs_to_set
 from agentruns.streams.errors import AgentrunsKafkaError
-from confluent_kafka import KafkaError, KafkaException
 
 
 def _wrapped(error: KafkaError) -> AgentrunsKafkaError:

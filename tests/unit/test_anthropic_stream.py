@@ -6,6 +6,9 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from agentruns.connectors.executors.model import (
     AnthropicAssembler,
     Assembled,
@@ -19,8 +22,6 @@ from agentruns.connectors.executors.model import (
 )
 from agentruns.processors.events import ModelOutcome
 from agentruns.processors.limits import MAX_JSON_DEPTH
-from hypothesis import given
-from hypothesis import strategies as st
 
 MAX_LINE = 256 * 1024
 

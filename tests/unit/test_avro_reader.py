@@ -9,14 +9,14 @@ import random
 from typing import Any
 
 import pytest
-from agentruns.schemas import load_registry, registry
-from agentruns.streams import codec as codec_module
-from agentruns.streams.avro_reader import Read, compile_reader, reader_source
-from agentruns.streams.codec import MAGIC, Codec, CorruptRecordError, decode, encode
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentruns.schemas import load_registry, registry
+from agentruns.streams import codec as codec_module
+from agentruns.streams.avro_reader import Read, compile_reader, reader_source
+from agentruns.streams.codec import MAGIC, Codec, CorruptRecordError, decode, encode
 from tests.unit.test_avro_writer import VERSIONS, _value
 
 IDS = [f"{sv.name}-v{sv.version}" for sv in VERSIONS]

@@ -7,9 +7,10 @@ import random
 from typing import Any
 
 import pytest
+from fastavro import schemaless_writer
+
 from agentruns.schemas import registry
 from agentruns.streams.avro_writer import compile_writer
-from fastavro import schemaless_writer
 
 VERSIONS = sorted(registry().by_fingerprint.values(), key=lambda sv: (sv.name, sv.version))
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+
 from agentruns.bench import floor
 from agentruns.bench.floor import (
     HOPS_PER_STEP,

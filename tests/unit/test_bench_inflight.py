@@ -10,6 +10,7 @@ import math
 import time
 
 import pytest
+
 from agentruns.bench import inflight
 from agentruns.connectors.dev.servers import model_server
 

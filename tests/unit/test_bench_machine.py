@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from agentruns.bench.machine import GROUPS, MachineCpu, group_of, inherited
 
 

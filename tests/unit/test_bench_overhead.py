@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from agentruns.bench.overhead import (
     backend_ms,
     calls_of,

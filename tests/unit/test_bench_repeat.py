@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from agentruns.bench import machine, repeat, targets
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from agentruns.processors.ids import canonical_json, canonicalize_arguments, content_ref
 
 ROOT = Path(__file__).resolve().parents[2]

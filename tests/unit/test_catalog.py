@@ -17,6 +17,9 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from agentruns.connectors import cli
 from agentruns.connectors.api.inputs import InvalidInputError, submitted_task
 from agentruns.connectors.catalog import catalog_of
@@ -39,8 +42,6 @@ from agentruns.streams.codec import decode, encode
 from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, RecordLimits, Topics
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import input_record
-from hypothesis import given
-from hypothesis import strategies as st
 
 AT = 1_700_000_000_000
 LOOKUP = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}

@@ -6,6 +6,9 @@ import contextlib
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentruns.schemas import registry
 from agentruns.streams import codec as codec_module
 from agentruns.streams.codec import (
@@ -31,8 +34,6 @@ from agentruns.streams.dlq import (
     dead_letter,
     dead_letter_for_error,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 BODY = '{"type":"ToolCallCompleted","run_id":"run-1","step":3,"attempt":1,"at":1733160000000}'
 

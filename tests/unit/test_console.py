@@ -5,6 +5,7 @@ makes of dead letters."""
 from __future__ import annotations
 
 import pytest
+
 from agentruns.connectors.api.console import (
     LoginLimiter,
     Sessions,

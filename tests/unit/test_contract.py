@@ -11,6 +11,8 @@ from typing import Any
 
 import fastavro
 import pytest
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.json_schemas import DIRECTORY
 from agentruns.processors.events import RunSubmitted, parse_event
 from agentruns.processors.ids import (
@@ -27,8 +29,6 @@ from agentruns.streams.inputs import Batch
 from agentruns.streams.kafka_defaults import KEYED_PARTITIONER, TRANSACTIONAL_PRODUCER
 from agentruns.streams.partitioning import murmur2, partition_for, to_positive
 from agentruns.streams.records import input_record
-from jsonschema import Draft202012Validator
-
 from tests.unit.test_processor_inputs import TOPICS, inbound, new_path
 
 ROOT = Path(__file__).resolve().parents[2]

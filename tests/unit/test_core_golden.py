@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors.dev.servers.workload import simulate
 from agentruns.processors.events import Event, parse_event
 from agentruns.processors.state import RunState

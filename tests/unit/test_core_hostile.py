@@ -9,6 +9,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.dev.servers.workload import TOOLS
 from agentruns.processors.effects import EFFECT_DECODER, AskUser, ScheduleTimer
 from agentruns.processors.events import (
@@ -43,10 +47,6 @@ from agentruns.processors.validation import (
     schema_problem,
     task_problem,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from jsonschema import Draft202012Validator
-
 from tests.unit._core_support import Driver, only, search
 
 CATASTROPHIC = "^(a+)+$"  # exponential in Python's backtracking re, linear in RE2

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentruns.processors.ids import (
     canonical_json,
     canonicalize_arguments,
@@ -14,8 +17,6 @@ from agentruns.processors.ids import (
     resume_token_id,
 )
 from agentruns.processors.summary import summarize
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),

@@ -7,6 +7,9 @@ import json
 import random
 from collections.abc import Iterator
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from agentruns.connectors.dev.servers.workload import simulate, submitted
 from agentruns.processors import fold
 from agentruns.processors.effects import EFFECT_DECODER, CallModel, CallTool
@@ -37,8 +40,6 @@ from agentruns.processors.state import (
 )
 from agentruns.processors.transition import PASS_THROUGH, TABLE, Disposition, Transition, transition
 from agentruns.processors.validation import revalidate
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 SETTINGS = settings(
     max_examples=40,

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+
 from agentruns.processors.effects import (
     AskUser,
     CallModel,
@@ -54,7 +55,6 @@ from agentruns.processors.state import (
     TimerPurpose,
 )
 from agentruns.processors.transition import TABLE, Disposition, transition
-
 from tests.unit._core_support import Driver, effects_of, only, search
 
 S = RunStatus

@@ -6,6 +6,10 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.dev.servers.workload import TOOLS
 from agentruns.processors.events import Candidate, ToolCallRequest
 from agentruns.processors.ids import content_ref
@@ -17,10 +21,6 @@ from agentruns.processors.validation import (
     revalidate,
     schema_problem,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jsonschema import Draft202012Validator
-
 from tests.unit._core_support import Driver
 
 CTX = ValidationContext(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.dev.stack import services
 from agentruns.connectors.dev.stack.local_kafka import (
     KafkaNode,

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.http import _clean, _json_object
 from agentruns.connectors.api.inputs import (

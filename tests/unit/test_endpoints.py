@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors import endpoints
 from agentruns.connectors.errors import NotConfiguredError
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+
 from agentruns.connectors.executors.http import (
     BUFFER_HIGH_BYTES,
     BodyTooLargeError,

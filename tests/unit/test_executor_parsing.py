@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.executors.base import clean_text, decode_json
 from agentruns.connectors.executors.http import (
     BodyTooLargeError,

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from faust.serializers import codecs
+
 from agentruns.connectors.api.client import task_input
 from agentruns.connectors.api.inputs import MAX_RECORD_BYTES, InvalidInputError
 from agentruns.connectors.faust import INPUT_CODEC, RESULT_CODEC, app, inbox_topic, results_topic
 from agentruns.streams.codec import WrongRecordTypeError, decode, encode
-from faust.serializers import codecs
 
 RESULT = {
     "run_id": "run-afc2e0f17bac52aabaa3475862e80808",

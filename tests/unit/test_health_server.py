@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from agentruns.connectors import health
 from agentruns.connectors.health import Health, HealthServer
 

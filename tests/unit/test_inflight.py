@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from agentruns.streams.inflight import OffsetTracker
 from hypothesis import given
 from hypothesis import strategies as st
+
+from agentruns.streams.inflight import OffsetTracker
 
 
 def test_the_mark_waits_for_the_lowest_open_record() -> None:

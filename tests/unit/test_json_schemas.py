@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jsonschema import Draft202012Validator
+
 from agentruns.connectors.json_schemas import DIRECTORY, documents, file_text
 from agentruns.processors.effects import PublishResult
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import transition
-from jsonschema import Draft202012Validator
-
 from tests.unit.test_core_golden import CASES, load
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,8 @@ import time
 from typing import Any, cast
 
 import pytest
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
 from agentruns.streams.kafka_defaults import (
     FETCH_WINDOW_BYTES,
     LONG_POLL_MS,
@@ -16,7 +18,6 @@ from agentruns.streams.kafka_defaults import (
     fetch_settings,
     release,
 )
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 
 class _Recorder:

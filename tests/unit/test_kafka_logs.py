@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from agentruns.streams.kafka_logs import KafkaLog, RateLimiter, line_kind
 
 REFUSED = (

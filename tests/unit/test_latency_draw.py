@@ -6,6 +6,8 @@ import math
 import statistics
 
 import pytest
+from pydantic import ValidationError
+
 from agentruns.connectors.dev.servers.latency import (
     MAX_MS,
     LatencyParams,
@@ -13,7 +15,6 @@ from agentruns.connectors.dev.servers.latency import (
     loguniform_ms,
     uniform,
 )
-from pydantic import ValidationError
 
 N = 20_000
 

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.http import Answer
 from agentruns.connectors.executors.mcp_client import parse_answer, validate_call_result
@@ -23,8 +26,6 @@ from agentruns.connectors.executors.mcp_rules import (
 from agentruns.connectors.executors.tool import ToolEntry, ToolRegistry
 from agentruns.connectors.executors.tool_mcp import entries_of
 from agentruns.processors.state import ErrorClass
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 HINT = st.sampled_from([True, False, None])
 SHOP = {"name": "shop", "url": "http://x"}

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.model import (
     PREFETCH_DEPTH,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.console import Sessions
 from agentruns.connectors.api.errors import ApiError
@@ -28,7 +29,6 @@ from agentruns.processors.events import (
     ToolCallTimedOut,
 )
 from agentruns.processors.state import RunStatus
-
 from tests.unit._core_support import Driver, search
 
 LONG = "t" * 32

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from agentruns.connectors.dev.servers.httpserver import Frames, Pacer
 
 

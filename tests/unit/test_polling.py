@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
+from confluent_kafka import Consumer, KafkaError
+
 from agentruns.streams.errors import FatalConsumerError
 from agentruns.streams.polling import check_fatal, poll_batch
-from confluent_kafka import Consumer, KafkaError
 
 
 @dataclass(frozen=True)

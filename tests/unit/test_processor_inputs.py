@@ -7,6 +7,10 @@ import hashlib
 import json
 from typing import Any
 
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from msgspec.structs import replace
+
 from agentruns.connectors.executors.base import event_identity, result_input_id
 from agentruns.processors.effects import Effect
 from agentruns.processors.events import (
@@ -34,9 +38,6 @@ from agentruns.streams.inputs import (
 )
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import Parked, input_record, parse_effect_body
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-from msgspec.structs import replace
 
 LIMIT = 32 << 10
 AT = 1_700_000_000_000

@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
+
 from agentruns.connectors.lifecycle import RESTART_ME, run_command, stop_on_signals
 from agentruns.streams.errors import AgentrunsError, FatalConsumerError
 

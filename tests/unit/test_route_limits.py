@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.limits import RouteLimiter, RouteLimits
 from agentruns.connectors.executors.model import RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolRegistry
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 def limiter(**limits: Any) -> RouteLimiter:

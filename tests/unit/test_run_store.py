@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentruns.streams.run_store import RunStore
-from agentruns.streams.sequencing import Ended
 from hypothesis import given
 from hypothesis import strategies as st
+
+from agentruns.streams.run_store import RunStore
+from agentruns.streams.sequencing import Ended
 
 
 def test_a_stored_run_is_found_by_partition_and_id(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import fastavro
 import pytest
-from agentruns.schemas import SchemaError, fingerprint_of, load_registry, registry
-from agentruns.streams.codec import Codec
 
 from agentruns import schemas
+from agentruns.schemas import SchemaError, fingerprint_of, load_registry, registry
+from agentruns.streams.codec import Codec
 
 # Deterministic sample records for any Avro schema, and what schema resolution should
 # make of them for a given reader schema (fields it lacks dropped, new ones defaulted).

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentruns.processors.events import CancelRequested, Event, TimerFired
 from agentruns.streams.records import RunSlot, input_digest, input_record
 from agentruns.streams.sequencing import (
@@ -29,8 +32,6 @@ from agentruns.streams.sequencing import (
     open_gaps,
     parse_gap_timer,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 AT = 1_700_000_000_000
 RUN = "r"

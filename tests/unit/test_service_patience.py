@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from agentruns.connectors import endpoints as services
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.errors import ServiceUnreachableError

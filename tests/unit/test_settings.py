@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from agentruns.connectors import settings as settings_module
 from agentruns.connectors.kafka_properties import (
     MAX_BYTES,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.http import (
     Connectivity,

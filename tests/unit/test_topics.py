@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from agentruns.schemas import registry
 from agentruns.streams.partitioning import (
     SEQ_WIDTH,
@@ -24,8 +27,6 @@ from agentruns.streams.topics import (
     topic_name,
     topic_specs,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 # apache/kafka clients/src/test/java/org/apache/kafka/common/utils/UtilsTest.java, testMurmur2
 KAFKA_MURMUR2_VECTORS = {

@@ -4,12 +4,13 @@ snapshot (and snapshots written before it decode), spans only when tracing is on
 from __future__ import annotations
 
 import pytest
-from agentruns.streams import tracing
-from agentruns.streams.codec import decode, encode
-from agentruns.streams.records import RunSlot
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from agentruns.streams import tracing
+from agentruns.streams.codec import decode, encode
+from agentruns.streams.records import RunSlot
 
 VALID = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+
 from agentruns.streams import transaction as tx
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import LONG_POLL_MS
 from agentruns.streams.processor import _Sealed
 from agentruns.streams.transaction import Fault, Record, Timings
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
 # --------------------------------------------------------------------------- classification
 

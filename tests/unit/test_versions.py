@@ -15,6 +15,9 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from agentruns.connectors.health import consumer_check
 from agentruns.processors import effects as effects_module
 from agentruns.processors import events as events_module
@@ -29,8 +32,6 @@ from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, Re
 from agentruns.streams.membership import Membership
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import RunSlot, input_record, parse_effect_body, parse_event_body
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 AT = 1_700_000_000_000

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
 from agentruns.connectors.dev.demo.cluster_faults import (
     PARTITION_FAULTS,
     ClusterFaults,
@@ -71,7 +73,6 @@ from agentruns.streams.kafka_defaults import client_settings, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, RESULTS, effect_suffix, topic_name
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 PARTITIONS = 6
 PAUSE_SECONDS = (1.0, 15.0)  # across the session (6 s) and transaction (10 s) timeouts

@@ -32,11 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient
+
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka
 from agentruns.connectors.dev.stack.netlab import HOST, NetLab
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 CLUSTER_FAULTS = ("leader", "coordinator", "controller", "below_min_isr")
 PARTITION_FAULTS = ("partition_broker", "partition_clients")

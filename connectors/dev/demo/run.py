@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
 from agentruns.connectors.dev.servers import mcp_server, model_server, tool_server
 from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
@@ -38,7 +40,6 @@ from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, clos
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record, parse_effect_body, parse_state
 from agentruns.streams.topics import INBOX, RESULTS, STATE, effect_suffix, topic_name
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 PARTITIONS = 3
 REGISTRY = tool_server.DEFAULT_REGISTRY

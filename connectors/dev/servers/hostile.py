@@ -21,6 +21,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
 from agentruns.connectors.api.operator import MAX_REASON_CHARS
 from agentruns.processors.events import Message as ChatMessage
 from agentruns.processors.events import RunSubmitted, UserReplied
@@ -31,14 +40,6 @@ from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import EVENTS, INBOX, effect_suffix, topic_name
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    Message,
-    Producer,
-    TopicPartition,
-)
 
 Headers = list[tuple[str, str | bytes | None]]
 

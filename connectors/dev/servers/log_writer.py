@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from confluent_kafka import Producer
+
 from agentruns.processors.effects import PublishResult
 from agentruns.processors.events import Event
 from agentruns.processors.transition import Artifact, transition
@@ -19,7 +21,6 @@ from agentruns.streams.kafka_defaults import TRANSACTIONAL_PRODUCER, client_sett
 from agentruns.streams.partitioning import event_key, partition_for, run_key
 from agentruns.streams.records import RunSlot, event_record, input_digest, result_record
 from agentruns.streams.topics import EVENTS, RESULTS, STATE, topic_name
-from confluent_kafka import Producer
 
 Record = tuple[str, bytes, bytes, int]  # topic, key, value, partition
 

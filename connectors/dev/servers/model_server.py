@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from agentruns.connectors.dev.servers.httpserver import (
     FaultRequest,
     Frames,
@@ -42,7 +44,6 @@ from agentruns.connectors.dev.servers.httpserver import (
     start_server,
 )
 from agentruns.connectors.dev.servers.latency import MAX_MS, LatencyParams
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 BUILTIN_SCENARIOS = Path(__file__).with_name("scenarios")
 DEFAULT_PORT = 8700

@@ -30,6 +30,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import quote
 
+from jsonschema import validators
+from jsonschema.protocols import Validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
 from agentruns.connectors.dev.servers.httpserver import (
     FaultRequest,
     JSONHandler,
@@ -40,9 +44,6 @@ from agentruns.connectors.dev.servers.httpserver import (
     start_server,
 )
 from agentruns.connectors.dev.servers.latency import LatencyParams
-from jsonschema import validators
-from jsonschema.protocols import Validator
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 DEFAULT_REGISTRY = Path(__file__).with_name("tools.example.json")
 DEFAULT_PORT = 8701
