@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,16 +65,7 @@ from agentruns.streams.sequencing import (
     Sequencer,
     next_seq,
 )
-from agentruns.streams.topics import (
-    DLQ,
-    EVENTS,
-    INBOX,
-    RESULTS,
-    RUNS,
-    STATE,
-    effect_suffix,
-    topic_name,
-)
+from agentruns.streams.topics import TopicNames
 from agentruns.streams.transaction import Headers, Record
 
 log = logging.getLogger("agentruns.processor")
@@ -153,43 +144,6 @@ class Batch:
     positions: dict[int, int] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     model_partition: int | None = None  # where this batch's model effects go
-
-
-@dataclass(frozen=True)
-class Topics:
-    inbox: str
-    events: str
-    state: str
-    runs: str
-    results: str
-    dlq: str
-    effects: Mapping[str, str]  # effect kind -> topic
-
-    @classmethod
-    def of(cls, prefix: str) -> Topics:
-        """The topics of the deployment whose topic prefix is ``prefix``."""
-        return cls(
-            inbox=topic_name(INBOX, prefix),
-            events=topic_name(EVENTS, prefix),
-            state=topic_name(STATE, prefix),
-            runs=topic_name(RUNS, prefix),
-            results=topic_name(RESULTS, prefix),
-            dlq=topic_name(DLQ, prefix),
-            effects={
-                kind: topic_name(effect_suffix(kind), prefix)
-                for kind in sorted(set(EFFECT_TOPIC_KIND.values()))
-            },
-        )
-
-    def outputs(self) -> list[str]:
-        return [
-            self.events,
-            self.state,
-            self.runs,
-            self.results,
-            self.dlq,
-            *self.effects.values(),
-        ]
 
 
 @dataclass
@@ -273,7 +227,7 @@ class InputPath:
 
     def __init__(
         self,
-        topics: Topics,
+        topics: TopicNames,
         settings: PathSettings,
         stats: metrics.ProcessorStats,
         *,
@@ -920,6 +874,5 @@ __all__ = [
     "Record",
     "RecordLimits",
     "RecordTooLarge",
-    "Topics",
     "record_size",
 ]

@@ -74,7 +74,6 @@ from agentruns.streams.inputs import (
     InputPath,
     PathSettings,
     RecordLimits,
-    Topics,
 )
 from agentruns.streams.kafka_defaults import client_settings, close_consumer, partition_count
 from agentruns.streams.membership import Membership
@@ -86,6 +85,7 @@ from agentruns.streams.records import (
     result_ref_of,
 )
 from agentruns.streams.run_store import RunStore, StoredRun
+from agentruns.streams.topics import TopicNames
 from agentruns.streams.transaction import (
     Backoff,
     Clients,
@@ -210,7 +210,7 @@ class Processor:
         self.config = config
         self._write_artifacts = write_artifacts
         self._artifact_writer = ThreadPoolExecutor(1, thread_name_prefix="artifacts")
-        self.topics = Topics.of(config.prefix)
+        self.topics = TopicNames.for_prefix(config.prefix)
         self.inbox, self.events = self.topics.inbox, self.topics.events
         self.state_topic, self.runs_topic = self.topics.state, self.topics.runs
         self.results, self.dlq = self.topics.results, self.topics.dlq

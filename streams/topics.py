@@ -261,6 +261,10 @@ class TopicNames:
             ),
         )
 
+    def outputs(self) -> list[str]:
+        """The topics a processor writes."""
+        return [self.events, self.state, self.runs, self.results, self.dlq, *self.effects.values()]
+
     def effect(self, kind: str) -> str:
         """The effect topic for ``kind``; raises KeyError for an unknown kind."""
         return self.effects[kind]

@@ -39,9 +39,10 @@ from agentruns.processors.events import CatalogCheck, RunSubmitted, ToolCallFail
 from agentruns.processors.state import ErrorClass, Policy, RunStatus, ToolSpec
 from agentruns.processors.transition import transition
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, RecordLimits, Topics
+from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, RecordLimits
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import input_record
+from agentruns.streams.topics import TopicNames
 
 AT = 1_700_000_000_000
 LOOKUP = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
@@ -265,7 +266,7 @@ def test_a_run_submitted_without_a_catalog_is_the_bytes_it_was() -> None:
     assert "catalog" not in submission(()).model_dump_json()
 
 
-TOPICS = Topics.of("t")
+TOPICS = TopicNames.for_prefix("t")
 
 
 def test_the_processor_fails_a_raw_submission_that_widens_its_catalog() -> None:

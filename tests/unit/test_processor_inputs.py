@@ -33,15 +33,15 @@ from agentruns.streams.inputs import (
     InputPath,
     PathSettings,
     RecordLimits,
-    Topics,
     record_size,
 )
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import Parked, input_record, parse_effect_body
+from agentruns.streams.topics import TopicNames
 
 LIMIT = 32 << 10
 AT = 1_700_000_000_000
-TOPICS = Topics.of("t")
+TOPICS = TopicNames.for_prefix("t")
 
 
 def new_path(limit: int = LIMIT, cls: type[InputPath] = InputPath) -> InputPath:

@@ -28,10 +28,11 @@ from agentruns.processors.events import CancelRequested, Event, RunSubmitted, pa
 from agentruns.processors.state import RunState, decode_state
 from agentruns.processors.transition import transition
 from agentruns.streams.codec import decode, encode
-from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, RecordLimits, Topics
+from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings, RecordLimits
 from agentruns.streams.membership import Membership
 from agentruns.streams.metrics import ProcessorStats
 from agentruns.streams.records import RunSlot, input_record, parse_effect_body, parse_event_body
+from agentruns.streams.topics import TopicNames
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 AT = 1_700_000_000_000
@@ -237,7 +238,7 @@ def test_a_submission_is_stamped_with_the_processors_version_whatever_the_produc
     assert versions.stamped(submission("r", rules_version=9), 1).rules_version is msgspec.UNSET
 
 
-TOPICS = Topics.of("t")
+TOPICS = TopicNames.for_prefix("t")
 
 
 def new_path(rules_version: int | None = None) -> InputPath:
