@@ -28,6 +28,9 @@ MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 262_144
 # Items of a task: messages, tools, refs.
 MAX_ITEMS = 1024
+# A tool output larger than this (bytes of its canonical text) reaches the model as a summary,
+# the whole output kept as an artifact (a task's policy may set its own).
+LARGE_OUTPUT_BYTES = 16_384
 # Nesting of any JSON document from outside (tool schemas, model arguments, tool results,
 # replies): deep enough for real documents, far below the interpreter's recursion limit.
 MAX_JSON_DEPTH = 64

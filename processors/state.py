@@ -12,7 +12,17 @@ from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 import msgspec
 import msgspec.inspect
 
-from agentruns.processors.limits import MAX_ITEMS, Amount, Count, DurationMs, Id, Ids, Text, TimeMs
+from agentruns.processors.limits import (
+    LARGE_OUTPUT_BYTES,
+    MAX_ITEMS,
+    Amount,
+    Count,
+    DurationMs,
+    Id,
+    Ids,
+    Text,
+    TimeMs,
+)
 
 CURRENT_VALIDATOR_VERSION = 2
 _T = TypeVar("_T")
@@ -290,7 +300,7 @@ class Policy(Frozen, frozen=True, kw_only=True, gc=False):
     on_user_expiry: Literal["expire", "cancel"] = "expire"
     on_goal_change: Literal["continue", "new_run"] = "continue"
     on_no_progress: Literal["pause", "fail"] = "pause"
-    large_output_bytes: Amount = 16_384
+    large_output_bytes: Amount = LARGE_OUTPUT_BYTES
     poll_interval_ms: DurationMs = 30_000
 
 

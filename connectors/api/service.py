@@ -40,12 +40,12 @@ from agentruns.connectors.api.pool import Conn, ConnectionPool
 from agentruns.connectors.api.tokens import ResumeToken, TokenError, sign_token, verify_token
 from agentruns.connectors.health import Health
 from agentruns.connectors.postgres.artifacts import StoredArtifact
+from agentruns.processors import tool_results
 from agentruns.processors.events import (
     CancelConfirmed,
     CancelRequested,
     Event,
     ToolCallFailed,
-    ToolCallSucceeded,
     UserReplied,
 )
 from agentruns.processors.ids import (
@@ -57,7 +57,6 @@ from agentruns.processors.ids import (
 )
 from agentruns.processors.limits import MAX_DURATION_MS, MAX_JSON_DEPTH, json_depth
 from agentruns.processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
-from agentruns.processors.summary import summarize
 from agentruns.processors.validation import schema_problem
 from agentruns.streams import tracing
 from agentruns.streams.clock import ms_of
@@ -68,7 +67,6 @@ API_PRODUCER_ID = "api"
 
 
 CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
-LARGE_OUTPUT_BYTES = 16_384
 
 
 INPUTS = Counter("agentruns_api_inputs_total", "Inputs produced to the inbox", ["kind"])
@@ -720,14 +718,7 @@ class ApiService:
         if status == "succeeded":
             output = body.get("result")
             artifact = _tool_result(op_key, tool, output, via="callback")
-            text = output if isinstance(output, str) else canonical_json(output)
-            size = len(text.encode())
-            event = ToolCallSucceeded(
-                **ids,
-                result_ref=artifact.ref,
-                result_bytes=size,
-                summary=summarize(text) if size > LARGE_OUTPUT_BYTES else None,
-            )
+            event = tool_results.succeeded(ids, output, artifact.ref)
         elif status == "failed":
             result = body.get("result")
             code = body.get("error_code") or (

@@ -96,6 +96,7 @@ from agentruns.connectors.executors.mcp_rules import (
 from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
 from agentruns.connectors.executors.tool_mcp import MCPTools, discover
 from agentruns.connectors.postgres.artifacts import StoredArtifact
+from agentruns.processors import tool_results
 from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -105,14 +106,12 @@ from agentruns.processors.events import (
     ReconcileOutcome,
     ToolCallAccepted,
     ToolCallFailed,
-    ToolCallSucceeded,
     ToolCallTimedOut,
     ToolStatusReported,
 )
 from agentruns.processors.ids import canonical_json
-from agentruns.processors.limits import MAX_ID_CHARS, MAX_JSON_DEPTH
+from agentruns.processors.limits import LARGE_OUTPUT_BYTES, MAX_JSON_DEPTH
 from agentruns.processors.state import ErrorClass
-from agentruns.processors.summary import summarize
 from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 
@@ -120,7 +119,7 @@ log = logging.getLogger("agentruns.executor.tool")
 
 #: Where the tool registry is named when --registry is not given.
 REGISTRY_ENV = "AGENTRUNS_TOOL_REGISTRY"
-DEFAULT_SUMMARY_BYTES = 16_384
+DEFAULT_SUMMARY_BYTES = LARGE_OUTPUT_BYTES
 RESULT_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 # The longest back-off a backend may ask for (Retry-After); a longer one is cut to this.
 MAX_RETRY_AFTER_MS = 10 * 60 * 1000
@@ -638,21 +637,7 @@ class ToolHandler:
         http_status: int,
     ) -> Outcome:
         artifact = self._result_artifact(ids["operation_key"], tool, arguments, output, http_status)
-        output_text = output if isinstance(output, str) else canonical_json(output)
-        size = len(output_text.encode())
-        summary = summarize(output_text) if size > self.summary_bytes else None
-        version = None
-        if isinstance(output, dict) and isinstance(output.get("version"), int | str):
-            version = str(output["version"])
-            if len(version) > MAX_ID_CHARS:  # not an id the core can carry: no version
-                version = None
-        event = ToolCallSucceeded(
-            **ids,
-            result_ref=artifact.ref,
-            result_bytes=size,
-            summary=summary,
-            resource_version=version,
-        )
+        event = tool_results.succeeded(ids, output, artifact.ref, self.summary_bytes)
         return Outcome(event, (artifact,), detail=f"HTTP {http_status}")
 
     # ------------------------------------------------------------------ look-ups
