@@ -35,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
@@ -44,6 +43,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from agentruns.bench.broker import broker_settings
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
+from agentruns.bench.results_file import report
 from agentruns.streams.kafka_defaults import (
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
@@ -539,10 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             labels=stack_labels(stack),
             timeout_s=args.timeout,
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures))
+    report(figures, args.out)
     return 0
 
 

@@ -51,6 +51,7 @@ from typing import Any
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.repeat import combine
+from agentruns.bench.results_file import report
 from agentruns.connectors.executors.model import ModelHandler, RouteConfig, Routes
 from agentruns.processors.events import ModelOutcome
 
@@ -462,10 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **summarize(runs, args.levels),
         "runs": runs,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    report(result, args.out)
     return 0
 
 

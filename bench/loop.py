@@ -72,6 +72,7 @@ from agentruns.bench.overhead import (
     served_over_planned,
     tool_latency_rule,
 )
+from agentruns.bench.results_file import report
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.dev.demo.run import registry_tools
 from agentruns.connectors.dev.servers import mcp_server, tool_server
@@ -655,10 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         figures["mcp_levels"] = mcp_results
         figures["tool_paths"] = _tool_paths(results, mcp_results)
     figures.update(evaluate(figures, targets(with_latency, by_level, mixed_figures)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures))
+    report(figures, args.out)
     return 0
 
 

@@ -41,6 +41,7 @@ from agentruns.bench.broker import broker_settings
 from agentruns.bench.core import host_speed
 from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, metrics_text, scrape
+from agentruns.bench.results_file import report
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.dev.stack.services import ServiceStack
@@ -777,10 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host_speed": speed,
     }
     figures.update(evaluate(figures, TARGETS))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures))
+    report(figures, args.out)
     return 0
 
 

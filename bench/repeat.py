@@ -28,10 +28,10 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from agentruns.bench.machine import neighbours
+from agentruns.bench.results_file import report
 from agentruns.bench.targets import evaluate, figure, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "floor", "loop", "console")
@@ -159,10 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for line in summary(figures):
         print(line, file=sys.stderr)
-    out = Path(args.out or f"bench/results/{args.bench}-trials.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures))
+    report(figures, args.out or f"bench/results/{args.bench}-trials.json")
     return 0
 
 
