@@ -39,7 +39,10 @@ def _insert(database_url: str, base: datetime, rows: list[dict[str, Any]]) -> No
 
 def test_the_run_list_filters_counts_and_pages_without_gaps_or_repeats(stack: Stack) -> None:
     tag = uuid.uuid4().hex[:8]
-    base = datetime(2001, 1, 1, tzinfo=UTC) + timedelta(days=random.randrange(10_000))
+    # a past hour of its own (the stuck filter reads an idle time from now)
+    first = datetime(2001, 1, 1, tzinfo=UTC)
+    days = (datetime.now(UTC) - first).days - 2
+    base = first + timedelta(days=random.randrange(days))
     statuses = ["SUCCEEDED"] * 7 + ["WAITING_USER"] * 3 + ["WAITING_TOOL"] * 2 + ["FAILED"]
     rows = [
         {"run_id": f"run-{tag}-{i:02d}", "status": s, "trace_id": f"trace-{tag}-{i}"}
