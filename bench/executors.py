@@ -47,7 +47,7 @@ from agentruns.bench.latency import p99_by_second, percentile
 from agentruns.bench.machine import MachineCpu, process_cpu_seconds
 from agentruns.bench.targets import Target, evaluate
 from agentruns.connectors.dev.servers import tool_server
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.lifecycle import progress
 from agentruns.streams.clock import now_ms
 from agentruns.streams.kafka_defaults import LONG_POLL_MS, client_settings, close_consumer

@@ -80,7 +80,7 @@ from agentruns.connectors.dev.servers.model_server import BUILTIN_SCENARIOS
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.events import Message, RunSubmitted

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from agentruns.connectors.catalog import catalog_of
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,

@@ -65,10 +65,7 @@ from typing import Any
 import msgspec
 import psycopg
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
-from prometheus_client import Counter, Gauge, Histogram
 
-from agentruns.connectors import endpoints, health
-from agentruns.connectors.endpoints import Endpoints
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.executors.base import (
     NOTHING_AHEAD,
@@ -80,11 +77,24 @@ from agentruns.connectors.executors.base import (
     clean_text,
     input_record,
 )
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.limits import Permit, RouteLimiter
+from agentruns.connectors.executors.metrics import (
+    EXECUTOR_BATCH_RETRIES,
+    EXECUTOR_CALL_SECONDS,
+    EXECUTOR_COMMIT_SECONDS,
+    EXECUTOR_DEAD_LETTERS,
+    EXECUTOR_EFFECTS,
+    EXECUTOR_HANDLER_ERRORS,
+    EXECUTOR_IN_FLIGHT,
+    EXECUTOR_PAUSES,
+    EXECUTOR_RECORDS,
+    EXECUTOR_ROUTE_WAIT_SECONDS,
+    EXECUTOR_THROTTLES,
+    EXECUTOR_TRANSACTIONS,
+)
 from agentruns.connectors.executors.records import ActionRecords, Completion, operation_key_of
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES
-from agentruns.connectors.service import run_service
-from agentruns.connectors.settings import current
 from agentruns.processors.effects import Effect
 from agentruns.streams import dlq, tracing
 from agentruns.streams.clock import now_ms
@@ -95,7 +105,7 @@ from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
-from agentruns.streams.topics import DLQ, INBOX, default_prefix, effect_suffix, topic_name
+from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
 from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings
 
 log = logging.getLogger("agentruns.executor")
@@ -109,142 +119,6 @@ GATHER_AFTER_S = 1.0
 RESUME_BELOW = 0.9
 #: At most this many effects start in one group (one records statement, one read-ahead).
 MAX_START_GROUP = 256
-
-# Labelled by `kind` (model, tool): both executors may share a process (`agentruns run`).
-EXECUTOR_RECORDS = Counter(
-    "agentruns_executor_records_total", "Effect records consumed by the executor", ["kind"]
-)
-EXECUTOR_EFFECTS = Counter(
-    "agentruns_executor_effects_total",
-    "Effects answered, by outcome: executed (the handler's answer), failed (a failure answer"
-    " from the guard), replayed (the stored answer of a completed effect, sent again)",
-    ["kind", "outcome"],
-)
-EXECUTOR_CALL_SECONDS = Histogram(
-    "agentruns_executor_call_seconds",
-    "Time of one handler call (the model or tool call), by outcome: ok or error (it raised)",
-    ["kind", "outcome"],
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-)
-EXECUTOR_HANDLER_ERRORS = Counter(
-    "agentruns_executor_handler_errors_total", "Exceptions out of a handler, caught", ["kind"]
-)
-EXECUTOR_DEAD_LETTERS = Counter(
-    "agentruns_executor_dead_letters_total", "Effect records sent to the DLQ", ["kind"]
-)
-EXECUTOR_TRANSACTIONS = Counter(
-    "agentruns_executor_transactions_total",
-    "Executor transactions, by outcome: committed or aborted (their answers are handed over again)",
-    ["kind", "outcome"],
-)
-EXECUTOR_BATCH_RETRIES = Counter(
-    "agentruns_executor_batch_retries_total",
-    "Records statements retried after a failure (the database down): effects that could not"
-    " begin, or answers that could not be recorded",
-    ["kind"],
-)
-EXECUTOR_COMMIT_SECONDS = Histogram(
-    "agentruns_executor_commit_seconds",
-    "Time of one executor transaction (offsets, produce, flush, commit)",
-    ["kind"],
-    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-)
-EXECUTOR_IN_FLIGHT = Gauge(
-    "agentruns_executor_in_flight",
-    "Effects held by the executor, by state: waiting (for a route's limits or a free call),"
-    " running (the call in progress), answered (waiting for their transaction)",
-    ["kind", "state"],
-)
-EXECUTOR_ROUTE_WAIT_SECONDS = Histogram(
-    "agentruns_executor_route_wait_seconds",
-    "Time an effect waited, from admission to the start of its call (its route's limits and"
-    " the executor's max_in_flight)",
-    ["kind"],
-    buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-EXECUTOR_THROTTLES = Counter(
-    "agentruns_executor_throttles_total",
-    "Calls whose backend asked the route to slow down (a 429 or 529, with Retry-After or not)",
-    ["kind", "route"],
-)
-EXECUTOR_PAUSES = Counter(
-    "agentruns_executor_pauses_total",
-    "Times the executor paused its partitions: the held effects reached max_held, or their"
-    " bytes max_held_bytes",
-    ["kind"],
-)
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass
-class ExecutorConfig:
-    bootstrap: str
-    database_url: str
-    kind: str  # "model" or "tool": which effects topic
-    prefix: str = "agentruns"
-    group_id: str | None = None  # default: <prefix>-executor-<kind>
-    # Stable per process slot: a restarted executor with the same id aborts the transaction
-    # its predecessor left open at once (instead of waiting for transaction.timeout.ms).
-    instance_id: str = "0"
-    # Calls in progress at once (each a task on the calls thread); more effects wait for a
-    # free one.
-    max_in_flight: int = 512
-    # Effects held at once (waiting, running, answered and not yet committed) before the
-    # partitions are paused; None: 2 x max_in_flight. A poll batch may go past it by its size.
-    max_held: int | None = None
-    # The bytes of the held effects' records and answers before the partitions are paused.
-    max_held_bytes: int = 256 * 1024 * 1024
-    max_batch: int = 256  # records taken by one poll
-    poll_timeout_s: float = 0.1
-    # After the first effect of a batch, wait this long for more (a producer's linger on the
-    # consuming side), within GATHER_AFTER_S of a batch that held more than one: effects
-    # trickling in share one records statement, while a lone effect of an idle pipeline is not
-    # held (docs/design.md, "Fetching"). Unlike a fetch window (fetch.min.bytes) it costs an
-    # idle executor no extra fetches.
-    gather_ms: int = 10
-    # The guard around each effect's handler (one place, Executor._answer): an exception that
-    # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in
-    # all, waiting `handler_backoff_ms`, doubling; then the effect gets its failure answer.
-    handler_attempts: int = 3
-    handler_backoff_ms: int = 200
-    # An effect started this many times without an answer (its handler kills the process, or
-    # its records keep failing) is answered with its failure instead of run again.
-    max_starts: int = 5
-    # An artifact a handler returns over this size becomes the failure
-    # `invalid_output:too_large` (the store refuses more than MAX_ARTIFACT_BYTES).
-    max_artifact_bytes: int = MAX_ARTIFACT_BYTES
-    # An answer whose Input record encodes to more than this becomes the failure
-    # `invalid_output:too_large`: the broker refuses a record over its message.max.bytes
-    # (1 MiB by default), and a refused record would fail every transaction it is in.
-    max_input_bytes: int = 1_000_000
-    # A records statement (or a transaction) that fails is tried again after this back-off,
-    # doubling up to the maximum while it keeps failing.
-    retry_backoff_s: float = 0.5
-    retry_backoff_max_s: float = 10.0
-    # A backend that answers 429 or 529 stops its route for its Retry-After, at most this long
-    # (the run's own back-off follows the Retry-After as the core clamps it): one answer,
-    # hostile or wrong, cannot stop every run's calls to a route for long.
-    max_throttle_s: float = 60.0
-    # A partition that moves to another member waits this long for its effects in flight;
-    # one still running then is answered by its next owner (which reconciles it).
-    revoke_wait_s: float = 30.0
-    # A stopping executor waits this long for its calls in flight to end and be committed.
-    stop_wait_s: float = 30.0
-    transaction_timeout_ms: int = 10_000
-    session_timeout_ms: int = 6000
-    max_poll_interval_ms: int = 300_000
-    extra_consumer: dict[str, Any] = field(default_factory=dict)
-    extra_producer: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def group(self) -> str:
-        return self.group_id or f"{self.prefix}-executor-{self.kind}"
-
-    @property
-    def held_limit(self) -> int:
-        return self.max_held if self.max_held is not None else 2 * self.max_in_flight
 
 
 # --------------------------------------------------------------------------- statistics
@@ -1381,103 +1255,4 @@ def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:
     return list(headers)
 
 
-# --------------------------------------------------------------------------- process mains
-
-
-def add_common_arguments(parser: Any, kind: str) -> None:
-    parser.add_argument("--bootstrap", default=current().kafka_bootstrap_servers)
-    parser.add_argument("--database-url", default=current().database_url)
-    parser.add_argument(
-        "--prefix",
-        default=default_prefix(),
-        help="topic prefix",
-    )
-    parser.add_argument("--group", default=None, help=f"consumer group (<prefix>-executor-{kind})")
-    parser.add_argument(
-        "--instance", default="0", help="stable instance id (transactional.id suffix)"
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        "--workers",
-        dest="max_in_flight",
-        type=int,
-        default=ExecutorConfig.max_in_flight,
-        help="calls in progress at once (--workers: the old name)",
-    )
-    parser.add_argument(
-        "--max-held",
-        type=int,
-        default=None,
-        help="effects held (waiting, running, answered) before the partitions are paused"
-        " (default: twice --max-in-flight)",
-    )
-    parser.add_argument("--max-batch", type=int, default=ExecutorConfig.max_batch)
-    parser.add_argument(
-        "--gather-ms",
-        type=int,
-        default=ExecutorConfig.gather_ms,
-        help="after a batch's first effect, wait this long for more (0: take what is there)",
-    )
-    parser.add_argument(
-        "--stop-wait-s",
-        type=float,
-        default=ExecutorConfig.stop_wait_s,
-        help="on SIGTERM, how long the calls in flight get to end and be committed",
-    )
-    parser.add_argument("--log-level", default="WARNING")
-    health.add_arguments(parser)
-
-
-def endpoints_from_args(args: Any) -> Endpoints:
-    """Kafka and Postgres from ``--bootstrap`` / ``--database-url``, else the settings."""
-    patience = endpoints.SERVICE_PATIENCE_S
-    if args.bootstrap:
-        endpoints.check_kafka(args.bootstrap)  # unreachable, or credentials refused: one line
-    bootstrap = args.bootstrap or endpoints.configured_kafka(patience_s=patience)
-    database = args.database_url or endpoints.configured_postgres(
-        required="pass --database-url", patience_s=patience
-    )
-    assert database is not None
-    return Endpoints(
-        bootstrap, database, "--bootstrap" if args.bootstrap else "settings", "settings"
-    )
-
-
-def serve_executor(args: Any, kind: str, make: Callable[[ExecutorConfig], Executor]) -> int:
-    """Run the executor ``make`` builds from the command's flags (`service.run_service`) until
-    SIGTERM/SIGINT; the calls in flight then get ``stop_wait_s`` to end and be committed."""
-    for name in ("max_in_flight", "max_batch"):
-        if getattr(args, name) < 1:
-            raise ExecutorError(f"--{name.replace('_', '-')} must be at least 1")
-    component = f"executor-{kind}"
-    with run_service(args, component, resolve=lambda: endpoints_from_args(args)) as running:
-        ep, status = running.endpoints, running.health
-        assert status is not None
-        config = ExecutorConfig(
-            bootstrap=ep.kafka_bootstrap,
-            database_url=ep.database_url,
-            kind=kind,
-            prefix=args.prefix,
-            group_id=args.group,
-            instance_id=args.instance,
-            max_in_flight=args.max_in_flight,
-            max_held=args.max_held,
-            max_batch=args.max_batch,
-            gather_ms=args.gather_ms,
-            stop_wait_s=args.stop_wait_s,
-        )
-        executor = make(config)
-        status.watch_consumer(executor.membership, config.group)
-        running.serving_loop()
-        executor.run(running.stop)
-    return 0
-
-
-__all__ = [
-    "Executor",
-    "ExecutorConfig",
-    "ExecutorStats",
-    "add_common_arguments",
-    "endpoints_from_args",
-    "serve_executor",
-]
+__all__ = ["Executor", "ExecutorStats"]

@@ -65,6 +65,7 @@ from agentruns.connectors.executors.base import (
     decode_json,
     event_identity,
 )
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.http import (
     BodyTooLargeError,
     Connectivity,
@@ -75,12 +76,8 @@ from agentruns.connectors.executors.http import (
     StreamedAnswer,
 )
 from agentruns.connectors.executors.limits import DEFAULT_TOKENS_PER_CALL, RouteLimits
-from agentruns.connectors.executors.loop import (
-    Executor,
-    ExecutorConfig,
-    add_common_arguments,
-    serve_executor,
-)
+from agentruns.connectors.executors.loop import Executor
+from agentruns.connectors.executors.process import add_common_arguments, serve_executor
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
     ToolEntry,

@@ -67,6 +67,7 @@ from agentruns.connectors.executors.base import (
     decode_json,
     event_identity,
 )
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.http import (
     DEFAULT_MAX_BODY_BYTES,
     DIRECT,
@@ -75,12 +76,7 @@ from agentruns.connectors.executors.http import (
     KeepAliveHTTP,
 )
 from agentruns.connectors.executors.limits import NO_LIMITS, RouteLimits
-from agentruns.connectors.executors.loop import (
-    Executor,
-    ExecutorConfig,
-    add_common_arguments,
-    serve_executor,
-)
+from agentruns.connectors.executors.loop import Executor
 from agentruns.connectors.executors.mcp_client import Reply, validate_call_result
 from agentruns.connectors.executors.mcp_rules import (
     KEY_META,
@@ -93,6 +89,7 @@ from agentruns.connectors.executors.mcp_rules import (
     status_class,
     text_of,
 )
+from agentruns.connectors.executors.process import add_common_arguments, serve_executor
 from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
 from agentruns.connectors.executors.tool_mcp import MCPTools, discover
 from agentruns.connectors.postgres.artifacts import StoredArtifact

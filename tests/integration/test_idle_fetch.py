@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agentruns.connectors.dev.servers import tool_server
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.records import input_record

@@ -30,7 +30,7 @@ from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 
 from agentruns.connectors.dev.servers import model_server, tool_server
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.projection.audit import audit

@@ -21,7 +21,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
-from agentruns.connectors.executors.loop import Executor, ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
+from agentruns.connectors.executors.loop import Executor
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.effects import (
     CallModel,

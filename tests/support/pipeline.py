@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
-from agentruns.connectors.executors.loop import ExecutorConfig
+from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
