@@ -38,10 +38,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from agentruns.connectors.api import queries
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.operator import ACTIONS, allowed
-from agentruns.connectors.api.pool import Conn
 from agentruns.connectors.api.service import ApiService, _state_of
 from agentruns.connectors.api.tokens import operator_of
 from agentruns.connectors.errors import AgentrunsError
@@ -355,32 +355,6 @@ def _fields(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-#: Step latency per minute of the last hour, from the per-step events: a step ends at the
-#: last event of its step number and took the time since the previous step of its run ended
-#: (the first step: since its first event, the submission). Read through `events_at`
-#: (migration 0009) over two hours, so a step that ended in the hour finds its predecessor
-#: when that ended up to an hour earlier; a longer step (waiting for a person) is left out.
-STEP_LATENCY_SQL = (
-    "WITH steps AS ("
-    " SELECT run_id, step, min(at) AS began, max(at) AS ended FROM events"
-    " WHERE at > %(now)s - interval '2 hours' AND at <= %(now)s GROUP BY run_id, step),"
-    " took AS ("
-    " SELECT ended, ended - CASE WHEN lag(step) OVER w = step - 1 THEN lag(ended) OVER w"
-    " WHEN step <= 1 THEN began END AS took"
-    " FROM steps WINDOW w AS (PARTITION BY run_id ORDER BY step))"
-    " SELECT 59 - floor(extract(epoch FROM %(now)s - ended) / 60)::int AS slot,"
-    " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM took) * 1000),"
-    " percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM took) * 1000), count(*)"
-    " FROM took WHERE took IS NOT NULL AND ended > %(now)s - interval '1 hour' GROUP BY 1"
-)
-
-
-def step_latency(conn: Conn, now_ms: int) -> list[tuple[int, float, float, int]]:
-    """(minute slot 0-59 of the hour before `now_ms`, p50 ms, p95 ms, steps) per minute."""
-    rows = conn.execute(STEP_LATENCY_SQL, {"now": datetime_of(now_ms)}).fetchall()
-    return [(int(slot), float(p50), float(p95), int(n)) for slot, p50, p95, n in rows]
-
-
 def _dead_letter_cursor(row: dict[str, Any]) -> str:
     key = [
         row["at"].isoformat(),
@@ -589,12 +563,8 @@ class Console:
         """Runs finished per minute by status (from the runs table), and the p50 and p95 step
         latency per minute (from the events table), over the last hour."""
         with self.service.db.connection() as conn:
-            rows = conn.execute(
-                "SELECT 59 - floor(extract(epoch FROM now() - ended_at) / 60)::int AS slot,"
-                " status, count(*) FROM runs WHERE ended_at > now() - interval '1 hour'"
-                " GROUP BY 1, 2",
-            ).fetchall()
-            latency = step_latency(conn, self.service.clock())
+            rows = queries.finished_per_minute(conn)
+            latency = queries.step_latency(conn, self.service.clock())
         finished: dict[int, dict[str, int]] = {}
         for slot, status, n in rows:
             if 0 <= slot < 60:
@@ -644,13 +614,7 @@ class Console:
         service = self.service
         view = service.get_run(run_id)
         with service.db.connection() as conn:
-            cur = conn.execute(
-                "SELECT seq, type, step, attempt, at, disposition, reason, status, payload"
-                " FROM events WHERE run_id = %s ORDER BY seq LIMIT %s",
-                (run_id, MAX_EVENTS),
-            )
-            names = [d.name for d in cur.description or ()]
-            events = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            events = queries.run_events(conn, run_id, MAX_EVENTS)
         run = service.run_row(run_id)
         state = None if run is None else _state_of(run)
         for e in events:
@@ -730,17 +694,7 @@ class Console:
             return [], None
         try:
             with self.service.db.connection() as conn:
-                rows = conn.execute(
-                    "WITH RECURSIVE chain(ref, doc, depth) AS ("
-                    " SELECT ref, convert_from(content, 'UTF8')::jsonb, 1"
-                    " FROM artifacts WHERE ref = %s"
-                    " UNION ALL SELECT a.ref, convert_from(a.content, 'UTF8')::jsonb, c.depth + 1"
-                    " FROM chain c JOIN artifacts a ON a.ref = c.doc->>'previous_context'"
-                    " WHERE c.depth <= %s)"
-                    " SELECT ref, doc->'step', doc->>'previous_candidate', doc->'inputs'"
-                    " FROM chain ORDER BY depth",
-                    (state.context_ref, MAX_STEPS),
-                ).fetchall()
+                rows = queries.context_chain(conn, state.context_ref, MAX_STEPS)
         except psycopg.DataError:  # an artifact of the chain is not JSON: list none of it
             return [], None
         steps: list[dict[str, Any]] = []
@@ -837,10 +791,7 @@ class Console:
 
         def read() -> tuple[str, int, bytes] | None:
             with self.service.db.connection() as conn:
-                row = conn.execute(
-                    "SELECT media_type, size_bytes, content FROM artifacts WHERE ref = %s", (ref,)
-                ).fetchone()
-            return None if row is None else (str(row[0]), int(row[1]), bytes(row[2]))
+                return queries.artifact(conn, ref)
 
         found = await run_in_threadpool(read)
         if found is None:
@@ -917,53 +868,18 @@ class Console:
         newest first, after `cursor`; `reason` is an error class (through its index) or else
         a piece of the reason. Returns (rows, the error classes there are, whether more)."""
         with self.service.db.connection() as conn:
-            # the distinct classes by a walk of the class index, one probe per class
-            classes = [
-                str(c)
-                for (c,) in conn.execute(
-                    "WITH RECURSIVE c(error_class) AS ("
-                    " (SELECT error_class FROM dead_letters ORDER BY error_class LIMIT 1)"
-                    " UNION ALL SELECT (SELECT d.error_class FROM dead_letters d"
-                    "  WHERE d.error_class > c.error_class ORDER BY d.error_class LIMIT 1)"
-                    " FROM c WHERE c.error_class IS NOT NULL)"
-                    " SELECT error_class FROM c WHERE error_class IS NOT NULL LIMIT %s",
-                    (MAX_CLASSES,),
-                ).fetchall()
-            ]
-            where: list[str] = []
-            params: list[Any] = []
+            classes = queries.dead_letter_classes(conn, MAX_CLASSES)
             known = reason in classes or (
-                bool(reason)
-                and conn.execute(
-                    "SELECT EXISTS (SELECT 1 FROM dead_letters WHERE error_class = %s)", (reason,)
-                ).fetchone()
-                == (True,)
+                bool(reason) and queries.dead_letter_class_exists(conn, reason)
             )
-            if known:
-                where.append("error_class = %s")
-                params.append(reason)
-            elif reason:
-                where.append("strpos(reason, %s) > 0")
-                params.append(reason)
-            if cursor is not None:
-                where.append(
-                    "(at, source_topic, source_partition, source_offset) < (%s, %s, %s, %s)"
-                )
-                params.extend(_of_dead_letter_cursor(cursor))
-            cur = conn.execute(
-                "SELECT source_topic, source_partition, source_offset, reason, error_class, at,"
-                " run_id, original_key, key_bytes, original_value, value_bytes FROM dead_letters"
-                f" WHERE {' AND '.join(where) or 'true'}"
-                " ORDER BY at DESC, source_topic DESC, source_partition DESC, source_offset DESC"
-                " LIMIT %s",
-                [*params, DEAD_LETTERS_PAGE + 1],
+            before = None if cursor is None else _of_dead_letter_cursor(cursor)
+            rows = queries.dead_letters_page(
+                conn,
+                error_class=reason if known else None,
+                reason_piece=reason,
+                before=before,
+                limit=DEAD_LETTERS_PAGE + 1,
             )
-            names = [d.name for d in cur.description or ()]
-            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-        for row in rows:
-            for column in ("original_key", "original_value"):
-                if row[column] is not None:
-                    row[column] = bytes(row[column])
         return rows[:DEAD_LETTERS_PAGE], classes, len(rows) > DEAD_LETTERS_PAGE
 
     async def script(self, request: Request) -> Response:

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from prometheus_client import Counter
 
+from agentruns.connectors.api import queries
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
@@ -75,13 +76,6 @@ REPLIES_REJECTED = Counter(
 )
 
 
-RUN_FIELDS = (
-    "run_id, status, step, attempt, version, resolution, trace_id, goal, last_seq, input_tokens,"
-    " output_tokens, cost_micros, tool_calls, started_at, last_event_at, ended_at, system_ms,"
-    " tool_wait_ms, user_wait_ms, outcome, result_ref, state"
-)
-
-
 def _tool_result(op_key: str, tool: str, output: Any, *, via: str) -> StoredArtifact:
     """The result artifact of a tool call that succeeded, as reported `via` a callback or an
     operator's verdict."""
@@ -98,15 +92,6 @@ def _tool_result(op_key: str, tool: str, output: Any, *, via: str) -> StoredArti
         ),
         CALLBACK_MEDIA_TYPE,
     )
-
-
-def _run_row(conn: Conn, run_id: str) -> dict[str, Any] | None:
-    cur = conn.execute(f"SELECT {RUN_FIELDS} FROM runs WHERE run_id = %s", (run_id,))
-    row = cur.fetchone()
-    if row is None:
-        return None
-    names = [d.name for d in cur.description or ()]
-    return dict(zip(names, row, strict=True))
 
 
 def _state_of(run: dict[str, Any]) -> RunState:
@@ -127,11 +112,8 @@ def _waiting_for(status: RunStatus) -> str:
 
 def _submitted_record(conn: Conn, run_id: str) -> dict[str, Any] | None:
     """The RunSubmitted input this API produced for `run_id`, if any."""
-    row = conn.execute(
-        "SELECT record FROM api_inputs WHERE run_id = %s AND kind = 'RunSubmitted' LIMIT 1",
-        (run_id,),
-    ).fetchone()
-    return None if row is None else decode(bytes(row[0]), "Input").record
+    record = queries.submitted_input(conn, run_id)
+    return None if record is None else decode(record, "Input").record
 
 
 #: The dead letters of a run a view of a run not yet projected shows at most, newest first.
@@ -141,35 +123,12 @@ MAX_RUN_DEAD_LETTERS = 10
 def _dead_letters_of(conn: Conn, run_id: str) -> list[dict[str, Any]]:
     """The refused inputs of `run_id` the sink projected (newest first, at most
     MAX_RUN_DEAD_LETTERS): why a run that was submitted has not started."""
-    cur = conn.execute(
-        "SELECT reason, error_class, at, source_topic, source_partition, source_offset"
-        " FROM dead_letters WHERE run_id = %s"
-        " ORDER BY at DESC, source_topic DESC, source_partition DESC, source_offset DESC"
-        " LIMIT %s",
-        (run_id, MAX_RUN_DEAD_LETTERS),
-    )
-    names = [d.name for d in cur.description or ()]
-    rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    rows = queries.run_dead_letters(conn, run_id, MAX_RUN_DEAD_LETTERS)
     return [dict(row, at=ms_of(row["at"])) for row in rows]
 
 
-def _operations(conn: Conn, run_id: str) -> list[dict[str, Any]]:
-    cur = conn.execute(
-        "SELECT op_key, step, tool, call_id, status, dispatch, retries, polls,"
-        " policy_decision, result_ref, error_class, error_code, reconciliation,"
-        " cancel_unconfirmed, seq FROM operations WHERE run_id = %s ORDER BY seq, op_key",
-        (run_id,),
-    )
-    names = [d.name for d in cur.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-
-
 def _result(conn: Conn, run: dict[str, Any]) -> dict[str, Any]:
-    row = conn.execute(
-        "SELECT resolution, status, seq, summary FROM results WHERE run_id = %s"
-        " ORDER BY resolution DESC LIMIT 1",
-        (run["run_id"],),
-    ).fetchone()
+    row = queries.latest_result(conn, run["run_id"])
     ref = run["result_ref"]
     return {
         "status": run["status"],
@@ -181,10 +140,10 @@ def _result(conn: Conn, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _artifact_json(conn: Conn, ref: str) -> Any:
-    row = conn.execute("SELECT content FROM artifacts WHERE ref = %s", (ref,)).fetchone()
-    if row is None:
+    content = queries.artifact_content(conn, ref)
+    if content is None:
         return None
-    text = bytes(row[0]).decode()
+    text = content.decode()
     try:
         return json.loads(text)
     except ValueError:
@@ -246,28 +205,18 @@ class ApiService:
         )
         with self.db.connection() as conn:
             with conn.transaction():
-                row = conn.execute(
-                    "INSERT INTO api_inputs (input_id, run_id, kind, request_hash, record)"
-                    " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (input_id) DO NOTHING RETURNING 1",
-                    (input_id, run_id, kind, req_hash, value),
-                ).fetchone()
-                if row is not None and claim is not None:
+                inserted = queries.insert_input(conn, input_id, run_id, kind, req_hash, value)
+                if inserted and claim is not None:
                     claim(conn)
             with conn.transaction():
-                stored = conn.execute(
-                    "SELECT request_hash, record, produced FROM api_inputs"
-                    " WHERE input_id = %s FOR UPDATE",
-                    (input_id,),
-                ).fetchone()
+                stored = queries.lock_input(conn, input_id)
                 assert stored is not None
                 if stored[0] != req_hash or (stored[2] and single_use):
                     raise conflict
                 if stored[2]:
                     return False
-                self.inbox.produce(run_id, bytes(stored[1]), tracing.headers_of(traceparent))
-                conn.execute(
-                    "UPDATE api_inputs SET produced = true WHERE input_id = %s", (input_id,)
-                )
+                self.inbox.produce(run_id, stored[1], tracing.headers_of(traceparent))
+                queries.mark_produced(conn, input_id)
         INPUTS.labels(kind).inc()
         return True
 
@@ -339,19 +288,19 @@ class ApiService:
     def list_runs(self, f: RunFilter) -> dict[str, Any]:
         """A page of the run list (`agentruns.connectors.api.listing`), in one snapshot."""
         with self.db.connection() as conn, conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            queries.read_only_snapshot(conn)
             return list_runs(conn, f, self.clock())
 
     def run_row(self, run_id: str) -> dict[str, Any] | None:
         with self.db.connection() as conn:
-            return _run_row(conn, run_id)
+            return queries.run_row(conn, run_id)
 
     def get_run(self, run_id: str) -> dict[str, Any]:
         """The run as committed. All of it is read in ONE snapshot: the sink commits a run's
         rows (runs, operations, results) together, so they agree with each other."""
         with self.db.connection() as conn, conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            run = _run_row(conn, run_id)
+            queries.read_only_snapshot(conn)
+            run = queries.run_row(conn, run_id)
             if run is None:
                 # Submitted through this API, or refused with its run named (the submission
                 # of a producer on Kafka too), and not in the committed projection: PENDING,
@@ -415,7 +364,7 @@ class ApiService:
             "catalog_version": None
             if isinstance(state.catalog_version, msgspec.UnsetType)
             else state.catalog_version,
-            "operations": _operations(conn, run_id),
+            "operations": queries.run_operations(conn, run_id),
             "question": None,
             "result": None,
         }
@@ -444,18 +393,9 @@ class ApiService:
 
     def events(self, run_id: str, after_seq: int, limit: int) -> dict[str, Any]:
         with self.db.connection() as conn:
-            cur = conn.execute(
-                "SELECT seq, event_id, type, step, attempt, trace_id, at, disposition, reason,"
-                " input_id, status, payload FROM events WHERE run_id = %s AND seq > %s"
-                " ORDER BY seq LIMIT %s",
-                (run_id, after_seq, limit),
-            )
-            names = [d.name for d in cur.description or ()]
-            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-            if not rows and after_seq == 0:
-                known = conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone()
-                if known is None:
-                    raise ApiError(404, "run_not_found", f"no events for run {run_id}")
+            rows = queries.events_after(conn, run_id, after_seq, limit)
+            if not rows and after_seq == 0 and not queries.run_exists(conn, run_id):
+                raise ApiError(404, "run_not_found", f"no events for run {run_id}")
         for r in rows:
             r["at"] = ms_of(r["at"])
         next_after = rows[-1]["seq"] if rows else after_seq
@@ -490,19 +430,11 @@ class ApiService:
         input_id = f"reply:{token.token_id}"
         req_hash = request_hash({"token_id": token.token_id, "response": response})
         with self.db.connection() as conn:
-            applied = conn.execute(
-                "SELECT seq FROM events WHERE run_id = %s AND type = 'UserReplied'"
-                " AND disposition = 'APPLIED' AND payload->>'token_id' = %s LIMIT 1",
-                (run_id, token.token_id),
-            ).fetchone()
-            used = conn.execute(
-                "SELECT i.produced, i.request_hash FROM api_used_tokens t"
-                " JOIN api_inputs i USING (input_id) WHERE t.token_id = %s",
-                (token.token_id,),
-            ).fetchone()
+            applied = queries.reply_applied(conn, run_id, token.token_id)
+            used = queries.token_use(conn, token.token_id)
         # A used token is refused, except the retry of the very same reply whose input never
         # reached Kafka (then the stored record is produced again, below).
-        if applied is not None or (used is not None and (used[0] or used[1] != req_hash)):
+        if applied or (used is not None and (used[0] or used[1] != req_hash)):
             raise TokenError("token_used", "this resume token was already used")
         run = self.run_row(run_id)
         if run is None:
@@ -541,11 +473,7 @@ class ApiService:
         record = input_record(event, input_id=input_id)
 
         def claim(conn: Conn) -> None:
-            conn.execute(
-                "INSERT INTO api_used_tokens (token_id, run_id, question_id, input_id)"
-                " VALUES (%s, %s, %s, %s)",
-                (q.token_id, run_id, q.question_id, input_id),
-            )
+            queries.claim_token(conn, q.token_id, run_id, q.question_id, input_id)
 
         self._produce_once(
             input_id,
@@ -569,7 +497,7 @@ class ApiService:
         if key is not None and len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
         with self.db.connection() as conn:
-            run = _run_row(conn, run_id)
+            run = queries.run_row(conn, run_id)
             submitted = _submitted_record(conn, run_id) if run is None else None
         if run is None and submitted is None:
             raise ApiError(404, "run_not_found", f"no run {run_id}")
@@ -606,7 +534,7 @@ class ApiService:
         parsed = parse_body(action, body)
         req_hash = request_hash({"action": action, "body": body, "actor": actor})
         with self.db.connection() as conn:
-            run = _run_row(conn, run_id)
+            run = queries.run_row(conn, run_id)
             submitted = _submitted_record(conn, run_id) if run is None else None
         if run is None:
             if submitted is None:
@@ -627,14 +555,10 @@ class ApiService:
                 run_status=state.status.value,
             )
         with self.db.connection() as conn:
-            stored = conn.execute(
-                "SELECT kind FROM api_inputs WHERE input_id = %s", (input_id,)
-            ).fetchone()
+            stored = queries.input_kind(conn, input_id)
         if stored is not None:
             # a repeat: the first outcome, whatever the state is now (nothing new is built)
-            created = self._produce_once(
-                input_id, run_id, str(stored[0]), req_hash, b"", conflict=conflict
-            )
+            created = self._produce_once(input_id, run_id, stored, req_hash, b"", conflict=conflict)
             return self._acted(action, run_id, input_id, created, actor, state)
         ids = {
             "run_id": run_id,
@@ -676,25 +600,13 @@ class ApiService:
     def _store_artifact(self, artifact: StoredArtifact) -> None:
         """Durable before the input that references it (R2)."""
         with self.db.connection() as conn:
-            conn.execute(
-                "INSERT INTO artifacts (ref, media_type, size_bytes, content)"
-                " VALUES (%s, %s, %s, %s) ON CONFLICT (ref) DO NOTHING",
-                (
-                    artifact.ref,
-                    artifact.media_type,
-                    len(artifact.content.encode()),
-                    artifact.content.encode(),
-                ),
+            queries.store_artifact(
+                conn, artifact.ref, artifact.media_type, artifact.content.encode()
             )
 
     def callback(self, op_key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.db.connection() as conn:
-            row = conn.execute(
-                "SELECT o.run_id, o.step, o.dispatch, o.status, o.tool, r.trace_id"
-                " FROM operations o JOIN runs r USING (run_id) WHERE o.op_key = %s"
-                " ORDER BY o.seq DESC LIMIT 1",
-                (op_key,),
-            ).fetchone()
+            row = queries.callback_operation(conn, op_key)
         if row is None:
             raise ApiError(404, "operation_not_found", f"no operation {op_key}")
         run_id, step, dispatch, op_status, tool, trace_id = row

@@ -17,7 +17,8 @@ import httpx
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from agentruns.connectors.api.console import CHARTS_TTL_MS, MAX_STEPS, step_latency
+from agentruns.connectors.api.console import CHARTS_TTL_MS, MAX_STEPS
+from agentruns.connectors.api.queries import step_latency
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.connectors.projection.rows import STORED_BYTES, UNDECODABLE, run_row
 from agentruns.processors.state import RunState
