@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,14 +59,14 @@ from agentruns.connectors.dev.stack.netlab import NetLab
 from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
-from agentruns.connectors.endpoints import state_dir
+from agentruns.connectors.endpoints import Endpoints, state_dir
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.lifecycle import RESTART_ME
 from agentruns.connectors.postgres.migrate import migrate
-from agentruns.connectors.projection.audit import audit
+from agentruns.connectors.projection.audit import AuditReport, audit
 from agentruns.connectors.projection.reading import read_topic
 from agentruns.processors.events import Message, RunSubmitted
-from agentruns.processors.state import Budgets, Policy
+from agentruns.processors.state import Budgets, Policy, ToolSpec
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
@@ -182,6 +183,551 @@ def unconsumed(bootstrap: str, group: str, topics: Sequence[str]) -> int:
     return left
 
 
+@dataclass(frozen=True)
+class ChaosPlan:
+    """What one chaos run does: the arguments of `run_chaos`."""
+
+    runs: int
+    minutes: float
+    kill_every: float
+    broker_restart: bool
+    seed: int
+    broker_pause: bool
+    submit_seconds: float
+    pause_share: float
+    hostile: bool
+    brokers: int
+
+
+def _fault_seconds(fault: str) -> tuple[float, float]:
+    """How long a cluster fault of this kind lasts (the bounds of a uniform draw)."""
+    if fault == "below_min_isr":
+        return BELOW_MIN_ISR_SECONDS
+    if fault in PARTITION_FAULTS:
+        return PARTITION_SECONDS
+    return BROKER_DOWN_SECONDS
+
+
+class ChaosRun:
+    """One chaos run in phases: set up the stack and the pipeline, submit runs and bad inputs
+    while a thread injects faults, wait for every run's end, let the pipeline settle, check, and
+    count. The fault thread and the main thread share the counters through the instance."""
+
+    # Set by the set-up phases (`_open_stack`, `_start_pipeline`, `_arm`).
+    stack: ServiceStack
+    ep: Endpoints
+    lab: NetLab | None
+    log_dir: Path
+    sup: Supervisor
+    model_url: str
+    tool_url: str
+    api_url: str | None
+    api_token: str | None
+    operator_token: str | None
+    producer: Producer
+    inbox: str
+    watch: ProgressWatch
+    cluster: ClusterFaults | None
+    tool_specs: tuple[ToolSpec, ...]
+    doors: hostile_cases.Doors
+    bad_inputs: tuple[hostile_cases.Case, ...]
+    bad_every: int
+    broker_restarts_due: int
+    broker_pauses_due: int
+    began: float
+    deadline: float
+    # Set by the settle and check phases (`_settle`, `_check`).
+    report: AuditReport
+    executions: dict[str, int]
+    dead: dict[tuple[str, int, int], list[Any]]
+    stalls: dict[str, int]
+    lost_inputs: list[tuple[int, int]]
+    unconsumed_inputs: list[tuple[int, int]]
+    faults: list[FaultRecord]
+    cluster_kinds: tuple[str, ...]
+    restartable: bool
+
+    def __init__(self, plan: ChaosPlan, say: Callable[[str], object]) -> None:
+        self.plan = plan
+        self.say = say
+        # Two streams, so that the sequence of faults depends on the seed alone, not on how the
+        # submitting thread's draws interleave with the killer's.
+        self.rng = random.Random(plan.seed)
+        self.pacing = random.Random(f"{plan.seed}:pacing")
+        self.prefix = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.lab_missing = None if plan.brokers < 3 else netlab.usable()
+        self.stop_killing = threading.Event()
+        # (partition, offset) -> key of every input the brokers acknowledged
+        self.acknowledged: dict[tuple[int, int], bytes] = {}
+        self.injections: list[tuple[hostile_cases.Case, hostile_cases.Injected]] = []
+        self.run_ids: list[str] = []
+        self.ends: dict[str, str] = {}
+        self.results: dict[str, list[dict[str, Any]]] = {}
+        self.kills = self.pauses = self.restarts = 0
+        self.broker_restarts = self.broker_pauses = 0
+        self.component_faults = 0
+        self.injected = 0
+        self.crashes = 0  # components that exited without being killed
+        self.restarts_asked = 0  # components that stopped for their supervisor to restart them
+
+    def run(self) -> dict[str, Any]:
+        with contextlib.ExitStack() as lab_scope:
+            self._open_stack(lab_scope)
+            with (
+                model_server.serve("127.0.0.1", 0) as models,
+                tool_server.serve("127.0.0.1", 0, report_delay_ms=500) as tools,
+                contextlib.ExitStack() as cleanup,
+            ):
+                self.model_url, self.tool_url = models.url, tools.url
+                self._start_pipeline(cleanup)
+                self._arm(cleanup)
+                self._submit_and_wait()
+                self._settle()
+                self._check()
+            self.restartable = self.stack.local is not None
+        return self._figures()
+
+    # -- set-up --
+
+    def _open_stack(self, scope: contextlib.ExitStack) -> None:
+        """Kafka (each broker in a network namespace of its own when the partition faults can
+        be made) and Postgres, migrated, with the topics."""
+        brokers = self.plan.brokers
+        names = [f"broker-{i + 1}" for i in range(brokers)]
+        self.lab = (
+            scope.enter_context(NetLab(names))
+            if brokers >= 3 and self.lab_missing is None
+            else None
+        )
+        members = [] if self.lab is None else [self.lab.members[n] for n in names]
+        placed = None if self.lab is None else [(m.address, m.command([])) for m in members]
+        self.stack = scope.enter_context(
+            ServiceStack(ephemeral=True, brokers=brokers, placed=placed)
+        )
+        assert self.stack.endpoints is not None
+        self.ep = self.stack.endpoints
+        migrate(self.ep.database_url)
+        ensure_topics(self.ep.kafka_bootstrap, prefix=self.prefix, partitions=PARTITIONS)
+
+    def _start_pipeline(self, cleanup: contextlib.ExitStack) -> None:
+        env = {
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": self.ep.kafka_bootstrap,
+            "DATABASE_URL": self.ep.database_url,
+            "AGENTRUNS_LOG_LEVEL": "WARNING",
+        }
+        self.log_dir = state_dir() / "logs" / self.prefix
+        self.sup = Supervisor(self.log_dir, env)
+        self._add_workers()
+        self._add_api()
+        self.sup.start_all()
+        cleanup.callback(self.sup.stop_all)  # whatever fails below, no component outlives us
+
+    def _add_workers(self) -> None:
+        sup, common, quiet = self.sup, ("--prefix", self.prefix), ("--log-level", "WARNING")
+        registry = ("--registry", str(tool_server.DEFAULT_REGISTRY))
+        for i in (0, 1):
+            processor = "agentruns.connectors.runtime.processor"
+            sup.add(f"processor-{i}", processor, *common, "--instance-id", str(i), *quiet)
+        model = ("--base-url", self.model_url, *registry, *self._model_routes())
+        sup.add("model-executor", "agentruns.connectors.executors.model", *common, *model)
+        tool = ("--base-url", self.tool_url, *registry)
+        sup.add("tool-executor", "agentruns.connectors.executors.tool", *common, *tool)
+        sup.add("timer", "agentruns.connectors.runtime.timers", *common, *quiet)
+        sup.add("sink", "agentruns.connectors.projection.sink", *common, *quiet)
+
+    def _model_routes(self) -> tuple[str, ...]:
+        if not self.plan.hostile:
+            return ()
+        # streams that never end are cut after seconds, not minutes
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        routes_file = self.log_dir / "routes.json"
+        routes_file.write_text(json.dumps({"*": HOSTILE_ROUTE}))
+        return ("--routes", str(routes_file))
+
+    def _add_api(self) -> None:
+        """The API, for the hostile cases that come in through it."""
+        self.api_url = self.api_token = self.operator_token = None
+        if not self.plan.hostile:
+            return
+        api_port = free_port_block(1, start=29500)
+        self.api_url = f"http://127.0.0.1:{api_port}"
+        self.sup.env["AGENTRUNS_API_TOKEN"] = self.api_token = uuid.uuid4().hex
+        self.sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
+        self.operator_token = uuid.uuid4().hex
+        self.sup.env["AGENTRUNS_API_OPERATOR_TOKENS"] = f"chaos:{self.operator_token}"
+        cli = "agentruns.connectors.cli"
+        self.sup.add("api", cli, "api", "--prefix", self.prefix, "--port", str(api_port))
+
+    def _arm(self, cleanup: contextlib.ExitStack) -> None:
+        """The producer, the progress watch, the cluster faults, the doors of the bad inputs,
+        and the clock."""
+        bootstrap = self.ep.kafka_bootstrap
+        self.producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                **client_settings(),
+                "enable.idempotence": True,
+                "acks": "all",
+            }
+        )
+        self.inbox = topic_name(INBOX, self.prefix)
+        self.watch = ProgressWatch(bootstrap, topic_name(EVENTS, self.prefix))
+        cleanup.callback(self.watch.close)
+        self.cluster = self._cluster_faults()
+        self.tool_specs = registry_tools()
+        self._open_doors(cleanup)
+        local = self.stack.local
+        # The broker faults, once each when the broker is ours; the runs may end before
+        # them, so the run goes on until they happened.
+        self.broker_restarts_due = int(self.plan.broker_restart and local is not None)
+        self.broker_pauses_due = int(self.plan.broker_pause and local is not None)
+        self.began = time.monotonic()
+        self.deadline = self.began + self.plan.minutes * 60
+
+    def _cluster_faults(self) -> ClusterFaults | None:
+        if self.stack.local is None or self.plan.brokers < 3:
+            return None
+        return ClusterFaults(
+            self.stack.local.kafka,
+            self.ep.kafka_bootstrap,
+            self.inbox,
+            f"{self.prefix}-processor-0-a",
+            wait=self.stop_killing.wait,
+            say=self.say,
+            lab=self.lab,
+        )
+
+    def _open_doors(self, cleanup: contextlib.ExitStack) -> None:
+        hostile = self.plan.hostile
+        self.doors = hostile_cases.Doors(
+            bootstrap=self.ep.kafka_bootstrap,
+            prefix=self.prefix,
+            partitions=PARTITIONS,
+            model_url=self.model_url,
+            tool_url=self.tool_url,
+            tools=self.tool_specs,
+            api_url=self.api_url,
+            api_token=self.api_token,
+            operator_token=self.operator_token,
+        )
+        cleanup.callback(self.doors.close)
+        self.bad_inputs = (
+            hostile_cases.cases(api=True)
+            if hostile
+            else tuple(c for c in hostile_cases.CASES if c.name == "inbox_garbage_bytes")
+        )
+        self.bad_every = max(1, self.plan.runs // len(self.bad_inputs)) if hostile else 50
+        if hostile:
+            wait_for_api(self.api_url, self.sup)
+
+    # -- the faults (on a thread of their own) --
+
+    def _inject_faults(self) -> None:
+        """Every ~`kill_every` s a fault: one in three a cluster fault when there is a cluster,
+        else a broker fault while one is due, else a component's kill or pause."""
+        if self.plan.kill_every <= 0:
+            return
+        while not self.stop_killing.wait(self.rng.uniform(0.5, 1.5) * self.plan.kill_every):
+            cluster = self.cluster
+            if cluster is not None and self.component_faults >= 2 * (len(cluster.done) + 1):
+                self._cluster_fault(cluster)
+                continue
+            self.component_faults += 1
+            if not self._broker_fault():
+                self._component_fault()
+
+    def _cluster_fault(self, cluster: ClusterFaults) -> None:
+        fault = cluster.next_fault()
+        try:
+            cluster.inject(fault, self.rng.uniform(*_fault_seconds(fault)))
+        except Exception as exc:  # the fault is tried again next time
+            self.say(f"chaos: {fault} could not be injected: {exc}")
+
+    def _broker_fault(self) -> bool:
+        """Restart or pause our broker when one is due; whether it did."""
+        local = self.stack.local
+        if self.broker_restarts < self.broker_restarts_due and self.kills >= 3:
+            self.say("chaos: restarting the Kafka broker")
+            assert local is not None
+            local.kafka.restart()
+            self.broker_restarts += 1
+            return True
+        if self.broker_pauses < self.broker_pauses_due and self.kills >= 4:
+            seconds = self.rng.uniform(*BROKER_PAUSE_SECONDS)
+            assert local is not None
+            local.kafka.pause()
+            self._hold(seconds, local.kafka.resume)
+            self.broker_pauses += 1
+            self.say(f"chaos: paused the Kafka broker for {seconds:.1f} s")
+            return True
+        return False
+
+    def _component_fault(self) -> None:
+        name = self.rng.choice(KILLABLE)
+        if self.rng.random() < self.plan.pause_share:
+            seconds = self.rng.uniform(*PAUSE_SECONDS)
+            if self.sup.pause(name):
+                self._hold(seconds, functools.partial(self.sup.resume, name))
+                self.pauses += 1
+                self.say(f"chaos: paused {name} for {seconds:.1f} s ({self.pauses} pauses)")
+            return
+        self.sup.kill(name)
+        self.kills += 1
+        self.stop_killing.wait(self.rng.uniform(0.0, 2.0))
+        self.sup.start(name)
+        self.restarts += 1
+        self.say(f"chaos: kill -9 {name}, restarted ({self.kills} kills)")
+
+    def _hold(self, seconds: float, resume: Callable[[], object]) -> None:
+        """Leave what was paused standing for `seconds` (less once the run ends), then resume
+        it, whatever happens."""
+        try:
+            self.stop_killing.wait(seconds)
+        finally:
+            resume()
+
+    # -- submitting and waiting --
+
+    def _submit_and_wait(self) -> None:
+        killing = threading.Thread(target=self._inject_faults, daemon=True)
+        killing.start()
+        try:
+            self._submit()
+            self._wait_for_ends()
+        finally:
+            self.stop_killing.set()
+            killing.join(timeout=120)
+
+    def _submit(self) -> None:
+        runs, prefix = self.plan.runs, self.prefix
+        for i in range(runs):
+            self._submit_run(i)
+            if i % self.bad_every == 0:
+                case = self.bad_inputs[(i // self.bad_every) % len(self.bad_inputs)]
+                self._inject_bad(case, f"{prefix}-bad-{i:04d}")
+            self.producer.poll(0)
+            time.sleep(self.pacing.uniform(0.0, 2.0) * self.plan.submit_seconds / runs)
+        tail = self.bad_inputs[self.injected :] if self.plan.hostile else ()
+        for case in tail:  # fewer runs than cases
+            self._inject_bad(case, f"{prefix}-bad-{self.injected:04d}-tail")
+        # released now: alive, it would reconnect to the stopped broker at the end
+        if (left := release(self.producer, 60)) > 0:
+            raise RuntimeError(f"{left} submitted inputs were not acknowledged")
+        if (left := self.doors.flush(60)) > 0:
+            raise RuntimeError(f"{left} bad inputs were not acknowledged")
+        self.say(f"chaos: submitted {runs} runs and {self.injected} bad inputs")
+
+    def _submit_run(self, i: int) -> None:
+        mix = MIXES[i % len(MIXES)]
+        # Unique per chaos run: a configured database keeps the timers, executed actions and
+        # runs of earlier ones, keyed by run id.
+        run_id = f"{self.prefix}-{i:04d}-{mix.model_scenario}"
+        event = RunSubmitted(
+            run_id=run_id,
+            event_id=f"{run_id}:submit",
+            at=now_ms(),
+            trace_id=uuid.uuid4().hex,
+            goal=f"chaos {mix.model_scenario}",
+            messages=(Message(role="user", content=f"scenario:{mix.model_scenario} {run_id}"),),
+            tools=self.tool_specs,
+            policy=mix.policy,
+            model_route=f"scenario:{mix.model_scenario}",
+            budgets=mix.budgets,
+        )
+        self.producer.produce(
+            self.inbox,
+            key=run_id.encode(),
+            value=encode("Input", input_record(event)),
+            partition=partition_for(run_id, PARTITIONS),
+            on_delivery=self._on_delivery,
+        )
+        self.run_ids.append(run_id)
+        self.ends[run_id] = mix.ends
+
+    def _on_delivery(self, error: KafkaError | None, message: Any) -> None:
+        if error is None:
+            self.acknowledged[(message.partition(), message.offset())] = message.key()
+
+    def _inject_bad(self, case: hostile_cases.Case, bad_id: str) -> None:
+        self.injections.append((case, hostile_cases.inject(case, self.doors, bad_id)))
+        self.injected += 1
+
+    def _wait_for_ends(self) -> None:
+        """Until every run (and every bad input's run that must end) has its result and every
+        due fault happened, or the time is up; restarting what exits on its own meanwhile."""
+        # runs of bad inputs whose one allowed ending is a terminal result
+        ending_runs = [
+            inj.run_id
+            for case, inj in self.injections
+            if case.ending.status is not None and inj.run_id is not None
+        ]
+        said = time.monotonic()
+        while time.monotonic() < self.deadline:
+            self._read_results_again()
+            if self._all_done(ending_runs):
+                break
+            if time.monotonic() - said >= WAIT_PROGRESS_S:
+                said = time.monotonic()
+                ended = sum(r in self.results for r in self.run_ids)
+                left_s = self.deadline - said
+                self.say(
+                    f"chaos: {ended} of {len(self.run_ids)} runs ended, {left_s:.0f} s left to wait"
+                )
+            self._tend_components()
+            time.sleep(2.0)
+
+    def _read_results_again(self) -> None:
+        try:
+            self.results = _read_results(self.ep.kafka_bootstrap, self.prefix)
+        except AgentrunsError as exc:
+            # brokers down (a fault) can hold a read past its bound: the next round reads
+            # again, and the reads after the faults must succeed
+            self.say(f"chaos: reading the results failed, reading again: {exc}")
+
+    def _all_done(self, ending_runs: Sequence[str]) -> bool:
+        cluster = self.cluster
+        return (
+            all(r in self.results for r in (*self.run_ids, *ending_runs))
+            and self.broker_restarts >= self.broker_restarts_due
+            and self.broker_pauses >= self.broker_pauses_due
+            and (cluster is None or cluster.kinds_done() >= set(cluster.kinds))
+        )
+
+    def _tend_components(self) -> None:
+        """Start again what stopped: asked to (RESTART_ME), or on its own (a crash)."""
+        sup = self.sup
+        for name in sup.components:
+            code = sup.exited(name)
+            if code == RESTART_ME:
+                self.say(f"chaos: {name} stopped to be started again: {sup.log_tail(name, 1)}")
+                self.restarts_asked += 1
+            elif code is not None:
+                tail = sup.log_tail(name, 5)
+                self.say(f"chaos: {name} exited on its own (exit status {code}): {tail}")
+                self.crashes += 1
+            if code is not None:
+                sup.start(name)
+
+    # -- settling and checking --
+
+    def _settle(self) -> None:
+        """Let the sink catch up before the audit compares Postgres with the log."""
+        for name in self.sup.components:
+            self.sup.start(name)
+        bootstrap = self.ep.kafka_bootstrap
+        self.results = _read_results(bootstrap, self.prefix)
+        for _ in range(30):
+            self.report = audit(bootstrap, self.prefix, self.ep.database_url, run_ids=self.run_ids)
+            if not self.report.differences:
+                break
+            time.sleep(2.0)
+
+    def _check(self) -> None:
+        bootstrap, sup = self.ep.kafka_bootstrap, self.sup
+        stats = httpx.get(f"{self.tool_url}/stats", timeout=10).json()
+        self.executions = stats.get("executions", {})
+        self.dead = hostile_cases.positions(_dead_letters(bootstrap, self.prefix))
+        self.stalls = {
+            group: left
+            for group, topics in consumer_groups(self.prefix).items()
+            if (left := unconsumed(bootstrap, group, topics)) > 0
+        }
+        if self.report.differences or self.stalls:
+            # whatever stands still says what it waits for, before it is stopped
+            asked = sup.dump_stacks()
+            time.sleep(1.0)
+            self.say(f"chaos: thread stacks of {', '.join(asked)} written to their logs")
+        self.crashes += sum(1 for n in sup.components if sup.exited(n) not in (None, RESTART_ME))
+        self.lost_inputs, self.unconsumed_inputs = acknowledged_missing(
+            bootstrap, self.inbox, self.acknowledged, f"{self.prefix}-processor"
+        )
+        self.faults = list(self.cluster.done) if self.cluster is not None else []
+        self.cluster_kinds = self.cluster.kinds if self.cluster is not None else ()
+        for f in self.faults:
+            f.stall_s = self.watch.stall(f.began, f.ended)
+
+    # -- the figures --
+
+    def _figures(self) -> dict[str, Any]:
+        return {**self._run_figures(), **self._input_figures(), **self._fault_figures()}
+
+    def _run_figures(self) -> dict[str, Any]:
+        results, differences = self.results, self.report.differences
+        versions = {r: {json.dumps(x, sort_keys=True) for x in rs} for r, rs in results.items()}
+        return {
+            "runs": len(self.run_ids),
+            "kills": self.kills,
+            "pauses": self.pauses,
+            "restarts": self.restarts,
+            "broker_restarts": self.broker_restarts,
+            "broker_pauses": self.broker_pauses,
+            "broker_restartable": self.restartable,
+            "lost": sum(1 for r in self.run_ids if r not in results),
+            "terminal_twice": sum(1 for v in versions.values() if len(v) > 1),
+            "duplicate_tool_executions": sum(1 for n in self.executions.values() if n > 1),
+            "audit_differences": len(differences),
+            "audit_first": [str(d) for d in differences[:5]],
+        }
+
+    def _input_figures(self) -> dict[str, Any]:
+        results, dead, injections = self.results, self.dead, self.injections
+        misses = {
+            case.name: why
+            for case, inj in injections
+            if (why := hostile_cases.check(case, inj, results, dead)) is not None
+        }
+        expected_dead = {inj.position for case, inj in injections if case.ending.dlq is not None}
+        unexpected_dead = [w for w in dead if w not in expected_dead]
+        return {
+            "dlq_injected": len(expected_dead),
+            "dlq": len(dead),
+            "dlq_unexpected": [
+                {"source": list(where), "reason": dead[where][0]["reason"][:200]}
+                for where in unexpected_dead
+            ][:10],
+            "hostile_injected": self.injected,
+            "hostile_ended": self.injected - len(misses),
+            "hostile_misses": misses,
+            "stalls": self.stalls,
+            "unexpected_statuses": {
+                r: results[r][-1]["status"]
+                for r in self.run_ids
+                if r in results and results[r][-1]["status"] != self.ends[r]
+            },
+            "crashes": self.crashes,
+            "restarts_asked": self.restarts_asked,
+            "statuses": _count(r[-1]["status"] for r in results.values()),
+            "brokers": self.plan.brokers,
+            "acknowledged": len(self.acknowledged),
+            "acknowledged_lost": len(self.lost_inputs),
+            "acknowledged_unconsumed": len(self.unconsumed_inputs),
+        }
+
+    def _fault_figures(self) -> dict[str, Any]:
+        faults, kinds, missing = self.faults, self.cluster_kinds, self.lab_missing
+        return {
+            "cluster_faults": [f.figures(self.began) for f in faults],
+            "cluster_faults_missing": sorted(set(kinds) - {f.fault for f in faults}),
+            "partition_faults": (
+                ""
+                if self.plan.brokers < 3
+                else "made"
+                if missing is None
+                else f"not made: {missing}"
+            ),
+            "fault_stall_s": {
+                kind: percentiles(
+                    [f.stall_s for f in faults if f.fault == kind and f.stall_s is not None]
+                )
+                for kind in kinds
+                if any(f.fault == kind for f in faults)
+            },
+            "seconds": round(time.monotonic() - self.began, 1),
+            "logs": str(self.log_dir),
+        }
+
+
 def run_chaos(
     *,
     runs: int,
@@ -204,426 +750,19 @@ def run_chaos(
     through its door (the API then runs too), each checked against its one allowed ending.
     With `brokers` >= 3 (a local cluster), one fault in three is a cluster fault
     (`agentruns.connectors.dev.demo.cluster_faults`), each kind at least once."""
-    # Two streams, so that the sequence of faults depends on the seed alone, not on how the
-    # submitting thread's draws interleave with the killer's.
-    rng = random.Random(seed)
-    pacing = random.Random(f"{seed}:pacing")
-    prefix = f"chaos-{uuid.uuid4().hex[:8]}"
-    lab_missing = None if brokers < 3 else netlab.usable()
-    with contextlib.ExitStack() as lab_scope:
-        # each broker in a network namespace of its own, for the partition faults
-        lab = (
-            lab_scope.enter_context(NetLab([f"broker-{i + 1}" for i in range(brokers)]))
-            if brokers >= 3 and lab_missing is None
-            else None
-        )
-        placed = (
-            None
-            if lab is None
-            else [
-                (lab.members[f"broker-{i + 1}"].address, lab.members[f"broker-{i + 1}"].command([]))
-                for i in range(brokers)
-            ]
-        )
-        stack = lab_scope.enter_context(
-            ServiceStack(ephemeral=True, brokers=brokers, placed=placed)
-        )
-        assert stack.endpoints is not None
-        ep = stack.endpoints
-        migrate(ep.database_url)
-        ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=PARTITIONS)
-        with (
-            model_server.serve("127.0.0.1", 0) as models,
-            tool_server.serve("127.0.0.1", 0, report_delay_ms=500) as tools,
-            contextlib.ExitStack() as cleanup,
-        ):
-            env = {
-                **os.environ,
-                "KAFKA_BOOTSTRAP_SERVERS": ep.kafka_bootstrap,
-                "DATABASE_URL": ep.database_url,
-                "AGENTRUNS_LOG_LEVEL": "WARNING",
-            }
-            log_dir = state_dir() / "logs" / prefix
-            sup = Supervisor(log_dir, env)
-            common = ("--prefix", prefix)
-            for i in (0, 1):
-                sup.add(
-                    f"processor-{i}",
-                    "agentruns.connectors.runtime.processor",
-                    *common,
-                    "--instance-id",
-                    str(i),
-                    "--log-level",
-                    "WARNING",
-                )
-            routes: tuple[str, ...] = ()
-            if hostile:  # streams that never end are cut after seconds, not minutes
-                log_dir.mkdir(parents=True, exist_ok=True)
-                routes_file = log_dir / "routes.json"
-                routes_file.write_text(json.dumps({"*": HOSTILE_ROUTE}))
-                routes = ("--routes", str(routes_file))
-            sup.add(
-                "model-executor",
-                "agentruns.connectors.executors.model",
-                *common,
-                "--base-url",
-                models.url,
-                "--registry",
-                str(tool_server.DEFAULT_REGISTRY),
-                *routes,
-            )
-            sup.add(
-                "tool-executor",
-                "agentruns.connectors.executors.tool",
-                *common,
-                "--base-url",
-                tools.url,
-                "--registry",
-                str(tool_server.DEFAULT_REGISTRY),
-            )
-            sup.add(
-                "timer", "agentruns.connectors.runtime.timers", *common, "--log-level", "WARNING"
-            )
-            sup.add(
-                "sink", "agentruns.connectors.projection.sink", *common, "--log-level", "WARNING"
-            )
-            api_url = None
-            if hostile:
-                api_port = free_port_block(1, start=29500)
-                api_url = f"http://127.0.0.1:{api_port}"
-                sup.env["AGENTRUNS_API_TOKEN"] = api_token = uuid.uuid4().hex
-                sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
-                operator_token = uuid.uuid4().hex
-                sup.env["AGENTRUNS_API_OPERATOR_TOKENS"] = f"chaos:{operator_token}"
-                sup.add("api", "agentruns.connectors.cli", "api", *common, "--port", str(api_port))
-            sup.start_all()
-            cleanup.callback(sup.stop_all)  # whatever fails below, no component outlives us
-            producer = Producer(
-                {
-                    "bootstrap.servers": ep.kafka_bootstrap,
-                    **client_settings(),
-                    "enable.idempotence": True,
-                    "acks": "all",
-                }
-            )
-            inbox = topic_name(INBOX, prefix)
-            # (partition, offset) -> key of every input the brokers acknowledged
-            acknowledged: dict[tuple[int, int], bytes] = {}
-
-            def on_delivery(error: KafkaError | None, message: Any) -> None:
-                if error is None:
-                    acknowledged[(message.partition(), message.offset())] = message.key()
-
-            stop_killing = threading.Event()
-            watch = ProgressWatch(ep.kafka_bootstrap, topic_name(EVENTS, prefix))
-            cleanup.callback(watch.close)
-            cluster = (
-                ClusterFaults(
-                    stack.local.kafka,
-                    ep.kafka_bootstrap,
-                    inbox,
-                    f"{prefix}-processor-0-a",
-                    wait=stop_killing.wait,
-                    say=say,
-                    lab=lab,
-                )
-                if stack.local is not None and brokers >= 3
-                else None
-            )
-            tool_specs = registry_tools()
-            doors = hostile_cases.Doors(
-                bootstrap=ep.kafka_bootstrap,
-                prefix=prefix,
-                partitions=PARTITIONS,
-                model_url=models.url,
-                tool_url=tools.url,
-                tools=tool_specs,
-                api_url=api_url,
-                api_token=api_token if hostile else None,
-                operator_token=operator_token if hostile else None,
-            )
-            cleanup.callback(doors.close)
-            bad_inputs = (
-                hostile_cases.cases(api=True)
-                if hostile
-                else tuple(c for c in hostile_cases.CASES if c.name == "inbox_garbage_bytes")
-            )
-            bad_every = max(1, runs // len(bad_inputs)) if hostile else 50
-            if hostile:
-                wait_for_api(api_url, sup)
-            injections: list[tuple[hostile_cases.Case, hostile_cases.Injected]] = []
-            run_ids: list[str] = []
-            ends: dict[str, str] = {}
-            kills = 0
-            pauses = 0
-            restarts = 0
-            broker_restarts = 0
-            broker_pauses = 0
-            component_faults = 0
-            local = stack.local
-            # The broker faults, once each when the broker is ours; the runs may end before
-            # them, so the run goes on until they happened.
-            broker_restarts_due = int(broker_restart and local is not None)
-            broker_pauses_due = int(broker_pause and local is not None)
-            began = time.monotonic()
-            deadline = began + minutes * 60
-
-            def hold(seconds: float, resume: Callable[[], object]) -> None:
-                """Leave what was paused standing for `seconds` (less once the run ends), then
-                resume it, whatever happens."""
-                try:
-                    stop_killing.wait(seconds)
-                finally:
-                    resume()
-
-            def killer() -> None:
-                nonlocal kills, pauses, restarts, broker_restarts, broker_pauses
-                if kill_every <= 0:
-                    return
-                nonlocal component_faults
-                while not stop_killing.wait(rng.uniform(0.5, 1.5) * kill_every):
-                    if cluster is not None and component_faults >= 2 * (len(cluster.done) + 1):
-                        fault = cluster.next_fault()
-                        try:
-                            cluster.inject(
-                                fault,
-                                rng.uniform(
-                                    *(
-                                        BELOW_MIN_ISR_SECONDS
-                                        if fault == "below_min_isr"
-                                        else PARTITION_SECONDS
-                                        if fault in PARTITION_FAULTS
-                                        else BROKER_DOWN_SECONDS
-                                    )
-                                ),
-                            )
-                        except Exception as exc:  # the fault is tried again next time
-                            say(f"chaos: {fault} could not be injected: {exc}")
-                        continue
-                    component_faults += 1
-                    if broker_restarts < broker_restarts_due and kills >= 3:
-                        say("chaos: restarting the Kafka broker")
-                        assert local is not None
-                        local.kafka.restart()
-                        broker_restarts += 1
-                        continue
-                    if broker_pauses < broker_pauses_due and kills >= 4:
-                        seconds = rng.uniform(*BROKER_PAUSE_SECONDS)
-                        assert local is not None
-                        local.kafka.pause()
-                        hold(seconds, local.kafka.resume)
-                        broker_pauses += 1
-                        say(f"chaos: paused the Kafka broker for {seconds:.1f} s")
-                        continue
-                    name = rng.choice(KILLABLE)
-                    if rng.random() < pause_share:
-                        seconds = rng.uniform(*PAUSE_SECONDS)
-                        if sup.pause(name):
-                            hold(seconds, functools.partial(sup.resume, name))
-                            pauses += 1
-                            say(f"chaos: paused {name} for {seconds:.1f} s ({pauses} pauses)")
-                        continue
-                    sup.kill(name)
-                    kills += 1
-                    stop_killing.wait(rng.uniform(0.0, 2.0))
-                    sup.start(name)
-                    restarts += 1
-                    say(f"chaos: kill -9 {name}, restarted ({kills} kills)")
-
-            killing = threading.Thread(target=killer, daemon=True)
-            killing.start()
-            injected = 0
-            crashes = 0  # components that exited without being killed
-            restarts_asked = 0  # components that stopped for their supervisor to restart them
-            try:
-                for i in range(runs):
-                    mix = MIXES[i % len(MIXES)]
-                    # Unique per chaos run: a configured database keeps the timers, executed
-                    # actions and runs of earlier ones, keyed by run id.
-                    run_id = f"{prefix}-{i:04d}-{mix.model_scenario}"
-                    event = RunSubmitted(
-                        run_id=run_id,
-                        event_id=f"{run_id}:submit",
-                        at=now_ms(),
-                        trace_id=uuid.uuid4().hex,
-                        goal=f"chaos {mix.model_scenario}",
-                        messages=(
-                            Message(role="user", content=f"scenario:{mix.model_scenario} {run_id}"),
-                        ),
-                        tools=tool_specs,
-                        policy=mix.policy,
-                        model_route=f"scenario:{mix.model_scenario}",
-                        budgets=mix.budgets,
-                    )
-                    record = input_record(event)
-                    producer.produce(
-                        inbox,
-                        key=run_id.encode(),
-                        value=encode("Input", record),
-                        partition=partition_for(run_id, PARTITIONS),
-                        on_delivery=on_delivery,
-                    )
-                    run_ids.append(run_id)
-                    ends[run_id] = mix.ends
-                    if i % bad_every == 0:
-                        case = bad_inputs[(i // bad_every) % len(bad_inputs)]
-                        bad_id = f"{prefix}-bad-{i:04d}"
-                        injections.append((case, hostile_cases.inject(case, doors, bad_id)))
-                        injected += 1
-                    producer.poll(0)
-                    time.sleep(pacing.uniform(0.0, 2.0) * submit_seconds / runs)
-                for case in bad_inputs[injected:] if hostile else ():  # fewer runs than cases
-                    bad_id = f"{prefix}-bad-{injected:04d}-tail"
-                    injections.append((case, hostile_cases.inject(case, doors, bad_id)))
-                    injected += 1
-                # released now: alive, it would reconnect to the stopped broker at the end
-                if (left := release(producer, 60)) > 0:
-                    raise RuntimeError(f"{left} submitted inputs were not acknowledged")
-                if (left := doors.flush(60)) > 0:
-                    raise RuntimeError(f"{left} bad inputs were not acknowledged")
-                say(f"chaos: submitted {runs} runs and {injected} bad inputs")
-                # runs of bad inputs whose one allowed ending is a terminal result
-                ending_runs = [
-                    inj.run_id
-                    for case, inj in injections
-                    if case.ending.status is not None and inj.run_id is not None
-                ]
-                results: dict[str, list[dict[str, Any]]] = {}
-                said = time.monotonic()
-                while time.monotonic() < deadline:
-                    try:
-                        results = _read_results(ep.kafka_bootstrap, prefix)
-                    except AgentrunsError as exc:
-                        # brokers down (a fault) can hold a read past its bound: the next
-                        # round reads again, and the reads after the faults must succeed
-                        say(f"chaos: reading the results failed, reading again: {exc}")
-                    if (
-                        all(r in results for r in (*run_ids, *ending_runs))
-                        and broker_restarts >= broker_restarts_due
-                        and broker_pauses >= broker_pauses_due
-                        and (cluster is None or cluster.kinds_done() >= set(cluster.kinds))
-                    ):
-                        break
-                    if time.monotonic() - said >= WAIT_PROGRESS_S:
-                        said = time.monotonic()
-                        ended = sum(r in results for r in run_ids)
-                        say(
-                            f"chaos: {ended} of {len(run_ids)} runs ended, "
-                            f"{deadline - said:.0f} s left to wait"
-                        )
-                    for name in sup.components:
-                        if (code := sup.exited(name)) == RESTART_ME:
-                            last = sup.log_tail(name, 1)
-                            say(f"chaos: {name} stopped to be started again: {last}")
-                            restarts_asked += 1
-                            sup.start(name)
-                        elif code is not None:
-                            say(
-                                f"chaos: {name} exited on its own (exit status {code}):"
-                                f" {sup.log_tail(name, 5)}"
-                            )
-                            crashes += 1
-                            sup.start(name)
-                    time.sleep(2.0)
-            finally:
-                stop_killing.set()
-                killing.join(timeout=120)
-            # Let the sink catch up before the audit compares Postgres with the log.
-            for name in sup.components:
-                sup.start(name)
-            results = _read_results(ep.kafka_bootstrap, prefix)
-            report = None
-            for _ in range(30):
-                report = audit(ep.kafka_bootstrap, prefix, ep.database_url, run_ids=run_ids)
-                if not report.differences:
-                    break
-                time.sleep(2.0)
-            assert report is not None
-            executions = httpx.get(f"{tools.url}/stats", timeout=10).json().get("executions", {})
-            dead = hostile_cases.positions(_dead_letters(ep.kafka_bootstrap, prefix))
-            stalls = {
-                group: left
-                for group, topics in consumer_groups(prefix).items()
-                if (left := unconsumed(ep.kafka_bootstrap, group, topics)) > 0
-            }
-            if report.differences or stalls:
-                # whatever stands still says what it waits for, before it is stopped
-                asked = sup.dump_stacks()
-                time.sleep(1.0)
-                say(f"chaos: thread stacks of {', '.join(asked)} written to their logs")
-            crashes += sum(
-                1 for name in sup.components if sup.exited(name) not in (None, RESTART_ME)
-            )
-            lost_inputs, unconsumed_inputs = acknowledged_missing(
-                ep.kafka_bootstrap, inbox, acknowledged, f"{prefix}-processor"
-            )
-            faults: list[FaultRecord] = list(cluster.done) if cluster is not None else []
-            cluster_kinds = cluster.kinds if cluster is not None else ()
-            for f in faults:
-                f.stall_s = watch.stall(f.began, f.ended)
-        restartable = local is not None
-    lost = [r for r in run_ids if r not in results]
-    terminal_twice = [
-        r for r, rs in results.items() if len({json.dumps(x, sort_keys=True) for x in rs}) > 1
-    ]
-    duplicates = {k: n for k, n in executions.items() if n > 1}
-    misses = {
-        case.name: why
-        for case, inj in injections
-        if (why := hostile_cases.check(case, inj, results, dead)) is not None
-    }
-    expected_dead = {inj.position for case, inj in injections if case.ending.dlq is not None}
-    return {
-        "runs": len(run_ids),
-        "kills": kills,
-        "pauses": pauses,
-        "restarts": restarts,
-        "broker_restarts": broker_restarts,
-        "broker_pauses": broker_pauses,
-        "broker_restartable": restartable,
-        "lost": len(lost),
-        "terminal_twice": len(terminal_twice),
-        "duplicate_tool_executions": len(duplicates),
-        "audit_differences": len(report.differences),
-        "audit_first": [str(d) for d in report.differences[:5]],
-        "dlq_injected": len(expected_dead),
-        "dlq": len(dead),
-        "dlq_unexpected": [
-            {"source": list(where), "reason": d[0]["reason"][:200]}
-            for where, d in dead.items()
-            if where not in expected_dead
-        ][:10],
-        "hostile_injected": injected,
-        "hostile_ended": injected - len(misses),
-        "hostile_misses": misses,
-        "stalls": stalls,
-        "unexpected_statuses": {
-            r: results[r][-1]["status"]
-            for r in run_ids
-            if r in results and results[r][-1]["status"] != ends[r]
-        },
-        "crashes": crashes,
-        "restarts_asked": restarts_asked,
-        "statuses": _count(r[-1]["status"] for r in results.values()),
-        "brokers": brokers,
-        "acknowledged": len(acknowledged),
-        "acknowledged_lost": len(lost_inputs),
-        "acknowledged_unconsumed": len(unconsumed_inputs),
-        "cluster_faults": [f.figures(began) for f in faults],
-        "cluster_faults_missing": (sorted(set(cluster_kinds) - {f.fault for f in faults})),
-        "partition_faults": (
-            "" if brokers < 3 else "made" if lab_missing is None else f"not made: {lab_missing}"
-        ),
-        "fault_stall_s": {
-            kind: percentiles(
-                [f.stall_s for f in faults if f.fault == kind and f.stall_s is not None]
-            )
-            for kind in cluster_kinds
-            if any(f.fault == kind for f in faults)
-        },
-        "seconds": round(time.monotonic() - began, 1),
-        "logs": str(log_dir),
-    }
+    plan = ChaosPlan(
+        runs=runs,
+        minutes=minutes,
+        kill_every=kill_every,
+        broker_restart=broker_restart,
+        seed=seed,
+        broker_pause=broker_pause,
+        submit_seconds=submit_seconds,
+        pause_share=pause_share,
+        hostile=hostile,
+        brokers=brokers,
+    )
+    return ChaosRun(plan, say).run()
 
 
 def _count(values: Any) -> dict[str, int]:
