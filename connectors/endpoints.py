@@ -83,18 +83,34 @@ def recorded(directory: Path | None = None) -> dict[str, str]:
     return {k: v for k, v in found.items() if k in ("kafka", "database") and isinstance(v, str)}
 
 
+def _configured(
+    explicit: str | None,
+    key: str,
+    check: Callable[..., None],
+    timeout: float,
+    patience_s: float,
+) -> str | None:
+    """The service named in the settings (``explicit``, checked: it must answer), else the one
+    a development command recorded under ``key`` if it answers, else None."""
+    if explicit:
+        check(explicit, timeout, patience_s=patience_s)
+        return explicit
+    local = recorded().get(key)
+    if local is not None:
+        with suppress(ServiceUnreachableError):
+            check(local, RECORDED_TIMEOUT_S)
+            return local
+    return None
+
+
 def configured_kafka(timeout: float = 10.0, *, patience_s: float = 0.0) -> str:
     """KAFKA_BOOTSTRAP_SERVERS (checked: it must answer within ``timeout``), else the broker a
     development command recorded in the state directory; never starts one."""
-    explicit = current().kafka_bootstrap_servers
-    if explicit:
-        check_kafka(explicit, timeout, patience_s=patience_s)
-        return explicit
-    local = recorded().get("kafka")
-    if local is not None:
-        with suppress(ServiceUnreachableError):
-            check_kafka(local, RECORDED_TIMEOUT_S)
-            return local
+    found = _configured(
+        current().kafka_bootstrap_servers, "kafka", check_kafka, timeout, patience_s
+    )
+    if found is not None:
+        return found
     raise NotConfiguredError(
         f"no Kafka cluster configured (KAFKA_BOOTSTRAP_SERVERS is not set and no local "
         f"broker runs in {state_dir()})",
@@ -108,17 +124,9 @@ def configured_postgres(
     """DATABASE_URL (checked), else the Postgres a development command recorded in the state
     directory, else None; or, when ``required`` is given, an error (``required``: what else
     the user may do, "" when nothing else)."""
-    explicit = current().database_url
-    if explicit:
-        check_postgres(explicit, timeout, patience_s=patience_s)
-        return explicit
-    local = recorded().get("database")
-    if local is not None:
-        with suppress(ServiceUnreachableError):
-            check_postgres(local, RECORDED_TIMEOUT_S)
-            return local
-    if required is None:
-        return None
+    found = _configured(current().database_url, "database", check_postgres, timeout, patience_s)
+    if found is not None or required is None:
+        return found
     raise NotConfiguredError(
         f"no Postgres configured (DATABASE_URL is not set and no local server runs in "
         f"{state_dir()})",

@@ -288,12 +288,7 @@ def test_kill_9_of_the_executor_mid_calls_executes_no_key_twice(
     ]
     keys = [c.operation.key for c in calls]
     env.server.fault(target="refund_order", kind="slow", delay_ms=400, times=None)
-    command = [
-        sys.executable, "-m", "agentruns.connectors.executors.tool",
-        "--bootstrap", env.harness.bootstrap, "--database-url", env.harness.database_url,
-        "--prefix", env.harness.prefix, "--instance", "k9mcp",
-        "--registry", str(env.registry), "--workers", "8", "--max-batch", "8",
-    ]  # fmt: skip
+    command = env.harness.tool_executor_command(env.registry, "k9mcp", workers=8, max_batch=8)
     env.harness.stop_executor()  # the subprocesses take over the executor group
     try:
         first = subprocess.Popen(command, cwd=REPO)

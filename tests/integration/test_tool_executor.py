@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -480,12 +479,7 @@ def test_kill_9_mid_batch_and_restart_executes_no_key_twice(
     # a little latency per call so the kill lands while calls are in flight
     env.fault(target="create_ticket", kind="slow", delay_ms=20, times=None)
     before = env.stats()["tool_calls"]
-    command = [
-        sys.executable, "-m", "agentruns.connectors.executors.tool",
-        "--bootstrap", env.harness.bootstrap, "--database-url", env.harness.database_url,
-        "--prefix", env.harness.prefix, "--instance", "k9",
-        "--registry", str(env.registry), "--workers", "16", "--max-batch", "50",
-    ]  # fmt: skip
+    command = env.harness.tool_executor_command(env.registry, "k9", workers=16, max_batch=50)
     env.harness.stop_executor()  # the subprocesses take over the executor group
     try:
         first = subprocess.Popen(command, cwd=REPO)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,6 +158,18 @@ class Harness:
         self.effects.producer.flush(5)
         del self.effects.producer
         gc.collect()
+
+    def tool_executor_command(
+        self, registry: Path, instance: str, *, workers: int, max_batch: int
+    ) -> list[str]:
+        """`agentruns executor tool` as a process of its own on this harness's topics (the
+        tests that kill it -9)."""
+        return [
+            sys.executable, "-m", "agentruns.connectors.executors.tool",
+            "--bootstrap", self.bootstrap, "--database-url", self.database_url,
+            "--prefix", self.prefix, "--instance", instance, "--registry", str(registry),
+            "--workers", str(workers), "--max-batch", str(max_batch),
+        ]  # fmt: skip
 
     def config(self, kind: str, **overrides: Any) -> ExecutorConfig:
         values: dict[str, Any] = {"max_in_flight": 64, "max_batch": 64, **overrides}
