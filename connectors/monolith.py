@@ -62,8 +62,17 @@ class Monolith:
         self._closers: list[Callable[[], object]] = []
         store = PostgresArtifactStore(database_url)
         self._closers.append(store.close)
-        # the registry the tool executor calls is also the catalog tasks are held to
-        self.catalog = catalog_of(registry)
+
+        def executor(kind: str) -> ExecutorConfig:
+            return ExecutorConfig(
+                bootstrap=bootstrap, database_url=database_url, kind=kind, prefix=prefix
+            )
+
+        self.tool_executor = ToolExecutor(executor("tool"), registry, base_url=tool_base_url)
+        # the tools the tool executor runs (its MCP servers listed once, by it) are also the
+        # catalog tasks are held to and the descriptions the model is offered
+        tools = self.tool_executor.tools()
+        self.catalog = catalog_of(registry, tools)
         log.info("tool catalog %s (%d tools)", self.catalog.version, len(self.catalog.tools))
         self.processor = Processor(
             ProcessorConfig(
@@ -74,16 +83,9 @@ class Monolith:
             ),
             store.put_many,
         )
-
-        def executor(kind: str) -> ExecutorConfig:
-            return ExecutorConfig(
-                bootstrap=bootstrap, database_url=database_url, kind=kind, prefix=prefix
-            )
-
         self.model_executor = ModelExecutor(
-            executor("model"), Routes.from_env(None, model_base_url), registry
+            executor("model"), Routes.from_env(None, model_base_url), registry, tools
         )
-        self.tool_executor = ToolExecutor(executor("tool"), registry, base_url=tool_base_url)
         self.timer = TimerService(bootstrap, database_url, prefix=prefix)
         self.sink = Sink(SinkConfig(bootstrap=bootstrap, database_url=database_url, prefix=prefix))
         self.components: dict[str, Any] = {

@@ -1142,12 +1142,15 @@ class ModelHandler:
         database_url: str,
         routes: Routes,
         registry: ToolRegistry | None = None,
+        described: Mapping[str, ToolEntry] | None = None,
     ) -> None:
         self.routes = routes
         self.registry = registry
         # the tools' descriptions the model is offered: the registry's HTTP tools and what its
-        # MCP servers list at start
-        self.described: Mapping[str, ToolEntry] = {} if registry is None else tools_of(registry)
+        # MCP servers list at start (``described``, when the caller has listed them already)
+        if described is None:
+            described = {} if registry is None else tools_of(registry)
+        self.described: Mapping[str, ToolEntry] = described
         self._cache = _ArtifactCache(database_url)
         self._conversations = Conversations()
         # One keep-alive connection per worker thread and origin. Connect timeouts and byte
@@ -1525,6 +1528,7 @@ class ModelExecutor(Executor):
         config: ExecutorConfig,
         routes: Routes | None = None,
         registry: ToolRegistry | Path | str | None = None,
+        described: Mapping[str, ToolEntry] | None = None,
     ) -> None:
         if registry is not None and not isinstance(registry, ToolRegistry):
             registry = ToolRegistry.load(registry)
@@ -1532,6 +1536,7 @@ class ModelExecutor(Executor):
             config.database_url,
             routes or Routes.from_env(),
             registry,
+            described,
         )
         try:
             super().__init__(config, handler)

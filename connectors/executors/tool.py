@@ -974,6 +974,11 @@ class ToolExecutor(Executor):
         except BaseException:
             handler.close()
             raise
+        self.tool_handler = handler
+
+    def tools(self) -> dict[str, ToolEntry]:
+        """Every tool this executor runs now (its registry's and what its MCP servers listed)."""
+        return self.tool_handler.tools()
 
 
 def main(argv: list[str] | None = None) -> int:
