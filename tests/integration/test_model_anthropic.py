@@ -35,9 +35,14 @@ def server() -> Iterator[ServerHandle]:
     handle.close()
 
 
+@pytest.fixture(autouse=True)
+def fresh(server: ServerHandle) -> None:
+    """Each test starts with no fault rule of another's left (the tests' order varies)."""
+    httpx.post(server.url + "/reset").raise_for_status()
+
+
 @pytest.fixture
 def client(server: ServerHandle) -> Iterator[anthropic.Anthropic]:
-    httpx.post(server.url + "/reset").raise_for_status()
     with anthropic.Anthropic(base_url=server.url, api_key="test-key", max_retries=0) as c:
         yield c
 
