@@ -20,6 +20,7 @@ from agentruns.processors.state import (
     Frozen,
     LoopLimits,
     Policy,
+    RunState,
     RunStatus,
     Tools,
 )
@@ -260,8 +261,34 @@ class InputRefused(EventBase, tag="InputRefused", frozen=True, kw_only=True, gc=
     input_id: Id | None = None
 
 
+class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
+    """What a fork changes of the state it copies, applied by the core as it starts the fork."""
+
+    #: Another model route for the fork's model calls (its frozen configuration is re-made).
+    model_route: Id | None = None
+
+
+class ForkedFrom(EventBase, tag="ForkedFrom", frozen=True, kw_only=True, gc=False):
+    """The first record of a fork: a new run that starts from another run's state at one seq
+    (agentruns.processors.lineage). Written by whoever forks (`agentruns fork`/`resume`, the
+    API) with ``event_id`` = the new run's submission id, so forking twice with one
+    idempotency key gives one fork. ``state`` is the source's state after its record ``source_seq``,
+    as folded from its log: the record alone explains the fork's start, the source is never
+    read again. Effects the source completed are part of that state; what it was waiting on
+    is asked for again under the fork's own keys."""
+
+    type: ClassVar[Literal["ForkedFrom"]] = "ForkedFrom"
+    source_run_id: Id
+    source_seq: Count
+    state: RunState  # bounded by the record size, like a snapshot
+    edits: ForkEdits = ForkEdits()
+    #: Who forked it (an operator through the API or the CLI), kept in the log.
+    actor: Id | None = None
+
+
 Event = (
     RunSubmitted
+    | ForkedFrom
     | ModelCallCompleted
     | ToolCallAccepted
     | ToolStatusReported
@@ -285,6 +312,7 @@ Event = (
 
 EVENT_TYPES: tuple[str, ...] = (
     "RunSubmitted",
+    "ForkedFrom",
     "ModelCallCompleted",
     "ToolCallAccepted",
     "ToolStatusReported",

@@ -36,6 +36,7 @@ from agentruns.processors.events import (
     CancelUnconfirmed,
     Candidate,
     Event,
+    ForkedFrom,
     GapTimedOut,
     GoalChanged,
     InputRefused,
@@ -60,6 +61,7 @@ from agentruns.processors.events import (
 from agentruns.processors.ids import (
     canonical_json,
     content_ref,
+    derive_key,
     effect_key,
     operation_key,
     question_id,
@@ -1178,25 +1180,17 @@ def _on_submitted(e: RunSubmitted) -> Transition:
     problem = task_problem(e) or catalog_refusal(e)
     # a refused task's tools are not kept: its state holds nothing it could not serialize
     tools = e.tools if problem is None else ()
-    frozen = canonical_json(
-        {
-            "tools": [t.model_dump(mode="json") for t in tools],
-            "policy": e.policy.model_dump(mode="json"),
-            "budgets": e.budgets.model_dump(mode="json"),
-            "loop": e.loop.model_dump(mode="json"),
-            "model_route": e.model_route,
-            "validator_version": e.validator_version,
-        }
-    )
     config = RunConfig(
         tools=tools,
-        config_ref=content_ref(frozen),
+        config_ref="",
         policy=e.policy,
         budgets=e.budgets,
         loop=e.loop,
         model_route=e.model_route,
         validator_version=e.validator_version,
     )
+    frozen = frozen_config(config)
+    config = replace(config, config_ref=content_ref(frozen))
     s = RunState(
         run_id=e.run_id,
         trace_id=e.trace_id,
@@ -1220,6 +1214,153 @@ def _on_submitted(e: RunSubmitted) -> Transition:
     if e.budgets.deadline_at is not None:
         s = _schedule(s, out, TimerPurpose.DEADLINE, e.budgets.deadline_at)
     return out.done(_enter_ready(s, out, new_step=False, messages=e.messages))
+
+
+# --------------------------------------------------------------------------- forks
+
+
+def frozen_config(config: RunConfig) -> str:
+    """The frozen run configuration artifact of `config` (its ref is ``config.config_ref``)."""
+    return canonical_json(
+        {
+            "tools": [t.model_dump(mode="json") for t in config.tools],
+            "policy": config.policy.model_dump(mode="json"),
+            "budgets": config.budgets.model_dump(mode="json"),
+            "loop": config.loop.model_dump(mode="json"),
+            "model_route": config.model_route,
+            "validator_version": config.validator_version,
+        }
+    )
+
+
+def fork_timer_id(run_id: str, source_timer_id: str) -> str:
+    """The fork's id of a timer the source had pending (the source's stays the source's)."""
+    return "tmr-" + derive_key("timer", run_id, "fork", source_timer_id)[:32]
+
+
+def _rekeyed_text(text: str, keys: dict[str, str]) -> str:
+    for old, new in keys.items():
+        text = text.replace(old[:16], new[:16])
+    return text
+
+
+def _on_forked(e: ForkedFrom) -> Transition:
+    """Start a fork: the source's state at the fork point under the fork's identity, then the
+    effects the source was waiting on asked for again under the fork's keys (its operations,
+    timers and question are re-keyed from the fork's run id: nothing of the fork can be
+    answered by, or answer, the source). Completed effects are not asked for: their results
+    are in the state. Version, time and counters are the source's: folding the source's later
+    inputs (re-addressed to the fork) gives the source's later states, up to those keys."""
+    src = e.state
+    if e.run_id == src.run_id:
+        return _unchanged(None, Disposition.REJECTED, "a fork needs a run id of its own")
+    if src.status in TRANSIENT:
+        return _unchanged(None, Disposition.REJECTED, f"no fork from {src.status.value}")
+    if src.cancel_requested and not src.terminal:
+        return _unchanged(None, Disposition.REJECTED, "the source is being cancelled there")
+    run_id = e.run_id
+    keys = {o.key: operation_key(run_id, o.step, o.tool, o.args_json) for o in src.ops}
+    # an accepted asynchronous operation is the backend's under the source's key: the fork's
+    # key is unknown there, so the fork dispatches it again (and drops its poll timer)
+    redispatched = {o.key for o in src.ops if o.status in _POLLABLE}
+    ops = tuple(
+        replace(
+            o,
+            key=keys[o.key],
+            status=OpStatus.DISPATCHED if o.key in redispatched else o.status,
+            polls=0 if o.key in redispatched else o.polls,
+        )
+        for o in src.ops
+    )
+    timers = tuple(
+        replace(
+            t,
+            timer_id=fork_timer_id(run_id, t.timer_id),
+            op_key=None if t.op_key is None else keys.get(t.op_key, t.op_key),
+        )
+        for t in src.timers
+        if not (t.purpose is TimerPurpose.TOOL_POLL and t.op_key in redispatched)
+    )
+    question = src.question
+    if question is not None:
+        qid = question_id(run_id, src.step, src.attempt, question.kind, question.version)
+        question = replace(
+            question,
+            question_id=qid,
+            token_id=resume_token_id(run_id, qid, question.version),
+            timer_id=fork_timer_id(run_id, question.timer_id),
+        )
+    s = replace(
+        src,
+        run_id=run_id,
+        trace_id=e.trace_id,
+        # the core's texts quote an operation by its key's head: the fork's, in the fork
+        outcome=None if src.outcome is None else _rekeyed_text(src.outcome, keys),
+        warnings=tuple(_rekeyed_text(w, keys) for w in src.warnings),
+        submitted_event_id=e.event_id,
+        # the source's submission is the fork's own in the fork
+        recent_event_ids=tuple(
+            e.event_id if i == src.submitted_event_id else i for i in src.recent_event_ids
+        ),
+        ops=ops,
+        timers=timers,
+        question=question,
+    )
+    out = _Out(s, e)
+    if e.edits.model_route is not None and e.edits.model_route != s.config.model_route:
+        config = replace(s.config, model_route=e.edits.model_route)
+        frozen = frozen_config(config)
+        s = replace(s, config=replace(config, config_ref=content_ref(frozen)))
+        out.store(frozen)
+    for t in s.timers:
+        out.effects.append(
+            ScheduleTimer(
+                idempotency_key=effect_key("schedule_timer", run_id, s.step, s.attempt, t.timer_id),
+                timer_id=t.timer_id,
+                due_at=t.due_at,
+                purpose=t.purpose,
+                **out.ids(s),
+            )
+        )
+    if s.terminal:
+        return Transition(state=s, effects=tuple(out.effects), artifacts=tuple(out.artifacts))
+    # operations in flight (a step's, or an earlier step's still running) go out again; one
+    # whose outcome the source did not know is looked up under its new key
+    for op in s.ops:
+        if op.status is OpStatus.DISPATCHED:
+            _send(s, out, op)
+        elif op.status is OpStatus.UNKNOWN:
+            out.effects.append(
+                Reconcile(
+                    idempotency_key=effect_key(
+                        "reconcile", run_id, op.step, s.attempt, op.key, op.dispatch
+                    ),
+                    operation_key=op.key,
+                    tool=op.tool,
+                    dispatch=op.dispatch,
+                    **out.ids(s, op.step),
+                )
+            )
+    if redispatched and s.status in (RunStatus.TOOL_RUNNING, RunStatus.WAITING_TOOL):
+        s = replace(s, status=_tool_phase(s))
+    if s.status is RunStatus.MODEL_RUNNING:
+        _call_model(s, out)
+    elif s.status is RunStatus.WAITING_USER and question is not None:
+        out.effects.append(
+            AskUser(
+                idempotency_key=effect_key(
+                    "ask_user", run_id, s.step, s.attempt, question.question_id
+                ),
+                question_id=question.question_id,
+                question_ref=question.artifact_ref,
+                response_schema=question.response_schema,
+                expires_at=question.expires_at,
+                token_id=question.token_id,
+                state_version=question.version,
+                **out.ids(s),
+            )
+        )
+    return Transition(state=s, effects=tuple(out.effects), artifacts=tuple(out.artifacts))
 
 
 # --------------------------------------------------------------------------- the table
@@ -1336,6 +1477,8 @@ def transition(state: RunState | None, event: Event) -> Transition:
         match event:
             case RunSubmitted():
                 return _on_submitted(event)
+            case ForkedFrom():
+                return _on_forked(event)
             case _:
                 return _unchanged(None, Disposition.REJECTED, "unknown run: submit it first")
     if event.run_id != state.run_id:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from agentruns.processors.events import Event, RunSubmitted
+from agentruns.processors.events import Event, ForkedFrom, RunSubmitted
 from agentruns.processors.state import RunState
 from agentruns.processors.transition import Transition, transition
 
@@ -60,9 +60,11 @@ def transition_for(version: int) -> Rules:
 
 def version_of(state: RunState | None, event: Event) -> int:
     """The rules version `event` is applied under: the run's, or for a run that does not exist
-    yet, the one its submission carries (1 when none)."""
+    yet, the one its submission carries (1 when none); a fork keeps its source's."""
     if state is not None:
         return of_state(state)
+    if isinstance(event, ForkedFrom):
+        return of_state(event.state)
     if isinstance(event, RunSubmitted) and event.rules_version is not msgspec.UNSET:
         return event.rules_version
     return 1

@@ -705,6 +705,13 @@ def fields_for(kind: str, s: RunState) -> dict[str, st.SearchStrategy[Any]]:
         "RedriveRequested": {"version": own(s.version, counts), "reason": texts},
         "GapTimedOut": {"expected_seq": counts, "diagnosis": texts},
         "InputRefused": {"reason": texts, "input_id": ids},
+        "ForkedFrom": {
+            "run_id": st.sampled_from(["fork-1", s.run_id]),
+            "source_run_id": own(s.run_id, ids),
+            "source_seq": counts,
+            "state": st.sampled_from(reachable_states()).map(lambda r: r.model_dump()),
+            "edits": st.fixed_dictionaries({}, optional={"model_route": ids}),
+        },
     }
     base = {
         "run_id": st.just(s.run_id),
@@ -719,7 +726,7 @@ def fields_for(kind: str, s: RunState) -> dict[str, st.SearchStrategy[Any]]:
 def hostile_inputs(draw: st.DrawFn) -> tuple[RunState | None, str]:
     kind = draw(st.sampled_from(EVENT_TYPES))
     accepting: list[RunState | None] = [s for s in reachable_states() if (s.status, kind) in TABLE]
-    if kind == "RunSubmitted":
+    if kind in ("RunSubmitted", "ForkedFrom"):
         accepting = [None]
     fitting = st.sampled_from(accepting or [None])
     state = draw(st.one_of(fitting, fitting, fitting, st.sampled_from((None, *reachable_states()))))

@@ -1,0 +1,147 @@
+"""Forks and resumes, pure: the state a run had at one seq, the fork's first record, and where
+a failed run is resumed (docs/design.md, "Lineage: forks and resumes").
+
+A fork is a new run whose log begins with a `ForkedFrom` record carrying its source's state at
+the fork point; the core starts it from that record alone (`transition._on_forked`). The
+shell reads the source's log, and these functions decide from it what to write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from agentruns.processors import versions
+from agentruns.processors.events import (
+    Event,
+    ForkedFrom,
+    ForkEdits,
+    ModelCallCompleted,
+    ModelOutcome,
+    ToolCallFailed,
+    ToolCallTimedOut,
+)
+from agentruns.processors.ids import submit_event_id, trace_id_for
+from agentruns.processors.state import RunState, RunStatus
+from agentruns.processors.transition import Disposition
+
+#: Statuses a run may be resumed from: it ended without doing what it was asked.
+RESUMABLE: frozenset[RunStatus] = frozenset(
+    {RunStatus.FAILED, RunStatus.EXPIRED, RunStatus.BUDGET_EXHAUSTED}
+)
+
+
+class ForkError(ValueError):
+    """A fork or a resume that cannot be made, with the reason (no such run, no such seq...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """One record of a run's log, as its fold saw it."""
+
+    seq: int
+    event: Event
+    disposition: Disposition
+    state: RunState | None  # the run's state after this record
+
+
+def folded(records: Iterable[tuple[int, Event]]) -> list[Folded]:
+    """A run's log (seq, event), folded under the run's own rules version."""
+    out: list[Folded] = []
+    state: RunState | None = None
+    for seq, event in records:
+        result = versions.apply(state, event)
+        state = result.state
+        out.append(Folded(seq, event, result.disposition, state))
+    return out
+
+
+def state_at(log: Sequence[Folded], seq: int) -> RunState:
+    """The run's state after its record `seq` (ForkError when the log has no such record)."""
+    if not log:
+        raise ForkError("the run has no records")
+    last = log[-1].seq
+    if seq < 1 or seq > last:
+        raise ForkError(f"seq {seq} is outside the run's log (1..{last})")
+    for entry in log:
+        if entry.seq == seq:
+            if entry.state is None:
+                raise ForkError(f"the run has no state at seq {seq}")
+            return entry.state
+    raise ForkError(f"the run's log has no record {seq}")
+
+
+def fork_record(
+    source: Sequence[Folded],
+    seq: int,
+    *,
+    run_id: str,
+    at: int,
+    edits: ForkEdits | None = None,
+    actor: str | None = None,
+) -> ForkedFrom:
+    """The first record of the fork `run_id` of the run whose log is `source`, at `seq`."""
+    state = state_at(source, seq)
+    if run_id == state.run_id:
+        raise ForkError("a fork needs a run id of its own (another idempotency key)")
+    return ForkedFrom(
+        run_id=run_id,
+        event_id=submit_event_id(run_id),
+        at=max(at, state.time.last_at),
+        trace_id=trace_id_for(run_id),
+        source_run_id=state.run_id,
+        source_seq=seq,
+        state=state,
+        edits=edits or ForkEdits(),
+        actor=actor,
+    )
+
+
+def _terminal(state: RunState | None) -> bool:
+    return state is not None and state.terminal
+
+
+def _failure_of(event: Event) -> str | None:
+    """What failed, if `event` reports a failed effect: an operation's key or a model step."""
+    match event:
+        case ToolCallFailed() | ToolCallTimedOut():
+            return "op:" + event.operation_key
+        case ModelCallCompleted() if event.outcome is not ModelOutcome.FINISHED:
+            return f"model:{event.step}"
+    return None
+
+
+def resume_point(log: Sequence[Folded]) -> int:
+    """Where a failed run is resumed: the seq just before the first failure of the effect whose
+    failure ended it (its retries included, so the fork gives it its whole allowance again), or
+    the seq before the record that ended it when no effect failed (a budget stop, a refused
+    input). ForkError when the run is not resumable."""
+    if not log or log[-1].state is None:
+        raise ForkError("the run has no state")
+    final = log[-1].state
+    if final.status not in RESUMABLE:
+        what = "still running" if not final.terminal else final.status.value
+        raise ForkError(f"only a failed run is resumed (the run is {what}); fork it instead")
+    # the record that ended the run (after its last correction, if it was reopened)
+    end = len(log) - 1
+    while end > 0 and _terminal(log[end - 1].state):
+        end -= 1
+    failed: list[tuple[int, str]] = []
+    for i, entry in enumerate(log[: end + 1]):
+        failure = _failure_of(entry.event)
+        if (
+            failure is not None
+            and entry.disposition is Disposition.APPLIED
+            and entry.state is not None
+            and entry.state.resolution == final.resolution
+        ):
+            failed.append((i, failure))
+    if not failed:
+        if end == 0:
+            raise ForkError("the run ended at its first record: submit it again instead")
+        return log[end - 1].seq
+    last = failed[-1][1]
+    first = next(i for i, w in failed if w == last)
+    if first == 0:
+        raise ForkError("the run failed at its first record")
+    return log[first - 1].seq
