@@ -113,6 +113,18 @@ def _redrive(argv: list[str]) -> int:
     return main_redrive(argv)
 
 
+def _fork(argv: list[str]) -> int:
+    from agentruns.connectors.forks import main_fork
+
+    return main_fork(argv)
+
+
+def _resume(argv: list[str]) -> int:
+    from agentruns.connectors.forks import main_resume
+
+    return main_resume(argv)
+
+
 def _replay(argv: list[str]) -> int:
     from agentruns.connectors.projection.replay import main
 
@@ -153,6 +165,8 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("resolve",): (_resolve, "operator: continue, fail, succeed or reconcile a paused run"),
     ("reopen",): (_reopen, "operator: reopen an ended run"),
     ("redrive",): (_redrive, "operator: drive a run stuck without a pending timer"),
+    ("fork",): (_fork, "start a new run from a run's state at one seq"),
+    ("resume",): (_resume, "resume a failed run after a fix (a fork before its failure)"),
     ("replay",): (_replay, "print a run's timeline from the log"),
     ("audit",): (_audit, "fold the log, compare with snapshots and Postgres"),
     ("revalidate",): (_revalidate, "re-run validators over candidates"),

@@ -52,7 +52,7 @@ from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError, No
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.settings import current
 from agentruns.processors.catalog import Catalog
-from agentruns.processors.events import CancelRequested
+from agentruns.processors.events import CancelRequested, ForkedFrom
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
 from agentruns.streams import tracing
@@ -336,6 +336,21 @@ class RunsProducer:
         record = input_record(event, input_id=input_id, producer_id=pid, producer_seq=producer_seq)
         self._send(record)
         return Submission(run_id, event.trace_id, input_id)
+
+    def fork(self, record: ForkedFrom) -> Submission:
+        """Queue the first record of a fork (`agentruns.connectors.forks.plan` makes it): input
+        1 of this producer for the fork's run, like a task, so the same fork twice is one.
+
+        Raises:
+            InvalidInputError: Its record is over `max_record_bytes`; nothing is produced.
+            AgentrunsKafkaError: The record could not be queued.
+        """
+        self._send(
+            input_record(
+                record, input_id=record.event_id, producer_id=self.producer_id, producer_seq=1
+            )
+        )
+        return Submission(record.run_id, record.trace_id, record.event_id)
 
     def _send(
         self, record: dict[str, Any], headers: list[tuple[str, str | bytes | None]] | None = None

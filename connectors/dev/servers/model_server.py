@@ -505,6 +505,12 @@ class ModelServerApp:
                 "conversations": len({k[1] for k in self._attempts}),
             }
 
+    def turns(self, conversation: str) -> dict[int, int]:
+        """How many requests each turn of a conversation (a run) received: what a test
+        asserts when a turn must not be asked again."""
+        with self._lock:
+            return {t: n for (_, c, t), n in self._attempts.items() if c == conversation}
+
     def reset(self) -> None:
         with self._lock:
             self._rules.clear()

@@ -1,0 +1,175 @@
+"""`agentruns fork` and `agentruns resume`: a new run from another run's state at one seq.
+
+The source's log is read from `<prefix>.events` and folded (the core decides the state and,
+for a resume, the seq: `agentruns.processors.lineage`); the fork's `ForkedFrom` record is
+produced to the inbox through the door of a task (`RunsProducer.fork`): input 1 of its
+producer for a run whose id derives from the idempotency key, so forking twice with one key
+gives one fork. The source is only read, never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
+from agentruns.connectors.lifecycle import progress
+from agentruns.connectors.projection.reading import read_log
+from agentruns.connectors.settings import current
+from agentruns.processors.events import ForkedFrom, ForkEdits
+from agentruns.processors.ids import run_id_for_key
+from agentruns.processors.limits import MAX_ID_CHARS
+from agentruns.processors.lineage import Folded, ForkError, folded, fork_record, resume_point
+from agentruns.streams.clock import now_ms
+from agentruns.streams.records import parse_event_body
+from agentruns.streams.topics import default_prefix
+
+
+class NoSuchRunError(AgentrunsError):
+    """The run to fork has no records in the log."""
+
+
+class ForkRefusedError(AgentrunsError):
+    """The fork cannot be made (a seq outside the log, a run that did not fail...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A fork as produced: its record and the key it was made under."""
+
+    record: ForkedFrom
+    idempotency_key: str
+
+    def as_json(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "run_id": r.run_id,
+            "trace_id": r.trace_id,
+            "input_id": r.event_id,
+            "source_run_id": r.source_run_id,
+            "source_seq": r.source_seq,
+            "status": str(r.state.status),
+            "step": r.state.step,
+            "edits": r.edits.model_dump(),
+            "idempotency_key": self.idempotency_key,
+        }
+
+
+def source_log(bootstrap: str, prefix: str, run_id: str) -> list[Folded]:
+    """The run's log, folded; NoSuchRunError when it has none."""
+    if not run_id or len(run_id) > MAX_ID_CHARS:
+        raise NoSuchRunError(f"no run {run_id[:80]!r}")
+    records = read_log(bootstrap, prefix, [run_id], say=progress("fork")).get(run_id, [])
+    if not records:
+        raise NoSuchRunError(f"no run {run_id}: the log has no records of it")
+    return folded((r["seq"], parse_event_body(r["body"])) for r in records)
+
+
+def default_key(source_run_id: str, seq: int, edits: ForkEdits) -> str:
+    """The key of a fork made without one: the same fork of the same point is one run."""
+    return f"fork:{source_run_id}:{seq}:{edits.model_route or ''}"
+
+
+def plan(
+    log: Sequence[Folded],
+    seq: int,
+    *,
+    key: str | None = None,
+    edits: ForkEdits | None = None,
+    actor: str | None = None,
+    at: int | None = None,
+) -> Fork:
+    """The fork of the run whose log is `log`, at `seq` (ForkRefusedError when it cannot be)."""
+    edits = edits or ForkEdits()
+    source = log[0].event.run_id if log else ""
+    key = key or default_key(source, seq, edits)
+    if len(key) > MAX_ID_CHARS:
+        raise ForkRefusedError(f"the idempotency key is over {MAX_ID_CHARS} characters")
+    try:
+        record = fork_record(
+            log,
+            seq,
+            run_id=run_id_for_key(key),
+            at=now_ms() if at is None else at,
+            edits=edits,
+            actor=actor,
+        )
+    except ForkError as exc:
+        raise ForkRefusedError(f"cannot fork {source}: {exc}") from None
+    return Fork(record, key)
+
+
+def resume_seq(log: Sequence[Folded]) -> int:
+    """Where the failed run `log` is resumed (ForkRefusedError when it is not resumable)."""
+    try:
+        return resume_point(log)
+    except ForkError as exc:
+        source = log[0].event.run_id if log else "the run"
+        raise ForkRefusedError(f"cannot resume {source}: {exc}") from None
+
+
+def produce(bootstrap: str, prefix: str, fork: Fork, producer_id: str) -> None:
+    from agentruns.connectors.api.client import RunsProducer
+
+    with RunsProducer(bootstrap, producer_id=producer_id, prefix=prefix) as producer:
+        producer.fork(fork.record)
+
+
+def _edits(args: argparse.Namespace) -> ForkEdits:
+    route = getattr(args, "route", None)
+    if route is not None and (not route or len(route) > MAX_ID_CHARS):
+        raise InvalidArgumentError(f"--route must be 1 to {MAX_ID_CHARS} characters")
+    return ForkEdits(model_route=route)
+
+
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"agentruns {name}", description=description)
+    parser.add_argument("run_id", help="the run to fork (it is only read)")
+    parser.add_argument("--key", help="idempotency key of the fork (same key -> same fork)")
+    parser.add_argument("--producer-id", default=current().producer_id)
+    parser.add_argument("--prefix", default=default_prefix())
+    return parser
+
+
+def _bootstrap() -> str:
+    from agentruns.connectors.endpoints import configured_kafka
+
+    return configured_kafka()
+
+
+def main_fork(argv: Sequence[str] | None = None) -> int:
+    parser = _parser(
+        "fork",
+        "Start a new run from a run's state at one seq: its log begins with a ForkedFrom "
+        "record naming the source and the seq; the source is never changed.",
+    )
+    parser.add_argument("--at", type=int, required=True, metavar="SEQ", help="the fork point")
+    parser.add_argument("--route", help="another model route for the fork's model calls")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    edits = _edits(args)
+    bootstrap = _bootstrap()
+    log = source_log(bootstrap, args.prefix, args.run_id)
+    fork = plan(log, args.at, key=args.key, edits=edits, actor=f"cli:{args.producer_id}")
+    produce(bootstrap, args.prefix, fork, args.producer_id)
+    print(json.dumps(fork.as_json(), sort_keys=True), flush=True)
+    return 0
+
+
+def main_resume(argv: Sequence[str] | None = None) -> int:
+    parser = _parser(
+        "resume",
+        "Resume a failed run after a fix: a fork at the last step before its failure, so the "
+        "failed call runs again and nothing before it does.",
+    )
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    bootstrap = _bootstrap()
+    log = source_log(bootstrap, args.prefix, args.run_id)
+    seq = resume_seq(log)
+    key = args.key or f"resume:{args.run_id}:{seq}"
+    fork = plan(log, seq, key=key, actor=f"cli:{args.producer_id}")
+    produce(bootstrap, args.prefix, fork, args.producer_id)
+    print(json.dumps(fork.as_json(), sort_keys=True), flush=True)
+    return 0

@@ -1,0 +1,209 @@
+"""`agentruns resume` and `agentruns fork` end to end: processor, model and tool executors and the
+timer service against the real broker and Postgres, the scripted model and tool servers behind
+them, the commands run as an operator runs them (the console script).
+
+- A run fails on a tool bug (create_ticket answers 500 every time: retried, then the repeated
+  error fails the run); the tool is fixed; `agentruns resume` finishes it as a fork, and the
+  servers' own counters show nothing before the failure was asked again.
+- A fork at a later seq with another model route runs to its own end; the source's records on
+  the event topic are the same bytes before and after.
+- Hostile: a fork of a run that does not exist, a seq past the end, a resume of a run that
+  succeeded; a fork of a fork of a fork names its direct source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentruns.processors.ids import run_id_for_key
+from agentruns.streams.topics import topic_name
+from tests.support.pipeline import Pipeline, read_raw, running_pipeline
+
+AGENTRUNS = str(Path(sys.executable).parent / "agentruns")
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    tmp = tmp_path_factory.mktemp("forks")
+    with running_pipeline(kafka_bootstrap, database_url, tmp, timers=True) as pipe:
+        yield pipe
+
+
+@pytest.fixture
+def e2e(pipeline: Pipeline) -> Pipeline:
+    tools: Any = pipeline.tools.app
+    tools.reset()
+    httpx.delete(pipeline.models.url + "/faults", timeout=5).raise_for_status()
+    return pipeline
+
+
+def agentruns(e2e: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": e2e.bootstrap}
+    return subprocess.run(
+        [AGENTRUNS, *args, "--prefix", e2e.prefix],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def forked(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer: dict[str, Any] = json.loads(result.stdout)
+    return answer
+
+
+def refused(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agentruns: "), result.stderr
+    return lines[0]
+
+
+def new_run(name: str) -> str:
+    return f"fork-{name}-{time.monotonic_ns() % 10**9}"
+
+
+def bodies(e2e: Pipeline, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+    return [json.loads(e["body"]) for e in e2e.events(run_id) if kind in (None, e["type"])]
+
+
+def raw_log(e2e: Pipeline, run_id: str) -> list[bytes]:
+    """The run's records on the event topic, as bytes."""
+    topic = topic_name("events", e2e.prefix)
+    mine = (run_id + ":").encode()
+    return [r.value for r in read_raw(e2e.bootstrap, topic) if (r.key or b"").startswith(mine)]
+
+
+def tool_calls(e2e: Pipeline) -> dict[str, int]:
+    app: Any = e2e.tools.app
+    return dict(app.stats()["calls"])
+
+
+def model_turns(e2e: Pipeline, run_id: str) -> dict[int, int]:
+    app: Any = e2e.models.app
+    return dict(app.turns(run_id))
+
+
+def test_resume_after_a_tool_fix_repeats_nothing_before_the_failure(e2e: Pipeline) -> None:
+    e2e.tool_fault(target="create_ticket", kind="500", times=None)  # the tool's bug
+    run_id = new_run("bug")
+    e2e.submit(run_id)
+    result = e2e.result(run_id)
+    assert result["status"] == "FAILED", result
+    failures = bodies(e2e, run_id, "ToolCallFailed")
+    assert len(failures) == 3 and len({f["operation_key"] for f in failures}) == 1
+    (search,) = [k for k in bodies(e2e, run_id, "ToolCallSucceeded")]
+    source_bytes = raw_log(e2e, run_id)
+    turns_before = model_turns(e2e, run_id)
+    assert sorted(turns_before) == [0, 1]  # search_docs, then create_ticket
+    calls_before = tool_calls(e2e)
+    assert calls_before[search["operation_key"]] == 1
+    assert calls_before[failures[0]["operation_key"]] == 3
+
+    app: Any = e2e.tools.app
+    app.clear_rules()  # the fix
+    answer = forked(agentruns(e2e, "resume", run_id))
+    fork_id = answer["run_id"]
+    assert answer["source_run_id"] == run_id and answer["status"] == "TOOL_RUNNING"
+    first_failure_seq = next(e["seq"] for e in e2e.events(run_id) if e["type"] == "ToolCallFailed")
+    assert answer["source_seq"] == first_failure_seq - 1
+    assert e2e.result(fork_id)["status"] == "SUCCEEDED"
+
+    # the fork's log begins with its lineage and alone explains it
+    fork_events = e2e.events(fork_id)
+    assert fork_events[0]["seq"] == 1 and fork_events[0]["type"] == "ForkedFrom"
+    lineage = json.loads(fork_events[0]["body"])
+    assert (lineage["source_run_id"], lineage["source_seq"]) == (run_id, answer["source_seq"])
+    # nothing before the failure ran again: the source's search_docs was called once, the
+    # failed create_ticket went out again once under the fork's key, and the model was asked
+    # only the turns after it
+    calls = tool_calls(e2e)
+    assert calls[search["operation_key"]] == 1
+    assert calls[failures[0]["operation_key"]] == 3
+    ticket = [b for b in bodies(e2e, fork_id, "ToolCallSucceeded") if b["step"] == 2]
+    assert len(ticket) == 1 and calls[ticket[0]["operation_key"]] == 1
+    assert ticket[0]["operation_key"] != failures[0]["operation_key"]
+    fork_turns = model_turns(e2e, fork_id)
+    assert fork_turns and min(fork_turns) == 2, fork_turns
+    assert all(n == 1 for n in fork_turns.values()), fork_turns
+    assert model_turns(e2e, run_id) == turns_before
+    assert raw_log(e2e, run_id) == source_bytes  # the source is never changed
+
+    # resuming again is the same fork (its key derives from the source and the seq)
+    again = forked(agentruns(e2e, "resume", run_id))
+    assert again["run_id"] == fork_id
+    time.sleep(1)
+    assert [e["seq"] for e in e2e.events(fork_id)] == [e["seq"] for e in fork_events]
+
+
+def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(e2e: Pipeline) -> None:
+    run_id = new_run("route")
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "SUCCEEDED"
+    source_bytes = raw_log(e2e, run_id)
+    # the seq after which the model is asked its second turn (step 2)
+    seq = next(
+        e["seq"]
+        for e in e2e.events(run_id)
+        if e["type"] == "ToolCallSucceeded" and json.loads(e["body"])["step"] == 1
+    )
+    key = f"route-fork-{run_id}"
+    answer = forked(
+        agentruns(e2e, "fork", run_id, "--at", str(seq), "--route", "scenario:multi_tool",
+                  "--key", key)
+    )  # fmt: skip
+    fork_id = answer["run_id"]
+    assert fork_id == run_id_for_key(key)
+    assert answer["edits"] == {"model_route": "scenario:multi_tool"}
+    assert e2e.result(fork_id)["status"] == "SUCCEEDED"
+    calls = [c for c in e2e.effects("model", fork_id) if c["type"] == "CallModel"]
+    assert calls and all(c["model_route"] == "scenario:multi_tool" for c in calls)
+    assert min(c["step"] for c in calls) == 2  # step 1 is the source's, not asked again
+    assert raw_log(e2e, run_id) == source_bytes
+
+    # a fork of a fork of a fork: each names its direct source
+    source, chain = fork_id, [run_id, fork_id]
+    for generation in range(2):
+        answer = forked(agentruns(e2e, "fork", source, "--at", "1", "--key", f"{key}-{generation}"))
+        assert answer["source_run_id"] == source and answer["source_seq"] == 1
+        source = answer["run_id"]
+        chain.append(source)
+        assert e2e.result(source)["status"] == "SUCCEEDED"
+    assert len(set(chain)) == 4
+
+
+def test_forks_refuse_what_cannot_be_forked(e2e: Pipeline) -> None:
+    line = refused(agentruns(e2e, "fork", "run-does-not-exist", "--at", "1"))
+    assert "no run run-does-not-exist" in line
+    line = refused(agentruns(e2e, "resume", "run-does-not-exist"))
+    assert "no run" in line
+    run_id = new_run("ok")
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "SUCCEEDED"
+    last = e2e.events(run_id)[-1]["seq"]
+    line = refused(agentruns(e2e, "fork", run_id, "--at", str(last + 1)))
+    assert f"outside the run's log (1..{last})" in line
+    line = refused(agentruns(e2e, "fork", run_id, "--at", "0"))
+    assert "outside" in line
+    line = refused(agentruns(e2e, "resume", run_id))
+    assert "SUCCEEDED" in line
+    line = refused(agentruns(e2e, "fork", run_id, "--at", "1", "--route", "r" * 600))
+    assert "--route" in line
+    line = refused(agentruns(e2e, "fork", run_id, "--at", "1", "--key", "k" * 600))
+    assert "idempotency key" in line
