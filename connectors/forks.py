@@ -19,10 +19,11 @@ from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.settings import current
-from agentruns.processors.events import ForkedFrom, ForkEdits
+from agentruns.processors.events import ForkedFrom
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.lineage import Folded, ForkError, folded, fork_record, resume_point
+from agentruns.processors.state import ForkEdits
 from agentruns.streams.clock import now_ms
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import default_prefix

@@ -17,6 +17,7 @@ from agentruns.processors.state import (
     Budgets,
     Decoder,
     ErrorClass,
+    ForkEdits,
     Frozen,
     LoopLimits,
     Policy,
@@ -259,13 +260,6 @@ class InputRefused(EventBase, tag="InputRefused", frozen=True, kw_only=True, gc=
     type: ClassVar[Literal["InputRefused"]] = "InputRefused"
     reason: Text  # invalid_input:<what>[: detail]
     input_id: Id | None = None
-
-
-class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
-    """What a fork changes of the state it copies, applied by the core as it starts the fork."""
-
-    #: Another model route for the fork's model calls (its frozen configuration is re-made).
-    model_route: Id | None = None
 
 
 class ForkedFrom(EventBase, tag="ForkedFrom", frozen=True, kw_only=True, gc=False):

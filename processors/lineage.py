@@ -15,14 +15,13 @@ from agentruns.processors import versions
 from agentruns.processors.events import (
     Event,
     ForkedFrom,
-    ForkEdits,
     ModelCallCompleted,
     ModelOutcome,
     ToolCallFailed,
     ToolCallTimedOut,
 )
 from agentruns.processors.ids import submit_event_id, trace_id_for
-from agentruns.processors.state import RunState, RunStatus
+from agentruns.processors.state import ForkEdits, RunState, RunStatus
 from agentruns.processors.transition import Disposition
 
 #: Statuses a run may be resumed from: it ended without doing what it was asked.

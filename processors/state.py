@@ -423,6 +423,21 @@ class ValidationRecord(Frozen, frozen=True, kw_only=True, gc=False):
     evidence_hash: str
 
 
+class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
+    """What a fork changes of the state it copies, applied by the core as it starts the fork."""
+
+    #: Another model route for the fork's model calls (its frozen configuration is re-made).
+    model_route: Id | None = None
+
+
+class Lineage(Frozen, frozen=True, kw_only=True, gc=False):
+    """Where a fork comes from: its direct source, the seq it was forked at, the edits."""
+
+    source_run_id: Id
+    source_seq: Count
+    edits: ForkEdits = ForkEdits()
+
+
 class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     run_id: Id
     trace_id: Id
@@ -467,6 +482,9 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     recent_event_ids: tuple[str, ...] = ()
     control_event_ids: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    # The run this one was forked from (agentruns.processors.lineage); UNSET (not written) for
+    # a submitted run, so the snapshots of every other run are the bytes they were.
+    forked_from: Lineage | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def terminal(self) -> bool:

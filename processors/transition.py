@@ -79,6 +79,7 @@ from agentruns.processors.state import (
     Decoder,
     ErrorClass,
     Frozen,
+    Lineage,
     LoopMemory,
     Operation,
     OpStatus,
@@ -1254,6 +1255,8 @@ def _on_forked(e: ForkedFrom) -> Transition:
     src = e.state
     if e.run_id == src.run_id:
         return _unchanged(None, Disposition.REJECTED, "a fork needs a run id of its own")
+    if e.source_run_id != src.run_id:
+        return _unchanged(None, Disposition.REJECTED, "the state is not the source's")
     if src.status in TRANSIENT:
         return _unchanged(None, Disposition.REJECTED, f"no fork from {src.status.value}")
     if src.cancel_requested and not src.terminal:
@@ -1298,6 +1301,7 @@ def _on_forked(e: ForkedFrom) -> Transition:
         outcome=None if src.outcome is None else _rekeyed_text(src.outcome, keys),
         warnings=tuple(_rekeyed_text(w, keys) for w in src.warnings),
         submitted_event_id=e.event_id,
+        forked_from=Lineage(source_run_id=src.run_id, source_seq=e.source_seq, edits=e.edits),
         # the source's submission is the fork's own in the fork
         recent_event_ids=tuple(
             e.event_id if i == src.submitted_event_id else i for i in src.recent_event_ids

@@ -41,8 +41,10 @@ from agentruns.connectors.projection.rows import (
     run_row,
 )
 from agentruns.processors import versions
+from agentruns.processors.events import ForkedFrom
+from agentruns.processors.lineage import ForkError, folded, state_at
 from agentruns.processors.state import RunState
-from agentruns.streams.records import RunSlot
+from agentruns.streams.records import RunSlot, parse_event_body
 from agentruns.streams.topics import default_prefix
 
 log = logging.getLogger("agentruns.audit")
@@ -62,7 +64,7 @@ RECONCILE_LAGGING = Gauge(
 @dataclass(frozen=True)
 class Difference:
     run_id: str
-    where: str  # "log" (current core vs recorded), "snapshot", "postgres"
+    where: str  # "log" (current core vs recorded), "snapshot", "postgres", "lineage" (a fork)
     what: str
     expected: Any
     found: Any
@@ -119,6 +121,40 @@ def expected_projection(run_id: str, records: Sequence[dict[str, Any]]) -> Expec
         for row in projected.questions:
             merge_question(out.questions, row)
     return out
+
+
+def fork_source(records: Sequence[dict[str, Any]]) -> str | None:
+    """The run a fork was forked from (its first record's source), None for a submitted run."""
+    if not records or records[0]["type"] != "ForkedFrom":
+        return None
+    event = parse_event_body(records[0]["body"])
+    return event.source_run_id if isinstance(event, ForkedFrom) else None
+
+
+def compare_lineage(
+    run_id: str, records: Sequence[dict[str, Any]], source: Sequence[dict[str, Any]] | None
+) -> list[Difference]:
+    """A fork's first record against its source's log: the state it carries must be the
+    source's state folded to the seq it names (the source's log is the judge)."""
+    event = parse_event_body(records[0]["body"])
+    assert isinstance(event, ForkedFrom)
+    where = f"lineage of {event.source_run_id} seq {event.source_seq}"
+    if not source:
+        return [Difference(run_id, "lineage", where, "the source's log", None)]
+    try:
+        expected = state_at(
+            folded((r["seq"], parse_event_body(r["body"])) for r in source), event.source_seq
+        )
+    except ForkError as exc:
+        return [Difference(run_id, "lineage", where, "a state", str(exc))]
+    except versions.UnknownRulesVersionError as exc:
+        return [Difference(run_id, "lineage", where, "known rules", str(exc))]
+    if expected == event.state:
+        return []
+    return [
+        Difference(run_id, "lineage", f"{where}: {f}", "the source's", "another")
+        for f in _state_fields(expected, event.state)
+    ]
 
 
 def _state_fields(a: RunState, b: RunState) -> list[str]:
@@ -331,6 +367,10 @@ def audit(
     """
     logs = read_log(bootstrap, prefix, run_ids, say=say)
     chosen = sorted(logs)
+    sources = {r: fork_source(logs[r]) for r in chosen}
+    missing = sorted({s for s in sources.values() if s is not None and s not in logs})
+    if missing:  # a fork's source outside the audited runs: read to check the lineage
+        logs = {**read_log(bootstrap, prefix, missing, say=say), **logs}
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
     snapshots = read_snapshots(bootstrap, prefix, say=say)
@@ -342,6 +382,9 @@ def audit(
     for run_id in chosen:
         exp = expected_projection(run_id, logs[run_id])
         differences.extend(exp.divergences)
+        source = sources.get(run_id)
+        if source is not None:
+            differences.extend(compare_lineage(run_id, logs[run_id], logs.get(source)))
         evicted = run_id in snapshots and snapshots[run_id] is None
         if evicted and exp.state is not None and exp.state.terminal:
             pass  # evicted after it ended: the log and Postgres still say all there is

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
+
 from agentruns.connectors.postgres.bulk import clamp_ms
 from agentruns.processors import versions
 from agentruns.processors.effects import Effect
@@ -96,6 +98,8 @@ RUN_COLUMNS = (
     "outcome",
     "result_ref",
     "state",
+    "forked_from_run_id",
+    "forked_from_seq",
 )
 EVENT_COLUMNS = (
     "run_id",
@@ -184,7 +188,15 @@ def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
         state.outcome,
         state.result_ref,
         state.model_dump_json(),
+        *_lineage(state),
     )
+
+
+def _lineage(state: RunState) -> tuple[str | None, int | None]:
+    lineage = state.forked_from
+    if isinstance(lineage, msgspec.UnsetType):
+        return None, None
+    return lineage.source_run_id, lineage.source_seq
 
 
 def run_row(state: RunState, last_seq: int) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from agentruns.connectors.projection.rows import project_event
 from agentruns.processors.effects import (
     AskUser,
@@ -75,6 +77,8 @@ class TimelineEntry:
     waits_ms: dict[str, int]
     # what the event added to the run's model usage (a model answer's tokens and cost)
     usage: dict[str, int]
+    # a fork's first record: the source, the seq it was forked at, the edits
+    lineage: dict[str, Any] | None = None
 
 
 def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], RunState | None]:
@@ -114,6 +118,9 @@ def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], Ru
                 "user": new.time.user_wait_ms - state.time.user_wait_ms,
             }
         applied = projected.disposition is Disposition.APPLIED
+        lineage = None
+        if applied and record["type"] == "ForkedFrom":
+            lineage = lineage_of(new)
         entries.append(
             TimelineEntry(
                 seq=record["seq"],
@@ -131,10 +138,27 @@ def timeline(records: Sequence[dict[str, Any]]) -> tuple[list[TimelineEntry], Ru
                 operations=ops,
                 waits_ms=waits,
                 usage=usage,
+                lineage=lineage,
             )
         )
         state = new
     return entries, state
+
+
+def lineage_of(state: RunState) -> dict[str, Any] | None:
+    """The run's source, fork point and edits, when it is a fork."""
+    lineage = state.forked_from
+    if isinstance(lineage, msgspec.UnsetType):
+        return None
+    return lineage.model_dump()
+
+
+def _lineage_line(lineage: dict[str, Any]) -> str:
+    edits = ", ".join(f"{k}={v}" for k, v in sorted(lineage["edits"].items()) if v is not None)
+    return (
+        f"forked from {lineage['source_run_id']} at seq {lineage['source_seq']}"
+        f" (edits: {edits or 'none'})"
+    )
 
 
 def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunState | None) -> str:
@@ -151,6 +175,8 @@ def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunSta
         lines.append(
             f"{e.seq:>4}  {e.at}  {e.type:<20} {e.step}.{e.attempt}  {disposition:<9} {change}"
         )
+        if e.lineage is not None:
+            lines.append(f"      {_lineage_line(e.lineage)}")
         if e.path and len(e.path) > 1:
             lines.append(f"      path: {' -> '.join(e.path)}")
         if e.reason:
@@ -170,6 +196,9 @@ def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunSta
             lines.append(f"      time: {waited}")
     if state is not None:
         t = state.time
+        lineage = lineage_of(state)
+        if lineage is not None:
+            lines.append(_lineage_line(lineage))
         lines.append(
             f"final: {state.status} step {state.step} version {state.version} "
             f"resolution {state.resolution} outcome {state.outcome or '-'}"
@@ -196,6 +225,7 @@ def timeline_json(run_id: str, entries: Sequence[TimelineEntry], state: RunState
             "result_ref": state.result_ref,
             "time": state.time.model_dump(),
             "usage": state.usage.model_dump(),
+            "forked_from": lineage_of(state),
         }
     return json.dumps(
         {"run_id": run_id, "events": [asdict(e) for e in entries], "final": final},

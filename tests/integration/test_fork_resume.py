@@ -23,11 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import topic_name
 from tests.support.pipeline import Pipeline, read_raw, running_pipeline
+from tests.support.runlog import running_sink
+from tests.support.waiting import wait_for
 
 AGENTRUNS = str(Path(sys.executable).parent / "agentruns")
 
@@ -37,8 +40,16 @@ def pipeline(
     kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pipeline]:
     tmp = tmp_path_factory.mktemp("forks")
-    with running_pipeline(kafka_bootstrap, database_url, tmp, timers=True) as pipe:
+    with (
+        running_pipeline(kafka_bootstrap, database_url, tmp, timers=True) as pipe,
+        running_sink(kafka_bootstrap, database_url, pipe.prefix),
+    ):
         yield pipe
+
+
+@pytest.fixture(scope="module")
+def database(database_url: str) -> str:
+    return database_url
 
 
 @pytest.fixture
@@ -49,8 +60,12 @@ def e2e(pipeline: Pipeline) -> Pipeline:
     return pipeline
 
 
-def agentruns(e2e: Pipeline, *args: str) -> subprocess.CompletedProcess[str]:
+def agentruns(
+    e2e: Pipeline, *args: str, database: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": e2e.bootstrap}
+    if database is not None:
+        env["DATABASE_URL"] = database
     return subprocess.run(
         [AGENTRUNS, *args, "--prefix", e2e.prefix],
         env=env,
@@ -88,6 +103,28 @@ def raw_log(e2e: Pipeline, run_id: str) -> list[bytes]:
     topic = topic_name("events", e2e.prefix)
     mine = (run_id + ":").encode()
     return [r.value for r in read_raw(e2e.bootstrap, topic) if (r.key or b"").startswith(mine)]
+
+
+def projected(database: str, run_id: str) -> dict[str, list[str]]:
+    """The run's rows in the projection, as text (every column)."""
+    tables = {"runs": "run_id", "events": "seq", "operations": "op_key"}
+    out: dict[str, list[str]] = {}
+    with psycopg.connect(database) as conn:
+        for table, order in tables.items():
+            rows = conn.execute(
+                f"SELECT t::text FROM {table} t WHERE run_id = %s ORDER BY {order}", (run_id,)
+            ).fetchall()
+            out[table] = [r[0] for r in rows]
+    return out
+
+
+def projected_to(database: str, run_id: str, seq: int) -> None:
+    def there() -> bool:
+        with psycopg.connect(database) as conn:
+            row = conn.execute("SELECT last_seq FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+        return row is not None and row[0] >= seq
+
+    wait_for(there, 60, f"the projection of {run_id} to seq {seq}")
 
 
 def tool_calls(e2e: Pipeline) -> dict[str, int]:
@@ -152,11 +189,15 @@ def test_resume_after_a_tool_fix_repeats_nothing_before_the_failure(e2e: Pipelin
     assert [e["seq"] for e in e2e.events(fork_id)] == [e["seq"] for e in fork_events]
 
 
-def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(e2e: Pipeline) -> None:
+def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
+    e2e: Pipeline, database: str
+) -> None:
     run_id = new_run("route")
     e2e.submit(run_id)
     assert e2e.result(run_id)["status"] == "SUCCEEDED"
     source_bytes = raw_log(e2e, run_id)
+    projected_to(database, run_id, e2e.events(run_id)[-1]["seq"])
+    source_rows = projected(database, run_id)
     # the seq after which the model is asked its second turn (step 2)
     seq = next(
         e["seq"]
@@ -176,6 +217,29 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(e2e: Pi
     assert calls and all(c["model_route"] == "scenario:multi_tool" for c in calls)
     assert min(c["step"] for c in calls) == 2  # step 1 is the source's, not asked again
     assert raw_log(e2e, run_id) == source_bytes
+
+    # the projection shows the lineage both ways, and the source's rows did not change
+    last = e2e.events(fork_id)[-1]["seq"]
+    projected_to(database, fork_id, last)
+    assert projected(database, run_id) == source_rows
+    with psycopg.connect(database) as conn:
+        row = conn.execute(
+            "SELECT forked_from_run_id, forked_from_seq FROM runs WHERE run_id = %s", (fork_id,)
+        ).fetchone()
+        forks = conn.execute(
+            "SELECT run_id FROM runs WHERE forked_from_run_id = %s", (run_id,)
+        ).fetchall()
+    assert row == (run_id, seq) and forks == [(fork_id,)]
+    # replay shows the ForkedFrom record, audit passes on both (the lineage checked too)
+    replay = agentruns(e2e, "replay", fork_id)
+    assert replay.returncode == 0, replay.stderr
+    assert f"forked from {run_id} at seq {seq} (edits: model_route=scenario:multi_tool)" in (
+        replay.stdout
+    )
+    assert replay.stdout.splitlines()[1].split()[2] == "ForkedFrom"
+    audited = agentruns(e2e, "audit", "--run", run_id, "--run", fork_id, database=database)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    assert "audited 2 runs: 0 differences" in audited.stdout
 
     # a fork of a fork of a fork: each names its direct source
     source, chain = fork_id, [run_id, fork_id]

@@ -23,7 +23,6 @@ from agentruns.processors.events import (
     Candidate,
     Event,
     ForkedFrom,
-    ForkEdits,
     ModelCallCompleted,
     ModelOutcome,
     ToolCallFailed,
@@ -40,7 +39,15 @@ from agentruns.processors.lineage import (
     resume_point,
     state_at,
 )
-from agentruns.processors.state import IN_FLIGHT, ErrorClass, OpStatus, RunState, RunStatus
+from agentruns.processors.state import (
+    IN_FLIGHT,
+    ErrorClass,
+    ForkEdits,
+    Lineage,
+    OpStatus,
+    RunState,
+    RunStatus,
+)
 from agentruns.processors.transition import Artifact, Disposition, transition
 
 SETTINGS = settings(
@@ -125,6 +132,8 @@ class Names:
             assert self.json(a.content) == msgspec.json.decode(b.content)
 
     def same(self, source: RunState, fork: RunState) -> None:
+        """Byte for byte, but for the fork's lineage (the one thing a fork adds)."""
+        fork = msgspec.structs.replace(fork, forked_from=source.forked_from)
         assert self.json(source.to_json()) == msgspec.json.decode(fork.to_json())
 
 
@@ -148,6 +157,7 @@ def _check_fork(log: list[Folded], k: int) -> None:
     assert start.disposition is Disposition.APPLIED and start.state is not None
     fork = start.state
     assert fork.run_id == fork_id and fork.submitted_event_id == submit_event_id(fork_id)
+    assert fork.forked_from == Lineage(source_run_id=source.run_id, source_seq=entry.seq)
     # the record alone explains the fork: the same record starts the same fork
     assert transition(None, parse_event(record.model_dump_json())).state == fork
     waiting = {o.key for o in source.ops if o.status in (OpStatus.ACCEPTED, OpStatus.RUNNING)}
@@ -240,6 +250,9 @@ def test_forks_refuse_what_they_cannot_be() -> None:
     record = fork_record(log, 2, run_id="fork-x", at=0)
     forged = record.model_copy(update={"run_id": record.state.run_id})
     assert transition(None, forged).disposition is Disposition.REJECTED
+    # and one whose state is not the run it names as its source
+    forged = record.model_copy(update={"source_run_id": "run-other"})
+    assert transition(None, forged).disposition is Disposition.REJECTED
 
 
 def test_a_fork_of_a_fork_of_a_fork_names_its_direct_source() -> None:
@@ -251,6 +264,8 @@ def test_a_fork_of_a_fork_of_a_fork_names_its_direct_source() -> None:
         assert record.source_run_id == chain[0].event.run_id
         fork = transition(None, record).state
         assert fork is not None and fork.run_id == run_id
+        assert isinstance(fork.forked_from, Lineage)
+        assert fork.forked_from.source_run_id == record.source_run_id  # the direct source
         chain = folded([(1, record)])
 
 
