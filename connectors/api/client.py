@@ -774,6 +774,30 @@ class ApiClient:
         `ClientError`."""
         return self._operator(run_id, "redrive", {"reason": reason}, idempotency_key)
 
+    def fork(
+        self,
+        run_id: str,
+        at: int,
+        *,
+        model_route: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Start a new run from the run's state after its record ``at`` (needs an operator
+        token), optionally with another ``model_route``. The same key (by default one derived
+        from the run, the seq and the edits) gives the same fork. Returns the API's answer
+        (the fork's ``run_id``, ``source_run_id``, ``source_seq``, ``created``); raises
+        `ClientError` (404 for an unknown run, 409 for a seq outside its log)."""
+        body: dict[str, Any] = {"at": at}
+        if model_route is not None:
+            body["model_route"] = model_route
+        return self._operator(run_id, "fork", body, idempotency_key)
+
+    def resume(self, run_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Resume a failed run after a fix: a fork at the last step before its failure, so the
+        failed call runs again and nothing before it does (needs an operator token). Raises
+        `ClientError` (409 when the run did not fail)."""
+        return self._operator(run_id, "resume", {}, idempotency_key)
+
     def _operator(
         self, run_id: str, action: str, body: dict[str, Any], key: str | None
     ) -> dict[str, Any]:

@@ -332,6 +332,17 @@ def _operator_action(
     return handle
 
 
+def _fork(action: str) -> Callable[[ApiService, Request], Awaitable[Response]]:
+    async def handle(s: ApiService, r: Request) -> Response:
+        actor = _actor(r)  # before the body is read: an unauthorized request costs nothing
+        body = _json_object(await _body(r, s.config.max_body_bytes))
+        key = r.headers.get("idempotency-key")
+        out = await run_in_threadpool(s.fork, action, r.path_params["run_id"], body, key, actor)
+        return JSONResponse(out, status_code=201 if out["created"] else 200)
+
+    return handle
+
+
 async def _callback(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
     status, out = await run_in_threadpool(s.callback, r.path_params["key"], body)
@@ -366,6 +377,8 @@ ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Res
     ("POST", "/runs/{run_id}/resolve", "resolve", _operator_action("resolve")),
     ("POST", "/runs/{run_id}/reopen", "reopen", _operator_action("reopen")),
     ("POST", "/runs/{run_id}/redrive", "redrive", _operator_action("redrive")),
+    ("POST", "/runs/{run_id}/fork", "fork", _fork("fork")),
+    ("POST", "/runs/{run_id}/resume", "resume", _fork("resume")),
     ("POST", "/operations/{key}/callback", "callback", _callback),
     ("GET", "/healthz", "healthz", _health),
     ("GET", "/livez", "livez", _live),

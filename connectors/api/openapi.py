@@ -78,6 +78,30 @@ def _operator(summary: str, description: str, body: dict[str, Any]) -> dict[str,
 
 
 _ACTED = "#/components/schemas/OperatorAction"
+_FORKED = "#/components/schemas/Fork"
+
+
+def _fork(summary: str, description: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary + " (operator token)",
+            "description": description,
+            "parameters": [_RUN_ID, _IDEMPOTENCY_KEY],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "201": _resp("the fork's first record was produced", {"$ref": _FORKED}),
+                "200": _resp("a repeat: the same fork", {"$ref": _FORKED}),
+                "403": _resp("the token has no operator scope", _ERROR),
+                "404": _resp("unknown run", _ERROR),
+                "409": _resp("the fork cannot be made (a seq outside the log...)", _ERROR),
+                "422": _resp("invalid body", _ERROR),
+                **_TOO_LARGE,
+                **_ERRS,
+            },
+        }
+    }
+
+
 _TOO_LARGE = {
     "413": _resp("body over max_body_bytes, or its input record over max_record_bytes", _ERROR)
 }
@@ -121,6 +145,23 @@ OPENAPI: dict[str, Any] = {
                     "actor": {"type": "string"},
                     "status": {"type": "string", "description": "the status it acted on"},
                     "version": {"type": "integer", "description": "the version it acted on"},
+                },
+            },
+            "Fork": {
+                "type": "object",
+                "properties": {
+                    "run_id": {"type": "string", "description": "the fork"},
+                    "source_run_id": {"type": "string"},
+                    "source_seq": {"type": "integer"},
+                    "edits": {"type": "object"},
+                    "status": {"type": "string", "description": "the fork's status at start"},
+                    "step": {"type": "integer"},
+                    "action": {"enum": ["fork", "resume"]},
+                    "created": {"type": "boolean"},
+                    "actor": {"type": "string"},
+                    "idempotency_key": {"type": "string"},
+                    "input_id": {"type": "string"},
+                    "trace_id": {"type": "string"},
                 },
             },
             "Submitted": {
@@ -342,6 +383,31 @@ OPENAPI: dict[str, Any] = {
             "READY, MODEL_RUNNING, TOOL_RUNNING or WAITING_TOOL with no pending timer but the "
             "deadline: the model is called again as a new attempt, a tool call is looked up.",
             _REDRIVE,
+        ),
+        "/runs/{run_id}/fork": _fork(
+            "Start a new run from this run's state after its record `at`",
+            "The fork's log begins with a ForkedFrom record naming this run and the seq; its "
+            "state is this run's at that seq (effects completed before it are not run again), "
+            "with `model_route` as an edit. The fork's id derives from the Idempotency-Key "
+            "(without one: from the run, the seq and the edits): the same key, the same fork. "
+            "This run is never changed. Read from the projection: a seq it has not projected "
+            "yet is refused.",
+            {
+                "type": "object",
+                "required": ["at"],
+                "additionalProperties": False,
+                "properties": {
+                    "at": {"type": "integer", "minimum": 1},
+                    "model_route": {"type": "string", "minLength": 1, "maxLength": 512},
+                },
+            },
+        ),
+        "/runs/{run_id}/resume": _fork(
+            "Resume a failed run after a fix: a fork before its failure",
+            "A FAILED, EXPIRED or BUDGET_EXHAUSTED run is forked at the last step before the "
+            "first failure of the call that ended it, so that call runs again (under the "
+            "fork's keys) and nothing before it does.",
+            {"type": "object", "additionalProperties": False, "properties": {}},
         ),
         "/runs/{run_id}/cancel": {
             "post": {

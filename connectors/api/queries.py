@@ -45,6 +45,25 @@ def run_row(conn: Conn, run_id: str) -> dict[str, Any] | None:
     return dict(zip(names, row, strict=True))
 
 
+def run_log(conn: Conn, run_id: str, limit: int) -> list[tuple[int, Any]]:
+    """(seq, domain event) of the run's first `limit` records, as projected (a fork's source)."""
+    rows = conn.execute(
+        "SELECT seq, payload FROM events WHERE run_id = %s ORDER BY seq LIMIT %s", (run_id, limit)
+    ).fetchall()
+    return [(int(r[0]), r[1]) for r in rows]
+
+
+def forks_of(conn: Conn, run_id: str, limit: int) -> list[dict[str, Any]]:
+    """The runs forked from `run_id` (the projection's lineage), oldest first."""
+    return _dicts(
+        conn.execute(
+            "SELECT run_id, forked_from_seq AS seq, status FROM runs"
+            " WHERE forked_from_run_id = %s ORDER BY started_at, run_id LIMIT %s",
+            (run_id, limit),
+        )
+    )
+
+
 def run_exists(conn: Conn, run_id: str) -> bool:
     return conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone() is not None
 

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from prometheus_client import Counter
 
-from agentruns.connectors.api import queries
+from agentruns.connectors.api import forks, queries
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
@@ -65,6 +65,8 @@ from agentruns.streams.codec import decode
 from agentruns.streams.records import input_record, parse_state
 
 API_PRODUCER_ID = "api"
+#: The most forks of a run its view lists.
+MAX_FORKS_SHOWN = 100
 
 
 CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
@@ -365,6 +367,11 @@ class ApiService:
             if isinstance(state.catalog_version, msgspec.UnsetType)
             else state.catalog_version,
             "operations": queries.run_operations(conn, run_id),
+            # the run it was forked from, and the runs forked from it (agentruns fork, resume)
+            "forked_from": None
+            if isinstance(state.forked_from, msgspec.UnsetType)
+            else state.forked_from.model_dump(),
+            "forks": queries.forks_of(conn, run_id, MAX_FORKS_SHOWN),
             "question": None,
             "result": None,
         }
@@ -577,6 +584,35 @@ class ApiService:
             input_id, run_id, made.event.type, req_hash, self._encoded(record), conflict=conflict
         )
         return self._acted(action, run_id, input_id, created, actor, state)
+
+    def fork(
+        self, action: str, run_id: str, body: dict[str, Any], key: str | None, actor: str
+    ) -> dict[str, Any]:
+        """Fork the run (``action`` ``fork``: at the seq the body names, with its edits) or
+        resume it (``resume``: a fork before the failure that ended it), as ``actor``. The
+        fork is produced once per idempotency key (without one: the key `agentruns fork`
+        derives from the source and the seq), as input 1 of the API for the fork's run."""
+        if key is not None and (not key or len(key) > MAX_KEY_CHARS):
+            raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
+        parsed = forks.parse(action, body)
+        with self.db.connection() as conn:
+            records = queries.run_log(conn, run_id, forks.MAX_SOURCE_RECORDS)
+        if not records:
+            raise ApiError(404, "run_not_found", f"no run {run_id}")
+        fork = forks.planned(
+            action, forks.source_log(records), parsed, key=key, actor=actor, at=self.clock()
+        )
+        event = fork.record
+        req_hash = request_hash(
+            {"source": run_id, "seq": event.source_seq, "edits": event.edits.model_dump()}
+        )
+        record = input_record(
+            event, input_id=event.event_id, producer_id=API_PRODUCER_ID, producer_seq=1
+        )
+        created = self._produce_once(
+            event.event_id, event.run_id, event.type, req_hash, self._encoded(record)
+        )
+        return {**fork.as_json(), "action": action, "created": created, "actor": actor}
 
     @staticmethod
     def _acted(

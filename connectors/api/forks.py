@@ -1,0 +1,75 @@
+"""Forks and resumes through the API (`POST /runs/{id}/fork`, `POST /runs/{id}/resume`).
+
+The source's log is read from the projection (the `events` table holds every record of it, in
+seq order), folded by the core, and the fork planned as `agentruns fork` plans it
+(`agentruns.connectors.forks.plan`); `ApiService.fork` produces it once per idempotency key.
+A source the sink has not projected to the fork point yet is refused like a seq past its end:
+the API forks only what it can read.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.forks import Fork, ForkRefusedError, plan, resume_seq
+from agentruns.processors.events import parse_event
+from agentruns.processors.limits import MAX_COUNT, MAX_ID_CHARS
+from agentruns.processors.lineage import Folded, folded
+from agentruns.processors.state import ForkEdits
+
+#: The most records of a source the API folds to fork it (a run's log is capped lower).
+MAX_SOURCE_RECORDS = 100_000
+
+Route = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class ForkBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    at: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    model_route: Route | None = None
+
+
+class ResumeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+def parse(action: str, body: dict[str, Any]) -> ForkBody | ResumeBody:
+    """The body as the action's struct; anything else is a 422 `invalid_body`."""
+    try:
+        if action == "fork":
+            return msgspec.convert(body, ForkBody)
+        return msgspec.convert(body, ResumeBody)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        loc = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else ""
+        raise ApiError(
+            422, "invalid_body", f"{action}: {text}", errors=[{"loc": loc, "msg": text}]
+        ) from None
+
+
+def source_log(records: list[tuple[int, Any]]) -> list[Folded]:
+    """The projected records of the source, folded."""
+    return folded((seq, parse_event(msgspec.json.encode(payload))) for seq, payload in records)
+
+
+def planned(
+    action: str,
+    log: list[Folded],
+    body: ForkBody | ResumeBody,
+    *,
+    key: str | None,
+    actor: str,
+    at: int,
+) -> Fork:
+    """The fork the request asks for; a 409 `fork_refused` with the reason when it cannot be."""
+    source = log[0].event.run_id
+    try:
+        if isinstance(body, ForkBody):
+            edits = ForkEdits(model_route=body.model_route)
+            return plan(log, body.at, key=key, edits=edits, actor=actor, at=at)
+        seq = resume_seq(log)
+        return plan(log, seq, key=key or f"resume:{source}:{seq}", actor=actor, at=at)
+    except ForkRefusedError as exc:
+        raise ApiError(409, "fork_refused", str(exc).removeprefix("cannot ")) from None

@@ -1,0 +1,122 @@
+"""Forks and resumes through the API and the client library (`POST /runs/{id}/fork|resume`,
+`ApiClient.fork|resume`): processor, sink, executor double and API on one prefix. The lineage
+shows both ways on `GET /runs/{id}`; one key is one fork; the hostile cases end as they must,
+with nothing produced."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from agentruns.connectors.api.client import ApiClient, ClientError
+from agentruns.processors.ids import run_id_for_key
+from tests.support.api import OPERATOR, OPERATOR_TOKEN, Stack
+from tests.support.waiting import wait_for
+
+
+@pytest.fixture
+def operator(stack: Stack) -> Iterator[ApiClient]:
+    client = ApiClient(stack.url, OPERATOR_TOKEN)
+    yield client
+    client.close()
+
+
+def ended(stack: Stack, key: str, **task: Any) -> tuple[str, dict[str, Any]]:
+    run_id = stack.submit(key, **task)
+    run = stack.wait_status(
+        run_id, "SUCCEEDED", "FAILED", "BUDGET_EXHAUSTED", "EXPIRED", "CANCELLED"
+    )
+    return run_id, run
+
+
+def test_a_fork_through_the_client_runs_and_shows_its_lineage_both_ways(
+    stack: Stack, operator: ApiClient
+) -> None:
+    run_id, source = ended(stack, f"api-fork-{uuid.uuid4().hex}")
+    assert source["status"] == "SUCCEEDED" and source["forks"] == []
+    assert source["forked_from"] is None
+    key = f"api-fork-of-{run_id}"
+    answer = operator.fork(run_id, 2, model_route="other", idempotency_key=key)
+    assert answer["created"] is True and answer["run_id"] == run_id_for_key(key)
+    assert (answer["source_run_id"], answer["source_seq"]) == (run_id, 2)
+    assert answer["actor"] == f"operator:{OPERATOR}" and answer["action"] == "fork"
+    fork = stack.wait_status(answer["run_id"], "SUCCEEDED")
+    assert fork["forked_from"] == {
+        "source_run_id": run_id,
+        "source_seq": 2,
+        "edits": {"model_route": "other"},
+    }
+    events = stack.http.get(f"/runs/{answer['run_id']}/events").json()["events"]
+    assert events[0]["type"] == "ForkedFrom" and events[0]["payload"]["actor"] == answer["actor"]
+    shown = stack.run(run_id)
+    assert shown["forks"] == [{"run_id": answer["run_id"], "seq": 2, "status": "SUCCEEDED"}]
+    # the same key: the same fork, nothing new produced
+    again = operator.fork(run_id, 2, model_route="other", idempotency_key=key)
+    assert again["created"] is False and again["run_id"] == answer["run_id"]
+    # the same request through the raw API answers 200 for the repeat
+    r = httpx.post(
+        f"{stack.url}/runs/{run_id}/fork",
+        json={"at": 2, "model_route": "other"},
+        headers={"Authorization": f"Bearer {OPERATOR_TOKEN}", "Idempotency-Key": key},
+    )
+    assert r.status_code == 200 and r.json()["run_id"] == answer["run_id"]
+
+
+def test_resume_of_a_budget_stop_forks_before_the_stop(stack: Stack, operator: ApiClient) -> None:
+    run_id, source = ended(stack, f"api-budget-{uuid.uuid4().hex}", budgets={"max_steps": 1})
+    assert source["status"] == "BUDGET_EXHAUSTED", source
+    answer = operator.resume(run_id)
+    last = source["last_seq"]
+    assert answer["action"] == "resume" and answer["source_seq"] == last - 1
+    fork = stack.wait_status(answer["run_id"], "BUDGET_EXHAUSTED")  # the same budget: it stops
+    assert fork["forked_from"]["source_run_id"] == run_id
+    assert operator.resume(run_id)["run_id"] == answer["run_id"]  # one resume per point
+
+
+def test_hostile_forks_are_refused_and_nothing_is_produced(
+    stack: Stack, operator: ApiClient
+) -> None:
+    run_id, source = ended(stack, f"api-hostile-{uuid.uuid4().hex}")
+    last = source["last_seq"]
+
+    def refused(status: int, error: str, call: Any) -> str:
+        with pytest.raises(ClientError) as caught:
+            call()
+        assert caught.value.status == status, caught.value
+        assert error in str(caught.value), caught.value
+        return str(caught.value)
+
+    refused(404, "no run", lambda: operator.fork("run-missing", 1))
+    refused(404, "no run", lambda: operator.resume("run-missing"))
+    refused(409, f"(1..{last})", lambda: operator.fork(run_id, last + 1))
+    refused(422, "invalid_body", lambda: operator.fork(run_id, 0))
+    refused(409, "SUCCEEDED", lambda: operator.resume(run_id))
+    refused(
+        422, "invalid_body", lambda: operator._operator(run_id, "fork", {"at": 1, "x": 1}, None)
+    )
+    refused(422, "invalid_body", lambda: operator._operator(run_id, "resume", {"at": 1}, None))
+    refused(422, "invalid_body", lambda: operator.fork(run_id, 1, model_route="r" * 600))
+    refused(400, "Idempotency-Key", lambda: operator.fork(run_id, 1, idempotency_key="k" * 300))
+    # a token without the operator scope cannot fork
+    r = stack.http.post(f"/runs/{run_id}/fork", json={"at": 1})
+    assert r.status_code == 403, r.text
+    assert stack.run(run_id)["forks"] == []
+    # a fork of a fork of a fork names its direct source
+    source_id = run_id
+    for generation in range(3):
+        answer = operator.fork(source_id, 1, idempotency_key=f"{run_id}-g{generation}")
+        assert answer["source_run_id"] == source_id
+        fork = stack.wait_status(answer["run_id"], "SUCCEEDED")
+        assert fork["forked_from"]["source_run_id"] == source_id
+        wait_for(
+            lambda s=source_id, f=answer["run_id"]: (
+                [x["run_id"] for x in stack.run(s)["forks"]] == [f]
+            ),
+            30,
+            "the source's forks",
+        )
+        source_id = answer["run_id"]
