@@ -198,11 +198,11 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
     source_bytes = raw_log(e2e, run_id)
     projected_to(database, run_id, e2e.events(run_id)[-1]["seq"])
     source_rows = projected(database, run_id)
-    # the seq after which the model is asked its second turn (step 2)
+    # the fork point: step 4 (the seq after which the model is asked its fourth turn)
     seq = next(
         e["seq"]
         for e in e2e.events(run_id)
-        if e["type"] == "ToolCallSucceeded" and json.loads(e["body"])["step"] == 1
+        if e["type"] == "ToolCallSucceeded" and json.loads(e["body"])["step"] == 3
     )
     key = f"route-fork-{run_id}"
     answer = forked(
@@ -215,7 +215,8 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
     assert e2e.result(fork_id)["status"] == "SUCCEEDED"
     calls = [c for c in e2e.effects("model", fork_id) if c["type"] == "CallModel"]
     assert calls and all(c["model_route"] == "scenario:multi_tool" for c in calls)
-    assert min(c["step"] for c in calls) == 2  # step 1 is the source's, not asked again
+    assert min(c["step"] for c in calls) == 4  # steps 1-3 are the source's, not asked again
+    assert sorted(model_turns(e2e, fork_id)) == [3, 4, 5]  # turns 4 to 6, counted from 0
     assert raw_log(e2e, run_id) == source_bytes
 
     # the projection shows the lineage both ways, and the source's rows did not change

@@ -31,10 +31,11 @@ from confluent_kafka import (
 )
 
 from agentruns.connectors.api.operator import MAX_REASON_CHARS
+from agentruns.processors.events import ForkedFrom, RunSubmitted, UserReplied
 from agentruns.processors.events import Message as ChatMessage
-from agentruns.processors.events import RunSubmitted, UserReplied
 from agentruns.processors.ids import canonical_json, operation_key
 from agentruns.processors.state import Budgets, Policy, ToolSpec
+from agentruns.processors.transition import transition
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.partitioning import partition_for
@@ -273,6 +274,27 @@ def _send(
 def _inbox_task(**fields: Any) -> Inject:
     def inject(doors: Doors, run_id: str) -> Injected:
         return _send(doors, run_id, encode("Input", input_record(_task(run_id, doors, **fields))))
+
+    return inject
+
+
+def _inbox_fork(source: Callable[[str], str], state_of: Callable[[str], str]) -> Inject:
+    """A fork's first record written to the inbox by hand: it names `source(run_id)` as its
+    source and carries the submitted state of the run `state_of(run_id)`."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        state = transition(None, _task(state_of(run_id), doors)).state
+        assert state is not None
+        record = ForkedFrom(
+            run_id=run_id,
+            event_id=f"{run_id}:submit",
+            at=1_800_000_000_000,
+            trace_id=f"trace-{run_id}",
+            source_run_id=source(run_id),
+            source_seq=1,
+            state=state,
+        )
+        return _send(doors, run_id, encode("Input", input_record(record)))
 
     return inject
 
@@ -800,6 +822,40 @@ CASES: tuple[Case, ...] = (
         Ending(http=404),
         _api_operator("resolve", b'{"action": "fail", "reason": "hostile"}'),
         needs_api=True,
+    ),
+    # forks: of a run that does not exist, at no seq, a record whose state is not its source's
+    Case(
+        "api_fork_of_an_unknown_run",
+        "api",
+        Ending(http=404),
+        _api_operator("fork", b'{"at": 1}'),
+        needs_api=True,
+    ),
+    Case(
+        "api_resume_of_an_unknown_run",
+        "api",
+        Ending(http=404),
+        _api_operator("resume", b"{}"),
+        needs_api=True,
+    ),
+    Case(
+        "api_fork_at_seq_zero",
+        "api",
+        Ending(http=422),
+        _api_operator("fork", b'{"at": 0, "model_route": "x"}'),
+        needs_api=True,
+    ),
+    Case(
+        "inbox_fork_whose_state_is_not_its_source",
+        "inbox",
+        Ending(dlq="not the source's"),
+        _inbox_fork(lambda run: f"{run}-source", lambda run: f"{run}-other"),
+    ),
+    Case(
+        "inbox_fork_of_itself",
+        "inbox",
+        Ending(dlq="a run id of its own"),
+        _inbox_fork(lambda run: run, lambda run: run),
     ),
 )
 
