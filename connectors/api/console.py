@@ -786,6 +786,33 @@ class Console:
 
         return handle
 
+    def fork_action(self, action: str) -> Callable[[Request, str], Awaitable[Response]]:
+        """The run page's fork and resume forms: the same code as `POST /runs/{id}/fork|resume`
+        as the session's operator; on success, the fork's page."""
+
+        async def handle(request: Request, session: str) -> Response:
+            run_id = request.path_params["run_id"]
+            operator = self.sessions.operator(session)
+            form: dict[str, str] = request.state.form
+            if operator is None:
+                refused = ApiError(403, "insufficient_scope", "log in with an operator token")
+                return await self.run(request, session, refused)
+            body: dict[str, Any] = {}
+            if action == "fork":
+                at = form.get("at", "")
+                body["at"] = int(at) if at.isdigit() and len(at) < 12 else at
+                if form.get("model_route"):
+                    body["model_route"] = form["model_route"]
+            try:
+                out = await run_in_threadpool(
+                    self.service.fork, action, run_id, body, None, f"operator:{operator}"
+                )
+            except ApiError as exc:
+                return await self.run(request, session, exc)
+            return RedirectResponse(f"{UI_PREFIX}/runs/{out['run_id']}", status_code=303)
+
+        return handle
+
     async def artifact(self, request: Request, session: str) -> Response:
         ref = request.path_params["ref"]
 
@@ -907,6 +934,14 @@ class Console:
                     methods=["POST"],
                 )
                 for action in ACTIONS
+            ),
+            *(
+                Route(
+                    f"{UI_PREFIX}/runs/{{run_id}}/{action}",
+                    g(self.fork_action(action)),
+                    methods=["POST"],
+                )
+                for action in ("fork", "resume")
             ),
             Route(f"{UI_PREFIX}/artifacts/{{ref}}", g(self.artifact), methods=["GET"]),
             Route(f"{UI_PREFIX}/dead-letters", g(self.dead_letter_page), methods=["GET"]),

@@ -34,6 +34,7 @@ from agentruns.processors.events import (
     RunResolved,
 )
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_TEXT_CHARS
+from agentruns.processors.lineage import RESUMABLE
 from agentruns.processors.state import TERMINAL, OpStatus, RunState, RunStatus, TimerPurpose
 
 #: The longest reason an operator may give (it goes into the run's outcome and result).
@@ -116,6 +117,9 @@ def allowed(state: RunState) -> dict[str, Any]:
         "unknown_operations": unknown,
         "reopen": state.status in TERMINAL,
         "redrive": state.status in REDRIVABLE and not driving_timers(state),
+        # a fork from any seq of any run; a resume of a run that failed (agentruns resume)
+        "fork": True,
+        "resume": state.status in RESUMABLE,
     }
 
 

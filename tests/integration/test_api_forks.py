@@ -13,8 +13,12 @@ import httpx
 import pytest
 
 from agentruns.connectors.api.client import ApiClient, ClientError
+from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject, positions
 from agentruns.processors.ids import run_id_for_key
-from tests.support.api import OPERATOR, OPERATOR_TOKEN, Stack
+from agentruns.streams.topics import topic_name
+from tests.support.api import OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
+from tests.support.console import csrf_of, logged_in
+from tests.support.pipeline import read_all
 from tests.support.waiting import wait_for
 
 
@@ -120,3 +124,61 @@ def test_hostile_forks_are_refused_and_nothing_is_produced(
             "the source's forks",
         )
         source_id = answer["run_id"]
+
+
+def test_the_hostile_fork_cases_end_as_they_must(stack: Stack) -> None:
+    """The fork cases of the hostile suite (`agentruns chaos --hostile` runs them beside good
+    runs), here against the API and the processor alone."""
+    doors = Doors(
+        stack.bootstrap,
+        stack.prefix,
+        PARTITIONS,
+        "http://unused",
+        "http://unused",
+        (),
+        api_url=stack.url,
+        api_token=TOKEN,
+        operator_token=OPERATOR_TOKEN,
+    )
+    fork_cases = [c for c in cases(api=True) if "fork" in c.name or "resume" in c.name]
+    assert len(fork_cases) == 5
+    dlq_topic = topic_name("dlq", stack.prefix)
+    try:
+        injected = [(c, inject(c, doors, f"hostile-{uuid.uuid4().hex}")) for c in fork_cases]
+        doors.flush()
+
+        def dead_letters() -> dict[tuple[str, int, int], list[Any]] | None:
+            found = positions(r.value for r in read_all(stack.bootstrap, dlq_topic, "DeadLetter"))
+            want = [i.position for _, i in injected if i.position is not None]
+            return found if all(p in found for p in want) else None
+
+        letters = wait_for(dead_letters, 60, "the dead letters of the fork records")
+        for case, done in injected:
+            assert check(case, done, {}, letters) is None, (case.name, done)
+    finally:
+        doors.close()
+
+
+def test_the_console_shows_the_lineage_and_forks_for_an_operator(stack: Stack) -> None:
+    run_id, _ = ended(stack, f"console-fork-{uuid.uuid4().hex}")
+    with logged_in(stack) as viewer:
+        page = viewer.get(f"/ui/runs/{run_id}")
+        assert page.status_code == 200 and 'id="fork"' not in page.text
+        refused = viewer.post(f"/ui/runs/{run_id}/fork", data={"csrf": csrf_of(page.text)})
+        assert refused.status_code == 403
+    with logged_in(stack, OPERATOR_TOKEN) as operator:
+        page = operator.get(f"/ui/runs/{run_id}")
+        assert 'id="fork"' in page.text and 'id="resume"' not in page.text  # it succeeded
+        form = {"csrf": csrf_of(page.text), "at": "2", "model_route": "console-route"}
+        done = operator.post(f"/ui/runs/{run_id}/fork", data=form)
+        assert done.status_code == 303, done.text
+        fork_id = done.headers["location"].rsplit("/", 1)[1]
+        stack.wait_status(fork_id, "SUCCEEDED")
+        page = operator.get(f"/ui/runs/{fork_id}")
+        assert 'id="forked-from"' in page.text and run_id in page.text
+        assert "console-route" in page.text
+        wait_for(
+            lambda: fork_id in operator.get(f"/ui/runs/{run_id}").text, 30, "the source's forks"
+        )
+        bad = operator.post(f"/ui/runs/{run_id}/fork", data={**form, "at": "999999"})
+        assert bad.status_code == 409 and "outside" in bad.text
