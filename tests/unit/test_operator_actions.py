@@ -159,6 +159,8 @@ def test_an_ended_run_is_reopened_or_its_status_corrected_never_redriven() -> No
         "unknown_operations": [],
         "reopen": True,
         "redrive": False,
+        "fork": True,
+        "resume": False,  # it succeeded: forked, never resumed
     }
     reopened = _plan("reopen", d, {"reason": "again", "goal": "new goal"}).event
     assert isinstance(reopened, RunReopened) and reopened.goal == "new goal"
