@@ -15,15 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
 from agentruns.connectors.lifecycle import progress
 from agentruns.connectors.projection.reading import read_log
 from agentruns.connectors.settings import current
-from agentruns.processors.events import ForkedFrom
-from agentruns.processors.ids import run_id_for_key
-from agentruns.processors.limits import MAX_ID_CHARS
+from agentruns.processors.events import ForkedFrom, parse_event
+from agentruns.processors.ids import canonical_json, request_hash, run_id_for_key
+from agentruns.processors.limits import MAX_ID_CHARS, MAX_ITEMS, MAX_TEXT_CHARS
 from agentruns.processors.lineage import Folded, ForkError, folded, fork_record, resume_point
-from agentruns.processors.state import ForkEdits
+from agentruns.processors.state import ForkEdits, ReplacedInput
 from agentruns.streams.clock import now_ms
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import default_prefix
@@ -71,7 +73,10 @@ def source_log(bootstrap: str, prefix: str, run_id: str) -> list[Folded]:
 
 def default_key(source_run_id: str, seq: int, edits: ForkEdits) -> str:
     """The key of a fork made without one: the same fork of the same point is one run."""
-    return f"fork:{source_run_id}:{seq}:{edits.model_route or ''}"
+    key = f"fork:{source_run_id}:{seq}:{edits.model_route or ''}"
+    if edits.replaced_inputs:
+        key += ":" + request_hash([r.model_dump() for r in edits.replaced_inputs])[:16]
+    return key
 
 
 def plan(
@@ -119,11 +124,46 @@ def produce(bootstrap: str, prefix: str, fork: Fork, producer_id: str) -> None:
         producer.fork(fork.record)
 
 
+def replaced_input(seq: int, event: Any) -> ReplacedInput:
+    """A replacement of the source's record `seq` by `event` (a parsed JSON object: the event
+    as `agentruns replay --json` or the API's events show its body); ForkRefusedError for one
+    that is not an event."""
+    try:
+        text = canonical_json(event)
+        parse_event(text)
+    except (msgspec.DecodeError, TypeError, ValueError) as exc:
+        raise ForkRefusedError(f"the replacement of record {seq} is not an event: {exc}") from None
+    if len(text) > MAX_TEXT_CHARS:
+        raise ForkRefusedError(f"the replacement of record {seq} is over {MAX_TEXT_CHARS} chars")
+    return ReplacedInput(seq=seq, event=text)
+
+
+def _replacement(spec: str) -> ReplacedInput:
+    seq_text, sep, path = spec.partition("=")
+    if not sep or not seq_text.isdigit() or len(seq_text) > 10 or not path:
+        raise InvalidArgumentError(f"--replace-input {spec[:80]!r}: give SEQ=FILE")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_CHARS + 1)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--replace-input: cannot read {path}: {exc}") from None
+    if len(data) > MAX_TEXT_CHARS:
+        raise InvalidArgumentError(f"--replace-input: {path} is over {MAX_TEXT_CHARS} bytes")
+    try:
+        event = json.loads(data)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--replace-input: {path} is not JSON ({exc})") from None
+    return replaced_input(int(seq_text), event)
+
+
 def _edits(args: argparse.Namespace) -> ForkEdits:
     route = getattr(args, "route", None)
     if route is not None and (not route or len(route) > MAX_ID_CHARS):
         raise InvalidArgumentError(f"--route must be 1 to {MAX_ID_CHARS} characters")
-    return ForkEdits(model_route=route)
+    specs = getattr(args, "replace_input", None) or []
+    if len(specs) > MAX_ITEMS:
+        raise InvalidArgumentError(f"at most {MAX_ITEMS} --replace-input")
+    return ForkEdits(model_route=route, replaced_inputs=tuple(_replacement(s) for s in specs))
 
 
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -149,6 +189,13 @@ def main_fork(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--at", type=int, required=True, metavar="SEQ", help="the fork point")
     parser.add_argument("--route", help="another model route for the fork's model calls")
+    parser.add_argument(
+        "--replace-input",
+        action="append",
+        metavar="SEQ=FILE",
+        help="fold the source with the event in FILE (JSON) in place of its record SEQ, at or "
+        "before the fork point (repeat)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     edits = _edits(args)
     bootstrap = _bootstrap()

@@ -262,6 +262,15 @@ class InputRefused(EventBase, tag="InputRefused", frozen=True, kw_only=True, gc=
     input_id: Id | None = None
 
 
+class CarriedArtifact(Frozen, frozen=True, kw_only=True, gc=False):
+    """An artifact a record carries for the processor to store with it (content-addressed:
+    the core checks ``ref`` is the content's)."""
+
+    ref: Id
+    media_type: Id = "application/json"
+    content: str  # bounded by the record size
+
+
 class ForkedFrom(EventBase, tag="ForkedFrom", frozen=True, kw_only=True, gc=False):
     """The first record of a fork: a new run that starts from another run's state at one seq
     (agentruns.processors.lineage). Written by whoever forks (`agentruns fork`/`resume`, the
@@ -276,6 +285,9 @@ class ForkedFrom(EventBase, tag="ForkedFrom", frozen=True, kw_only=True, gc=Fals
     source_seq: Count
     state: RunState  # bounded by the record size, like a snapshot
     edits: ForkEdits = ForkEdits()
+    #: The artifacts `state` names that the source's log did not store (those of the records
+    #: folded again after a replaced input), stored by the processor with the record.
+    artifacts: Annotated[tuple[CarriedArtifact, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
     #: Who forked it (an operator through the API or the CLI), kept in the log.
     actor: Id | None = None
 

@@ -11,18 +11,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from agentruns.processors import versions
 from agentruns.processors.events import (
+    CarriedArtifact,
     Event,
     ForkedFrom,
     ModelCallCompleted,
     ModelOutcome,
     ToolCallFailed,
     ToolCallTimedOut,
+    parse_event,
 )
 from agentruns.processors.ids import submit_event_id, trace_id_for
 from agentruns.processors.state import ForkEdits, RunState, RunStatus
-from agentruns.processors.transition import Disposition
+from agentruns.processors.transition import Artifact, Disposition
 
 #: Statuses a run may be resumed from: it ended without doing what it was asked.
 RESUMABLE: frozenset[RunStatus] = frozenset(
@@ -42,6 +46,7 @@ class Folded:
     event: Event
     disposition: Disposition
     state: RunState | None  # the run's state after this record
+    artifacts: tuple[Artifact, ...] = ()  # what its transition stored
 
 
 def folded(records: Iterable[tuple[int, Event]]) -> list[Folded]:
@@ -51,7 +56,7 @@ def folded(records: Iterable[tuple[int, Event]]) -> list[Folded]:
     for seq, event in records:
         result = versions.apply(state, event)
         state = result.state
-        out.append(Folded(seq, event, result.disposition, state))
+        out.append(Folded(seq, event, result.disposition, state, result.artifacts))
     return out
 
 
@@ -70,6 +75,31 @@ def state_at(log: Sequence[Folded], seq: int) -> RunState:
     raise ForkError(f"the run's log has no record {seq}")
 
 
+def with_replaced(log: Sequence[Folded], edits: ForkEdits, seq: int) -> list[Folded]:
+    """The run's log folded again with the records `edits` replaces (a fork at `seq` from
+    another answer than the source had); the log itself when it replaces none. ForkError for a
+    replacement after the fork point, of no record, twice the same seq, or for another run."""
+    if not edits.replaced_inputs:
+        return list(log)
+    replaced: dict[int, Event] = {}
+    run_id = log[0].event.run_id if log else ""
+    for r in edits.replaced_inputs:
+        if r.seq in replaced:
+            raise ForkError(f"record {r.seq} is replaced twice")
+        if r.seq < 1 or r.seq > seq:
+            raise ForkError(f"record {r.seq} is not at or before the fork point {seq}")
+        try:
+            event = parse_event(r.event)
+        except msgspec.DecodeError as exc:
+            raise ForkError(f"the replacement of record {r.seq} is not an event: {exc}") from None
+        if event.run_id != run_id:
+            raise ForkError(f"the replacement of record {r.seq} is for another run")
+        replaced[r.seq] = event
+    if min(replaced) == 1:
+        raise ForkError("the first record cannot be replaced: submit another task instead")
+    return folded((e.seq, replaced.get(e.seq, e.event)) for e in log)
+
+
 def fork_record(
     source: Sequence[Folded],
     seq: int,
@@ -80,9 +110,23 @@ def fork_record(
     actor: str | None = None,
 ) -> ForkedFrom:
     """The first record of the fork `run_id` of the run whose log is `source`, at `seq`."""
-    state = state_at(source, seq)
+    edits = edits or ForkEdits()
+    log = with_replaced(source, edits, seq)
+    state = state_at(log, seq)
     if run_id == state.run_id:
         raise ForkError("a fork needs a run id of its own (another idempotency key)")
+    # folded again from a replaced record on, the source's state names artifacts (contexts,
+    # results) nobody stored: the record carries them, the processor stores them with it
+    carried: dict[str, CarriedArtifact] = {}
+    if edits.replaced_inputs:
+        first = min(r.seq for r in edits.replaced_inputs)
+        for entry in log:
+            if first <= entry.seq <= seq:
+                for a in entry.artifacts:
+                    carried.setdefault(
+                        a.ref,
+                        CarriedArtifact(ref=a.ref, media_type=a.media_type, content=a.content),
+                    )
     return ForkedFrom(
         run_id=run_id,
         event_id=submit_event_id(run_id),
@@ -91,7 +135,8 @@ def fork_record(
         source_run_id=state.run_id,
         source_seq=seq,
         state=state,
-        edits=edits or ForkEdits(),
+        edits=edits,
+        artifacts=tuple(carried.values()),
         actor=actor,
     )
 

@@ -423,11 +423,23 @@ class ValidationRecord(Frozen, frozen=True, kw_only=True, gc=False):
     evidence_hash: str
 
 
+class ReplacedInput(Frozen, frozen=True, kw_only=True, gc=False):
+    """A record of the source the fork's state was folded with in place of the source's own:
+    the event's JSON (agentruns.processors.lineage.with_replaced)."""
+
+    seq: Count
+    event: Text
+
+
 class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
-    """What a fork changes of the state it copies, applied by the core as it starts the fork."""
+    """What a fork changes of the state it copies: the records replaced before the fork point
+    (folded by whoever forks, checked by audit), and what the core applies as it starts the
+    fork."""
 
     #: Another model route for the fork's model calls (its frozen configuration is re-made).
     model_route: Id | None = None
+    #: Records of the source replaced, by seq, before its state at the fork point was folded.
+    replaced_inputs: Annotated[tuple[ReplacedInput, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
 
 
 class Lineage(Frozen, frozen=True, kw_only=True, gc=False):

@@ -1261,6 +1261,8 @@ def _on_forked(e: ForkedFrom) -> Transition:
         return _unchanged(None, Disposition.REJECTED, f"no fork from {src.status.value}")
     if src.cancel_requested and not src.terminal:
         return _unchanged(None, Disposition.REJECTED, "the source is being cancelled there")
+    if any(content_ref(a.content) != a.ref for a in e.artifacts):
+        return _unchanged(None, Disposition.REJECTED, "an artifact's ref is not its content's")
     run_id = e.run_id
     keys = {o.key: operation_key(run_id, o.step, o.tool, o.args_json) for o in src.ops}
     # an accepted asynchronous operation is the backend's under the source's key: the fork's
@@ -1311,6 +1313,9 @@ def _on_forked(e: ForkedFrom) -> Transition:
         question=question,
     )
     out = _Out(s, e)
+    for a in e.artifacts:
+        if all(x.ref != a.ref for x in out.artifacts):
+            out.artifacts.append(Artifact(ref=a.ref, media_type=a.media_type, content=a.content))
     if e.edits.model_route is not None and e.edits.model_route != s.config.model_route:
         config = replace(s.config, model_route=e.edits.model_route)
         frozen = frozen_config(config)

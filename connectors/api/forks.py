@@ -14,9 +14,15 @@ from typing import Annotated, Any
 import msgspec
 
 from agentruns.connectors.api.errors import ApiError
-from agentruns.connectors.forks import Fork, ForkRefusedError, plan, resume_seq
+from agentruns.connectors.forks import Fork, ForkRefusedError, plan, replaced_input, resume_seq
 from agentruns.processors.events import parse_event
-from agentruns.processors.limits import MAX_COUNT, MAX_ID_CHARS
+from agentruns.processors.limits import (
+    MAX_COUNT,
+    MAX_ID_CHARS,
+    MAX_ITEMS,
+    MAX_JSON_DEPTH,
+    json_depth,
+)
 from agentruns.processors.lineage import Folded, folded
 from agentruns.processors.state import ForkEdits
 
@@ -26,9 +32,15 @@ MAX_SOURCE_RECORDS = 100_000
 Route = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
+class Replacement(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    event: dict[str, Any]  # an event's JSON; its size is the body's, its depth checked below
+
+
 class ForkBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     at: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
     model_route: Route | None = None
+    replace_inputs: Annotated[tuple[Replacement, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
 
 
 class ResumeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -67,7 +79,10 @@ def planned(
     source = log[0].event.run_id
     try:
         if isinstance(body, ForkBody):
-            edits = ForkEdits(model_route=body.model_route)
+            if any(json_depth(r.event) > MAX_JSON_DEPTH for r in body.replace_inputs):
+                raise ApiError(422, "invalid_body", f"a replacement nests over {MAX_JSON_DEPTH}")
+            replaced = tuple(replaced_input(r.seq, r.event) for r in body.replace_inputs)
+            edits = ForkEdits(model_route=body.model_route, replaced_inputs=replaced)
             return plan(log, body.at, key=key, edits=edits, actor=actor, at=at)
         seq = resume_seq(log)
         return plan(log, seq, key=key or f"resume:{source}:{seq}", actor=actor, at=at)

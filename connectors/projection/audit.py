@@ -42,7 +42,7 @@ from agentruns.connectors.projection.rows import (
 )
 from agentruns.processors import versions
 from agentruns.processors.events import ForkedFrom
-from agentruns.processors.lineage import ForkError, folded, state_at
+from agentruns.processors.lineage import ForkError, folded, state_at, with_replaced
 from agentruns.processors.state import RunState
 from agentruns.streams.records import RunSlot, parse_event_body
 from agentruns.streams.topics import default_prefix
@@ -142,9 +142,8 @@ def compare_lineage(
     if not source:
         return [Difference(run_id, "lineage", where, "the source's log", None)]
     try:
-        expected = state_at(
-            folded((r["seq"], parse_event_body(r["body"])) for r in source), event.source_seq
-        )
+        log = folded((r["seq"], parse_event_body(r["body"])) for r in source)
+        expected = state_at(with_replaced(log, event.edits, event.source_seq), event.source_seq)
     except ForkError as exc:
         return [Difference(run_id, "lineage", where, "a state", str(exc))]
     except versions.UnknownRulesVersionError as exc:

@@ -70,6 +70,28 @@ def test_a_fork_through_the_client_runs_and_shows_its_lineage_both_ways(
     assert r.status_code == 200 and r.json()["run_id"] == answer["run_id"]
 
 
+def test_a_fork_through_the_api_may_replace_a_record_before_its_point(
+    stack: Stack, operator: ApiClient
+) -> None:
+    run_id, _ = ended(stack, f"api-replace-{uuid.uuid4().hex}")
+    events = stack.http.get(f"/runs/{run_id}/events").json()["events"]
+    third = events[2]["payload"]
+    body = {"at": 3, "replace_inputs": [{"seq": 3, "event": third}]}
+    answer = operator._operator(run_id, "fork", body, f"replace-{run_id}")
+    assert answer["edits"]["replaced_inputs"][0]["seq"] == 3
+    stack.wait_status(answer["run_id"], "SUCCEEDED")
+    other = {**third, "run_id": "run-other"}
+    for replacement, status in (
+        ({"seq": 3, "event": other}, 409),  # another run's record
+        ({"seq": 4, "event": third}, 409),  # after the fork point
+        ({"seq": 3, "event": {"type": "Nothing"}}, 409),  # not an event
+        ({"seq": 3, "event": "text"}, 422),  # not an object
+    ):
+        with pytest.raises(ClientError) as caught:
+            operator._operator(run_id, "fork", {"at": 3, "replace_inputs": [replacement]}, None)
+        assert caught.value.status == status, (replacement, caught.value)
+
+
 def test_resume_of_a_budget_stop_forks_before_the_stop(stack: Stack, operator: ApiClient) -> None:
     run_id, source = ended(stack, f"api-budget-{uuid.uuid4().hex}", budgets={"max_steps": 1})
     assert source["status"] == "BUDGET_EXHAUSTED", source

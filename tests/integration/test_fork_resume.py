@@ -26,6 +26,7 @@ import httpx
 import psycopg
 import pytest
 
+from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import topic_name
 from tests.support.pipeline import Pipeline, read_raw, running_pipeline
@@ -187,6 +188,61 @@ def test_resume_after_a_tool_fix_repeats_nothing_before_the_failure(e2e: Pipelin
     assert again["run_id"] == fork_id
     time.sleep(1)
     assert [e["seq"] for e in e2e.events(fork_id)] == [e["seq"] for e in fork_events]
+
+
+def test_a_fork_with_a_replaced_answer_goes_on_from_it_without_the_tool(
+    e2e: Pipeline, database: str, tmp_path: Path
+) -> None:
+    e2e.tool_fault(target="create_ticket", kind="500", times=None)
+    run_id = new_run("replaced")
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "FAILED"
+    failure = next(e for e in e2e.events(run_id) if e["type"] == "ToolCallFailed")
+    failed = json.loads(failure["body"])
+    calls_before = tool_calls(e2e)
+    # what the ticket system would have answered, stored as the call's result artifact
+    store = PostgresArtifactStore(database)
+    try:
+        ref = store.put(json.dumps({"ticket_id": "T-1", "status": "open"}))
+    finally:
+        store.close()
+    answer = {
+        "type": "ToolCallSucceeded",
+        **{k: failed[k] for k in ("run_id", "at", "trace_id", "step", "operation_key")},
+        "event_id": f"{run_id}:operator-answer",
+        "dispatch": failed["dispatch"],
+        "result_ref": ref,
+    }
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(answer))
+    seq = str(failure["seq"])
+    fork = forked(agentruns(e2e, "fork", run_id, "--at", seq, "--replace-input", f"{seq}={path}"))
+    assert fork["edits"]["replaced_inputs"][0]["seq"] == failure["seq"]
+    assert fork["status"] == "MODEL_RUNNING"  # the next step: the tool is not called again
+    ended = e2e.result(fork["run_id"])
+    assert ended["status"] == "SUCCEEDED", ended
+    assert not bodies(e2e, fork["run_id"], "ToolCallFailed")
+    calls = tool_calls(e2e)
+    assert calls[failed["operation_key"]] == calls_before[failed["operation_key"]]
+    tickets = [b for b in bodies(e2e, fork["run_id"], "ToolCallSucceeded") if b["step"] == 2]
+    assert tickets == []  # step 2's answer is the replacement, in the fork's first record
+    projected_to(database, fork["run_id"], e2e.events(fork["run_id"])[-1]["seq"])
+    audited = agentruns(e2e, "audit", "--run", fork["run_id"], database=database)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    # refused: a replacement after the fork point, one that is not JSON, a missing file
+    later = refused(agentruns(e2e, "fork", run_id, "--at", "2", "--replace-input", f"{seq}={path}"))
+    assert "not at or before the fork point" in later
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    assert "not JSON" in refused(
+        agentruns(e2e, "fork", run_id, "--at", seq, "--replace-input", f"{seq}={garbage}")
+    )
+    assert "cannot read" in refused(
+        agentruns(e2e, "fork", run_id, "--at", seq, "--replace-input", f"{seq}={tmp_path}/no")
+    )
+    assert "SEQ=FILE" in refused(
+        agentruns(e2e, "fork", run_id, "--at", seq, "--replace-input", "x")
+    )
 
 
 def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(

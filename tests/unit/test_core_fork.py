@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentruns.connectors.dev.servers.workload import simulate, submitted
-from agentruns.processors.effects import CallModel, CallTool, Effect
+from agentruns.processors.effects import CallModel, CallTool, Effect, ScheduleTimer
 from agentruns.processors.events import (
     Candidate,
     Event,
@@ -45,6 +45,7 @@ from agentruns.processors.state import (
     ForkEdits,
     Lineage,
     OpStatus,
+    ReplacedInput,
     RunState,
     RunStatus,
 )
@@ -362,3 +363,73 @@ def test_resume_after_a_stop_without_a_failed_call_forks_before_the_stop() -> No
             resume_point(log)
     record = ForkedFrom.model_validate_json(fork_record(log, 1, run_id="f", at=0).model_dump_json())
     assert record.source_seq == 1
+
+
+# -- replaced inputs
+
+
+def _replacing(seq: int, event: Event) -> ForkEdits:
+    return ForkEdits(replaced_inputs=(ReplacedInput(seq=seq, event=event.model_dump_json()),))
+
+
+def test_a_fork_folds_the_source_with_the_inputs_it_replaces() -> None:
+    records = _run("run-x", [FAIL, FAIL, FAIL])
+    log = folded(records)
+    first_failure = records[2][1]
+    assert isinstance(first_failure, ToolCallFailed)
+    success = ToolCallSucceeded(
+        run_id="run-x",
+        event_id="e-fixed",
+        at=first_failure.at,
+        trace_id="t",
+        step=1,
+        operation_key=first_failure.operation_key,
+        result_ref="sha256:" + "f" * 64,
+    )
+    record = fork_record(log, 3, run_id="fork-x", at=0, edits=_replacing(3, success))
+    assert record.state.status is RunStatus.MODEL_RUNNING and record.state.step == 2
+    assert record.state.completed_ops == 1  # the call counts as done, its result kept
+    assert record.state.result_refs == ("sha256:" + "f" * 64,)
+    start = transition(None, record)
+    assert start.state is not None and start.state.forked_from == Lineage(
+        source_run_id="run-x", source_seq=3, edits=record.edits
+    )
+    # the new step's context was made by the fold, not by the source's processor: the record
+    # carries it, and the core hands it to the processor to store (a forged one is refused)
+    assert record.state.context_ref in {a.ref for a in record.artifacts}
+    assert record.state.context_ref in {a.ref for a in start.artifacts}
+    forged = record.artifacts[0].model_copy(update={"content": "{}"})
+    bad = record.model_copy(update={"artifacts": (forged,)})
+    assert transition(None, bad).disposition is Disposition.REJECTED
+    # the tool is not called again: its answer is the replacement; the model is asked step 2
+    assert [type(e) for e in start.effects if not isinstance(e, ScheduleTimer)] == [CallModel]
+    # the same record in place of itself: the state of a fork without the edit
+    same = fork_record(log, 3, run_id="fork-y", at=0, edits=_replacing(3, first_failure))
+    assert same.state == state_at(log, 3)
+
+
+def test_replaced_inputs_that_cannot_be_are_refused() -> None:
+    records = _run("run-z", [FAIL, FAIL, FAIL])
+    log = folded(records)
+    failure = records[2][1]
+    other = failure.model_copy(update={"run_id": "run-other"})
+    for edits, reason in (
+        (_replacing(4, failure), "not at or before the fork point"),
+        (_replacing(1, failure), "first record"),
+        (_replacing(3, other), "another run"),
+        (
+            ForkEdits(replaced_inputs=(ReplacedInput(seq=3, event='{"type": "Nothing"}'),)),
+            "not an event",
+        ),
+        (
+            ForkEdits(
+                replaced_inputs=(
+                    ReplacedInput(seq=2, event=failure.model_dump_json()),
+                    ReplacedInput(seq=2, event=failure.model_dump_json()),
+                )
+            ),
+            "twice",
+        ),
+    ):
+        with pytest.raises(ForkError, match=reason):
+            fork_record(log, 3, run_id="fork-z", at=0, edits=edits)
