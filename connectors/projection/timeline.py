@@ -154,7 +154,12 @@ def lineage_of(state: RunState) -> dict[str, Any] | None:
 
 
 def _lineage_line(lineage: dict[str, Any]) -> str:
-    edits = ", ".join(f"{k}={v}" for k, v in sorted(lineage["edits"].items()) if v is not None)
+    given = lineage["edits"]
+    shown = [f"model_route={given['model_route']}"] if given.get("model_route") else []
+    if given.get("replaced_inputs"):
+        seqs = ",".join(str(r["seq"]) for r in given["replaced_inputs"])
+        shown.append(f"replaced records {seqs}")
+    edits = ", ".join(shown)
     return (
         f"forked from {lineage['source_run_id']} at seq {lineage['source_seq']}"
         f" (edits: {edits or 'none'})"

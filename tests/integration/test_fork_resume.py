@@ -229,6 +229,8 @@ def test_a_fork_with_a_replaced_answer_goes_on_from_it_without_the_tool(
     projected_to(database, fork["run_id"], e2e.events(fork["run_id"])[-1]["seq"])
     audited = agentruns(e2e, "audit", "--run", fork["run_id"], database=database)
     assert audited.returncode == 0, audited.stdout + audited.stderr
+    replay = agentruns(e2e, "replay", fork["run_id"])
+    assert f"forked from {run_id} at seq {seq} (edits: replaced records {seq})" in replay.stdout
     # refused: a replacement after the fork point, one that is not JSON, a missing file
     later = refused(agentruns(e2e, "fork", run_id, "--at", "2", "--replace-input", f"{seq}={path}"))
     assert "not at or before the fork point" in later
@@ -267,7 +269,7 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
     )  # fmt: skip
     fork_id = answer["run_id"]
     assert fork_id == run_id_for_key(key)
-    assert answer["edits"] == {"model_route": "scenario:multi_tool"}
+    assert answer["edits"] == {"model_route": "scenario:multi_tool", "replaced_inputs": []}
     assert e2e.result(fork_id)["status"] == "SUCCEEDED"
     calls = [c for c in e2e.effects("model", fork_id) if c["type"] == "CallModel"]
     assert calls and all(c["model_route"] == "scenario:multi_tool" for c in calls)
