@@ -25,7 +25,7 @@ from agentruns.processors.events import ForkedFrom, parse_event
 from agentruns.processors.ids import canonical_json, request_hash, run_id_for_key
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_ITEMS, MAX_TEXT_CHARS
 from agentruns.processors.lineage import Folded, ForkError, folded, fork_record, resume_point
-from agentruns.processors.state import ForkEdits, ReplacedInput
+from agentruns.processors.state import ForkEdits, Message, Messages, ReplacedInput
 from agentruns.streams.clock import now_ms
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import default_prefix
@@ -74,8 +74,9 @@ def source_log(bootstrap: str, prefix: str, run_id: str) -> list[Folded]:
 def default_key(source_run_id: str, seq: int, edits: ForkEdits) -> str:
     """The key of a fork made without one: the same fork of the same point is one run."""
     key = f"fork:{source_run_id}:{seq}:{edits.model_route or ''}"
-    if edits.replaced_inputs:
-        key += ":" + request_hash([r.model_dump() for r in edits.replaced_inputs])[:16]
+    if edits.replaced_inputs or edits.messages:
+        more = {"replaced": edits.model_dump()["replaced_inputs"], "messages": edits.messages}
+        key += ":" + request_hash(msgspec.to_builtins(more))[:16]
     return key
 
 
@@ -163,7 +164,32 @@ def _edits(args: argparse.Namespace) -> ForkEdits:
     specs = getattr(args, "replace_input", None) or []
     if len(specs) > MAX_ITEMS:
         raise InvalidArgumentError(f"at most {MAX_ITEMS} --replace-input")
-    return ForkEdits(model_route=route, replaced_inputs=tuple(_replacement(s) for s in specs))
+    messages: tuple[Message, ...] = ()
+    path = getattr(args, "messages", None)
+    if path is not None:
+        messages = _messages(path)
+    return ForkEdits(
+        model_route=route,
+        messages=messages,
+        replaced_inputs=tuple(_replacement(s) for s in specs),
+    )
+
+
+def _messages(path: str) -> tuple[Message, ...]:
+    """The messages of `--messages FILE`: a JSON list of {role, content}."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_CHARS + 1)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--messages: cannot read {path}: {exc}") from None
+    if len(data) > MAX_TEXT_CHARS:
+        raise InvalidArgumentError(f"--messages: {path} is over {MAX_TEXT_CHARS} bytes")
+    try:
+        return msgspec.json.decode(data, type=Messages)
+    except msgspec.DecodeError as exc:
+        raise InvalidArgumentError(
+            f"--messages: {path} is not a JSON list of {{role, content}} ({exc})"
+        ) from None
 
 
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -189,6 +215,12 @@ def main_fork(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--at", type=int, required=True, metavar="SEQ", help="the fork point")
     parser.add_argument("--route", help="another model route for the fork's model calls")
+    parser.add_argument(
+        "--messages",
+        metavar="FILE",
+        help="a JSON list of {role, content} added where the fork asks the model (a fork point "
+        "where the source was waiting for it)",
+    )
     parser.add_argument(
         "--replace-input",
         action="append",

@@ -25,6 +25,7 @@ from agentruns.processors.state import (
     RunStatus,
     Tools,
 )
+from agentruns.processors.state import Message as Message
 
 # Every field an event brings from outside carries its bound (agentruns.processors.limits, R30): a
 # body
@@ -36,11 +37,6 @@ class EventBase(Frozen, tag_field="type", frozen=True, kw_only=True, gc=False):
     event_id: Id
     at: TimeMs
     trace_id: Id
-
-
-class Message(Frozen, frozen=True, kw_only=True, gc=False):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: Text
 
 
 class CatalogCheck(Frozen, frozen=True, kw_only=True, gc=False):

@@ -115,6 +115,11 @@ def fork_record(
     state = state_at(log, seq)
     if run_id == state.run_id:
         raise ForkError("a fork needs a run id of its own (another idempotency key)")
+    if edits.messages and state.status is not RunStatus.MODEL_RUNNING:
+        raise ForkError(
+            f"messages are added where the model is asked; at seq {seq} the run is "
+            f"{state.status.value}"
+        )
     # folded again from a replaced record on, the source's state names artifacts (contexts,
     # results) nobody stored: the record carries them, the processor stores them with it
     carried: dict[str, CarriedArtifact] = {}

@@ -423,6 +423,14 @@ class ValidationRecord(Frozen, frozen=True, kw_only=True, gc=False):
     evidence_hash: str
 
 
+class Message(Frozen, frozen=True, kw_only=True, gc=False):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text
+
+
+Messages = Annotated[tuple[Message, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
 class ReplacedInput(Frozen, frozen=True, kw_only=True, gc=False):
     """A record of the source the fork's state was folded with in place of the source's own:
     the event's JSON (agentruns.processors.lineage.with_replaced)."""
@@ -438,6 +446,9 @@ class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
 
     #: Another model route for the fork's model calls (its frozen configuration is re-made).
     model_route: Id | None = None
+    #: Messages added to the conversation where the fork asks the model (a fork point where
+    #: the source was waiting for the model): the fork's first context carries them.
+    messages: Messages = ()
     #: Records of the source replaced, by seq, before its state at the fork point was folded.
     replaced_inputs: Annotated[tuple[ReplacedInput, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
 

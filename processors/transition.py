@@ -445,15 +445,36 @@ def _enter_ready(
         if s.config.policy.on_no_progress == "fail":
             return _terminate(s, out, RunStatus.FAILED, reason)
         return _goto(replace(s, outcome=reason), out, RunStatus.PAUSED)
+    context = _context(
+        s,
+        previous_context=s.context_ref if new_step else None,
+        previous_candidate=s.candidate_ref if new_step else None,
+        messages=messages,
+        inputs=s.step_inputs,
+    )
+    ref = out.store(canonical_json(context))
+    s = replace(s, context_ref=ref, step_inputs=(), candidate_ref=None)
+    return _call_model(s, out)  # one copy per new step above, one here
+
+
+def _context(
+    s: RunState,
+    *,
+    previous_context: str | None,
+    previous_candidate: str | None,
+    messages: tuple[Message, ...],
+    inputs: tuple[str, ...],
+) -> dict[str, Any]:
+    """The frozen context document of a model call (R7): what the model is asked with."""
     b = s.config.budgets
-    context = {
+    return {
         "run_id": s.run_id,
         "step": s.step,
         "goal": s.goal,
-        "previous_context": s.context_ref if new_step else None,
-        "previous_candidate": s.candidate_ref if new_step else None,
+        "previous_context": previous_context,
+        "previous_candidate": previous_candidate,
         "messages": [m.model_dump() for m in messages],
-        "inputs": list(s.step_inputs),
+        "inputs": list(inputs),
         "memory_ref": s.memory_ref,
         "evidence_refs": list(s.evidence_refs),
         "config_ref": s.config.config_ref,
@@ -468,9 +489,6 @@ def _enter_ready(
             "tool_calls": None if b.max_tool_calls is None else b.max_tool_calls - s.tool_calls,
         },
     }
-    ref = out.store(canonical_json(context))
-    s = replace(s, context_ref=ref, step_inputs=(), candidate_ref=None)
-    return _call_model(s, out)  # one copy per new step above, one here
 
 
 def _call_model(s: RunState, out: _Out, repair: RepairNote | None = None) -> RunState:
@@ -1261,6 +1279,9 @@ def _on_forked(e: ForkedFrom) -> Transition:
         return _unchanged(None, Disposition.REJECTED, f"no fork from {src.status.value}")
     if src.cancel_requested and not src.terminal:
         return _unchanged(None, Disposition.REJECTED, "the source is being cancelled there")
+    if e.edits.messages and src.status is not RunStatus.MODEL_RUNNING:
+        reason = f"messages are added where the model is asked, not in {src.status.value}"
+        return _unchanged(None, Disposition.REJECTED, reason)
     if any(content_ref(a.content) != a.ref for a in e.artifacts):
         return _unchanged(None, Disposition.REJECTED, "an artifact's ref is not its content's")
     run_id = e.run_id
@@ -1352,6 +1373,16 @@ def _on_forked(e: ForkedFrom) -> Transition:
             )
     if redispatched and s.status in (RunStatus.TOOL_RUNNING, RunStatus.WAITING_TOOL):
         s = replace(s, status=_tool_phase(s))
+    if e.edits.messages:
+        # the same step asked again with the messages: a context after the source's
+        context = _context(
+            s,
+            previous_context=s.context_ref,
+            previous_candidate=None,
+            messages=e.edits.messages,
+            inputs=(),
+        )
+        s = replace(s, context_ref=out.store(canonical_json(context)))
     if s.status is RunStatus.MODEL_RUNNING:
         _call_model(s, out)
     elif s.status is RunStatus.WAITING_USER and question is not None:

@@ -24,7 +24,7 @@ from agentruns.processors.limits import (
     json_depth,
 )
 from agentruns.processors.lineage import Folded, folded
-from agentruns.processors.state import ForkEdits
+from agentruns.processors.state import ForkEdits, Messages
 
 #: The most records of a source the API folds to fork it (a run's log is capped lower).
 MAX_SOURCE_RECORDS = 100_000
@@ -40,6 +40,7 @@ class Replacement(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 class ForkBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     at: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
     model_route: Route | None = None
+    messages: Messages = ()
     replace_inputs: Annotated[tuple[Replacement, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
 
 
@@ -82,7 +83,9 @@ def planned(
             if any(json_depth(r.event) > MAX_JSON_DEPTH for r in body.replace_inputs):
                 raise ApiError(422, "invalid_body", f"a replacement nests over {MAX_JSON_DEPTH}")
             replaced = tuple(replaced_input(r.seq, r.event) for r in body.replace_inputs)
-            edits = ForkEdits(model_route=body.model_route, replaced_inputs=replaced)
+            edits = ForkEdits(
+                model_route=body.model_route, messages=body.messages, replaced_inputs=replaced
+            )
             return plan(log, body.at, key=key, edits=edits, actor=actor, at=at)
         seq = resume_seq(log)
         return plan(log, seq, key=key or f"resume:{source}:{seq}", actor=actor, at=at)

@@ -9,8 +9,8 @@ For one effect (R7, R9):
 1. the frozen context artifact chain is loaded (``previous_context`` links back to the first
    context) and the conversation rebuilt: the initial messages, then per earlier step the
    assistant message of its candidate artifact and one ``tool`` message per tool call (matched
-   to the tool result artifacts in the next context's ``inputs``); a repair note becomes a
-   final user message;
+   to the tool result artifacts in the next context's ``inputs``) and the ``messages`` a later
+   context adds (a fork's); a repair note becomes a final user message;
 2. ``POST {base_url}/chat/completions`` with ``stream: true`` (OpenAI protocol), the run's
    tools (from its registry artifact, descriptions from the registry file), ``user`` = run id;
 3. the SSE stream is assembled by :class:`StreamAssembler` (pure) and classified:
@@ -1031,6 +1031,10 @@ def build_conversation(
         if current.get("goal") and current.get("goal") != goal:
             goal = current["goal"]
             messages.append({"role": "user", "content": f"New goal: {goal}"})
+        # messages a later context adds (a fork's, `agentruns fork --messages`)
+        for m in current.get("messages") or ():
+            if isinstance(m, Mapping):
+                messages.append({"role": m.get("role"), "content": m.get("content")})
         if known is not None:
             known.put(ref, Conversation(tuple(messages), goal, current))
     if effect.repair is not None:

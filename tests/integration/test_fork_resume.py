@@ -311,6 +311,39 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
     assert len(set(chain)) == 4
 
 
+def test_a_fork_with_messages_asks_the_model_with_them(
+    e2e: Pipeline, database: str, tmp_path: Path
+) -> None:
+    run_id = new_run("messages")
+    e2e.submit(run_id)
+    assert e2e.result(run_id)["status"] == "SUCCEEDED"
+    events = e2e.events(run_id)
+    # the seq where the model was asked its third turn: the record before its answer
+    answers = [e for e in events if e["type"] == "ModelCallCompleted"]
+    seq = str(answers[2]["seq"] - 1)
+    note = [{"role": "user", "content": "Mention the ticket number in the email."}]
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(note))
+    fork = forked(agentruns(e2e, "fork", run_id, "--at", seq, "--messages", str(path)))
+    assert fork["status"] == "MODEL_RUNNING" and fork["edits"]["messages"] == note
+    assert e2e.result(fork["run_id"])["status"] == "SUCCEEDED"
+    (first, *_) = [c for c in e2e.effects("model", fork["run_id"]) if c["type"] == "CallModel"]
+    store = PostgresArtifactStore(database)
+    try:
+        context = json.loads(store.get(first["context_ref"]) or "{}")
+    finally:
+        store.close()
+    assert context["messages"] == note and context["step"] == 3
+    # where the model is not being asked, messages are refused before anything is produced
+    tool_seq = str(answers[2]["seq"])
+    line = refused(agentruns(e2e, "fork", run_id, "--at", tool_seq, "--messages", str(path)))
+    assert "where the model is asked" in line
+    path.write_text('[{"role": "robot", "content": "x"}]')
+    assert "not a JSON list" in refused(
+        agentruns(e2e, "fork", run_id, "--at", seq, "--messages", str(path))
+    )
+
+
 def test_forks_refuse_what_cannot_be_forked(e2e: Pipeline) -> None:
     line = refused(agentruns(e2e, "fork", "run-does-not-exist", "--at", "1"))
     assert "no run run-does-not-exist" in line

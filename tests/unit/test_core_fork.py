@@ -9,6 +9,7 @@ and checked to be one to one, so it cannot hide a difference.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -44,6 +45,7 @@ from agentruns.processors.state import (
     ErrorClass,
     ForkEdits,
     Lineage,
+    Message,
     OpStatus,
     ReplacedInput,
     RunState,
@@ -433,3 +435,33 @@ def test_replaced_inputs_that_cannot_be_are_refused() -> None:
     ):
         with pytest.raises(ForkError, match=reason):
             fork_record(log, 3, run_id="fork-z", at=0, edits=edits)
+
+
+def test_a_fork_with_messages_asks_the_model_again_with_them() -> None:
+    log = source_log(11, 0.0)
+    at_model = next(
+        e for e in log if e.state is not None and e.state.status is RunStatus.MODEL_RUNNING
+    )
+    source = at_model.state
+    assert source is not None
+    note = Message(role="user", content="Look in the archive too.")
+    edits = ForkEdits(messages=(note,))
+    start = transition(None, fork_record(log, at_model.seq, run_id="fork-msg", at=0, edits=edits))
+    assert start.state is not None and start.state.context_ref != source.context_ref
+    (call,) = [e for e in start.effects if isinstance(e, CallModel)]
+    assert call.context_ref == start.state.context_ref and (call.step, call.attempt) == (
+        source.step,
+        source.attempt,
+    )
+    (context,) = [json.loads(a.content) for a in start.artifacts if a.ref == call.context_ref]
+    assert context["previous_context"] == source.context_ref
+    assert context["messages"] == [note.model_dump()] and context["inputs"] == []
+    # anywhere else the model is not being asked: refused
+    elsewhere = next(
+        e for e in log if e.state is not None and e.state.status is not RunStatus.MODEL_RUNNING
+    )
+    with pytest.raises(ForkError, match="where the model is asked"):
+        fork_record(log, elsewhere.seq, run_id="fork-msg2", at=0, edits=edits)
+    plain = fork_record(log, elsewhere.seq, run_id="fork-msg2", at=0)
+    refused = transition(None, plain.model_copy(update={"edits": edits}))  # forged: the core
+    assert refused.disposition is Disposition.REJECTED and "messages" in (refused.reason or "")

@@ -209,3 +209,29 @@ def test_a_cycle_of_contexts_is_an_error_not_a_loop() -> None:
     store.artifacts["sha256:b"] = {"step": 1, "previous_context": "sha256:a"}
     with pytest.raises(ExecutorError, match="its own ancestor"):
         build_conversation(_call("r", "sha256:a", step=2), store.load)
+
+
+def test_a_context_after_the_last_adds_its_messages_to_the_conversation() -> None:
+    """A fork's context with messages (`agentruns fork --messages`) follows the source's
+    context of the same step: the same conversation, then its messages."""
+    store = Store()
+    effect = _run(store, "run-m", 3)
+    before, _ = build_conversation(effect, store.load)
+    added = store.put(
+        {
+            "run_id": "fork-m",
+            "step": 3,
+            "goal": "fix the printer",
+            "previous_context": effect.context_ref,
+            "previous_candidate": None,
+            "messages": [{"role": "user", "content": "Use the second floor's printer instead."}],
+            "inputs": [],
+        }
+    )
+    forked = effect.model_copy(update={"context_ref": added, "run_id": "fork-m"})
+    after, context = build_conversation(forked, store.load)
+    assert after == [
+        *before,
+        {"role": "user", "content": "Use the second floor's printer instead."},
+    ]
+    assert context["run_id"] == "fork-m"
