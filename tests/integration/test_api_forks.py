@@ -52,7 +52,7 @@ def test_a_fork_through_the_client_runs_and_shows_its_lineage_both_ways(
     assert fork["forked_from"] == {
         "source_run_id": run_id,
         "source_seq": 2,
-        "edits": {"model_route": "other", "replaced_inputs": []},
+        "edits": {"model_route": "other", "messages": [], "replaced_inputs": []},
     }
     events = stack.http.get(f"/runs/{answer['run_id']}/events").json()["events"]
     assert events[0]["type"] == "ForkedFrom" and events[0]["payload"]["actor"] == answer["actor"]
