@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +181,10 @@ class _Sealed:
     inputs: int
     started: float
     sealed: float
+
+    @property
+    def offset_notes(self) -> Mapping[int, str]:
+        return {}
 
     def records(self) -> list[Record]:
         return self.outputs
