@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from agentruns.connectors.api import queries
+from agentruns.connectors.api import queries, transcript
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.operator import ACTIONS, allowed
@@ -57,6 +57,10 @@ SESSION_MS = 12 * 3600 * 1000
 MAX_EVENTS = 2000
 #: The newest steps whose frozen context, model output and tool results a run page lists.
 MAX_STEPS = 50
+#: The steps a transcript shows at most (its oldest ones; a longer run says where it stops).
+TRANSCRIPT_STEPS = 200
+#: Artifacts larger than this are not read for a transcript (their refs are linked).
+TRANSCRIPT_ARTIFACT_BYTES = 1 << 20
 #: Dead letters per page (newest first; older ones through the page's cursor).
 DEAD_LETTERS_PAGE = 100
 #: Error classes offered by the dead-letter filter.
@@ -812,6 +816,40 @@ class Console:
             csrf=self.sessions.csrf(session),
         )
 
+    def _transcript(self, run_id: str) -> dict[str, Any]:
+        service = self.service
+        view = service.get_run(run_id)  # 404 for a run that does not exist
+        run = service.run_row(run_id)
+        state = None if run is None else _state_of(run)
+        with service.db.connection() as conn:
+            events = queries.run_events(conn, run_id, MAX_EVENTS)
+            operations = queries.run_operations(conn, run_id)
+            questions = queries.run_questions(conn, run_id)
+            chain: list[tuple[str, Any, Any]] = []
+            if state is not None and state.context_ref:
+                with contextlib.suppress(psycopg.DataError):  # not JSON: no messages shown
+                    chain = queries.context_docs(conn, state.context_ref, TRANSCRIPT_STEPS)
+            docs = [doc for _, _, doc in chain]
+            artifacts = queries.json_artifacts(
+                conn, transcript.artifacts_named(docs, operations), TRANSCRIPT_ARTIFACT_BYTES
+            )
+        artifacts.update({ref: doc for ref, _, doc in chain})
+        steps = transcript.build(
+            events, operations, questions, [(ref, step) for ref, step, _ in chain], artifacts
+        )
+        return {
+            "run": view,
+            "steps": steps[:TRANSCRIPT_STEPS],
+            "more_steps": len(steps) > TRANSCRIPT_STEPS,
+            "events_cut": len(events) >= MAX_EVENTS,
+            "terminal": view["status"] in {s.value for s in TERMINAL},
+        }
+
+    async def transcript_page(self, request: Request, session: str) -> Response:
+        """The run's conversation step by step (`agentruns.connectors.api.transcript`)."""
+        context = await run_in_threadpool(self._transcript, request.path_params["run_id"])
+        return _page("transcript.html", csrf=self.sessions.csrf(session), **context)
+
     async def tools_page(self, request: Request, session: str) -> Response:
         """The operator's tool catalog the API holds tasks to (none: tasks declare their own)."""
         catalog = self.service.config.catalog
@@ -898,6 +936,7 @@ class Console:
             Route(f"{UI_PREFIX}/logout", g(self.logout), methods=["POST"]),
             Route(f"{UI_PREFIX}/runs", g(self.runs), methods=["GET"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}", g(self.run), methods=["GET"]),
+            Route(f"{UI_PREFIX}/runs/{{run_id}}/transcript", g(self.transcript_page)),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/reply", g(self.reply), methods=["POST"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/cancel", g(self.cancel), methods=["POST"]),
             *(
