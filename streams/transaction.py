@@ -342,8 +342,16 @@ def committed_offsets(
     return {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
 
 
+class Watermarked(Protocol):
+    """What `watermarks` asks of a consumer."""
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float = -1, cached: bool = False
+    ) -> tuple[int, int]: ...
+
+
 def watermarks(
-    consumer: Consumer,
+    consumer: Watermarked,
     topic: str,
     partition: int,
     *,
@@ -738,6 +746,7 @@ __all__ = [
     "Outgoing",
     "Record",
     "Timings",
+    "Watermarked",
     "classify",
     "committed_offsets",
     "fatal_error",
