@@ -442,7 +442,8 @@ class Processor:
                 if kept is not None and kept.last_seq <= stored.last_seq:
                     del held[run_id]
 
-    # ------------------------------------------------------------------ what the collaborators ask
+    # ------------------------------------------------------------------ the rebalancer's owner
+    # What the rebalance callbacks ask of the loop (`rebalance.Owner`; see there for each).
 
     @property
     def stopping(self) -> threading.Event | None:
