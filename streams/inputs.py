@@ -244,7 +244,7 @@ class InputPath:
         # partition -> run_id -> a run held after its end, encoded (`park`)
         self.parked: dict[int, dict[str, Parked]] = {}
         # partition -> run_id -> what is kept of a run evicted after its end, written in a batch
-        # (`Processor._evict`, `_after_end`) and not yet in the processor's store of ended runs
+        # (`Evictor.evict`, `_after_end`) and not yet in the processor's store of ended runs
         self.ended: dict[int, dict[str, Ended]] = {}
         # An ended run in that store (`streams.run_store`): looked up for a run id not held
         self._recall = recall

@@ -363,8 +363,16 @@ def committed_positions(
     }
 
 
+class Watermarked(Protocol):
+    """What `watermarks` asks of a consumer."""
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float = -1, cached: bool = False
+    ) -> tuple[int, int]: ...
+
+
 def watermarks(
-    consumer: Consumer,
+    consumer: Watermarked,
     topic: str,
     partition: int,
     *,
@@ -774,6 +782,7 @@ __all__ = [
     "Outgoing",
     "Record",
     "Timings",
+    "Watermarked",
     "classify",
     "committed_offsets",
     "committed_positions",
