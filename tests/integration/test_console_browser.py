@@ -1,8 +1,9 @@
 """The console in a real browser (Debian's chromium through chromium-driver, headless): log in,
 filter the runs waiting for a person, answer a question in its form and watch the run succeed
-without a reload, read its transcript, cancel a running run, find an injected bad input among the dead letters; an
-operator continues a paused run and gives the verdict on a tool call of unknown outcome, and the
-timeline says who did it, while a session opened with the API token is offered no operator action.
+without a reload, read its transcript, cancel a running run, find an injected bad input among
+the dead letters; an operator continues a paused run and gives the verdict on a tool call of
+unknown outcome, and the timeline says who did it, while a session opened with the API token is
+offered no operator action.
 
 Screenshots of each page go to $AGENTRUNS_SCREENSHOTS (docs/img keeps the current ones), else to
 the test's temporary directory."""
