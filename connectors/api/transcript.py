@@ -145,7 +145,7 @@ def build(
             calls += 1
         elif kind == "UserReplied":
             question_step.setdefault(str(payload.get("question_id")), number)
-        elif kind not in ("ToolCallAccepted", "ToolStatusReported"):
+        elif kind not in ("RunSubmitted", "ToolCallAccepted", "ToolStatusReported"):
             reason = e.get("reason")
             step.notes.append(f"{kind}: {reason}" if reason else kind)
         step.tokens_so_far, step.tool_calls_so_far = tokens, calls
