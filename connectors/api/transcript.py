@@ -26,7 +26,7 @@ from agentruns.connectors.executors.conversation import Conversations, rebuild
 #: Characters of a content shown unfolded; a longer one is folded (one click opens it).
 FOLD_CHARS = 600
 #: Characters of one content shown at most; the rest is in its artifact.
-MAX_SHOWN = 16_384
+MAX_SHOWN = 16 * 1024
 #: Roles of the messages listed as new at a step: the assistant's answers and the tool results
 #: are listed at the step that made them.
 _SEEN_ROLES = frozenset({"system", "developer", "user"})
