@@ -25,6 +25,7 @@ does not have). A rule with ``run`` matches only that run's calls (the request's
 to a file and read back at start, so the counts survive a crash.
 
     python -m agentruns.connectors.dev.servers.mcp_server --port 8702
+    python -m agentruns.connectors.dev.servers.mcp_server --stdio   # MCP on stdin/stdout
 """
 
 from __future__ import annotations
@@ -129,6 +130,24 @@ class ServerState:
             }
 
 
+def fault_of(rule: Any) -> Fault:
+    """A fault rule from its JSON (ValueError: why it is not one)."""
+    try:
+        fault = Fault(
+            target=str(rule.get("target", "*")),
+            kind=str(rule["kind"]),
+            times=rule.get("times", 1),
+            delay_ms=float(rule.get("delay_ms", 200.0)),
+            size=int(rule.get("size", HUGE_BYTES)),
+            run=None if rule.get("run") is None else str(rule["run"]),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"invalid fault: {exc!r}") from None
+    if fault.kind not in FAULT_KINDS:
+        raise ValueError(f"kind must be one of {sorted(FAULT_KINDS)}")
+    return fault
+
+
 def _meta(ctx: Context, name: str) -> str:
     meta: Any = ctx.request_context.meta
     value = meta.get(name) if isinstance(meta, dict) else None
@@ -202,19 +221,9 @@ def build(state: ServerState) -> MCPServer:
                 state.faults.clear()
             return JSONResponse({"faults": 0})
         try:
-            rule = await request.json()
-            fault = Fault(
-                target=str(rule.get("target", "*")),
-                kind=str(rule["kind"]),
-                times=rule.get("times", 1),
-                delay_ms=float(rule.get("delay_ms", 200.0)),
-                size=int(rule.get("size", HUGE_BYTES)),
-                run=None if rule.get("run") is None else str(rule["run"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return JSONResponse({"error": f"invalid fault: {exc!r}"}, status_code=400)
-        if fault.kind not in FAULT_KINDS:
-            return JSONResponse({"error": f"kind must be one of {sorted(FAULT_KINDS)}"}, 400)
+            fault = fault_of(await request.json())
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         with state.lock:
             state.faults.append(fault)
         return JSONResponse({"faults": len(state.faults)})
@@ -380,8 +389,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--counts-file", type=Path, help="keep the call counts in this file")
+    parser.add_argument(
+        "--stdio",
+        action="store_true",
+        help="speak MCP on stdin and stdout instead (no admin routes, no wire faults)",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a fault rule from the start, as POST /faults takes it ({"target", "kind", ...})',
+    )
     args = parser.parse_args(argv)
     state = ServerState(args.counts_file)
+    try:
+        state.faults.extend(fault_of(json.loads(rule)) for rule in args.fault)
+    except ValueError as exc:
+        print(f"error: --fault: {exc}", file=sys.stderr)
+        return 2
+    if args.stdio:
+        if any(f.kind in WIRE_FAULTS for f in state.faults):
+            print("error: --fault: wire faults are for HTTP", file=sys.stderr)
+            return 2
+        build(state).run("stdio")  # until stdin ends
+        return 0
     app = app_of(state)
     print(f"MCP server listening on http://{args.host}:{args.port}/mcp", flush=True)
     try:
