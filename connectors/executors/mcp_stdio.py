@@ -46,6 +46,7 @@ HEAD_BYTES = 256  # of a line skipped, kept to find whose answer it was
 LEADING_ID = re.compile(rb'\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"id"\s*:\s*(\d{1,18})\s*[,}]')
 RESTART_PAUSE_S = (0.5, 30.0)
 STOP_WAIT_S = 1.0
+MAX_UNREAD_BYTES = 1024 * 1024  # answers to the server's requests it has not read yet
 STRAY_LOG_S = 10.0  # dropped lines are logged at most this often (with their count)
 
 
@@ -309,9 +310,13 @@ class StdioWire:
             error = {"code": -32601, "message": "not supported by this client"}
             answer = {"jsonrpc": "2.0", "id": request["id"], "error": error}
         process = self.process
-        if process is not None and process.stdin is not None and not process.stdin.is_closing():
-            with contextlib.suppress(OSError, RuntimeError):
-                process.stdin.write(msgspec.json.encode(answer) + b"\n")
+        if process is None or process.stdin is None or process.stdin.is_closing():
+            return
+        if process.stdin.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
+            self._stray("a request while the server reads nothing of its stdin")
+            return  # a server that asks and never reads: what it was not told, it never gets
+        with contextlib.suppress(OSError, RuntimeError):
+            process.stdin.write(msgspec.json.encode(answer) + b"\n")
 
     def _stray(self, what: str) -> None:
         self._strays += 1
