@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentruns.connectors.executors.http import KeepAliveHTTP
 from agentruns.connectors.executors.limits import NO_LIMITS
-from agentruns.connectors.executors.mcp_client import MCPSession
+from agentruns.connectors.executors.mcp_client import HTTPWire, MCPSession, Wire
 from agentruns.connectors.executors.mcp_rules import (
     AGENT_TOOL_NAME,
     MAX_TOOLS_PER_SERVER,
@@ -28,6 +28,7 @@ from agentruns.connectors.executors.mcp_rules import (
     MCPServerSpec,
     rules_for,
 )
+from agentruns.connectors.executors.mcp_stdio import StdioWire
 
 if TYPE_CHECKING:
     from agentruns.connectors.executors.tool import ToolEntry
@@ -67,7 +68,7 @@ def entries_of(
             name=agent_name,
             description=str(tool.get("description") or "")[:4000],
             parameters=schema if isinstance(schema, Mapping) else {"type": "object"},
-            endpoint=spec.url,
+            endpoint=spec.endpoint,
             method="POST",
             timeout_ms=rules.timeout_ms,
             permission=rules.permission,
@@ -114,7 +115,9 @@ class MCPTools:
     def session(self, server: str) -> MCPSession:
         session = self._sessions.get(server)
         if session is None:
-            session = self._sessions[server] = MCPSession(self.servers[server], self._http)
+            spec = self.servers[server]
+            wire: Wire = HTTPWire(spec, self._http) if spec.stdio is None else StdioWire(spec)
+            session = self._sessions[server] = MCPSession(spec, wire)
         return session
 
     def _install(self, spec: MCPServerSpec, tools: list[dict[str, Any]]) -> None:

@@ -63,13 +63,19 @@ def registry_tools() -> tuple[ToolSpec, ...]:
     )
 
 
-def _configuration(folder: Path, models_url: str, shop_url: str) -> tuple[Path, Path]:
-    """The demo's tool registry (the example registry and the example MCP server) and model
-    routes (every route to the scripted server; ``claude`` through its Anthropic mode)."""
-    registry = folder / "tools.json"
+def registry_with_shop(registry: Path, shop_url: str) -> Path:
+    """Write at ``registry`` the example registry with the example MCP server at ``shop_url``
+    as ``shop``."""
     spec = json.loads(REGISTRY.read_text())
     spec["mcp_servers"] = [mcp_server.dev_registry_entry(shop_url)]
     registry.write_text(json.dumps(spec))
+    return registry
+
+
+def _configuration(folder: Path, models_url: str, shop_url: str) -> tuple[Path, Path]:
+    """The demo's tool registry (the example registry and the example MCP server) and model
+    routes (every route to the scripted server; ``claude`` through its Anthropic mode)."""
+    registry = registry_with_shop(folder / "tools.json", shop_url)
     routes = folder / "routes.json"
     anthropic = {"provider": "anthropic", "base_url": models_url, "model": "claude-demo"}
     routes.write_text(json.dumps({ANTHROPIC_ROUTE: {**anthropic, "api_key": "demo-key"}, "*": {}}))
