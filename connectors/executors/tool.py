@@ -184,6 +184,8 @@ class ToolRegistry:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ExecutorError(f"cannot read the tool registry {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ExecutorError(f"invalid tool registry {path}: not a JSON object")
         try:
             defaults = parse_connectivity(data, f"tool registry {path}")
             tools = {
@@ -219,7 +221,7 @@ class ToolRegistry:
                 path=str(path),
                 mcp_servers=servers,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ExecutorError(f"invalid tool registry {path}: {exc!r}") from exc
 
     def openai_tools(self, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
