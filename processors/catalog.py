@@ -19,6 +19,10 @@ cannot tell an omitted field from one written with `ToolSpec`'s default, so the 
 the catalog's value for every field of `FILLED_FIELDS` that holds the default
 (`with_catalog_defaults`: the catalog's is never wider) and logs the submission with the tools
 it checked. `catalog_problem` never raises.
+
+The catalog may change after a run was checked (the components refresh it): the tool executor
+holds each call to the catalog as it is then (`call_refusal`: a tool now under approval, or now
+ranked stricter than the permission the run declared, is not called).
 """
 
 from __future__ import annotations
