@@ -128,6 +128,14 @@ class Settings(BaseSettings):
         description="the model routes file, when --routes is not given: the model executor's"
         " routes, and the only routes a task may name where a catalog is held",
     )
+    catalog_refresh_s: float = Field(
+        30.0,
+        alias="AGENTRUNS_CATALOG_REFRESH_S",
+        ge=1.0,
+        le=86_400.0,
+        description="how often the processor, the API and the tool executor make the tool"
+        " catalog again from the registry file and its MCP servers (seconds, 1 to 86400)",
+    )
     store_dir: Path | None = Field(
         None,
         alias="AGENTRUNS_STORE_DIR",

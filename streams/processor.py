@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +333,13 @@ class Processor:
         return self._model_partitions
 
     # ------------------------------------------------------------------ lifecycle
+
+    def set_catalog(self, catalog: Catalog | None) -> None:
+        """Hold new runs' tasks to ``catalog`` from now on (a refresh of the operator's
+        catalog: `agentruns.connectors.catalog.CatalogRefresher`). Safe from another thread:
+        the settings are replaced whole, and a submission is checked against the catalog
+        they hold when it is applied; the runs already submitted keep their stamp."""
+        self._path.settings = replace(self._path.settings, catalog=catalog)
 
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set; then commit what is pending and leave the group."""

@@ -44,6 +44,11 @@ class ApiConfig:
     #: The operator's tool catalog tasks are held to (422 when one widens it); None: none.
     catalog: Catalog | None = None
 
+    def set_catalog(self, catalog: Catalog | None) -> None:
+        """Hold tasks to ``catalog`` from now on (a refresh: `agentruns.connectors.catalog.
+        CatalogRefresher`); each request reads the catalog once, when it checks its task."""
+        self.catalog = catalog
+
     @classmethod
     def from_env(
         cls,

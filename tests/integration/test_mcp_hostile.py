@@ -133,7 +133,10 @@ def endpoint() -> Iterator[Endpoint]:
 
 def _handler(endpoint: Endpoint, tmp: Path) -> ToolHandler:
     path = tmp / "tools.json"
-    entry = {"name": "evil", "url": endpoint.url, "timeout_ms": 600}
+    # destructive, not idempotent, but called without a person's approval: the hostile
+    # answers are what is tested here, not the executor's approval check
+    override = {"act": {"approval_required": False}}
+    entry = {"name": "evil", "url": endpoint.url, "timeout_ms": 600, "tools": override}
     path.write_text(json.dumps({"mcp_servers": [entry]}))
     return ToolHandler(ToolRegistry.load(path))
 
