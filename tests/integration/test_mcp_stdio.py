@@ -45,6 +45,11 @@ def _entry(tmp: Path, *faults: dict[str, Any], **fields: Any) -> dict[str, Any]:
     }
 
 
+#: Calls a person approved, as the run declared them: the stdio transport is what is tested
+#: here, not the executor's approval check (refund_order and act are under approval).
+APPROVED: dict[str, Any] = {"policy_decision": "approved", "permission": "write"}
+
+
 def _registry(tmp: Path, entry: dict[str, Any]) -> Path:
     path = tmp / "stdio-tools.json"
     path.write_text(json.dumps({"version": "stdio-test", "mcp_servers": [entry]}))
@@ -72,7 +77,8 @@ def _outcomes(
             for n, (tool, arguments) in enumerate(calls):
                 if n == 1 and between is not None:
                     await between()
-                outcomes.append(await handler.execute(ids.call(tool, arguments), None, {}))
+                call = ids.call(tool, arguments, **APPROVED)
+                outcomes.append(await handler.execute(call, None, {}))
         finally:
             await handler.aclose()
             handler.close()
@@ -125,7 +131,7 @@ def test_a_call_over_stdio_end_to_end_executes_once_with_its_key(
     harness.start(ToolExecutor(harness.config("tool"), registry))
     try:
         ids = ids_for(request)
-        call = ids.call("local__refund_order", {"order_id": "o-1", "amount_cents": 700})
+        call = ids.call("local__refund_order", {"order_id": "o-1", "amount_cents": 700}, **APPROVED)
         harness.effects.send(call)
         event = harness.inbox.typed(call, ToolCallSucceeded, timeout=60)
         result = harness.artifact(event.result_ref)
