@@ -76,7 +76,8 @@ def _offset(value: Any) -> int | None:
 
 
 def _position(entry: dict[str, Any]) -> Position | None:
-    if entry.get("fetch_state") not in _FETCHING:
+    state = entry.get("fetch_state")
+    if not isinstance(state, str) or state not in _FETCHING:
         return None  # not fetched for the application: revoked, paused for good, or unknown
     end = _offset(entry.get("ls_offset"))
     if end is None:
