@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     metrics_address: str | None = Field(
         None,
         alias="AGENTRUNS_METRICS_ADDRESS",
-        description="host:port of the /metrics and /healthz endpoint; unset: none",
+        description="host:port of the /metrics, /readyz and /livez endpoints; unset: none",
     )
     api_host: str = Field("127.0.0.1", alias="AGENTRUNS_API_HOST", description="API bind host")
     api_port: int = Field(8080, alias="AGENTRUNS_API_PORT", description="API bind port")

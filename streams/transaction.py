@@ -58,13 +58,13 @@ from confluent_kafka import (
 
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
-    GROUP_CONSUMER_LOG_LEVEL,
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     client_settings,
     commit_timed,
     fetch_settings,
+    group_consumer,
     release,
 )
 
@@ -165,7 +165,7 @@ class Clients:
             **settings,
             **fetch_settings(fetch_window_ms),
             **NO_DELAY,
-            "log_level": GROUP_CONSUMER_LOG_LEVEL,
+            **group_consumer(self.group_id),
             **self.extra_consumer,
         }
 

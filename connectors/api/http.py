@@ -43,7 +43,7 @@ from agentruns.streams import tracing
 log = logging.getLogger("agentruns.api")
 
 
-PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/readyz", "/healthz", "/livez", "/metrics", "/openapi.json"})
 
 
 REQUESTS = Counter(
@@ -367,6 +367,7 @@ ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Res
     ("POST", "/runs/{run_id}/reopen", "reopen", _operator_action("reopen")),
     ("POST", "/runs/{run_id}/redrive", "redrive", _operator_action("redrive")),
     ("POST", "/operations/{key}/callback", "callback", _callback),
+    ("GET", "/readyz", "readyz", _health),
     ("GET", "/healthz", "healthz", _health),
     ("GET", "/livez", "livez", _live),
     ("GET", "/metrics", "metrics", _metrics),

@@ -96,11 +96,12 @@ from agentruns.connectors.executors.metrics import (
     EXECUTOR_ROUTE_WAIT_SECONDS,
     EXECUTOR_THROTTLES,
     EXECUTOR_TRANSACTIONS,
+    route_label,
 )
 from agentruns.connectors.executors.records import ActionRecords, Completion, operation_key_of
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES
 from agentruns.processors.effects import Effect
-from agentruns.streams import dlq, tracing
+from agentruns.streams import dlq, dlq_metrics, tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
@@ -806,6 +807,7 @@ class Executor:
     def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
         self.stats.dead_letters += 1
         EXECUTOR_DEAD_LETTERS.labels(self.config.kind).inc()
+        dlq_metrics.dead_lettered(f"{self.config.kind}_executor", error_class)
         log.warning("dead letter (%s): %s", error_class, reason)
         _, timestamp = message.timestamp()
         return dlq.dead_letter(
@@ -994,7 +996,7 @@ class Executor:
                 self._limiter.end(held.permit, now, tokens=completion.tokens, throttle_s=throttle)
                 held.permit = None
             if completion.throttle_s is not None:
-                EXECUTOR_THROTTLES.labels(self.config.kind, held.route).inc()
+                EXECUTOR_THROTTLES.labels(self.config.kind, route_label(held.route)).inc()
             held.running = False
             held.ended = now
             self._running -= 1

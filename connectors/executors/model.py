@@ -82,6 +82,7 @@ from agentruns.connectors.executors.http import (
 )
 from agentruns.connectors.executors.limits import DEFAULT_TOKENS_PER_CALL, RouteLimits
 from agentruns.connectors.executors.loop import Executor
+from agentruns.connectors.executors.metrics import MODEL_COST, MODEL_TOKENS, route_label
 from agentruns.connectors.executors.process import add_common_arguments, serve_executor
 from agentruns.connectors.executors.tool import (
     REGISTRY_ENV,
@@ -1157,6 +1158,11 @@ class ModelHandler:
             after = assembled.retry_after_ms
             throttle = DEFAULT_THROTTLE_S if after is None else after / 1000
         used = input_tokens + output_tokens if assembled.usage else None
+        if assembled.usage:
+            name = route_label(self.routes.name_of(effect.model_route))
+            MODEL_TOKENS.labels(name, "input").inc(input_tokens)
+            MODEL_TOKENS.labels(name, "output").inc(output_tokens)
+            MODEL_COST.labels(name).inc(cost / 1_000_000)
         return Outcome(event, artifacts, detail[:1000], tokens=used, throttle_s=throttle)
 
 
