@@ -49,6 +49,16 @@ PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/metrics", "/openapi.json"})
 REQUESTS = Counter(
     "agentruns_api_requests_total", "HTTP requests answered", ["method", "route", "status"]
 )
+#: The values of the ``method`` label: a client may send any token as its method, and every
+#: distinct label value is a new series /metrics carries for the life of the process. The
+#: ``route`` label is a route's name or a fixed refusal name, never the request's path.
+METHOD_LABELS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _method_label(method: str) -> str:
+    return method if method in METHOD_LABELS else "other"
+
+
 LATENCY = Histogram(
     "agentruns_api_request_seconds",
     "HTTP request latency",
@@ -144,7 +154,7 @@ class _Guard:
                     },
                     status_code=400,
                 )
-                REQUESTS.labels(scope["method"], "invalid_header", "400").inc()
+                REQUESTS.labels(_method_label(scope["method"]), "invalid_header", "400").inc()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -197,7 +207,7 @@ class _Auth:
             status_code=401,
             headers={"WWW-Authenticate": 'Bearer realm="agentruns"'},
         )
-        REQUESTS.labels(scope["method"], "unauthorized", "401").inc()
+        REQUESTS.labels(_method_label(scope["method"]), "unauthorized", "401").inc()
         await response(scope, receive, send)
 
     def _callback_signed(self, scope: Scope) -> bool:
@@ -227,7 +237,7 @@ def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response
                 response = JSONResponse(
                     {"error": "unavailable", "detail": exc.one_line()}, status_code=503
                 )
-            REQUESTS.labels(request.method, route, str(response.status_code)).inc()
+            REQUESTS.labels(_method_label(request.method), route, str(response.status_code)).inc()
             LATENCY.labels(route).observe(time.perf_counter() - started)
             return response
 
