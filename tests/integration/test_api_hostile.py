@@ -1,22 +1,17 @@
-"""Hostile clients of the JSON API: made-up methods do not grow /metrics."""
+"""Hostile clients of the JSON API: made-up methods do not grow /metrics, wrong tokens are
+throttled per address (one budget with the console's login form)."""
 
 from __future__ import annotations
 
-import random
 import uuid
 
 import httpx
 
-from tests.support.api import TOKEN, Stack
+from tests.support.api import TOKEN, Stack, client_address
+from tests.support.console import csrf_of
 
 #: Label values a client chooses must stay in a fixed set whatever it sends.
 KNOWN_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"}
-
-
-def _address() -> str:
-    """A client address of its own (uvicorn takes X-Forwarded-For from 127.0.0.1, its default
-    trusted proxy), so one test's wrong tokens do not throttle another's requests."""
-    return f"198.18.{random.randrange(256)}.{random.randrange(1, 255)}"
 
 
 def _method_labels(text: str) -> set[str]:
@@ -32,7 +27,7 @@ def test_made_up_methods_and_paths_do_not_grow_the_metrics(stack: Stack) -> None
         before = len(anon.get("/metrics").text)
         for i in range(120):
             method = "M" + uuid.uuid4().hex[:16].upper()
-            headers = {"X-Forwarded-For": _address()}
+            headers = {"X-Forwarded-For": client_address()}
             path = f"/runs/{uuid.uuid4().hex}"
             if i % 3 == 0:  # unauthorized
                 anon.request(method, path, headers=headers)
@@ -44,3 +39,35 @@ def test_made_up_methods_and_paths_do_not_grow_the_metrics(stack: Stack) -> None
     assert _method_labels(text) <= KNOWN_METHODS, _method_labels(text) - KNOWN_METHODS
     assert "other" in _method_labels(text)
     assert len(text) - before < 4096, len(text) - before
+
+
+def test_wrong_tokens_are_throttled_per_address_on_every_route_and_with_the_console(
+    stack: Stack,
+) -> None:
+    address = client_address()
+    wrong = {"Authorization": "Bearer " + "x" * 40, "X-Forwarded-For": address}
+    right = {"Authorization": f"Bearer {TOKEN}", "X-Forwarded-For": address}
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        for path in ("/runs", "/runs/x", "/runs/x/events", "/runs", "/runs/x"):
+            assert client.get(path, headers=wrong).status_code == 401, path
+        for headers in (wrong, right):  # refused before the token is compared
+            for method, path in (("GET", "/runs"), ("POST", "/runs/x/replies")):
+                limited = client.request(method, path, headers=headers, json={})
+                assert limited.status_code == 429, (method, path, limited.text)
+                assert 1 <= int(limited.headers["retry-after"]) <= 60
+                assert limited.json()["error"] == "too_many_wrong_tokens"
+        forged_callback = client.post(
+            "/operations/k/callback?sig=forged", json={}, headers={"X-Forwarded-For": address}
+        )
+        assert forged_callback.status_code == 429
+        # the console's login form shares the budget: no more guesses there either
+        form = client.get("/ui/login", headers={"X-Forwarded-For": address})
+        login = client.post(
+            "/ui/login",
+            data={"token": TOKEN, "csrf": csrf_of(form.text)},
+            headers={"X-Forwarded-For": address},
+        )
+        assert login.status_code == 429
+        # another address is not throttled
+        other = {"Authorization": f"Bearer {TOKEN}", "X-Forwarded-For": client_address()}
+        assert client.get("/runs", headers=other).status_code == 200
