@@ -1,9 +1,12 @@
 """Hostile clients of the JSON API: made-up methods do not grow /metrics, wrong tokens are
-throttled per address (one budget with the console's login form)."""
+throttled per address (one budget with the console's login form), and a forged resume token
+is refused before its payload is read."""
 
 from __future__ import annotations
 
+import base64
 import uuid
+from typing import Any
 
 import httpx
 
@@ -71,3 +74,25 @@ def test_wrong_tokens_are_throttled_per_address_on_every_route_and_with_the_cons
         # another address is not throttled
         other = {"Authorization": f"Bearer {TOKEN}", "X-Forwarded-For": client_address()}
         assert client.get("/runs", headers=other).status_code == 200
+
+
+def _forged(payload: bytes) -> str:
+    body = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
+    return f"art1.{body}.{'A' * 43}"
+
+
+def test_a_forged_resume_token_is_refused_before_its_payload_is_parsed(stack: Stack) -> None:
+    def reply(token: str) -> httpx.Response:
+        body: dict[str, Any] = {"resume_token": token, "response": {"approved": True}}
+        return stack.http.post("/runs/x/replies", json=body)
+
+    for token in (
+        _forged(b"[" * 200_000),  # deep nesting: a recursive parser's RecursionError
+        _forged(b'{"r": "x"' + b" " * 300_000 + b"}"),  # huge
+        "art1." + "A" * 1_000_000 + ".sig",
+        _forged(b"not json at all"),
+    ):
+        r = reply(token)
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+        assert r.json()["error"] in {"token_forged", "body_too_large"}, r.text[:200]
+    assert stack.http.get("/runs").status_code == 200
