@@ -242,6 +242,8 @@ class HTTPWire:
                 pass
             case "not_sent" | "tls" | "too_large":
                 return answer, Reply(answer.failure, detail=answer.detail)
+            case "invalid_request":  # refused by the client: nothing reached the server
+                return answer, Reply("invalid", detail=answer.detail, sent=False)
             case _:
                 return answer, Reply("unknown", detail=answer.detail)
         if answer.status == 404 and with_session and self.session_id is not None:

@@ -625,6 +625,8 @@ class ToolHandler:
             headers=headers,
             body=canonical_json(arguments).encode(),
         )
+        if answer.failure == "invalid_request":  # nothing sent; the same call would fail again
+            return self.failure(effect, "invalid_request", answer.detail)
         if answer.failure == "not_sent":
             event = ToolCallFailed(
                 **ids,

@@ -3,6 +3,7 @@ in-process processor, the sink and a scripted executor double, on one topic pref
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -144,6 +145,23 @@ class ScriptedDouble(ExecutorDouble):
             )
         else:
             yield from super().answer(effect)
+
+
+def client_address() -> str:
+    """A client address of its own: uvicorn takes X-Forwarded-For from 127.0.0.1 (its default
+    trusted proxy), so a test's wrong tokens count against this address, not against every
+    other request of the module (the API throttles wrong tokens per address)."""
+    return f"198.18.{random.randrange(256)}.{random.randrange(1, 255)}"
+
+
+def anonymous(url: str) -> httpx.Client:
+    """A client without the bearer token whose every request comes from an address of its own
+    (`client_address`)."""
+
+    def spread(request: httpx.Request) -> None:
+        request.headers.setdefault("X-Forwarded-For", client_address())
+
+    return httpx.Client(base_url=url, timeout=30, event_hooks={"request": [spread]})
 
 
 @dataclass

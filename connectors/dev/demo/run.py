@@ -28,6 +28,7 @@ from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
 from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
+from agentruns.connectors.postgres.dsn import redact_dsn
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.effects import AskUser, CallTool
 from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
@@ -418,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert stack.endpoints is not None
         ep = stack.endpoints
         print(f"  kafka    {ep.kafka_bootstrap}  ({ep.kafka_source})", flush=True)
-        print(f"  postgres {ep.database_url}  ({ep.postgres_source})", flush=True)
+        print(f"  postgres {redact_dsn(ep.database_url)}  ({ep.postgres_source})", flush=True)
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=PARTITIONS)
         with (
