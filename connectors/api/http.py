@@ -174,8 +174,9 @@ class _Auth:
     """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
     instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`). An
     operator token passes too and marks the request with its operator (`ACTOR_KEY`). Every
-    refusal counts against the client address in `limiter` (the console's login limiter): an
-    address over its budget gets 429 with Retry-After, before its credential is compared."""
+    wrong credential counts against the client address in `limiter` (the console's login
+    limiter): an address over its budget gets 429 with Retry-After, before its credential is
+    compared. A request with no credential at all is refused without counting."""
 
     def __init__(
         self,
@@ -225,7 +226,10 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
-        self._limiter.failed(address)
+        if given or b"sig=" in scope.get("query_string", b""):
+            # a guess, not a request without any credential (a browser's /favicon.ico): only
+            # guesses spend the address's budget
+            self._limiter.failed(address)
         response = JSONResponse(
             {"error": "unauthorized", "detail": "send Authorization: Bearer <AGENTRUNS_API_TOKEN>"},
             status_code=401,

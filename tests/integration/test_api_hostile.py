@@ -76,6 +76,18 @@ def test_wrong_tokens_are_throttled_per_address_on_every_route_and_with_the_cons
         assert client.get("/runs", headers=other).status_code == 200
 
 
+def test_requests_without_any_credential_do_not_spend_the_budget(stack: Stack) -> None:
+    """A browser asks for /favicon.ico with every page of the console: refused, never counted
+    as a guess, so the right token from that address keeps working."""
+    address = client_address()
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        for _ in range(12):
+            bare = client.get("/favicon.ico", headers={"X-Forwarded-For": address})
+            assert bare.status_code == 401
+        right = {"Authorization": f"Bearer {TOKEN}", "X-Forwarded-For": address}
+        assert client.get("/runs", headers=right).status_code == 200
+
+
 def _forged(payload: bytes) -> str:
     body = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
     return f"art1.{body}.{'A' * 43}"
