@@ -1,5 +1,5 @@
 # agentruns: `make demo` and `make test` set everything up themselves on a fresh machine
-# (Python 3.11+, Java 17+, Maven; root for apt-get when Postgres is missing).
+# (Python 3.11+, Java 17+, Maven; root for apt-get when Postgres, Chromium or promtool is missing).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -7,11 +7,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv broker-jars postgres chromium demo test check unit integration lint typecheck docs fmt bench clean
+.PHONY: help setup venv broker-jars postgres chromium prometheus demo test check unit integration lint typecheck docs fmt bench clean
 
 help:
 	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
-	@echo "make test   - set up, then ruff, mypy, the import contracts, the docs build and the whole pytest suite (real broker + db)"
+	@echo "make test   - set up, then ruff, mypy, the import contracts, the docs build and the whole pytest suite (real broker + db; promtool on the Prometheus rules)"
 	@echo "make check  - the same without the docs and the tests marked slow (chaos, clusters, kills): a few minutes"
 	@echo "make lint | typecheck | docs | unit | integration | bench | fmt | clean"
 
@@ -56,7 +56,20 @@ chromium:
 	  echo "Chromium is missing: install it (e.g. sudo apt-get install -y chromium chromium-driver)"; exit 2; \
 	fi
 
-setup: venv broker-jars postgres
+# promtool, which checks and unit-tests the Prometheus rules (deploy/prometheus, in
+# tests/unit/test_prometheus_rules.py): Debian's prometheus package when missing and we are
+# root, the same way as Postgres.
+prometheus:
+	@if command -v promtool >/dev/null; then \
+	  echo "promtool: $$(command -v promtool)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing prometheus (promtool) with apt-get"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	else \
+	  echo "promtool is missing: install it (e.g. sudo apt-get install -y prometheus)"; exit 2; \
+	fi
+
+setup: venv broker-jars postgres prometheus
 
 demo: setup
 	$(VENV)/bin/agentruns demo
@@ -81,7 +94,7 @@ typecheck: $(STAMP)
 docs: typecheck
 	$(VENV)/bin/mkdocs build --strict -d build/site
 
-unit: $(STAMP)
+unit: $(STAMP) prometheus
 	$(VENV)/bin/pytest tests/unit -q $(PYTEST_ARGS)
 
 integration: setup

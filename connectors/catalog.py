@@ -3,25 +3,42 @@
 The processor, the API and `agentruns run` hold every task to the catalog of the registry they
 are given (``--registry``, else the ``tool_registry`` setting, ``AGENTRUNS_TOOL_REGISTRY``); with
 none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`: its HTTP
-tools and the tools its MCP servers list when the catalog is made (a server that does not
-answer then has no tools in it until the process starts again: docs/tools.md).
+tools and the tools its MCP servers list when the catalog is made. A `CatalogRefresher` makes
+it again every ``catalog_refresh_s`` (the registry file and the routes file read again, every
+MCP server listed again) and hands a new version to its component; a refresh that cannot read
+a file keeps the catalog it has, and an MCP server that does not answer keeps the tools it
+last listed (both logged and counted): a catalog is never emptied by an outage.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
+from prometheus_client import Counter
+
+from agentruns.connectors.executors.base import ExecutorError
+from agentruns.connectors.executors.mcp_rules import SEPARATOR
 from agentruns.connectors.executors.tool import (
     ToolEntry,
     ToolRegistry,
     registry_from_args,
     tools_of,
 )
+from agentruns.connectors.executors.tool_mcp import discover
 from agentruns.processors.catalog import Catalog, CatalogTool
 
 log = logging.getLogger("agentruns.catalog")
+
+REFRESHES = Counter(
+    "agentruns_catalog_refreshes_total",
+    "Tool catalog refreshes, by component and outcome: changed (a new version taken),"
+    " unchanged, failed (the registry or routes file could not be read: the last catalog"
+    " stays), unanswered (an MCP server did not list its tools: the tools it last listed stay)",
+    ["component", "outcome"],
+)
 
 #: What a process without a catalog logs when it starts.
 NO_CATALOG = "no tool catalog: tasks declare their own tools"
@@ -50,6 +67,15 @@ def catalog_of(
     return Catalog.of(registry.version, tools, routes)
 
 
+def _route_names(routes: Path | str | None) -> tuple[str, ...] | None:
+    """The routes of the model routes file ``routes`` (None: no file, any route)."""
+    if routes is None or str(routes) == "":
+        return None
+    from agentruns.connectors.executors.model import Routes
+
+    return tuple(Routes.from_env(str(routes)).routes)
+
+
 def configured_catalog(
     path: Path | str | None, *, component: str, routes: Path | str | None = None
 ) -> Catalog | None:
@@ -59,11 +85,7 @@ def configured_catalog(
     if path is None or str(path) == "":
         log.info("%s: %s", component, NO_CATALOG)
         return None
-    names = None
-    if routes is not None and str(routes) != "":
-        from agentruns.connectors.executors.model import Routes
-
-        names = tuple(Routes.from_env(str(routes)).routes)
+    names = _route_names(routes)
     catalog = catalog_of(registry_from_args(str(path)), routes=names)
     log.info(
         "%s: tool catalog %s (%d tools, %s) from %s",
@@ -74,6 +96,128 @@ def configured_catalog(
         path,
     )
     return catalog
+
+
+def with_unanswered(
+    previous: Catalog, tools: Mapping[str, CatalogTool], unanswered: Collection[str]
+) -> dict[str, CatalogTool]:
+    """``tools`` (a refresh's) plus the tools ``previous`` had of the MCP servers in
+    ``unanswered`` (still named by the registry, but they did not list their tools): a server
+    that is down keeps what it last listed rather than vanish from the catalog."""
+    kept = {
+        name: tool
+        for name, tool in previous.tools.items()
+        if SEPARATOR in name and name.partition(SEPARATOR)[0] in unanswered
+    }
+    return {**kept, **tools}
+
+
+def changes(before: Catalog, after: Catalog) -> str:
+    """What a refresh changed, for its log line: the tools added, removed and changed."""
+    added = sorted(set(after.tools) - set(before.tools))
+    removed = sorted(set(before.tools) - set(after.tools))
+    changed = sorted(
+        n for n in set(before.tools) & set(after.tools) if before.tools[n] != after.tools[n]
+    )
+    parts = [
+        f"{what} {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}"
+        for what, names in (("added", added), ("removed", removed), ("changed", changed))
+        if names
+    ]
+    if before.routes != after.routes:
+        parts.append("model routes changed")
+    return "; ".join(parts) or "no tool changed"
+
+
+class CatalogRefresher:
+    """Makes a long-running component's catalog again every ``interval_s`` from the registry
+    file at ``path`` (and the model routes file ``routes``) and the MCP servers it names, and
+    hands each new version to ``apply`` (the processor's `set_catalog`, the API's config).
+
+    - the registry or routes file cannot be read or is not valid: the catalog stays
+      (``failed``, logged);
+    - an MCP server the registry names does not list its tools: the tools it last listed stay
+      (``unanswered``, logged); one the registry no longer names loses its tools;
+    - anything else: the catalog of what was read, under a new version when its content
+      changed. The API and the processor check each task against the catalog they hold when
+      it arrives, and a run keeps the version it was checked against (its stamp)."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        catalog: Catalog,
+        apply: Callable[[Catalog], None],
+        *,
+        component: str,
+        interval_s: float,
+        routes: Path | str | None = None,
+    ) -> None:
+        self.path, self.routes = str(path), routes
+        self.catalog = catalog
+        self._apply = apply
+        self.component = component
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self) -> str:
+        """One refresh now: its outcome (changed, unchanged, failed, unanswered)."""
+        with self._lock:
+            outcome = self._refresh()
+        REFRESHES.labels(self.component, outcome).inc()
+        return outcome
+
+    def _refresh(self) -> str:
+        try:
+            registry = ToolRegistry.load(self.path)
+            names = _route_names(self.routes)
+        except ExecutorError as exc:
+            log.warning(
+                "%s: tool catalog not refreshed, %s stays: %s",
+                self.component, self.catalog.version, exc.args[0] if exc.args else exc,
+            )  # fmt: skip
+            return "failed"
+        listed, answered = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
+        unanswered = set(registry.mcp_servers) - answered
+        fresh = catalog_of(registry, {**listed, **registry.tools}, names)
+        catalog = fresh
+        if unanswered:
+            tools = with_unanswered(self.catalog, fresh.tools, unanswered)
+            catalog = Catalog.of(registry.version, tools, names)
+            log.warning(
+                "%s: MCP servers %s did not list their tools: the tools they last listed stay",
+                self.component, ", ".join(sorted(unanswered)),
+            )  # fmt: skip
+        if catalog.version == self.catalog.version:
+            return "unanswered" if unanswered else "unchanged"
+        log.info(
+            "%s: tool catalog %s -> %s (%s)",
+            self.component, self.catalog.version, catalog.version, changes(self.catalog, catalog),
+        )  # fmt: skip
+        self.catalog = catalog
+        self._apply(catalog)
+        return "unanswered" if unanswered else "changed"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.refresh()
+            except Exception:  # a refresh never stops the component it serves
+                REFRESHES.labels(self.component, "failed").inc()
+                log.exception("%s: tool catalog refresh failed", self.component)
+
+    def start(self) -> CatalogRefresher:
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"catalog-{self.component}"
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
 
 
 def _backend(entry: ToolEntry | None) -> str:

@@ -238,12 +238,9 @@ def _tools_list(args: argparse.Namespace) -> int:
 
 def _version() -> str:
     """The installed distribution's version (the one pip reports)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from agentruns.connectors.build import version
 
-    try:
-        return version("agentruns")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return version()
 
 
 def build_parser() -> argparse.ArgumentParser:

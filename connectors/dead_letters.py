@@ -10,7 +10,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException, Message, Producer
 
-from agentruns.streams import dlq
+from agentruns.streams import dlq, dlq_metrics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
 
@@ -43,16 +43,21 @@ def of_message(
     )
 
 
-def send(producer: Producer, topic: str, records: Sequence[dict[str, Any]]) -> None:
+def send(
+    producer: Producer, topic: str, records: Sequence[dict[str, Any]], *, component: str
+) -> None:
     """Produce `records` to the DLQ topic and wait for them. Each is keyed by its run when the
     run is known, else by the original key (`dlq.key_of`); `producer` partitions by the key
-    (`KEYED_PARTITIONER`)."""
+    (`KEYED_PARTITIONER`). Once delivered they are counted as ``component``'s
+    (`agentruns_dlq_records_total`)."""
     if not records:
         return
     for record in records:
         producer.produce(topic, key=dlq.key_of(record), value=encode("DeadLetter", record))
     if producer.flush(FLUSH_TIMEOUT_S) != 0:
         raise KafkaException(f"{len(records)} dead letters not delivered to {topic} in time")
+    for record in records:
+        dlq_metrics.dead_lettered(component, record["error_class"])
 
 
 def first_line(exc: BaseException) -> str:

@@ -178,15 +178,18 @@ def check_postgres(url: str, timeout: float = 10.0, *, patience_s: float = 0.0) 
     that long first (see `_patiently`)."""
     import psycopg
 
+    from agentruns.connectors.postgres.dsn import redact_dsn, scrub_dsn
+
     def attempt() -> None:
         try:
             with psycopg.connect(url, connect_timeout=max(1, int(timeout))) as conn:
                 conn.execute("SELECT 1")
         except psycopg.Error as exc:
+            reason = scrub_dsn((str(exc).strip() or type(exc).__name__).splitlines()[0], url)
             raise ServiceUnreachableError(
-                f"Postgres at {url} does not answer ({str(exc).strip().splitlines()[0]})",
+                f"Postgres at {redact_dsn(url)} does not answer ({reason})",
                 hint="check DATABASE_URL, or unset it to use a local server",
-            ) from exc
+            ) from None
 
     _patiently(attempt, patience_s)
 

@@ -1,14 +1,15 @@
-"""`/metrics`, `/healthz` and `/livez` of a service process (docs/metrics.md).
+"""`/metrics`, `/readyz` (and `/healthz`) and `/livez` of a service process (docs/metrics.md).
 
 Every long-running service serves them on ``--metrics-address HOST:PORT`` (or
 ``$AGENTRUNS_METRICS_ADDRESS``; ``--metrics-port N`` is ``127.0.0.1:N``); off when none is
-given. The API serves the same three routes from its own app (`connectors/api/http.py`) with
+given. The API serves the same routes from its own app (`connectors/api/http.py`) with
 the same `Health` checks.
 
 - ``/metrics``: the process's Prometheus registry (text exposition);
-- ``/healthz``: readiness. 200 when the service's Kafka answers, its Postgres answers (when it
-  uses one) and its consumer has partitions (or its group's assignment gave it none: the body
-  says which), else 503; the body is JSON with each check's detail;
+- ``/readyz``: readiness (``/healthz`` answers the same, for the probes that already use it).
+  200 when the service's Kafka answers, its Postgres answers (when it uses one) and its consumer
+  has partitions (or its group's assignment gave it none: the body says which), else 503; the
+  body is JSON with each check's detail;
 - ``/livez``: 200 while the service loop runs, 503 once it stopped or is stopping.
 
 The server is for scrapers and probes on an untrusted network: one thread per connection, at
@@ -37,6 +38,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from agentruns.connectors import build
 from agentruns.connectors.settings import current
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.membership import Membership
@@ -62,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-address",
         default=None,
         metavar="HOST:PORT",
-        help=f"serve /metrics, /healthz and /livez there (default ${ADDRESS_ENV}; off without)",
+        help=f"serve /metrics, /readyz, /healthz and /livez there (default ${ADDRESS_ENV};"
+        " off without)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -219,7 +222,12 @@ class Health:
 # --------------------------------------------------------------------------- the server
 
 
+#: The paths that answer readiness: Kubernetes' convention, and the older name kept working.
+READY_PATHS = frozenset({"/readyz", "/healthz"})
+
+
 def metrics_text() -> bytes:
+    assert build.BUILD_INFO is not None  # set when imported: every scrape carries it
     return generate_latest(REGISTRY)
 
 
@@ -264,8 +272,8 @@ class _Handler(BaseHTTPRequestHandler):
         health = self.server.health
         if path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, metrics_text(), body)
-        elif path in ("/healthz", "/livez"):
-            ok, report = health.ready() if path == "/healthz" else health.live()
+        elif path in READY_PATHS or path == "/livez":
+            ok, report = health.ready() if path in READY_PATHS else health.live()
             payload = json.dumps(report, sort_keys=True).encode() + b"\n"
             self._send(200 if ok else 503, "application/json", payload, body)
         else:
@@ -354,7 +362,7 @@ class HealthServer:
         ]
         for thread in self._threads:
             thread.start()
-        log.info("serving /metrics, /healthz and /livez on %s:%d", *self.address)
+        log.info("serving /metrics, /readyz, /healthz and /livez on %s:%d", *self.address)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -385,6 +393,7 @@ def serving(
 
 __all__ = [
     "ADDRESS_ENV",
+    "READY_PATHS",
     "Check",
     "Health",
     "HealthServer",

@@ -7,6 +7,13 @@ The file is read strictly: it must be small UTF-8 text, every property line has 
 line. Java-only settings with a librdkafka equivalent are translated (``sasl.jaas.config`` of
 the PLAIN and SCRAM login modules becomes ``sasl.username``/``sasl.password``); settings
 librdkafka does not know are left for librdkafka to refuse (:func:`check_with_librdkafka`).
+
+Keys are an allow-list (:data:`ALLOWED`, :data:`ALLOWED_PREFIXES`): the security settings
+and a few connection timeouts. librdkafka can load shared libraries (``plugin.library.paths``,
+an OpenSSL engine or provider) and run a shell command (``sasl.kerberos.kinit.cmd``, with the
+principal and keytab pasted into it); a properties file is configuration, never code, so those
+keys are refused, the Kerberos names are held to plain characters, and an OIDC token endpoint
+(which receives the client secret) must be https.
 """
 
 from __future__ import annotations
@@ -30,6 +37,37 @@ RESERVED = {
     "enable.auto.commit": "agentruns commits offsets itself",
     "logger": "agentruns routes librdkafka's log lines itself",
 }
+
+#: Keys a properties file may set besides those under ALLOWED_PREFIXES.
+ALLOWED = frozenset(
+    {
+        "security.protocol",
+        "client.id",
+        "socket.timeout.ms",
+        "socket.connection.setup.timeout.ms",
+        "socket.keepalive.enable",
+        "connections.max.idle.ms",
+        "metadata.max.age.ms",
+        "reconnect.backoff.ms",
+        "reconnect.backoff.max.ms",
+        "retry.backoff.ms",
+        "retry.backoff.max.ms",
+    }
+)
+ALLOWED_PREFIXES = ("sasl.", "ssl.")
+
+#: Keys under ALLOWED_PREFIXES that load code or run a command.
+REFUSED = {
+    "ssl.engine.location": "it loads a shared library (an OpenSSL engine)",
+    "ssl.engine.id": "it selects an OpenSSL engine, which loads code",
+    "ssl.providers": "it loads OpenSSL providers (shared libraries)",
+    "sasl.kerberos.kinit.cmd": "it is a shell command librdkafka runs",
+}
+
+#: Values librdkafka pastes into its kinit shell command: plain names and paths only.
+_SHELL_SAFE = re.compile(r"^[A-Za-z0-9._/@+:=,-]*$")
+_KINIT_ARGUMENTS = ("sasl.kerberos.principal", "sasl.kerberos.keytab")
+_TOKEN_ENDPOINT = "sasl.oauthbearer.token.endpoint.url"
 
 _ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
 _JAAS = re.compile(
@@ -155,6 +193,7 @@ def _translate(raw: dict[str, tuple[str, int]], source: str) -> dict[str, str]:
     for key, (value, number) in raw.items():
         if key in RESERVED:
             raise _fail(source, number, f"{key} cannot be set here", hint=RESERVED[key])
+        _check_allowed(key, value, source, number)
         if key == "sasl.jaas.config":
             for name, credential in _jaas_credentials(value, source, number).items():
                 if name in raw:
@@ -163,6 +202,32 @@ def _translate(raw: dict[str, tuple[str, int]], source: str) -> dict[str, str]:
             continue
         out[key] = value
     return out
+
+
+def _check_allowed(key: str, value: str, source: str, number: int) -> None:
+    """Refuse a key off the allow-list, one that loads code or runs a command, and a value
+    that would reach a shell or send a secret in clear."""
+    if key in REFUSED:
+        raise _fail(source, number, f"{key} is refused: {REFUSED[key]}")
+    if key not in ALLOWED and key != "sasl.jaas.config" and not key.startswith(ALLOWED_PREFIXES):
+        raise _fail(
+            source,
+            number,
+            f"{key} is not a setting agentruns passes on",
+            hint="security.protocol, sasl.*, ssl.*, client.id and the socket, reconnect and "
+            "retry timeouts are (docs/configuration.md)",
+        )
+    if key in _KINIT_ARGUMENTS and not _SHELL_SAFE.match(value):
+        raise _fail(
+            source,
+            number,
+            f"{key} holds characters a shell would read (librdkafka pastes it into kinit)",
+            hint="letters, digits and ._/@+:=,- only",
+        )
+    if key == _TOKEN_ENDPOINT and not value.lower().startswith("https://"):
+        raise _fail(
+            source, number, f"{key} must be an https:// URL (it receives the client secret)"
+        )
 
 
 def _jaas_credentials(value: str, source: str, number: int) -> dict[str, str]:

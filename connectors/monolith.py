@@ -169,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if dev_registry:  # the example MCP server's tools join the example registry
                 entry = {"mcp_servers": [mcp_server.dev_registry_entry(mcp_url)]}
                 servers = parse_mcp_servers(entry, "the dev registry")
-                registry = replace(registry, mcp_servers={**registry.mcp_servers, **servers})
+                # made in memory: no file to read again (the tool executor keeps this one)
+                registry = replace(
+                    registry, mcp_servers={**registry.mcp_servers, **servers}, path=""
+                )
         monolith = Monolith(
             ep.kafka_bootstrap,
             ep.database_url,

@@ -4,6 +4,8 @@ Where a value comes from, strongest first: a command-line flag, the environment,
 file in the working directory, the default. Kafka client properties (security) come from the
 properties file ``AGENTRUNS_KAFKA_CONFIG`` (or ``--kafka-config FILE``) names, in Kafka's own
 ``key=value`` format (see `kafka_properties`), and go to every Kafka client of the process.
+That file is named explicitly (flag or environment), never by a ``.env``: a file planted in
+the working directory does not configure the Kafka clients.
 
 A process loads its settings once, when its command starts (`load`, called by
 `lifecycle.run_command`); `current()` is what it loaded. ``--kafka-config`` is exported to the
@@ -69,7 +71,7 @@ class Settings(BaseSettings):
     metrics_address: str | None = Field(
         None,
         alias="AGENTRUNS_METRICS_ADDRESS",
-        description="host:port of the /metrics and /healthz endpoint; unset: none",
+        description="host:port of the /metrics, /readyz and /livez endpoints; unset: none",
     )
     api_host: str = Field("127.0.0.1", alias="AGENTRUNS_API_HOST", description="API bind host")
     api_port: int = Field(8080, alias="AGENTRUNS_API_PORT", description="API bind port")
@@ -128,6 +130,14 @@ class Settings(BaseSettings):
         description="the model routes file, when --routes is not given: the model executor's"
         " routes, and the only routes a task may name where a catalog is held",
     )
+    catalog_refresh_s: float = Field(
+        30.0,
+        alias="AGENTRUNS_CATALOG_REFRESH_S",
+        ge=1.0,
+        le=86_400.0,
+        description="how often the processor, the API and the tool executor make the tool"
+        " catalog again from the registry file and its MCP servers (seconds, 1 to 86400)",
+    )
     store_dir: Path | None = Field(
         None,
         alias="AGENTRUNS_STORE_DIR",
@@ -170,11 +180,19 @@ def read(flags: Mapping[str, Any] | None = None) -> Settings:
 
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     try:
-        return Settings(**given)
+        settings = Settings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidArgumentError(f"setting {where}: {first['msg']}") from exc
+    named = "kafka_config" in given or os.environ.get(KAFKA_CONFIG_ENV)
+    if settings.kafka_config is not None and not named:
+        raise InvalidArgumentError(
+            f"{KAFKA_CONFIG_ENV} is set in .env only: a Kafka properties file is not read "
+            "from the working directory's .env",
+            hint=f"name it with {KAFKA_CONFIG_FLAG} FILE or in the environment",
+        )
+    return settings
 
 
 def load(flags: Mapping[str, Any] | None = None) -> Settings:

@@ -19,6 +19,10 @@ cannot tell an omitted field from one written with `ToolSpec`'s default, so the 
 the catalog's value for every field of `FILLED_FIELDS` that holds the default
 (`with_catalog_defaults`: the catalog's is never wider) and logs the submission with the tools
 it checked. `catalog_problem` never raises.
+
+The catalog may change after a run was checked (the components refresh it): the tool executor
+holds each call to the catalog as it is then (`call_refusal`: a tool now under approval, or now
+ranked stricter than the permission the run declared, is not called).
 """
 
 from __future__ import annotations
@@ -203,3 +207,34 @@ def with_catalog_fields(tool: Any, catalog: Catalog) -> Any:
         return tool
     declared = allowed.model_dump()
     return {**{f: declared[f] for f in FILLED_FIELDS if f not in tool}, **tool}
+
+
+def call_refusal(
+    tool: str,
+    declared: str | None,
+    policy_decision: str,
+    *,
+    permission: str,
+    approval_required: bool,
+    version: str,
+) -> tuple[str, str] | None:
+    """Why the tool executor refuses a call the catalog ``version`` no longer allows, as
+    ``(error_code, message)``, or None. The catalog may have changed since the run was
+    submitted: a tool it now puts under approval is not called on a decision no person made
+    (``not_approved``), nor one it now ranks stricter than the permission the run declared,
+    ``declared`` (``permission_stricter``: the run's approval followed from its own
+    permission). ``declared`` None (an effect that does not carry it): not checked."""
+    if approval_required and policy_decision != "approved":
+        return "not_approved", _reason(
+            f"{tool} requires a person's approval in tool catalog {version}; "
+            "this call was not approved"
+        )
+    if declared is None or declared == permission:
+        return None
+    mine, theirs = PERMISSION_RANK.get(declared), PERMISSION_RANK.get(permission)
+    if mine is None or theirs is None or theirs > mine:
+        return "permission_stricter", _reason(
+            f"{tool} has permission {permission} in tool catalog {version}, stricter than "
+            f"the {declared} the run was submitted with; this call is not made"
+        )
+    return None

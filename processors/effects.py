@@ -44,6 +44,10 @@ class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
     expected_version: str | None
     policy_decision: str
     dispatch: int
+    # The permission the run declared for the tool (its approval followed from it): the tool
+    # executor refuses the call when its catalog now ranks the tool stricter. None: an effect
+    # written before it was carried (not checked).
+    permission: Id | None = None
 
 
 class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True, gc=False):

@@ -593,7 +593,8 @@ def _validate(
             return _terminate(s, out, RunStatus.FAILED, failure_reason(code, decision.detail))
 
 
-def _op_spec(op: Operation) -> OperationSpec:
+def _op_spec(s: RunState, op: Operation) -> OperationSpec:
+    spec = s.config.tool(op.tool)
     return OperationSpec(
         key=op.key,
         tool=op.tool,
@@ -601,6 +602,7 @@ def _op_spec(op: Operation) -> OperationSpec:
         expected_version=op.expected_version,
         policy_decision=op.policy_decision,
         dispatch=op.dispatch,
+        permission=None if spec is None else spec.permission,
     )
 
 
@@ -610,7 +612,7 @@ def _send(s: RunState, out: _Out, op: Operation) -> None:
             idempotency_key=effect_key(
                 "call_tool", s.run_id, op.step, s.attempt, op.key, op.dispatch
             ),
-            operation=_op_spec(op),
+            operation=_op_spec(s, op),
             **out.ids(s, op.step),
         )
     )

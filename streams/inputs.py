@@ -38,7 +38,7 @@ from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import TimerPurpose
 from agentruns.processors.transition import Artifact, Disposition, Transition
-from agentruns.streams import dlq, metrics, tracing
+from agentruns.streams import dlq, dlq_metrics, metrics, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
 from agentruns.streams.records import (
@@ -244,7 +244,7 @@ class InputPath:
         # partition -> run_id -> a run held after its end, encoded (`park`)
         self.parked: dict[int, dict[str, Parked]] = {}
         # partition -> run_id -> what is kept of a run evicted after its end, written in a batch
-        # (`Processor._evict`, `_after_end`) and not yet in the processor's store of ended runs
+        # (`Evictor.evict`, `_after_end`) and not yet in the processor's store of ended runs
         self.ended: dict[int, dict[str, Ended]] = {}
         # An ended run in that store (`streams.run_store`): looked up for a run id not held
         self._recall = recall
@@ -333,6 +333,7 @@ class InputPath:
         )
         self._emit(self.topics.dlq, dlq.key_of(record), encode("DeadLetter", record))
         self.stats.dead_letters += 1
+        dlq_metrics.dead_lettered("processor", dlq.PROCESSING_ERROR)
 
     def _rollback(self, mark: _Mark) -> None:
         batch = self._batch
@@ -828,6 +829,7 @@ class InputPath:
         headers: Headers = list(notes)
         self._emit(self.topics.dlq, key, value, None, headers or None)
         self.stats.dead_letters += 1
+        dlq_metrics.dead_lettered("processor", error_class)
         log.warning("dead letter (%s): %s", error_class, reason[:500], extra={"run_id": run_id})
 
 

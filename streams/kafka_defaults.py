@@ -12,6 +12,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
+from agentruns.streams.consumer_lag import lag_settings
 from agentruns.streams.errors import AgentrunsKafkaError
 from agentruns.streams.kafka_logs import KAFKA_LOG
 
@@ -61,6 +62,14 @@ def client_settings() -> dict[str, Any]:
 #: (routed and rate limited, see ``kafka_logs``). A member that leaves its group on its own
 #: ("Application maximum poll interval exceeded", a session lost) says so only as a warning.
 GROUP_CONSUMER_LOG_LEVEL = 4
+
+
+def group_consumer(group_id: str) -> dict[str, Any]:
+    """What every long-lived group consumer of ours has beside its own settings: its log level
+    (`GROUP_CONSUMER_LOG_LEVEL`) and librdkafka's statistics, which give its lag per partition
+    to the metrics (`consumer_lag`)."""
+    return {"log_level": GROUP_CONSUMER_LOG_LEVEL, **lag_settings(group_id)}
+
 
 #: In every long-lived client of ours. librdkafka leaves Nagle's algorithm on (the Java client
 #: sets TCP_NODELAY on every connection), so a request written while an earlier one on the

@@ -87,7 +87,8 @@ _MIRRORED: dict[str, Counter] = {
     "too_large": TOO_LARGE,
     "evicted": EVICTED,
 }
-_BY_DISPOSITION = {"applied": "APPLIED", "late": "LATE", "rejected": "REJECTED"}
+# ProcessorStats field -> the `disposition` label: label values are lower case (docs/metrics.md)
+_BY_DISPOSITION = {"applied": "applied", "late": "late", "rejected": "rejected"}
 
 
 @dataclass

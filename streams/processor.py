@@ -13,7 +13,8 @@ transaction holds, in the order the committer writes it down (`Committer._transa
    (`results`) and dead letters (`dlq`) of the batch, in the order its inputs were applied;
 2. one snapshot per run touched by the batch (`state`): state, last seq, out-of-order buffer,
    producer marks, recent input digests; then a tombstone (null value) per run evicted at this
-   seal, which ended `terminal_retention_ms` ago, with what is kept of it on `runs` (`_evict`);
+   seal, which ended `terminal_retention_ms` ago, with what is kept of it on `runs`
+   (`Evictor.evict`);
 3. the consumed inbox offsets (`send_offsets_to_transaction`);
 4. the batch's artifacts are durable in the artifact store (Postgres; written on the artifact
    thread since the batch was sealed): nothing may reference an artifact before (R2);
@@ -30,41 +31,35 @@ behind it is dropped with the in-memory state, and the loop rewinds to the commi
 snapshots, as for any abortable error, after a back-off that doubles with each failure in a row.
 A batch that keeps failing is retried one input per transaction; an input whose own transaction
 keeps failing is dead-lettered with the broker's error (`_recover`, `_isolate`).
+
+The processor keeps the loop, the committing and the recovery; its collaborators hold the rest,
+each given the clients it needs by one factory (`streams.clients.KafkaClients`): the restore
+(`streams.restore.Restorer`), the rebalance callbacks and paused partitions
+(`streams.rebalance.Rebalancer`) and the eviction of ended runs (`streams.eviction.Evictor`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import heapq
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from agentruns.processors import versions
 from agentruns.processors.catalog import Catalog
-from agentruns.processors.state import TERMINAL
 from agentruns.processors.transition import Artifact
-from agentruns.streams import admin, metrics
-from agentruns.streams.codec import CodecError, decode, encode
-from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams import metrics
+from agentruns.streams.clients import ConfluentClients, KafkaClients
+from agentruns.streams.codec import encode
+from agentruns.streams.errors import FatalConsumerError
+from agentruns.streams.eviction import Evictor
 from agentruns.streams.inputs import (
     DEFAULT_RECORD_LIMIT,
     RECORD_MARGIN,
@@ -75,20 +70,16 @@ from agentruns.streams.inputs import (
     PathSettings,
     RecordLimits,
 )
-from agentruns.streams.kafka_defaults import client_settings, close_consumer, partition_count
+from agentruns.streams.kafka_defaults import close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.polling import check_fatal, poll_batch
-from agentruns.streams.records import (
-    Parked,
-    RunSlot,
-    ended_run_of,
-    result_ref_of,
-)
-from agentruns.streams.run_store import RunStore, StoredRun
+from agentruns.streams.rebalance import Rebalancer
+from agentruns.streams.records import Parked, RunSlot
+from agentruns.streams.restore import Restorer, has_ended, stored_runs
+from agentruns.streams.run_store import RunStore
 from agentruns.streams.topics import TopicNames
 from agentruns.streams.transaction import (
     Backoff,
-    Clients,
     Committer,
     Fault,
     Record,
@@ -96,15 +87,12 @@ from agentruns.streams.transaction import (
     classify,
     committed_offsets,
     seek,
-    watermarks,
 )
 
 log = logging.getLogger("agentruns.processor")
 
 ArtifactWriter = Callable[[Sequence[Artifact]], object]
 SLOW_COMMIT_S = 0.5  # a transaction slower than this is logged with its stages
-EVICT_PER_SEAL = 1000  # ended runs evicted (tombstoned) per transaction at most
-STORE_CHUNK = 10_000  # `runs` records written to the run store per SQLite transaction at restore
 
 
 @dataclass
@@ -182,6 +170,10 @@ class _Sealed:
     started: float
     sealed: float
 
+    @property
+    def offset_notes(self) -> Mapping[int, str]:
+        return {}
+
     def records(self) -> list[Record]:
         return self.outputs
 
@@ -204,9 +196,17 @@ class _Sealed:
 
 
 class Processor:
-    """One processor process (or thread, in monolith mode). Not thread-safe: one loop owns it."""
+    """One processor process (or thread, in monolith mode). Not thread-safe: one loop owns it.
 
-    def __init__(self, config: ProcessorConfig, write_artifacts: ArtifactWriter) -> None:
+    `clients`: where its Kafka clients come from (default: confluent-kafka's, made from
+    `config`); the restore, the rebalance callbacks and the committer get theirs from it."""
+
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        write_artifacts: ArtifactWriter,
+        clients: KafkaClients | None = None,
+    ) -> None:
         self.config = config
         self._write_artifacts = write_artifacts
         self._artifact_writer = ThreadPoolExecutor(1, thread_name_prefix="artifacts")
@@ -215,6 +215,7 @@ class Processor:
         self.state_topic, self.runs_topic = self.topics.state, self.topics.runs
         self.results, self.dlq = self.topics.results, self.topics.dlq
         self.stats = metrics.ProcessorStats()
+        self._clients = clients or ConfluentClients.of(config, config.group_id)
         self._model_partitions = 0  # of the model effects topic, read on first use
         self._path = InputPath(
             self.topics,
@@ -238,12 +239,17 @@ class Processor:
         self._isolating: dict[int, int] = {}
         self._single_failures: dict[tuple[int, int], int] = {}
         self._stop: threading.Event | None = None
-        # Eviction after the end (`_evict`): partition -> heap of (due at, run_id) of ended
-        # runs, and the latest event time applied on the partition.
-        self._expiring: dict[int, list[tuple[int, str]]] = {}
-        self._watermark: dict[int, int] = {}
-        self._clients = Clients.of(config, config.group_id)
-        self.membership = Membership()  # what /healthz reports
+        # Eviction after the end: per partition, ended runs due and the event time applied.
+        self._evictor = Evictor(
+            self._path, self.state_topic, config.terminal_retention_ms, self.stats
+        )
+        self._restorer = Restorer(
+            self._clients,
+            self._path,
+            self._evictor,
+            state_topic=self.state_topic,
+            runs_topic=self.runs_topic,
+        )
         self._consumer = self._clients.consumer(
             {
                 # Static membership: a restarted slot gets its partitions back at once instead
@@ -252,6 +258,17 @@ class Processor:
                 "partition.assignment.strategy": "range",
             },
             config.fetch_window_ms,
+        )
+        self.membership = Membership()  # what /healthz reports
+        # The assigned and paused inbox partitions, kept by the rebalance callbacks.
+        self._rebalance = Rebalancer(
+            self._consumer,
+            self.inbox,
+            self._path,
+            self._evictor,
+            self,
+            self.membership,
+            transaction_timeout_ms=config.transaction_timeout_ms,
         )
         # The committer thread runs one transaction at a time, one sealed batch each (the loop
         # seals the next once it is free); `_in_flight`: a batch was handed to it and its end
@@ -271,12 +288,11 @@ class Processor:
         self._committed_runs: deque[tuple[list[tuple[int, bytes, bytes]], dict[int, int]]] = deque()
         self._in_flight = False
         self._in_flight_batch: _Sealed | None = None
-        self._assigned: set[int] = set()
-        # Inbox partitions paused because their processing stopped (`_sync_stopped`).
-        self._paused: set[int] = set()
-        # Set when the consumer was fenced: from then on nothing applied is committed, and the
-        # rebalance callbacks that closing the consumer runs only drop state.
-        self._fenced = False
+
+    @property
+    def _assigned(self) -> set[int]:
+        """The inbox partitions assigned (the rebalance callbacks')."""
+        return self._rebalance.assigned
 
     # ------------------------------------------------------------------ clients
 
@@ -298,7 +314,7 @@ class Processor:
         if c.max_record_bytes is not None:
             return RecordLimits(default=c.max_record_bytes)
         producer_max = int(c.extra_producer.get("message.max.bytes", 1_000_000))
-        found = admin.record_limits(c.bootstrap, self.topics.outputs())
+        found = self._clients.record_limits(self.topics.outputs())
         fallback = found.get("", DEFAULT_RECORD_LIMIT)
         if not found:
             log.warning("the broker's record limits cannot be read; assuming %d bytes", fallback)
@@ -318,16 +334,24 @@ class Processor:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def set_catalog(self, catalog: Catalog | None) -> None:
+        """Hold new runs' tasks to ``catalog`` from now on (a refresh of the operator's
+        catalog: `agentruns.connectors.catalog.CatalogRefresher`). Safe from another thread:
+        the settings are replaced whole, and a submission is checked against the catalog
+        they hold when it is applied; the runs already submitted keep their stamp."""
+        self._path.settings = replace(self._path.settings, catalog=catalog)
+
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set; then commit what is pending and leave the group."""
         self._stop = stop
         self._model_partition_count()  # read here: the per-input path does no I/O
         self._open_store()
+        rebalance = self._rebalance
         self._consumer.subscribe(
             [self.inbox],
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
+            on_assign=rebalance.on_assign,
+            on_revoke=rebalance.on_revoke,
+            on_lost=rebalance.on_lost,
         )
         interval = self.config.commit_interval_ms / 1000
         try:
@@ -350,8 +374,8 @@ class Processor:
                         self._store_committed()
                     for message in messages:
                         self._handle(message)
-                    if self._path.stopped.keys() != self._paused:
-                        self._sync_stopped()
+                    if self._path.stopped.keys() != rebalance.paused:
+                        rebalance.sync_stopped()
                     batch = self._batch
                     if batch is not None and (
                         batch.inputs >= limit
@@ -369,8 +393,8 @@ class Processor:
             # ends), so what was applied since the last commit is dropped, not committed. The
             # transaction in flight was sealed before; the broker accepts its offsets only if
             # the group still counts us, and a successor restores only after it has ended
-            # (`_on_assign`).
-            self._fenced = True
+            # (`Rebalancer.on_assign`).
+            rebalance.fenced = True
             self._batch = None
             log.error("the consumer was fenced; stopping without committing the open batch")
             raise
@@ -402,29 +426,7 @@ class Processor:
         path = None
         if self.config.store_dir is not None:
             path = Path(self.config.store_dir) / self.config.group_id / f"{self.runs_topic}.db"
-        self._store = RunStore.opened(path, admin.topic_id(self.config.bootstrap, self.runs_topic))
-
-    def _runs_from(self, reader: Consumer, store: RunStore, partitions: set[int]) -> dict[int, int]:
-        """Where a restore reads each partition of `runs` from: the store's checkpoint, or the
-        start for a checkpoint outside the topic (a topic recreated, records deleted)."""
-        start: dict[int, int] = {}
-        for p in partitions:
-            low, high = watermarks(reader, self.runs_topic, p, stop=self._stop)
-            at = store.checkpoint(p)
-            if at < low or at > high:
-                log.warning(
-                    "run store of %s partition %d is at offset %d, outside the topic's [%d, %d]:"
-                    " read again from the start",
-                    self.runs_topic,
-                    p,
-                    at,
-                    low,
-                    high,
-                )
-                store.reset(p)
-                at = 0
-            start[p] = at if at > 0 else OFFSET_BEGINNING
-        return start
+        self._store = RunStore.opened(path, self._clients.topic_id(self.runs_topic))
 
     def _recall(self, partition: int, run_id: str) -> Ended | None:
         return None if self._store is None else self._store.get(partition, run_id)
@@ -443,7 +445,7 @@ class Processor:
             records, delivered = self._committed_runs.popleft()
             if store is None:
                 continue
-            runs = list(_stored_runs(records))
+            runs = list(stored_runs(records))
             store.put(runs, delivered)
             for p, run_id, stored in runs:
                 held = self._path.ended.get(p, {})
@@ -451,222 +453,35 @@ class Processor:
                 if kept is not None and kept.last_seq <= stored.last_seq:
                     del held[run_id]
 
-    # ------------------------------------------------------------------ rebalance
+    # ------------------------------------------------------------------ the rebalancer's owner
+    # What the rebalance callbacks ask of the loop (`rebalance.Owner`; see there for each).
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        mine = {tp.partition for tp in partitions}
-        began = time.monotonic()
-        self._await_stable_offsets(consumer, partitions)
-        restored = self._restore(mine)
-        self._assigned |= mine
-        self.membership.assigned(partitions)  # ready once restored
-        gc.freeze()  # the restored slots live long: out of the collector's way
-        log.info(
-            "assigned partitions %s: restored %d runs in %.2fs",
-            sorted(mine),
-            restored,
-            time.monotonic() - began,
-        )
+    @property
+    def stopping(self) -> threading.Event | None:
+        return self._stop
 
-    def _await_stable_offsets(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Wait until no transaction of a previous owner of `partitions` is still open.
+    def restore(self, partitions: set[int]) -> int:
+        """Load the latest snapshot of every run on `partitions` (`Restorer`), once the run
+        store has every committed `runs` record."""
+        if partitions and self._committed_runs:
+            self._store_committed()
+        return self._restorer.restore(partitions, self._store, self._stop)
 
-        Its snapshots and its input offsets become visible (or are aborted) together, but a
-        restore reads the snapshots only up to the open transaction, while the consumer's own
-        offset fetch later waits for it: restored from before a transaction that then commits,
-        the run states would miss inputs the consumer never delivers again (the chaos run that
-        found it: a fenced processor committed seq 9 of a run while its successor, restored
-        without it, wrote another seq 9). A read_committed consumer's `committed()` waits while
-        offsets of an open transaction are pending (KIP-447 `require_stable`); one of a dead
-        owner is aborted by the coordinator within its transaction timeout."""
-        if not partitions:
-            return
-        committed_offsets(
-            consumer,
-            self.inbox,
-            [tp.partition for tp in partitions],
-            patience_s=max(60.0, 2 * self.config.transaction_timeout_ms / 1000),
-            stop=self._stop,
-            hint="a transaction of the previous owner is still open; see "
-            "kafka-transactions.sh --describe",
-        )
+    def commit_pending(self) -> None:
+        self._commit(wait=True)
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self.membership.revoked()
-        revoked = {tp.partition for tp in partitions}
-        if self._fenced:  # nothing of ours may be committed any more
-            self._drop(revoked)
-            return
-        # Commit what was applied so far: the next owner starts from these offsets and state.
-        try:
-            self._commit(wait=True)
-        except KafkaException as exc:
-            log.warning("commit on revoke failed, aborting: %s", exc)
-            self._recover(exc, rewind=self._assigned - revoked)
-        self._drop(revoked)
+    def recover(self, exc: KafkaException, rewind: set[int]) -> None:
+        self._recover(exc, rewind)
 
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # The group moved on without us (a session that expired while the process stood still):
-        # our offsets are refused now, so a transaction still in flight fails; drop everything.
-        self.membership.revoked()
-        lost = sorted(tp.partition for tp in partitions)
-        try:
-            self._wait_in_flight()
-        except KafkaException as exc:
-            log.warning("partitions %s lost; the transaction in flight failed: %s", lost, exc)
-        else:
-            log.warning("partitions %s lost; dropping their state and the open batch", lost)
+    def wait_in_flight(self) -> None:
+        self._wait_in_flight()
+
+    def discard_open(self) -> None:
         self._batch = None
         self._committer.abort()
-        self._drop({tp.partition for tp in partitions})
 
-    def _sync_stopped(self) -> None:
-        """Pause the inbox partitions whose processing stopped (their inputs wait unconsumed,
-        `InputPath.stopped`), resume the ones restored since; report them to /healthz and
-        /metrics."""
-        stopped = self._path.stopped
-        pause = [p for p in stopped if p not in self._paused and p in self._assigned]
-        resume = [p for p in self._paused if p not in stopped and p in self._assigned]
-        if pause:
-            self._consumer.pause([TopicPartition(self.inbox, p) for p in pause])
-        if resume:
-            self._consumer.resume([TopicPartition(self.inbox, p) for p in resume])
-        for p in self._paused - stopped.keys():
-            metrics.partition_resumed(p)
-        for p in stopped.keys() - self._paused:
-            metrics.partition_stopped(p)
-        self._paused = set(stopped)
-        self.membership.stopped(stopped)
-
-    def _drop(self, partitions: set[int]) -> None:
-        for p in partitions:
-            if self._path.stopped.pop(p, None) is not None:
-                self._paused.discard(p)
-                metrics.partition_resumed(p)
-                self.membership.stopped(self._path.stopped)
-            self._slots.pop(p, None)
-            self._path.parked.pop(p, None)
-            self._path.ended.pop(p, None)
-            self._expiring.pop(p, None)
-            self._watermark.pop(p, None)
-            self._isolating.pop(p, None)
-            self._assigned.discard(p)
-
-    def _restore(self, partitions: set[int]) -> int:
-        """Load the latest snapshot of every run on `partitions` (read_committed, to the end)."""
-        for p in partitions:
-            self._path.stopped.pop(p, None)  # tried again: stopped again if it must
-            self._slots[p] = {}
-            self._path.parked[p] = {}
-            self._path.ended[p] = {}
-            self._expiring[p] = []
-            self._watermark[p] = 0
-        if not partitions:
-            return 0
-        store = self._store
-        if self._committed_runs:
-            self._store_committed()
-        reader = Consumer(
-            {
-                "bootstrap.servers": self.config.bootstrap,
-                **client_settings(),
-                "group.id": f"{self.config.group_id}-restore",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "enable.partition.eof": True,
-                "fetch.wait.max.ms": 10,
-                "log_level": 3,
-            }
-        )
-        try:
-            runs_from = {} if store is None else self._runs_from(reader, store, partitions)
-            reader.assign(
-                [TopicPartition(self.state_topic, p, OFFSET_BEGINNING) for p in partitions]
-                + [TopicPartition(self.runs_topic, p, o) for p, o in runs_from.items()]
-            )
-            pending = {(self.state_topic, p) for p in partitions} | {
-                (self.runs_topic, p) for p in runs_from
-            }
-            stored: list[tuple[int, bytes, bytes]] = []
-            deadline = time.monotonic() + 120
-            # The latest value of each run, decoded once the end is reached: an uncompacted
-            # topic holds every snapshot a run had and the tombstone of every evicted run.
-            latest: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
-            while pending:
-                if time.monotonic() > deadline:
-                    raise AgentrunsKafkaError(
-                        f"restoring {self.state_topic} partitions {sorted(pending)} timed out"
-                    )
-                for message in reader.consume(1000, 0.5):
-                    error = message.error()
-                    topic = message.topic()
-                    partition = message.partition() or 0
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            pending.discard((topic or "", partition))
-                            if topic == self.runs_topic and store is not None:
-                                # everything before the end is read: the checkpoint moves there
-                                store.put(_stored_runs(stored), {partition: message.offset() or 0})
-                                stored.clear()
-                            continue
-                        raise KafkaException(error)
-                    value = message.value()
-                    key = message.key() or b""
-                    if topic == self.runs_topic:
-                        if value is not None and store is not None:
-                            stored.append((partition, key, value))
-                            if len(stored) >= STORE_CHUNK:
-                                store.put(_stored_runs(stored), {})
-                                stored.clear()
-                        continue
-                    if value is None:  # a tombstone: the run was evicted after its end
-                        latest[partition].pop(key, None)
-                        # written once event time was past the run's end plus the retention:
-                        # the partition's event time was at least this
-                        written = message.timestamp()[1]
-                        if written > self._watermark.get(partition, 0):
-                            self._watermark[partition] = written
-                        continue
-                    latest[partition][key] = value
-            for p, values in latest.items():
-                try:
-                    self._load(p, values)
-                except (CodecError, msgspec.DecodeError, versions.UnknownRulesVersionError) as exc:
-                    # A snapshot a newer build wrote that this one cannot continue: the
-                    # partition stops here, the others go on (`InputPath.stopped`).
-                    self._slots[p].clear()
-                    self._path.parked[p].clear()
-                    self._expiring[p] = []
-                    self._path.stop(p, f"a snapshot this build cannot continue: {exc}")
-                values.clear()
-            return sum(len(self._slots[p]) + len(self._path.parked[p]) for p in partitions)
-        finally:
-            reader.close()
-
-    def _load(self, p: int, values: dict[bytes, bytes]) -> None:
-        """Hold the latest snapshots of partition `p`'s runs: live ones decoded, ended ones as
-        they are (`Parked`). Raises what a snapshot this build cannot read raises."""
-        runs, parked = self._slots[p], self._path.parked[p]
-        for value in values.values():
-            record = decode(value, expected_name="Snapshot").record
-            run_id = record["run_id"]
-            if record["status"] in TERMINAL and not record["buffer"]:
-                held = Parked(
-                    value,
-                    record["status"],
-                    record["last_seq"],
-                    record["updated_at"],
-                    result_ref_of(record["state"]),
-                )
-                parked[run_id] = held
-                self._track(p, run_id, held.updated_at, terminal=True)
-                continue
-            slot = RunSlot.from_record(record)
-            if slot.state is not None:
-                versions.transition_for(versions.of_state(slot.state))
-            slot.size_estimate = len(value) + len(run_id)
-            runs[run_id] = slot
-            self._track(p, run_id, slot.updated_at, terminal=_ended(slot))
+    def forget(self, partition: int) -> None:
+        self._isolating.pop(partition, None)
 
     # ------------------------------------------------------------------ applying inputs
 
@@ -753,16 +568,16 @@ class Processor:
             key = run_id.encode()
             slot.size_estimate = len(key) + len(value)
             batch.records.append((self.state_topic, key, value, partition, None))
-            ended = _ended(slot)
-            self._track(partition, run_id, slot.updated_at, terminal=ended)
+            ended = has_ended(slot)
+            self._evictor.track(partition, run_id, slot.updated_at, terminal=ended)
             if ended and not slot.buffer and self._slots.get(partition, {}).get(run_id) is slot:
                 state = slot.state
                 status = str(state.status) if state is not None else ""
                 result_ref = state.result_ref if state is not None else None
                 held = Parked(value, status, slot.last_seq, slot.updated_at, result_ref)
                 self._path.park(partition, run_id, held)
-        self._evict(batch)
-        self.stats.publish(self._held_count())
+        self._evictor.evict(batch)
+        self.stats.publish(self._evictor.held())
         sealed = time.monotonic()
         self.stats.stage("seal", sealed - began)
         self.stats.stage("batch_open", began - batch.started)
@@ -775,59 +590,6 @@ class Processor:
             started=batch.started,
             sealed=sealed,
         )
-
-    def _held_count(self) -> int:
-        """Runs held: in slots, and parked after their end."""
-        return sum(len(runs) for runs in self._slots.values()) + sum(
-            len(runs) for runs in self._path.parked.values()
-        )
-
-    def _track(self, partition: int, run_id: str, updated_at: int, *, terminal: bool) -> None:
-        """Note the event time a run reached and, if it ended, when it may be evicted."""
-        if updated_at > self._watermark.get(partition, 0):
-            self._watermark[partition] = updated_at
-        retention = self.config.terminal_retention_ms
-        if retention is not None and terminal:
-            heap = self._expiring.setdefault(partition, [])
-            heapq.heappush(heap, (updated_at + retention, run_id))
-
-    def _evict(self, batch: Batch) -> None:
-        """Runs that ended `terminal_retention_ms` ago leave memory, and the state topic with a
-        tombstone after their last snapshot (the event log keeps them); what is kept of them
-        goes to the `runs` topic and, once committed, the run store. At most EVICT_PER_SEAL a
-        seal keeps transactions small after a restore with many of them."""
-        retention = self.config.terminal_retention_ms
-        if retention is None:
-            return
-        now = int(time.time() * 1000)
-        evicted = 0
-        for partition, heap in self._expiring.items():
-            horizon = min(self._watermark.get(partition, 0), now)
-            runs = self._slots.get(partition, {})
-            parked = self._path.parked.get(partition, {})
-            while heap and heap[0][0] <= horizon and evicted < EVICT_PER_SEAL:
-                _, run_id = heapq.heappop(heap)
-                held = parked.get(run_id)
-                if held is not None:
-                    if held.updated_at + retention > horizon:
-                        continue  # parked again since: pushed again with its new time
-                    del parked[run_id]
-                    ended = Ended(held.status, held.last_seq, held.updated_at, held.result_ref)
-                else:
-                    slot = runs.get(run_id)
-                    if slot is None or slot.state is None or not slot.state.terminal:
-                        continue
-                    if slot.buffer or slot.updated_at + retention > horizon:
-                        continue  # touched since: pushed again with its new time
-                    del runs[run_id]  # decoded again for a late input, not parked since
-                    state = slot.state
-                    ended = Ended(
-                        str(state.status), slot.last_seq, slot.updated_at, state.result_ref
-                    )
-                batch.records.append((self.state_topic, run_id.encode(), None, partition, None))
-                self._path.keep_ended(partition, run_id, ended, batch)
-                evicted += 1
-        self.stats.evicted += evicted
 
     def _on_commit(self, batches: list[_Sealed], t: Timings) -> None:
         """The committer thread, once a transaction committed: the times of its stages; a
@@ -921,7 +683,7 @@ class Processor:
             return
         offsets = committed_offsets(self._consumer, self.inbox, partitions, stop=self._stop)
         seek(self._consumer, self.inbox, offsets)
-        self._restore(partitions)
+        self.restore(partitions)
 
     # ------------------------------------------------------------------ inspection (tests)
 
@@ -933,21 +695,6 @@ class Processor:
         for parked in list(self._path.parked.values()):
             for held in list(parked.values()):
                 yield held.slot()
-
-
-def _stored_runs(records: Iterable[tuple[int, bytes, bytes]]) -> Iterable[StoredRun]:
-    """The run store's rows of `runs` records. One that cannot be decoded (written by no
-    processor of ours) is logged and left out: skipping it loses one run's end, where failing
-    would stop every restore of its partition."""
-    for partition, key, value in records:
-        try:
-            yield partition, key.decode(), ended_run_of(decode(value, "EndedRun").record)
-        except (CodecError, UnicodeDecodeError, KeyError) as exc:
-            log.error("runs record of %r on partition %d left out: %s", key[:200], partition, exc)
-
-
-def _ended(slot: RunSlot) -> bool:
-    return slot.state is not None and slot.state.terminal
 
 
 __all__ = ["Processor", "ProcessorConfig"]

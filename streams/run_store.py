@@ -1,7 +1,7 @@
 """The processor's store of ended runs: every run evicted after its end, on local disk.
 
 A run that ended leaves the processor's memory and the state topic after the terminal
-retention (`Processor._evict`), but its id stays taken for good: an input for it is answered
+retention (`streams.eviction`), but its id stays taken for good: an input for it is answered
 LATE at its next seq, whatever its `at`, after any number of restarts. What is kept of it
 (`Ended`: status, last seq, when it ended, its result's ref) is written to the compacted `runs`
 topic in the transaction that evicts it, and to this store once that transaction committed. The

@@ -58,13 +58,13 @@ from confluent_kafka import (
 
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
-    GROUP_CONSUMER_LOG_LEVEL,
     NO_DELAY,
     TRANSACTIONAL_PRODUCER,
     ProducerPair,
     client_settings,
     commit_timed,
     fetch_settings,
+    group_consumer,
     release,
 )
 
@@ -165,7 +165,7 @@ class Clients:
             **settings,
             **fetch_settings(fetch_window_ms),
             **NO_DELAY,
-            "log_level": GROUP_CONSUMER_LOG_LEVEL,
+            **group_consumer(self.group_id),
             **self.extra_consumer,
         }
 
@@ -318,6 +318,24 @@ def committed_offsets(
     `require_stable`; the coordinator aborts a dead owner's within its transaction timeout).
     Giving up on the first timeout would end the process in the middle of a broker restart.
     A fatal error raises at once; anything else after `patience_s`, or once `stop` is set."""
+    committed = committed_positions(
+        consumer, topic, partitions, patience_s=patience_s, try_s=try_s, stop=stop, hint=hint
+    )
+    return {p: offset for p, (offset, _) in committed.items()}
+
+
+def committed_positions(
+    consumer: Consumer,
+    topic: str,
+    partitions: Iterable[int],
+    *,
+    patience_s: float = 300.0,
+    try_s: float = 10.0,
+    stop: threading.Event | None = None,
+    hint: str | None = None,
+) -> dict[int, tuple[int, str | None]]:
+    """partition -> (committed offset, the metadata committed with it), as `committed_offsets`
+    fetches them."""
     wanted = [TopicPartition(topic, p) for p in partitions]
     deadline = time.monotonic() + patience_s
     waits = Backoff(0.2, 2.0)
@@ -339,11 +357,22 @@ def committed_offsets(
             log.warning("the committed offsets of %s are not readable yet: %s", topic, exc)
             waits.failed()
             waits.wait(stop)
-    return {tp.partition: tp.offset if tp.offset >= 0 else OFFSET_BEGINNING for tp in committed}
+    return {
+        tp.partition: (tp.offset if tp.offset >= 0 else OFFSET_BEGINNING, tp.metadata)
+        for tp in committed
+    }
+
+
+class Watermarked(Protocol):
+    """What `watermarks` asks of a consumer."""
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float = -1, cached: bool = False
+    ) -> tuple[int, int]: ...
 
 
 def watermarks(
-    consumer: Consumer,
+    consumer: Watermarked,
     topic: str,
     partition: int,
     *,
@@ -403,6 +432,11 @@ class Outgoing(Protocol):
     @property
     def metadata(self) -> Any:
         """The consumer's group metadata when the unit was made (KIP-447 fencing)."""
+        ...
+
+    @property
+    def offset_notes(self) -> Mapping[int, str]:
+        """partition -> the metadata committed with its offset (none: an empty one)."""
         ...
 
     def records(self) -> Iterable[Record]:
@@ -680,10 +714,14 @@ class Committer(Generic[U]):
         more units until the loop has taken it (`take_failure`) and recovered (`recover`, then
         the loop's back-off and rewind: see the module's docstring)."""
         offsets: dict[int, int] = {}
+        notes: dict[int, str | None] = {}  # a note goes with the offset of its own unit only
         for unit in units:
+            unit_notes = unit.offset_notes
             for p, o in unit.offsets.items():
-                offsets[p] = max(o, offsets.get(p, o))
-        positions = [TopicPartition(self.topic, p, o) for p, o in offsets.items()]
+                if o >= offsets.get(p, o):
+                    offsets[p] = o
+                    notes[p] = unit_notes.get(p)
+        positions = [_position(self.topic, p, o, notes.get(p)) for p, o in offsets.items()]
         metadata = units[-1].metadata
         producer = self._producers.current
         produce = producer.produce
@@ -727,6 +765,12 @@ class Committer(Generic[U]):
         self._on_commit(units, Timings(began, sent, produced, durable, flushed, ended))
 
 
+def _position(topic: str, partition: int, offset: int, note: str | None) -> TopicPartition:
+    if note is None:  # the client takes no None for its metadata
+        return TopicPartition(topic, partition, offset)
+    return TopicPartition(topic, partition, offset, metadata=note)
+
+
 __all__ = [
     "Backoff",
     "ClientConfig",
@@ -738,8 +782,10 @@ __all__ = [
     "Outgoing",
     "Record",
     "Timings",
+    "Watermarked",
     "classify",
     "committed_offsets",
+    "committed_positions",
     "fatal_error",
     "is_fatal",
     "kafka_error",

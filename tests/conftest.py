@@ -29,11 +29,6 @@ HEAVY = {
     "tests/integration/test_cluster_faults.py",
     "tests/integration/test_full_disk.py",
     "tests/integration/test_network_partition.py",
-    # a rebalance with calls in flight: its answers commit in the order their calls end, and
-    # a CPU-heavy neighbour reorders calls of equal length (an answer committed past a call
-    # still running is then read again by the next owner and sent once more)
-    "tests/integration/test_calls_in_flight.py::"
-    "test_a_rebalance_with_calls_in_flight_answers_each_effect_once",
     "tests/integration/test_tool_executor.py::"
     "test_a_second_executor_joining_mid_stream_executes_nothing_twice",
 }

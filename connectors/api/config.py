@@ -21,6 +21,37 @@ from agentruns.streams.topics import DEFAULT_PREFIX
 
 log = logging.getLogger("agentruns.api")
 
+#: The shortest bearer token (API or operator) and signing secret a production API starts
+#: with: wrong tokens are throttled per address, but only length keeps guessing hopeless
+#: from many addresses, and a short secret can be found offline from any resume token.
+MIN_TOKEN_CHARS = 32
+
+
+def _check_lengths(
+    token: str, secret: str, operators: Mapping[str, str], *, production: bool
+) -> None:
+    """Refuse (production) or warn of (elsewhere) a token or secret under MIN_TOKEN_CHARS;
+    the message names the variable, never its value."""
+    short = [
+        name
+        for name, value in (("AGENTRUNS_API_TOKEN", token), ("AGENTRUNS_API_SECRET", secret))
+        if value and len(value) < MIN_TOKEN_CHARS
+    ]
+    short += [
+        f"AGENTRUNS_API_OPERATOR_TOKENS (operator {name})"
+        for value, name in operators.items()
+        if len(value) < MIN_TOKEN_CHARS
+    ]
+    if not short:
+        return
+    what = f"{', '.join(short)} shorter than {MIN_TOKEN_CHARS} characters"
+    if production:
+        raise AgentrunsError(
+            f"{what}: refused in production",
+            hint="use long random strings (e.g. `openssl rand -hex 32`)",
+        )
+    log.warning("%s: too short for anything but local development", what)
+
 
 @dataclass
 class ApiConfig:
@@ -43,6 +74,11 @@ class ApiConfig:
     extra_producer: dict[str, Any] = field(default_factory=dict)
     #: The operator's tool catalog tasks are held to (422 when one widens it); None: none.
     catalog: Catalog | None = None
+
+    def set_catalog(self, catalog: Catalog | None) -> None:
+        """Hold tasks to ``catalog`` from now on (a refresh: `agentruns.connectors.catalog.
+        CatalogRefresher`); each request reads the catalog once, when it checks its task."""
+        self.catalog = catalog
 
     @classmethod
     def from_env(
@@ -88,15 +124,16 @@ class ApiConfig:
                 "AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET must be set in production",
                 hint="set both to long random strings (e.g. `openssl rand -hex 32`)",
             )
+        _check_lengths(token, secret, operators, production=production)
         if not token:
-            token = secrets.token_urlsafe(24)
+            token = secrets.token_urlsafe(32)
             log.warning(
                 "AGENTRUNS_API_TOKEN is not set: generated a development bearer token "
                 "(written to stderr once); set it for anything but local development"
             )
             print(f"agentruns api: development bearer token: {token}", file=sys.stderr)
         if not operators and not production:
-            dev_token = secrets.token_urlsafe(24)
+            dev_token = secrets.token_urlsafe(32)
             operators = {dev_token: "dev"}
             log.warning(
                 "AGENTRUNS_API_OPERATOR_TOKENS is not set: generated a development operator"

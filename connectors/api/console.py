@@ -7,10 +7,12 @@ it is on and swaps its live part when the run or the list changed.
 
 Access: the login form takes the API's bearer token and sets a session cookie (HttpOnly,
 SameSite=Strict, signed with the API secret, twelve hours; Secure over https or with the
-`console_secure_cookies` setting). Every page but the login form and the script needs it; every
-POST form carries a CSRF token bound to the session (for the login form, to a pre-login cookie)
-and is refused without it. A client address with LOGIN_FAILURES wrong tokens in a minute is
-refused (429, Retry-After) until the oldest of them is a minute old.
+`console_secure_cookies` setting). The session is bound to a fingerprint of the token that
+opened it (rotating the token ends it), and log-out revokes it in Postgres (every API process
+behind a load balancer refuses it from then on). Every page but the login form and the script
+needs it; every POST form carries a CSRF token bound to the session (for the login form, to a
+pre-login cookie) and is refused without it. A client address with LOGIN_FAILURES wrong
+tokens in a minute is refused (429, Retry-After) until the oldest of them is a minute old.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import secrets
 import string
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from agentruns.connectors.api import queries
+from agentruns.connectors.api import queries, transcript
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.operator import ACTIONS, allowed
@@ -57,6 +59,10 @@ SESSION_MS = 12 * 3600 * 1000
 MAX_EVENTS = 2000
 #: The newest steps whose frozen context, model output and tool results a run page lists.
 MAX_STEPS = 50
+#: The steps a transcript shows at most (its oldest ones; a longer run says where it stops).
+TRANSCRIPT_STEPS = 200
+#: Artifacts larger than this are not read for a transcript (their refs are linked).
+TRANSCRIPT_ARTIFACT_BYTES = 1 << 20
 #: Dead letters per page (newest first; older ones through the page's cursor).
 DEAD_LETTERS_PAGE = 100
 #: Error classes offered by the dead-letter filter.
@@ -100,16 +106,34 @@ def _mac(secret: bytes, purpose: str, value: str) -> str:
 
 
 class Sessions:
-    """Signed session cookies and the CSRF tokens bound to them."""
+    """Signed session cookies, each bound to the token that opened it, and the CSRF tokens
+    bound to them.
 
-    def __init__(self, secret: bytes, clock: Callable[[], int]) -> None:
+    A session id is ``<random>~<token fingerprint>[~<operator>]``: the fingerprint (an HMAC of
+    the token under the secret) ties the session to the token that opened it, so a session
+    opened with a token the process no longer holds (rotated) is refused; an operator's
+    session carries the operator's name (base64url), which its operator actions record. Both
+    are inside the signed part."""
+
+    def __init__(
+        self, secret: bytes, clock: Callable[[], int], tokens: Mapping[str, str | None]
+    ) -> None:
+        """``tokens``: every token that may open a session, and its operator (None for the
+        API token)."""
         self.secret = secret
         self.clock = clock
+        self._holders = {self.fingerprint(t): operator for t, operator in tokens.items()}
 
-    def new(self, operator: str | None = None) -> str:
-        """A session cookie; an operator's session carries the operator's name (base64url,
-        after a ``~``, inside the signed part), which its operator actions record."""
-        nonce = secrets.token_urlsafe(16)
+    def fingerprint(self, token: str) -> str:
+        return _mac(self.secret, "token", token)[:22]
+
+    def new(self, token: str) -> str:
+        """A session cookie opened with ``token`` (one of the tokens given)."""
+        fingerprint = self.fingerprint(token)
+        if fingerprint not in self._holders:
+            raise ValueError("a session is opened with a token this console holds")
+        nonce = f"{secrets.token_urlsafe(16)}~{fingerprint}"
+        operator = self._holders[fingerprint]
         if operator is not None:
             nonce += "~" + _b64(operator.encode())
         body = f"{self.clock() + SESSION_MS}.{nonce}"
@@ -118,15 +142,17 @@ class Sessions:
     @staticmethod
     def operator(session: str) -> str | None:
         """The operator of a valid session (`valid`'s value), None for the API token's."""
-        _, sep, name = session.partition("~")
-        if not sep:
+        parts = session.split("~")
+        if len(parts) != 3:
             return None
+        name = parts[2]
         with contextlib.suppress(ValueError):
             return base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
         return None
 
     def valid(self, cookie: str | None) -> str | None:
-        """The session id of a valid, unexpired cookie; None otherwise."""
+        """The session id of a valid, unexpired cookie opened with a token still held; None
+        otherwise. (Whether it was logged out is the console's revocation store's to say.)"""
         if not cookie or cookie.count(".") != 2:
             return None
         expires, nonce, mac = cookie.split(".")
@@ -134,6 +160,11 @@ class Sessions:
         if not hmac.compare_digest(mac, _mac(self.secret, "session", body)):
             return None
         if not expires.isdigit() or int(expires) <= self.clock():
+            return None
+        parts = nonce.split("~")
+        if len(parts) < 2 or parts[1] not in self._holders:
+            return None  # opened with a token this process does not hold: rotated
+        if self._holders[parts[1]] != self.operator(nonce):
             return None
         return nonce
 
@@ -188,6 +219,10 @@ class LoginLimiter:
 
     def succeeded(self, address: str) -> None:
         self._failed.pop(address, None)
+
+
+def _session_hash(session: str) -> str:
+    return hashlib.sha256(session.encode()).hexdigest()
 
 
 def _address(request: Request) -> str:
@@ -413,7 +448,10 @@ class Console:
 
     def __init__(self, service: ApiService) -> None:
         self.service = service
-        self.sessions = Sessions(service.config.secret, service.clock)
+        config = service.config
+        self.sessions = Sessions(
+            config.secret, service.clock, {config.api_token: None, **config.operator_tokens}
+        )
         self.logins = LoginLimiter(service.clock)
         self._charts_lock = threading.Lock()
         self._charts_made: tuple[int, dict[str, Any]] | None = None  # (when, charts)
@@ -423,6 +461,29 @@ class Console:
     def _session(self, request: Request) -> str | None:
         return self.sessions.valid(request.cookies.get(SESSION_COOKIE))
 
+    def _revoked(self, session: str) -> bool:
+        """Whether ``session`` was logged out (in Postgres: every API process sees it)."""
+        with self.service.db.connection() as conn:
+            row = conn.execute(
+                "SELECT 1 FROM console_revoked_sessions WHERE session_hash = %s",
+                (_session_hash(session),),
+            ).fetchone()
+        return row is not None
+
+    def _revoke(self, session: str) -> None:
+        """Record ``session`` as logged out until its cookie would have expired anyway, and
+        forget the log-outs whose cookies have (the table holds at most SESSION_MS of them)."""
+        now = self.service.clock()
+        with self.service.db.connection() as conn, conn.transaction():
+            conn.execute(
+                "DELETE FROM console_revoked_sessions WHERE expires_at < %s", (datetime_of(now),)
+            )
+            conn.execute(
+                "INSERT INTO console_revoked_sessions (session_hash, expires_at) VALUES (%s, %s)"
+                " ON CONFLICT (session_hash) DO NOTHING",
+                (_session_hash(session), datetime_of(now + SESSION_MS)),
+            )
+
     def guarded(
         self, fn: Callable[[Request, str], Awaitable[Response]]
     ) -> Callable[[Request], Awaitable[Response]]:
@@ -430,6 +491,13 @@ class Console:
 
         async def handle(request: Request) -> Response:
             session = self._session(request)
+            try:
+                if session is not None and await run_in_threadpool(self._revoked, session):
+                    session = None  # logged out
+            except ApiError as exc:
+                return _page("error.html", exc.status, message=str(exc), csrf="")
+            except AgentrunsError as exc:
+                return _page("error.html", 503, message=exc.one_line(), csrf="")
             if session is None:
                 if request.method == "GET" and not _fragment(request):
                     return RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
@@ -476,22 +544,21 @@ class Console:
             refused.headers["Retry-After"] = str(wait_s)
             return refused
         wanted = self.service.config.api_token.encode()
-        operator = None
-        if isinstance(token, str):
-            operator = operator_of(self.service.config.operator_tokens, token)
-        if operator is None and (
-            not isinstance(token, str) or not hmac.compare_digest(token.encode(), wanted)
+        if not isinstance(token, str) or (
+            operator_of(self.service.config.operator_tokens, token) is None
+            and not hmac.compare_digest(token.encode(), wanted)
         ):
             self.logins.failed(address)
             return _page("login.html", 401, csrf=expected, error="wrong token")
         self.logins.succeeded(address)
         response = RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
-        session = self.sessions.new(operator)
+        session = self.sessions.new(token)
         self._cookie(request, response, SESSION_COOKIE, session, SESSION_MS // 1000)
         self._cookie(request, response, LOGIN_COOKIE, "", 0)
         return response
 
     async def logout(self, request: Request, session: str) -> Response:
+        await run_in_threadpool(self._revoke, session)  # the cookie ends on the server too
         response = RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
         self._cookie(request, response, SESSION_COOKIE, "", 0)
         return response
@@ -839,6 +906,40 @@ class Console:
             csrf=self.sessions.csrf(session),
         )
 
+    def _transcript(self, run_id: str) -> dict[str, Any]:
+        service = self.service
+        view = service.get_run(run_id)  # 404 for a run that does not exist
+        run = service.run_row(run_id)
+        state = None if run is None else _state_of(run)
+        with service.db.connection() as conn:
+            events = queries.run_events(conn, run_id, MAX_EVENTS)
+            operations = queries.run_operations(conn, run_id)
+            questions = queries.run_questions(conn, run_id)
+            chain: list[tuple[str, Any, Any]] = []
+            if state is not None and state.context_ref:
+                with contextlib.suppress(psycopg.DataError):  # not JSON: no messages shown
+                    chain = queries.context_docs(conn, state.context_ref, TRANSCRIPT_STEPS)
+            docs = [doc for _, _, doc in chain]
+            artifacts = queries.json_artifacts(
+                conn, transcript.artifacts_named(docs, operations), TRANSCRIPT_ARTIFACT_BYTES
+            )
+        artifacts.update({ref: doc for ref, _, doc in chain})
+        steps = transcript.build(
+            events, operations, questions, [(ref, step) for ref, step, _ in chain], artifacts
+        )
+        return {
+            "run": view,
+            "steps": steps[:TRANSCRIPT_STEPS],
+            "more_steps": len(steps) > TRANSCRIPT_STEPS,
+            "events_cut": len(events) >= MAX_EVENTS,
+            "terminal": view["status"] in {s.value for s in TERMINAL},
+        }
+
+    async def transcript_page(self, request: Request, session: str) -> Response:
+        """The run's conversation step by step (`agentruns.connectors.api.transcript`)."""
+        context = await run_in_threadpool(self._transcript, request.path_params["run_id"])
+        return _page("transcript.html", csrf=self.sessions.csrf(session), **context)
+
     async def tools_page(self, request: Request, session: str) -> Response:
         """The operator's tool catalog the API holds tasks to (none: tasks declare their own)."""
         catalog = self.service.config.catalog
@@ -925,6 +1026,7 @@ class Console:
             Route(f"{UI_PREFIX}/logout", g(self.logout), methods=["POST"]),
             Route(f"{UI_PREFIX}/runs", g(self.runs), methods=["GET"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}", g(self.run), methods=["GET"]),
+            Route(f"{UI_PREFIX}/runs/{{run_id}}/transcript", g(self.transcript_page)),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/reply", g(self.reply), methods=["POST"]),
             Route(f"{UI_PREFIX}/runs/{{run_id}}/cancel", g(self.cancel), methods=["POST"]),
             *(

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentruns.connectors.api.config import ApiConfig
-from agentruns.connectors.api.console import UI_PREFIX, Console
+from agentruns.connectors.api.console import UI_PREFIX, Console, LoginLimiter
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
 from agentruns.connectors.api.listing import RunFilter
@@ -43,12 +43,22 @@ from agentruns.streams import tracing
 log = logging.getLogger("agentruns.api")
 
 
-PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/readyz", "/healthz", "/livez", "/metrics", "/openapi.json"})
 
 
 REQUESTS = Counter(
     "agentruns_api_requests_total", "HTTP requests answered", ["method", "route", "status"]
 )
+#: The values of the ``method`` label: a client may send any token as its method, and every
+#: distinct label value is a new series /metrics carries for the life of the process. The
+#: ``route`` label is a route's name or a fixed refusal name, never the request's path.
+METHOD_LABELS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _method_label(method: str) -> str:
+    return method if method in METHOD_LABELS else "other"
+
+
 LATENCY = Histogram(
     "agentruns_api_request_seconds",
     "HTTP request latency",
@@ -144,7 +154,7 @@ class _Guard:
                     },
                     status_code=400,
                 )
-                REQUESTS.labels(scope["method"], "invalid_header", "400").inc()
+                REQUESTS.labels(_method_label(scope["method"]), "invalid_header", "400").inc()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -163,19 +173,43 @@ ACTOR_KEY = "agentruns.operator"
 class _Auth:
     """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
     instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`). An
-    operator token passes too and marks the request with its operator (`ACTOR_KEY`)."""
+    operator token passes too and marks the request with its operator (`ACTOR_KEY`). Every
+    wrong credential counts against the client address in `limiter` (the console's login
+    limiter): an address over its budget gets 429 with Retry-After, before its credential is
+    compared. A request with no credential at all is refused without counting."""
 
     def __init__(
-        self, app: ASGIApp, token: str, secret: bytes, operators: dict[str, str] | None = None
+        self,
+        app: ASGIApp,
+        token: str,
+        secret: bytes,
+        limiter: LoginLimiter,
+        operators: dict[str, str] | None = None,
     ) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
         self._secret = secret
+        self._limiter = limiter
         self._operators = operators or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
             await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        wait_s = self._limiter.retry_after(address)
+        if wait_s is not None:  # refused before the credential is compared, right or wrong
+            throttled = JSONResponse(
+                {
+                    "error": "too_many_wrong_tokens",
+                    "detail": f"too many wrong tokens from this address: retry in {wait_s} s",
+                },
+                status_code=429,
+                headers={"Retry-After": str(wait_s)},
+            )
+            REQUESTS.labels(_method_label(scope["method"]), "throttled", "429").inc()
+            await throttled(scope, receive, send)
             return
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
@@ -192,12 +226,16 @@ class _Auth:
         ):
             await self.app(scope, receive, send)
             return
+        if given or b"sig=" in scope.get("query_string", b""):
+            # a guess, not a request without any credential (a browser's /favicon.ico): only
+            # guesses spend the address's budget
+            self._limiter.failed(address)
         response = JSONResponse(
             {"error": "unauthorized", "detail": "send Authorization: Bearer <AGENTRUNS_API_TOKEN>"},
             status_code=401,
             headers={"WWW-Authenticate": 'Bearer realm="agentruns"'},
         )
-        REQUESTS.labels(scope["method"], "unauthorized", "401").inc()
+        REQUESTS.labels(_method_label(scope["method"]), "unauthorized", "401").inc()
         await response(scope, receive, send)
 
     def _callback_signed(self, scope: Scope) -> bool:
@@ -227,7 +265,7 @@ def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response
                 response = JSONResponse(
                     {"error": "unavailable", "detail": exc.one_line()}, status_code=503
                 )
-            REQUESTS.labels(request.method, route, str(response.status_code)).inc()
+            REQUESTS.labels(_method_label(request.method), route, str(response.status_code)).inc()
             LATENCY.labels(route).observe(time.perf_counter() - started)
             return response
 
@@ -380,6 +418,7 @@ ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Res
     ("POST", "/runs/{run_id}/fork", "fork", _fork("fork")),
     ("POST", "/runs/{run_id}/resume", "resume", _fork("resume")),
     ("POST", "/operations/{key}/callback", "callback", _callback),
+    ("GET", "/readyz", "readyz", _health),
     ("GET", "/healthz", "healthz", _health),
     ("GET", "/livez", "livez", _live),
     ("GET", "/metrics", "metrics", _metrics),
@@ -406,10 +445,17 @@ def create_app(config: ApiConfig) -> Starlette:
         Route(path, _endpoint(name, fn)(service), methods=[method], name=name)
         for method, path, name, fn in ROUTES
     ]
-    routes += Console(service).routes()
+    console = Console(service)
+    routes += console.routes()
     app = Starlette(routes=routes, lifespan=lifespan)
+    # One budget of wrong tokens per address, whether they come to the JSON API or to the
+    # console's login form: neither door is a way round the other's limit.
     app.add_middleware(
-        _Auth, token=config.api_token, secret=config.secret, operators=config.operator_tokens
+        _Auth,
+        token=config.api_token,
+        secret=config.secret,
+        limiter=console.logins,
+        operators=config.operator_tokens,
     )
     app.add_middleware(_Guard)  # added last: runs first
     app.state.service = service

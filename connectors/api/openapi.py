@@ -113,7 +113,7 @@ OPENAPI: dict[str, Any] = {
         "version": "1",
         "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel, and "
         "the operator actions resolve, reopen and re-drive. "
-        "Every endpoint but /healthz, /livez, /metrics and /openapi.json needs "
+        "Every endpoint but /readyz, /healthz, /livez, /metrics and /openapi.json needs "
         "`Authorization: Bearer <AGENTRUNS_API_TOKEN>`.",
     },
     "components": {
@@ -445,9 +445,16 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
-        "/healthz": {
+        "/readyz": {
             "get": {
                 "summary": "Readiness: Kafka and Postgres answer",
+                "security": [],
+                "responses": {"200": {}, "503": {}},
+            }
+        },
+        "/healthz": {
+            "get": {
+                "summary": "Readiness, the same as /readyz",
                 "security": [],
                 "responses": {"200": {}, "503": {}},
             }

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 
 from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.postgres.dsn import scrub_dsn
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -38,14 +39,16 @@ class ConnectionPool:
             if conn is None or conn.closed:
                 try:
                     conn = psycopg.connect(self._url, autocommit=True, connect_timeout=10)
-                except psycopg.OperationalError as exc:
-                    raise ApiError(503, "database_unavailable", f"Postgres: {exc}") from exc
+                except psycopg.Error as exc:  # unreachable, or a DSN psycopg cannot read
+                    detail = scrub_dsn(str(exc).strip(), self._url)
+                    raise ApiError(503, "database_unavailable", f"Postgres: {detail}") from None
             healthy = False
             try:
                 yield conn
                 healthy = True
             except psycopg.OperationalError as exc:
-                raise ApiError(503, "database_unavailable", f"Postgres: {exc}") from exc
+                detail = scrub_dsn(str(exc).strip(), self._url)
+                raise ApiError(503, "database_unavailable", f"Postgres: {detail}") from exc
             except BaseException:
                 # A refusal raised inside the block leaves the connection usable unless a
                 # transaction is still open on it.

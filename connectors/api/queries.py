@@ -8,6 +8,7 @@ migration 0005). Transactions stay with the callers: a function runs in whatever
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -250,6 +251,50 @@ def context_chain(conn: Conn, context_ref: str, depth: int) -> list[tuple[Any, .
         " FROM chain ORDER BY depth",
         (context_ref, depth),
     ).fetchall()
+
+
+def context_docs(conn: Conn, context_ref: str, depth: int) -> list[tuple[str, Any, Any]]:
+    """(ref, step, document) of the frozen contexts from `context_ref` back along
+    `previous_context`, up to `depth` of them, newest first. Raises `psycopg.DataError` if an
+    artifact of the chain is not JSON."""
+    rows = conn.execute(
+        "WITH RECURSIVE chain(ref, doc, depth) AS ("
+        " SELECT ref, convert_from(content, 'UTF8')::jsonb, 1"
+        " FROM artifacts WHERE ref = %s"
+        " UNION ALL SELECT a.ref, convert_from(a.content, 'UTF8')::jsonb, c.depth + 1"
+        " FROM chain c JOIN artifacts a ON a.ref = c.doc->>'previous_context'"
+        " WHERE c.depth < %s)"
+        " SELECT ref, doc->'step', doc FROM chain ORDER BY depth",
+        (context_ref, depth),
+    ).fetchall()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def json_artifacts(conn: Conn, refs: list[str], max_bytes: int) -> dict[str, Any]:
+    """ref -> parsed JSON of those of `refs` that are JSON documents of at most `max_bytes`
+    (the others are left out)."""
+    out: dict[str, Any] = {}
+    rows = conn.execute(
+        "SELECT ref, content FROM artifacts WHERE ref = ANY(%s) AND size_bytes <= %s",
+        (refs, max_bytes),
+    ).fetchall()
+    for ref, content in rows:
+        try:
+            out[ref] = json.loads(bytes(content))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def run_questions(conn: Conn, run_id: str) -> list[dict[str, Any]]:
+    """The run's questions (approvals, inputs asked of a person) in the order they opened."""
+    return _dicts(
+        conn.execute(
+            "SELECT question_id, kind, status, opened_seq, closed_seq FROM questions"
+            " WHERE run_id = %s ORDER BY seq",
+            (run_id,),
+        )
+    )
 
 
 # ---------------------------------------------------------------------- the console's charts

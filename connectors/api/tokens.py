@@ -22,6 +22,9 @@ from agentruns.connectors.api.errors import ApiError
 from agentruns.processors.ids import canonical_json
 
 TOKEN_PREFIX = "art1"
+#: Longer than any token `sign_token` makes (three ids of at most 512 characters, base64url);
+#: a longer one is refused before anything is decoded.
+MAX_TOKEN_CHARS = 4096
 #: The operator scope: what a bearer token needs to resolve, reopen or re-drive a run.
 OPERATOR_SCOPE = "operator"
 #: Bounds of the operator token list (AGENTRUNS_API_OPERATOR_TOKENS).
@@ -73,18 +76,28 @@ def sign_token(secret: bytes, token: ResumeToken) -> str:
 def verify_token(secret: bytes, text: str) -> ResumeToken:
     """The claims of a token whose signature is valid; TokenError("token_forged") otherwise.
 
-    Expiry and freshness are checked by the caller against the clock and the projection."""
+    The size is checked first, then the signature over the claims as sent; only a token this
+    API signed has its claims decoded and parsed, so a forged payload (deeply nested JSON, huge,
+    not UTF-8) is never read. Expiry and freshness are checked by the caller against the clock
+    and the projection."""
+    if len(text) > MAX_TOKEN_CHARS:
+        raise TokenError("token_forged", f"resume token over {MAX_TOKEN_CHARS} characters")
     parts = text.split(".")
     if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
         raise TokenError("token_forged", "not an agentruns resume token")
     expected = hmac.new(secret, f"{TOKEN_PREFIX}.{parts[1]}".encode(), hashlib.sha256).digest()
     try:
         given = _unb64(parts[2])
-        claims = json.loads(_unb64(parts[1]))
-    except (ValueError, UnicodeDecodeError):
+    except ValueError:
         raise TokenError("token_forged", "resume token is malformed") from None
     if not hmac.compare_digest(expected, given):
         raise TokenError("token_forged", "resume token signature does not verify")
+    try:
+        claims = json.loads(_unb64(parts[1]))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise TokenError("token_forged", "resume token is malformed") from None
+    if not isinstance(claims, dict):
+        raise TokenError("token_forged", "resume token claims are incomplete")
     try:
         return ResumeToken(
             run_id=str(claims["r"]),

@@ -19,7 +19,9 @@ environment; https goes through a proxy with ``CONNECT``). A secret is held in a
 dripping bytes cannot extend it; a streamed exchange's reads also wait at most
 ``read_timeout_s`` each), a body over its byte limit, a head over ``MAX_HEAD_LINES`` or a
 chunk-size line over ``MAX_CHUNK_LINE_BYTES`` is not read, nothing is retried or redirected
-(the core decides, R11, R12).
+(the core decides, R11, R12). A request that would not be one request on the wire (a header
+name that is not a token, a value holding CR, LF or NUL, a method or target that would break
+the request line) is refused before a connection is taken: ``invalid_request``, nothing sent.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import asyncio
 import base64
 import contextlib
 import math
+import re
 import ssl
 import time
 import urllib.request
@@ -51,7 +54,8 @@ class Answer:
     status: int = 0
     headers: Mapping[str, str] | None = None
     body: bytes = b""
-    # "not_sent" | "tls" (nothing reached the backend) | "no_answer" | "too_large"
+    # "not_sent" | "tls" | "invalid_request" (nothing reached the backend) | "no_answer" |
+    # "too_large"
     failure: str | None = None
     detail: str = ""
 
@@ -130,6 +134,29 @@ def ssl_context(conn: Connectivity) -> ssl.SSLContext:
     if conn.cert_file is not None:
         context.load_cert_chain(conn.cert_file, conn.key_file)
     return context
+
+
+#: RFC 9110 token: what a method and a header name are made of.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: Bytes that end or break a header line (a request with them is two requests, or garbage).
+_LINE_BREAKERS = re.compile(r"[\r\n\x00]")
+#: Bytes a request target may not hold: whitespace and controls end the request line.
+_TARGET_BREAKERS = re.compile(r"[\x00-\x20\x7f]")
+
+
+def request_problem(method: str, target: str, headers: Mapping[str, str] | None) -> str | None:
+    """Why ``method``, ``target`` and ``headers`` would not make one well-formed request (the
+    names only, never a value: a value may be a secret); None when they would."""
+    if _TOKEN.fullmatch(method) is None:
+        return "the method is not an HTTP token"
+    if _TARGET_BREAKERS.search(target):
+        return "the request target holds whitespace or a control character"
+    for name, value in (headers or {}).items():
+        if _TOKEN.fullmatch(name) is None:
+            return f"header name {name[:64]!r} is not an HTTP token"
+        if _LINE_BREAKERS.search(value):
+            return f"header {name} holds CR, LF or NUL"
+    return None
 
 
 class HTTPWireError(Exception):
@@ -500,6 +527,11 @@ class KeepAliveHTTP:
         proxy = self.proxy_for(url, conn)
         origin = (parts.scheme, host, parts.port or (443 if https else 80), proxy, conn)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        problem = request_problem(method, target, headers) or request_problem(
+            "GET", "/", {"Host": parts.netloc}
+        )
+        if problem is not None:  # header splitting: refused before anything is sent
+            return Answer(failure="invalid_request", detail=f"request not sent: {problem}")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
         if proxy and not https:  # plain HTTP through a proxy: absolute-form, proxy's auth
             lines[0] = f"{method} {parts.scheme}://{parts.netloc}{target} HTTP/1.1"

@@ -44,7 +44,11 @@ What can go wrong, and what then:
 - a rebalance: a partition that moves away first waits, up to ``revoke_wait_s``, for its
   effects in flight, whose answers are committed before it goes; its effects waiting for their
   route are dropped (its next owner reads them again); an effect still running after the wait
-  is its next owner's to answer: this member records its answer but does not send it;
+  is its next owner's to answer: this member records its answer but does not send it. The
+  partition's last offset carries a note of the records above it already answered (offsets are
+  committed to the lowest one still running), and the next owner skips those instead of
+  answering them again; after a crash or a lost partition there is no note, and an answer read
+  again from its record is sent again (byte-identical: the processor drops the copy);
 - a stop: no more effects are started; those running get ``stop_wait_s`` to end and be
   committed, the rest are cancelled (their next reader reconciles them).
 """
@@ -92,21 +96,30 @@ from agentruns.connectors.executors.metrics import (
     EXECUTOR_ROUTE_WAIT_SECONDS,
     EXECUTOR_THROTTLES,
     EXECUTOR_TRANSACTIONS,
+    route_label,
 )
 from agentruns.connectors.executors.records import ActionRecords, Completion, operation_key_of
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES
 from agentruns.processors.effects import Effect
-from agentruns.streams import dlq, tracing
+from agentruns.streams import dlq, dlq_metrics, tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
-from agentruns.streams.inflight import OffsetTracker
+from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError
+from agentruns.streams.inflight import OffsetTracker, answered_note, parse_answered_note
 from agentruns.streams.kafka_defaults import close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
 from agentruns.streams.polling import poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
-from agentruns.streams.transaction import Backoff, Clients, Committer, Record, Timings
+from agentruns.streams.transaction import (
+    Backoff,
+    Clients,
+    Committer,
+    Record,
+    Timings,
+    committed_positions,
+)
 
 log = logging.getLogger("agentruns.executor")
 
@@ -140,6 +153,7 @@ class ExecutorStats:
     pauses: int = 0  # times the partitions were paused (held effects or bytes at the limit)
     handed_back: int = 0  # effects of a revoked partition left running: their next owner's
     revoked: int = 0  # partitions revoked or lost (rebalances, or a poll interval exceeded)
+    answered_before: int = 0  # records passed over: their previous owner's note named them
     wait_s: float = 0.0  # the answer thread waiting for the committer (back-pressure)
     produce_s: float = 0.0  # begin + produce
     offsets_s: float = 0.0  # send_offsets_to_transaction
@@ -175,6 +189,7 @@ class ExecutorStats:
             "gave_up": self.gave_up,
             "pauses": self.pauses,
             "handed_back": self.handed_back,
+            "answered_before": self.answered_before,
             "revoked": self.revoked,
             "wait_ms": round(self.wait_s * 1000, 1),
             "ms_per_transaction": {
@@ -309,6 +324,8 @@ class _Ready:
     route: _Route
     created: list[float]  # the record timestamps of its effects (epoch seconds)
     ended: list[float]  # when their calls ended (monotonic), for answered_after
+    # partition -> the records above its offset answered already (a hand-over's last commit)
+    offset_notes: dict[int, str] = field(default_factory=dict)
 
     def records(self) -> Iterator[Record]:
         """The answers, then the dead letters, encoded as the committer produces them."""
@@ -396,6 +413,8 @@ class Executor:
         self._dead: list[_Dead] = []  # for the answer thread
         self._owned: set[int] = set()  # assigned partitions
         self._paused: set[int] = set()
+        # partition -> offsets its previous owner answered above the committed offset
+        self._answered_before: dict[int, set[int]] = {}
         self._seq = 0
         self._starting_ok = True  # False while the dispatch thread cannot begin (backing off)
         # the answer thread is the only one that hands over, except a revocation's drain
@@ -493,10 +512,11 @@ class Executor:
                     self._running,
                 )
         with self._handover:  # the last hand-over is in the committer's queue
-            for _ in range(3):
-                self._committer.wait()
-                if not self._recover_if_failed():
-                    break
+            self._drain()
+            with self._lock:
+                noted = self._noted(self._owned)
+            if noted is not None:
+                self._leave_notes(noted)
 
     def close(self) -> None:
         if self._closed:
@@ -547,6 +567,10 @@ class Executor:
             for message, effect, letter in decoded:
                 partition, offset = message.partition() or 0, message.offset() or 0
                 tracked = self._tracker.take(partition, offset)
+                if self._sent_before(partition, offset):
+                    if tracked:
+                        self._tracker.answer(partition, offset)
+                    continue
                 if effect is None:
                     assert letter is not None
                     self._dead.append(_Dead(letter, partition, offset, tracked))
@@ -603,9 +627,44 @@ class Executor:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._metadata = consumer.consumer_group_metadata()  # the new generation's
+        before = self._notes_of(consumer, [tp.partition for tp in partitions])
         with self._lock:
             self._owned |= {tp.partition for tp in partitions}
+            self._answered_before.update(before)
             self.membership.assigned(self._owned)
+
+    def _notes_of(self, consumer: Consumer, partitions: list[int]) -> dict[int, set[int]]:
+        """partition -> the offsets above its committed one that its previous owner answered
+        (the note committed with the offset when it let the partition go)."""
+        if not partitions:
+            return {}
+        try:
+            committed = committed_positions(
+                consumer, self.effects_topic, partitions, patience_s=30.0, stop=self._stop
+            )
+        except FatalConsumerError:
+            raise
+        except AgentrunsKafkaError as exc:  # the consumer's own fetch waits it out; no note
+            log.warning("the notes of %s were not readable: %s", sorted(partitions), exc)
+            return {}
+        out = {}
+        for partition, (offset, note) in committed.items():
+            answered = parse_answered_note(note, offset)
+            if answered:
+                out[partition] = answered
+        return out
+
+    def _sent_before(self, partition: int, offset: int) -> bool:
+        """Whether the previous owner of ``partition`` answered the record at ``offset`` (the
+        lock is held): it is passed over, once."""
+        before = self._answered_before.get(partition)
+        if not before or offset not in before:
+            return False
+        before.discard(offset)
+        if not before:
+            del self._answered_before[partition]
+        self.stats.answered_before += 1
+        return True
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions move to another member: wait for their effects in flight (up to
@@ -630,35 +689,67 @@ class Executor:
             while wait and self._holding(gone) and time.monotonic() < deadline:
                 self._done.notify_all()
                 self._left.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-        if wait:
-            with self._handover:  # what was handed over for these partitions is committed
-                for _ in range(3):
-                    self._committer.wait()
-                    if not self._recover_if_failed():
-                        break
-        with self._handover, self._lock:
-            # an effect sent back to wait meanwhile (its start failed) never starts here now
-            self._drop_waiting(lambda held: _within(held, gone))
-            left = 0
-            for held in self._held.values():
-                if _within(held, gone):
-                    held.positions = [p for p in held.positions if p[0] not in gone]
-                    if not held.positions:
-                        held.orphan = True
-                        left += 1
-            self._tracker.forget(gone)
-            for partition in gone:
-                self._marks.pop(partition, None)
-            self._owned -= gone
-            self._paused -= gone
-            self.membership.assigned(self._owned)
-            self.stats.handed_back += left
+        with self._handover:  # nothing else is handed over until the partitions are gone
+            if wait:  # what was handed over for these partitions is committed
+                self._drain()
+            with self._lock:
+                # an effect sent back to wait meanwhile (its start failed) never starts here now
+                self._drop_waiting(lambda held: _within(held, gone))
+                noted = self._noted(gone) if wait else None
+                left = 0
+                for held in self._held.values():
+                    if _within(held, gone):
+                        held.positions = [p for p in held.positions if p[0] not in gone]
+                        if not held.positions:
+                            held.orphan = True
+                            left += 1
+                self._tracker.forget(gone)
+                for partition in gone:
+                    self._marks.pop(partition, None)
+                    self._answered_before.pop(partition, None)
+                self._owned -= gone
+                self._paused -= gone
+                self.membership.assigned(self._owned)
+                self.stats.handed_back += left
+            if noted is not None:
+                self._leave_notes(noted)
         if left:
             log.warning(
                 "partitions %s moved with %d calls still running: the next owner answers them",
                 sorted(gone),
                 left,
             )
+
+    def _drain(self) -> None:
+        """Wait until what was handed over is committed, handing a failed transaction's
+        answers over again (a few times; the handover lock is held)."""
+        for _ in range(3):
+            self._committer.wait()
+            if not self._recover_if_failed():
+                break
+
+    def _noted(self, partitions: set[int]) -> _Ready | None:
+        """The offsets of ``partitions`` with notes of the records above them answered already
+        (the lock is held), for their next reader; None if no partition has such records."""
+        offsets: dict[int, int] = {}
+        notes: dict[int, str] = {}
+        for partition in partitions & self._owned:
+            mark = self._tracker.low_water(partition)
+            if mark is None:
+                continue
+            note = answered_note(mark, self._tracker.answered_above(partition))
+            if note:
+                offsets[partition], notes[partition] = mark, note
+        if not notes:
+            return None
+        return _Ready([], [], offsets, None, self._route, [], [], notes)
+
+    def _leave_notes(self, noted: _Ready) -> None:
+        """Commit the notes after everything handed over (the handover lock is held). A note
+        that fails is not sent again: its records are then answered twice, the copy dropped."""
+        self._submit(noted)
+        self._committer.wait()
+        self._recover_if_failed()
 
     def _drop_waiting(self, which: Callable[[_Held], bool]) -> None:
         """Drop the waiting effects ``which`` selects (the lock is held): they never started,
@@ -716,6 +807,7 @@ class Executor:
     def _dead_letter(self, message: Message, reason: str, error_class: str) -> dict[str, Any]:
         self.stats.dead_letters += 1
         EXECUTOR_DEAD_LETTERS.labels(self.config.kind).inc()
+        dlq_metrics.dead_lettered(f"{self.config.kind}_executor", error_class)
         log.warning("dead letter (%s): %s", error_class, reason)
         _, timestamp = message.timestamp()
         return dlq.dead_letter(
@@ -904,7 +996,7 @@ class Executor:
                 self._limiter.end(held.permit, now, tokens=completion.tokens, throttle_s=throttle)
                 held.permit = None
             if completion.throttle_s is not None:
-                EXECUTOR_THROTTLES.labels(self.config.kind, held.route).inc()
+                EXECUTOR_THROTTLES.labels(self.config.kind, route_label(held.route)).inc()
             held.running = False
             held.ended = now
             self._running -= 1

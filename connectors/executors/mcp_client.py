@@ -26,7 +26,7 @@ import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from mcp_types import CallToolResult, InitializeResult, ListToolsResult
@@ -44,6 +44,7 @@ SESSION_HEADER = "Mcp-Session-Id"
 VERSION_HEADER = "MCP-Protocol-Version"
 MAX_LIST_PAGES = 16
 MAX_SSE_EVENTS = 10_000
+LIST_CHANGED = "notifications/tools/list_changed"
 
 
 @dataclass(frozen=True)
@@ -91,21 +92,27 @@ def parse_answer(answer: Answer, request_id: int) -> Reply:
     for message in messages:
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             return Reply("invalid", detail="not_jsonrpc", status=answer.status)
-        if message.get("method") == "notifications/tools/list_changed":
+        if message.get("method") == LIST_CHANGED:
             list_changed = True
         if "id" not in message or "method" in message:
             continue  # a notification, or a request of the server's (not answered here)
         if message["id"] != request_id or isinstance(message["id"], bool):
             return Reply("invalid", detail="wrong_id", status=answer.status)
-        if "result" in message and isinstance(message["result"], dict):
-            return Reply("result", message["result"], answer.status, list_changed=list_changed)
-        error = message.get("error")
-        if isinstance(error, dict) and "code" in message["error"]:
-            return Reply("error", error, answer.status, list_changed=list_changed)
-        return Reply("invalid", detail="not_jsonrpc", status=answer.status)
+        return reply_of(message, answer.status, list_changed)
     if content_type == "text/event-stream":  # the stream ended before the answer: unknown
         return Reply("unknown", detail="stream ended without the answer", status=answer.status)
     return Reply("invalid", detail="no_response", status=answer.status, list_changed=list_changed)
+
+
+def reply_of(message: Mapping[str, Any], status: int = 0, list_changed: bool = False) -> Reply:
+    """A JSON-RPC response (a message with the request's id and no ``method``) as a reply:
+    its result, its error, or ``invalid`` when it has neither in the protocol's shape."""
+    if "result" in message and isinstance(message["result"], dict):
+        return Reply("result", message["result"], status, list_changed=list_changed)
+    error = message.get("error")
+    if isinstance(error, dict) and "code" in error:
+        return Reply("error", error, status, list_changed=list_changed)
+    return Reply("invalid", detail="not_jsonrpc", status=status, list_changed=list_changed)
 
 
 def _events(body: bytes) -> tuple[list[Any], str | None]:
@@ -137,18 +144,56 @@ def validate_call_result(result: Mapping[str, Any]) -> str | None:
     return None
 
 
+class Wire(Protocol):
+    """How one server's JSON-RPC messages travel (streamable HTTP, or a process's stdin and
+    stdout): the session logic (:class:`MCPSession`) is the same over either."""
+
+    @property
+    def session(self) -> object:
+        """What names the server's session now; it changes when the session ends."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether the session opened last can still be used (False: open it again)."""
+        ...
+
+    async def exchange(
+        self, message: Mapping[str, Any], timeout_s: float, *, opening: bool = False
+    ) -> Reply:
+        """Send one message: a request's answer, or for a notification ``accepted`` or why
+        not. ``opening``: the ``initialize`` request (it starts a session). A request that
+        carried a session the server no longer has is ``session_lost`` (nothing taken in)."""
+        ...
+
+    def opened(self, protocol: str) -> None:
+        """The session is open with this protocol version."""
+        ...
+
+    def forget(self) -> None:
+        """The session ended: the next ``initialize`` starts a new one."""
+        ...
+
+    async def close(self, timeout_s: float) -> None:
+        """End the session at the server, best effort."""
+        ...
+
+
 @dataclass
-class MCPSession:
-    """One server's session on the executor's event loop (the loop's thread only)."""
+class HTTPWire:
+    """Streamable HTTP: a ``POST`` per message on the executor's :class:`KeepAliveHTTP`; the
+    session is the server's ``Mcp-Session-Id``."""
 
     spec: MCPServerSpec
     http: KeepAliveHTTP
     session_id: str | None = None
     protocol: str | None = None
-    opened: bool = False
-    in_flight: dict[str, InFlight] = field(default_factory=dict)
-    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    _lock: asyncio.Lock | None = None
+
+    @property
+    def session(self) -> object:
+        return self.session_id
+
+    def alive(self) -> bool:
+        return True  # a lost session is known by the 404 to it
 
     def _headers(self, with_session: bool) -> dict[str, str]:
         headers = {
@@ -164,6 +209,20 @@ class MCPSession:
             name, secret = self.spec.conn.auth_header
             headers[name] = secret.reveal()
         return headers
+
+    async def exchange(
+        self, message: Mapping[str, Any], timeout_s: float, *, opening: bool = False
+    ) -> Reply:
+        answer, failed = await self._post(message, timeout_s, with_session=not opening)
+        if failed is not None:
+            return failed
+        request_id = message.get("id")
+        if not isinstance(request_id, int):
+            return Reply("accepted", status=answer.status)  # a notification taken in
+        reply = parse_answer(answer, request_id)
+        if opening and reply.kind == "result":
+            self.session_id = answer.header("mcp-session-id")
+        return reply
 
     async def _post(
         self, message: Mapping[str, Any], timeout_s: float, *, with_session: bool = True
@@ -183,6 +242,8 @@ class MCPSession:
                 pass
             case "not_sent" | "tls" | "too_large":
                 return answer, Reply(answer.failure, detail=answer.detail)
+            case "invalid_request":  # refused by the client: nothing reached the server
+                return answer, Reply("invalid", detail=answer.detail, sent=False)
             case _:
                 return answer, Reply("unknown", detail=answer.detail)
         if answer.status == 404 and with_session and self.session_id is not None:
@@ -199,6 +260,36 @@ class MCPSession:
             return answer, Reply("status", status=answer.status, detail=detail)
         return answer, None
 
+    def opened(self, protocol: str) -> None:
+        self.protocol = protocol
+
+    def forget(self) -> None:
+        self.session_id, self.protocol = None, None
+
+    async def close(self, timeout_s: float) -> None:
+        """``DELETE`` the session."""
+        if self.session_id is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.http.send(
+                "DELETE", self.spec.url, timeout_s=timeout_s, headers=self._headers(True),
+                conn=self.spec.conn,
+            )  # fmt: skip
+        self.forget()
+
+
+@dataclass
+class MCPSession:
+    """One server's session on the executor's event loop (the loop's thread only), over its
+    :class:`Wire`."""
+
+    spec: MCPServerSpec
+    wire: Wire
+    opened: bool = False
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _lock: asyncio.Lock | None = None
+
     async def _open(self, deadline: float) -> Reply | None:
         """``initialize`` and ``notifications/initialized``; None when the session is open,
         else the failure (``sent`` False: nothing of the caller's request left)."""
@@ -213,8 +304,7 @@ class MCPSession:
                 "clientInfo": CLIENT_INFO,
             },
         }
-        answer, failed = await self._post(request, deadline - time.monotonic(), with_session=False)
-        reply = failed or parse_answer(answer, request_id)
+        reply = await self.wire.exchange(request, deadline - time.monotonic(), opening=True)
         if reply.kind == "result":
             try:
                 result = InitializeResult.model_validate(reply.value, by_name=False)
@@ -224,11 +314,10 @@ class MCPSession:
                 return Reply(
                     "invalid", detail=f"protocol {result.protocol_version[:40]}", sent=False
                 )
-            self.protocol = result.protocol_version
-            self.session_id = answer.header("mcp-session-id")
+            self.wire.opened(result.protocol_version)
             note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-            _, failed = await self._post(note, deadline - time.monotonic())
-            if failed is not None and failed.kind not in ("accepted", "status"):
+            failed = await self.wire.exchange(note, deadline - time.monotonic())
+            if failed.kind not in ("accepted", "status"):
                 return Reply(failed.kind, detail=f"initialized: {failed.detail}", sent=False)
             self.opened = True
             return None
@@ -237,20 +326,22 @@ class MCPSession:
         )
 
     async def ensure_open(self, deadline: float) -> Reply | None:
-        if self.opened:
+        if self.opened and self.wire.alive():
             return None
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one call opens it; the others wait and share it
-            if self.opened:
+            if self.opened and self.wire.alive():
                 return None
+            self.opened = False
             return await self._open(deadline)
 
-    def _forget(self, session_id: str | None) -> None:
-        """The server lost the session ``session_id``: the next request opens a new one
+    def _forget(self, session: object) -> None:
+        """The server lost the session ``session``: the next request opens a new one
         (unless another call has done so already)."""
-        if self.session_id == session_id:
-            self.opened, self.session_id, self.protocol = False, None, None
+        if self.wire.session == session:
+            self.opened = False
+            self.wire.forget()
 
     async def request(
         self,
@@ -277,13 +368,13 @@ class MCPSession:
                 if flight is not None:
                     flight.request_id = request_id
                 message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
-                session_id = self.session_id
-                answer, failed = await self._post(message, deadline - time.monotonic())
-                if failed is not None and failed.kind == "session_lost":
-                    self._forget(session_id)
-                    reply = failed
+                session = self.wire.session
+                answered = await self.wire.exchange(message, deadline - time.monotonic())
+                if answered.kind == "session_lost":
+                    self._forget(session)
+                    reply = answered
                     continue
-                return failed or parse_answer(answer, request_id)
+                return answered
             return reply
         finally:
             if flight is not None and self.in_flight.get(op_key or "") is flight:
@@ -303,7 +394,7 @@ class MCPSession:
             "method": "notifications/cancelled",
             "params": {"requestId": flight.request_id, "reason": "the run cancelled the call"},
         }
-        await self._post(note, timeout_s)
+        await self.wire.exchange(note, timeout_s)
         return "notified"
 
     async def list_tools(self, timeout_s: float) -> tuple[list[dict[str, Any]] | None, str]:
@@ -326,15 +417,18 @@ class MCPSession:
         return tools, f"tools/list: more than {MAX_LIST_PAGES} pages (the rest ignored)"
 
     async def terminate(self, timeout_s: float = 1.0) -> None:
-        """End the session at the server (``DELETE``), best effort."""
-        if self.session_id is None:
-            return
-        with contextlib.suppress(Exception):
-            await self.http.send(
-                "DELETE", self.spec.url, timeout_s=timeout_s, headers=self._headers(True),
-                conn=self.spec.conn,
-            )  # fmt: skip
-        self.opened, self.session_id = False, None
+        """End the session at the server, best effort."""
+        await self.wire.close(timeout_s)
+        self.opened = False
 
 
-__all__ = ["InFlight", "MCPSession", "Reply", "parse_answer", "validate_call_result"]
+__all__ = [
+    "HTTPWire",
+    "InFlight",
+    "MCPSession",
+    "Reply",
+    "Wire",
+    "parse_answer",
+    "reply_of",
+    "validate_call_result",
+]

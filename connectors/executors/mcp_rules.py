@@ -2,7 +2,7 @@
 MCP onto the run's rules (docs/tools.md).
 
 - :func:`parse_mcp_servers`: the registry entries (name, url, auth/TLS/proxy as for HTTP
-  tools, ``timeout_ms``, per-tool overrides);
+  tools, or a command the executor starts, ``timeout_ms``, per-tool overrides);
 - :func:`rules_for`: a tool's annotations and the operator's override -> permission,
   idempotency, approval, timeout;
 - :func:`output_of`: a ``tools/call`` result (content blocks, ``structuredContent``) -> the
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentruns.connectors.executors.base import ExecutorError
-from agentruns.connectors.executors.http import DIRECT, Connectivity
+from agentruns.connectors.executors.http import DIRECT, Connectivity, Secret
 from agentruns.connectors.executors.limits import NO_LIMITS, RouteLimits
-from agentruns.connectors.executors.tool_http import parse_connectivity
+from agentruns.connectors.executors.tool_http import parse_connectivity, read_secret
 from agentruns.processors.state import ErrorClass
 
 #: Between a server's name and its tool's in the name the agent sees. Not a dot: model APIs
@@ -36,6 +36,14 @@ MAX_SERVERS = 64
 MAX_TOOLS_PER_SERVER = 512
 DEFAULT_MCP_TIMEOUT_MS = 30_000
 DEFAULT_REFRESH_S = 60.0
+# stdio servers: the longest line (one JSON-RPC message) read from one, the time it has from
+# its start to answer ``initialize``, the variables it inherits from the executor
+DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
+MAX_LINE_BYTES = 64 * 1024 * 1024
+DEFAULT_START_TIMEOUT_MS = 10_000
+INHERITED_ENV = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "TMPDIR")
+MAX_ARGS, MAX_ARG_CHARS, MAX_ENV = 64, 4096, 64
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 #: The request ``_meta`` keys a server may dedupe on.
 KEY_META = "agentruns/idempotency_key"
 RUN_META = "agentruns/run_id"
@@ -58,18 +66,38 @@ class ToolOverride:
 
 
 @dataclass(frozen=True)
+class StdioCommand:
+    """A server the tool executor starts and speaks to over its stdin and stdout: the
+    program, its arguments, the variables set for it (beside :data:`INHERITED_ENV`), and the
+    limits of what it may send and how long it may take to start."""
+
+    command: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, Secret] = field(default_factory=dict, repr=False)
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    start_timeout_ms: int = DEFAULT_START_TIMEOUT_MS
+
+
+@dataclass(frozen=True)
 class MCPServerSpec:
-    """One entry of the registry's ``mcp_servers``."""
+    """One entry of the registry's ``mcp_servers``: ``url`` (streamable HTTP) or ``stdio``
+    (a process of the executor's)."""
 
     name: str
-    url: str
+    url: str = ""
     timeout_ms: int = DEFAULT_MCP_TIMEOUT_MS
     conn: Connectivity = DIRECT
     tools: Mapping[str, ToolOverride] = field(default_factory=dict)
     refresh_s: float = DEFAULT_REFRESH_S
+    stdio: StdioCommand | None = None
 
     def agent_name(self, tool: str) -> str:
         return f"{self.name}{SEPARATOR}{tool}"
+
+    @property
+    def endpoint(self) -> str:
+        """Where the server is, for logs and the catalog: its URL, or ``stdio:<command>``."""
+        return self.url if self.stdio is None else f"stdio:{self.stdio.command}"
 
 
 @dataclass(frozen=True)
@@ -149,8 +177,12 @@ def parse_mcp_servers(
         if name in servers:
             raise ExecutorError(f"{where}: MCP server {name!r} is named twice")
         here = f"MCP server {name!r} in {where}"
-        url = entry.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        url, stdio = entry.get("url"), None
+        if (url is None) == ("command" not in entry):
+            raise ExecutorError(f"{here}: give exactly one of url and command")
+        if url is None:
+            stdio = _stdio(entry, here)
+        elif not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ExecutorError(f"{here}: url must be an http:// or https:// URL")
         try:
             timeout = _positive_ms(entry.get("timeout_ms"), "timeout_ms")
@@ -165,15 +197,66 @@ def parse_mcp_servers(
             overrides = {str(t): _override(o, f"tools[{t!r}]") for t, o in tools.items()}
         except ValueError as exc:
             raise ExecutorError(f"{here}: {exc}") from None
+        if stdio is None:
+            conn = parse_connectivity(entry, here, defaults)
+        else:  # no HTTP: no auth, TLS or proxy; the secrets of its variables are scrubbed
+            conn = Connectivity(secrets=tuple(stdio.env.values()))
         servers[name] = MCPServerSpec(
             name=name,
-            url=url,
+            url=url or "",
             timeout_ms=timeout or DEFAULT_MCP_TIMEOUT_MS,
-            conn=parse_connectivity(entry, here, defaults),
+            conn=conn,
             tools=overrides,
             refresh_s=float(refresh),
+            stdio=stdio,
         )
     return servers
+
+
+def _stdio(entry: Mapping[str, Any], here: str) -> StdioCommand:
+    """The ``command``, ``args``, ``env``, ``max_line_bytes`` and ``start_timeout_ms`` of a
+    stdio server's entry."""
+    for http_only in ("auth", "tls", "proxy"):
+        if http_only in entry:
+            raise ExecutorError(f"{here}: {http_only} is for an HTTP server, not a command")
+    command, args, env = entry.get("command"), entry.get("args", []), entry.get("env", {})
+    if not isinstance(command, str) or not command or len(command) > MAX_ARG_CHARS:
+        raise ExecutorError(f"{here}: command must be a program's name or path")
+    if (
+        not isinstance(args, list)
+        or len(args) > MAX_ARGS
+        or not all(isinstance(a, str) and len(a) <= MAX_ARG_CHARS for a in args)
+    ):
+        raise ExecutorError(
+            f"{here}: args must be a list of at most {MAX_ARGS} strings"
+            f" of at most {MAX_ARG_CHARS} characters"
+        )
+    if not isinstance(env, Mapping) or len(env) > MAX_ENV:
+        raise ExecutorError(f"{here}: env must be an object of at most {MAX_ENV} variables")
+    variables: dict[str, Secret] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or ENV_NAME.fullmatch(key) is None:
+            raise ExecutorError(f"{here}: env: {str(key)[:40]!r} is not a variable name")
+        if isinstance(value, str) and "\x00" not in value and len(value) <= MAX_ARG_CHARS:
+            variables[key] = Secret(value, f"env {key}")
+        elif isinstance(value, Mapping):  # {"value_env": NAME} or {"value_file": PATH}
+            variables[key] = read_secret(value, "value", f"{here} env {key}")
+        else:
+            raise ExecutorError(f"{here}: env {key} must be a string, value_env or value_file")
+    line = entry.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)
+    if isinstance(line, bool) or not isinstance(line, int) or not 1024 <= line <= MAX_LINE_BYTES:
+        raise ExecutorError(f"{here}: max_line_bytes must be within [1024, {MAX_LINE_BYTES}]")
+    try:
+        start = _positive_ms(entry.get("start_timeout_ms"), "start_timeout_ms")
+    except ValueError as exc:
+        raise ExecutorError(f"{here}: {exc}") from None
+    return StdioCommand(
+        command=command,
+        args=tuple(args),
+        env=variables,
+        max_line_bytes=line,
+        start_timeout_ms=start or DEFAULT_START_TIMEOUT_MS,
+    )
 
 
 # --------------------------------------------------------------------------- annotations
@@ -306,6 +389,7 @@ __all__ = [
     "SEPARATOR",
     "MCPServerSpec",
     "Rules",
+    "StdioCommand",
     "ToolOverride",
     "output_of",
     "parse_mcp_servers",

@@ -67,3 +67,21 @@ EXECUTOR_PAUSES = Counter(
     " bytes max_held_bytes",
     ["kind"],
 )
+MODEL_TOKENS = Counter(
+    "agentruns_model_tokens_total",
+    "Tokens of model calls as the provider's usage reported them, by configured route and"
+    " direction: input (the prompt) or output (the completion)",
+    ["route", "direction"],
+)
+MODEL_COST = Counter(
+    "agentruns_model_cost_total",
+    "Cost of model calls by configured route, in the currency of the route's"
+    " input/output_cost_micros_per_1k (their micros / 1e6); 0 for a route that names no price",
+    ["route"],
+)
+
+
+def route_label(name: str) -> str:
+    """A configured route's name as the `route` label: ``default`` for the default route (its
+    name is empty), ``*`` for the routes file's catch-all entry."""
+    return name or "default"

@@ -19,10 +19,13 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
   ToolCallTimedOut (the operation is UNKNOWN, never failed); a connection that could not be
   opened -> ToolCallFailed TRANSIENT (nothing was sent); a TLS handshake or certificate that
   failed -> ToolCallFailed UNKNOWN ``tls_failed`` (nothing was sent); status codes ->
-  :func:`error_for_status`. A tool the registry no longer has -> ToolCallFailed
-  ``unknown_tool``; one it marks ``approval_required`` whose call no person approved (the
-  operation's ``policy_decision``) -> ToolCallFailed PERMISSION_DENIED ``not_approved``: the
-  registry as it is at call time is the catalog (docs/tools.md). Each tool's auth, proxy and
+  :func:`error_for_status`. The registry as it is at call time is the catalog (the file is
+  read again every ``catalog_refresh_s`` when it changed; docs/tools.md): a tool it no longer
+  has -> ToolCallFailed ``unknown_tool``; one it marks ``approval_required`` whose call no
+  person approved (the operation's ``policy_decision``) -> ToolCallFailed PERMISSION_DENIED
+  ``not_approved``; one it now ranks stricter than the permission the run declared ->
+  PERMISSION_DENIED ``permission_stricter`` (:func:`agentruns.processors.catalog.
+  call_refusal`; nothing is sent). Each tool's auth, proxy and
   TLS come from the registry (read by :mod:`agentruns.connectors.executors.tool_http`, carried by
   :mod:`agentruns.connectors.executors.http`).
 - ``Reconcile``: ``GET status_url`` -> 200 succeeded = found_succeeded (with the result), 404 =
@@ -51,6 +54,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from email.utils import parsedate_to_datetime
@@ -93,7 +97,9 @@ from agentruns.connectors.executors.process import add_common_arguments, serve_e
 from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
 from agentruns.connectors.executors.tool_mcp import MCPTools, discover
 from agentruns.connectors.postgres.artifacts import StoredArtifact
+from agentruns.connectors.settings import current
 from agentruns.processors import tool_results
+from agentruns.processors.catalog import call_refusal
 from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -124,6 +130,8 @@ MAX_RETRY_AFTER_MS = 10 * 60 * 1000
 DEFAULT_THROTTLE_S = 1.0
 #: The header that tells a tool backend which run a call is for.
 RUN_HEADER = "X-Agentruns-Run-Id"
+#: How often a running executor reads its registry file again (the catalog_refresh_s setting).
+DEFAULT_CATALOG_REFRESH_S = 30.0
 # A Retry-After beyond this is no schedule a backend means (`1e300`): ignored like garbage,
 # so our own back-off applies instead of the longest one.
 ABSURD_RETRY_AFTER_S = 24 * 3600
@@ -176,6 +184,8 @@ class ToolRegistry:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ExecutorError(f"cannot read the tool registry {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ExecutorError(f"invalid tool registry {path}: not a JSON object")
         try:
             defaults = parse_connectivity(data, f"tool registry {path}")
             tools = {
@@ -208,9 +218,10 @@ class ToolRegistry:
                 str(data.get("version", "unversioned")),
                 data.get("base_url", ""),
                 tools,
+                path=str(path),
                 mcp_servers=servers,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ExecutorError(f"invalid tool registry {path}: {exc!r}") from exc
 
     def openai_tools(self, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -349,8 +360,16 @@ class ToolHandler:
         connect_timeout_s: float = 2.0,
         lookup_timeout_s: float = 5.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        catalog_refresh_s: float = DEFAULT_CATALOG_REFRESH_S,
     ) -> None:
         self.registry = registry
+        # the registry file is read again this often (when it has a path), so a call is held
+        # to the catalog as it is now; a file that cannot be read keeps the last registry
+        self.catalog_refresh_s = catalog_refresh_s
+        self._registry_text = _file_text(registry.path)
+        self._reload_at = time.monotonic() + catalog_refresh_s
+        self.reload_failures = 0
+        self._base_url_given = bool(base_url)
         self.base_url = (base_url or registry.base_url).rstrip("/")
         if not self.base_url and registry.tools:
             raise ExecutorError(
@@ -362,9 +381,7 @@ class ToolHandler:
         self.connect_timeout_s = connect_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self._http = KeepAliveHTTP(connect_timeout_s, max_body_bytes)
-        self.mcp = MCPTools(
-            registry.mcp_servers, self._http, registry.tools.__contains__, ToolEntry
-        )
+        self.mcp = MCPTools(registry.mcp_servers, self._http, self._is_http_tool, ToolEntry)
         if registry.mcp_servers:  # listed now, so the first calls find their tools
             self.mcp.seed(*discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry))
 
@@ -372,6 +389,44 @@ class ToolHandler:
         """Every tool this executor runs now: the registry's HTTP tools and the tools its MCP
         servers listed."""
         return {**self.mcp.entries, **self.registry.tools}
+
+    def _is_http_tool(self, name: str) -> bool:
+        return name in self.registry.tools
+
+    def reload_if_due(self, now: float | None = None) -> bool:
+        """Read the registry file again if ``catalog_refresh_s`` has passed; True when it
+        changed and was taken. A file that cannot be read or is not valid keeps the registry
+        the executor has (logged, counted in ``reload_failures``): never an empty one."""
+        now = time.monotonic() if now is None else now
+        if not self.registry.path or now < self._reload_at:
+            return False
+        self._reload_at = now + self.catalog_refresh_s
+        text = _file_text(self.registry.path)
+        if text == self._registry_text:
+            return False
+        from agentruns.connectors.catalog import REFRESHES  # it imports this module
+
+        try:
+            registry = ToolRegistry.load(self.registry.path)
+            if registry.tools and not (self._base_url_given or registry.base_url):
+                raise ExecutorError(f"{registry.path}: HTTP tools and no base_url")
+        except ExecutorError as exc:
+            self.reload_failures += 1
+            REFRESHES.labels("tool-executor", "failed").inc()
+            log.warning("tool registry not taken, the last one stays: %s", exc)
+            return False
+        REFRESHES.labels("tool-executor", "changed").inc()
+        log.info(
+            "tool registry %s: version %s -> %s (%d HTTP tools, MCP servers %s)",
+            registry.path, self.registry.version, registry.version, len(registry.tools),
+            ", ".join(sorted(registry.mcp_servers)) or "none",
+        )  # fmt: skip
+        self._registry_text = text
+        self.registry = registry
+        if not self._base_url_given:
+            self.base_url = registry.base_url.rstrip("/")
+        self.mcp.reconfigure(registry.mcp_servers)
+        return True
 
     async def aclose(self) -> None:
         """End the MCP sessions (on the executor's event loop, before :meth:`close`)."""
@@ -461,6 +516,7 @@ class ToolHandler:
     # ------------------------------------------------------------------ dispatch
 
     async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
+        self.reload_if_due()
         tool = _tool_of(effect)
         if self.mcp.server_of(tool) is not None and tool not in self.registry.tools:
             return await self._execute_mcp(effect, previous)
@@ -489,6 +545,26 @@ class ToolHandler:
             sig = base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
             url += ("&" if "?" in url else "?") + f"sig={sig}"
         return url
+
+    def _refused(self, effect: CallTool, entry: ToolEntry, ids: dict[str, Any]) -> Outcome | None:
+        """The refusal of a call the catalog as it is now does not allow (it may have changed
+        since the run was submitted), made before anything is sent; None: allowed."""
+        op = effect.operation
+        refusal = call_refusal(
+            op.tool,
+            op.permission,
+            op.policy_decision,
+            permission=entry.permission,
+            approval_required=entry.approval_required,
+            version=self.registry.version,
+        )
+        if refusal is None:
+            return None
+        code, message = refusal
+        event = ToolCallFailed(
+            **ids, error_class=ErrorClass.PERMISSION_DENIED, error_code=code, message=message
+        )
+        return Outcome(event, detail=code)
 
     def _entry(self, tool: str) -> ToolEntry | None:
         return self.registry.tools.get(tool) or self.mcp.entries.get(tool)
@@ -519,17 +595,9 @@ class ToolHandler:
                 message=f"{op.tool} is not in tool registry {self.registry.version}",
             )
             return Outcome(event, detail="unknown tool")
-        if entry.approval_required and op.policy_decision != "approved":
-            # the registry is the catalog as it is now: a tool it puts under approval since the
-            # run was submitted is not called on a decision no person made
-            event = ToolCallFailed(
-                **ids,
-                error_class=ErrorClass.PERMISSION_DENIED,
-                error_code="not_approved",
-                message=f"{op.tool} requires a person's approval in tool registry "
-                f"{self.registry.version}; this call was not approved",
-            )
-            return Outcome(event, detail="not approved")
+        refused = self._refused(effect, entry, ids)
+        if refused is not None:
+            return refused
         try:
             arguments = json.loads(op.arguments_json)
         except ValueError:
@@ -557,6 +625,8 @@ class ToolHandler:
             headers=headers,
             body=canonical_json(arguments).encode(),
         )
+        if answer.failure == "invalid_request":  # nothing sent; the same call would fail again
+            return self.failure(effect, "invalid_request", answer.detail)
         if answer.failure == "not_sent":
             event = ToolCallFailed(
                 **ids,
@@ -814,6 +884,9 @@ class ToolHandler:
                 message=f"{op.tool} is not a tool its MCP server lists",
             )
             return Outcome(event, detail="unknown MCP tool")
+        refused = self._refused(effect, entry, ids)
+        if refused is not None:
+            return refused
         try:
             arguments = json.loads(op.arguments_json)
         except ValueError:
@@ -937,6 +1010,16 @@ def _tool_of(effect: Effect) -> str:
     return str(getattr(effect, "tool", ""))
 
 
+def _file_text(path: str) -> bytes | None:
+    """The bytes of the registry file (None: no path, or it cannot be read now)."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return None
+
+
 def _op_of(effect: Effect) -> tuple[str, int]:
     """(operation key, dispatch) of a tool effect."""
     if isinstance(effect, CallTool):
@@ -960,6 +1043,7 @@ class ToolExecutor(Executor):
         callback_secret: bytes | None = None,
         summary_bytes: int = DEFAULT_SUMMARY_BYTES,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        catalog_refresh_s: float = DEFAULT_CATALOG_REFRESH_S,
     ) -> None:
         handler = ToolHandler(
             registry if isinstance(registry, ToolRegistry) else ToolRegistry.load(registry),
@@ -968,6 +1052,7 @@ class ToolExecutor(Executor):
             callback_secret=callback_secret,
             summary_bytes=summary_bytes,
             max_body_bytes=max_body_bytes,
+            catalog_refresh_s=catalog_refresh_s,
         )
         try:
             super().__init__(config, handler)
@@ -1017,6 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
             callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
             summary_bytes=args.summary_bytes,
             max_body_bytes=args.max_body_bytes,
+            catalog_refresh_s=current().catalog_refresh_s,
         )
 
     return serve_executor(args, "tool", make)

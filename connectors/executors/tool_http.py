@@ -28,7 +28,7 @@ from agentruns.connectors.executors.base import ExecutorError
 from agentruns.connectors.executors.http import Answer, Connectivity, Secret
 
 
-def _read_secret(spec: Mapping[str, Any], stem: str, where: str) -> Secret:
+def read_secret(spec: Mapping[str, Any], stem: str, where: str) -> Secret:
     """The secret ``<stem>_env`` or ``<stem>_file`` of ``spec`` names (exactly one)."""
     env, path = spec.get(f"{stem}_env"), spec.get(f"{stem}_file")
     if (env is None) == (path is None):
@@ -71,14 +71,14 @@ def parse_connectivity(
             raise ExecutorError(f"{where}: auth must be an object")
         kind = auth.get("type")
         if kind == "bearer":
-            secret = _read_secret(auth, "token", f"{where} auth")
+            secret = read_secret(auth, "token", f"{where} auth")
             header = ("Authorization", Secret(f"Bearer {secret.reveal()}", secret.source))
             secrets.append(secret)
         elif kind == "api_key":
             name = auth.get("header", "X-API-Key")
             if not isinstance(name, str) or not name.isascii() or not name.strip():
                 raise ExecutorError(f"{where} auth: header must be a header name")
-            secret = _read_secret(auth, "key", f"{where} auth")
+            secret = read_secret(auth, "key", f"{where} auth")
             header = (name.strip(), secret)
             secrets.append(secret)
         elif kind == "mtls":
@@ -115,4 +115,4 @@ def scrub_answer(answer: Answer, conn: Connectivity) -> Answer:
     return replace(answer, body=scrubbed, detail=conn.redact(answer.detail))
 
 
-__all__ = ["parse_connectivity", "scrub_answer"]
+__all__ = ["parse_connectivity", "read_secret", "scrub_answer"]

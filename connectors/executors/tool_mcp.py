@@ -4,7 +4,8 @@ tools they list, as registry entries (docs/tools.md).
 Each server's tools are listed (``tools/list``) when the executor starts and again every
 ``refresh_s`` (60 s; in the background, a call never waits for it), when an answer carries
 ``notifications/tools/list_changed``, and when a call names a tool of the server that the last
-listing did not have (at most every ``UNKNOWN_REFRESH_S``). A tool is named
+listing did not have (at most every ``UNKNOWN_REFRESH_S``). When the registry is read again
+(:meth:`MCPTools.reconfigure`), a server it no longer names loses its tools. A tool is named
 ``<server>__<tool>`` for the agent; a listed tool whose name cannot be one (not
 ``[A-Za-z0-9_-]``, over 64 characters) or that an HTTP tool of the registry already has is
 left out with a warning.
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentruns.connectors.executors.http import KeepAliveHTTP
 from agentruns.connectors.executors.limits import NO_LIMITS
-from agentruns.connectors.executors.mcp_client import MCPSession
+from agentruns.connectors.executors.mcp_client import HTTPWire, MCPSession, Wire
 from agentruns.connectors.executors.mcp_rules import (
     AGENT_TOOL_NAME,
     MAX_TOOLS_PER_SERVER,
@@ -28,6 +29,7 @@ from agentruns.connectors.executors.mcp_rules import (
     MCPServerSpec,
     rules_for,
 )
+from agentruns.connectors.executors.mcp_stdio import StdioWire
 
 if TYPE_CHECKING:
     from agentruns.connectors.executors.tool import ToolEntry
@@ -67,7 +69,7 @@ def entries_of(
             name=agent_name,
             description=str(tool.get("description") or "")[:4000],
             parameters=schema if isinstance(schema, Mapping) else {"type": "object"},
-            endpoint=spec.url,
+            endpoint=spec.endpoint,
             method="POST",
             timeout_ms=rules.timeout_ms,
             permission=rules.permission,
@@ -105,6 +107,7 @@ class MCPTools:
         self.entries: Mapping[str, ToolEntry] = {}
         self._listed_at: dict[str, float] = {}
         self._listing: dict[str, asyncio.Task[None]] = {}
+        self._ending: set[asyncio.Task[None]] = set()
 
     def server_of(self, tool: str) -> MCPServerSpec | None:
         """The server a tool name belongs to by its prefix (listed or not)."""
@@ -114,7 +117,9 @@ class MCPTools:
     def session(self, server: str) -> MCPSession:
         session = self._sessions.get(server)
         if session is None:
-            session = self._sessions[server] = MCPSession(self.servers[server], self._http)
+            spec = self.servers[server]
+            wire: Wire = HTTPWire(spec, self._http) if spec.stdio is None else StdioWire(spec)
+            session = self._sessions[server] = MCPSession(spec, wire)
         return session
 
     def _install(self, spec: MCPServerSpec, tools: list[dict[str, Any]]) -> None:
@@ -167,6 +172,38 @@ class MCPTools:
             if spec.name not in self._listed_at:
                 return None, problem or "never listed"
         return self.entries.get(tool), ""
+
+    def reconfigure(self, servers: Mapping[str, MCPServerSpec]) -> None:
+        """The registry was read again: a server it no longer names loses its tools and its
+        session; one whose entry changed (URL, auth, overrides) is listed again with its next
+        call, before the call is held to its tools; the others keep what they listed."""
+        changed = {
+            name
+            for name, spec in self.servers.items()
+            if name not in servers or repr(servers[name]) != repr(spec)
+        }
+        self.servers = dict(servers)
+        if not changed:
+            return
+        self.entries = {k: v for k, v in self.entries.items() if v.mcp_server not in changed}
+        for name in changed:
+            self._listed_at.pop(name, None)
+            running = self._listing.pop(name, None)
+            if running is not None:
+                running.cancel()
+            session = self._sessions.pop(name, None)
+            if session is not None:
+                self._end(session)
+
+    def _end(self, session: MCPSession) -> None:
+        """End a session no longer used, in the background when a loop runs here."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop in this thread: the server expires the session
+        task = loop.create_task(session.terminate())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     def seed(self, entries: Mapping[str, ToolEntry], listed: set[str]) -> None:
         """What was listed at start (:func:`discover`), as if listed now."""

@@ -12,6 +12,7 @@ from importlib import resources
 import psycopg
 
 from agentruns.connectors.errors import ServiceUnreachableError
+from agentruns.connectors.postgres.dsn import redact_dsn, scrub_dsn
 
 _LOCK_ID = 0x6167656E7472  # "agentr": one advisory lock for migrations
 
@@ -27,10 +28,13 @@ def migrate(database_url: str) -> list[str]:
     """Apply the migrations not yet applied; return the versions applied now."""
     try:
         conn = psycopg.connect(database_url, autocommit=True)
-    except psycopg.OperationalError as exc:
+    except psycopg.Error as exc:  # unreachable, or a DSN psycopg cannot read
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        reason = scrub_dsn(first, database_url)
         raise ServiceUnreachableError(
-            f"cannot connect to Postgres at {database_url}", hint="is it running?"
-        ) from exc
+            f"cannot connect to Postgres at {redact_dsn(database_url)} ({reason})",
+            hint="is it running?",
+        ) from None
     applied: list[str] = []
     with conn:
         conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))

@@ -77,6 +77,7 @@ from agentruns.connectors.projection.rows import (
     snapshot_values,
     undecodable_dead_letter_values,
 )
+from agentruns.connectors.projection.run_metrics import RunMeter
 from agentruns.connectors.projection.sql import (
     DEAD_LETTERS_TABLE,
     EVENTS_TABLE,
@@ -98,12 +99,12 @@ from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
 from agentruns.streams.interpreter import tune_gc
 from agentruns.streams.kafka_defaults import (
-    GROUP_CONSUMER_LOG_LEVEL,
     KEYED_PARTITIONER,
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
     close_consumer,
+    group_consumer,
     release,
 )
 from agentruns.streams.membership import Membership
@@ -223,6 +224,8 @@ class _Batch:
     parts: list[_Part] = field(default_factory=list)  # the same rows, per record, in order
     dead: list[dict[str, Any]] = field(default_factory=list)  # records refused while folding
     dead_letters: list[tuple[Any, ...]] = field(default_factory=list)  # rows of DLQ records
+    ended: list[tuple[str, str]] = field(default_factory=list)  # runs ended: (status, reason)
+    steps: list[float] = field(default_factory=list)  # seconds of the steps it closed
     spans: list[Any] = field(default_factory=list)  # one per event when tracing is on
 
 
@@ -302,6 +305,7 @@ class Sink:
         self.dlq_topic = topic_name(DLQ, p)
         self.topics = [self.events_topic, self.state_topic, self.results_topic, self.dlq_topic]
         self.stats = SinkStats()
+        self._runs = RunMeter()  # runs ended and step latency (run_metrics)
         self._cache: dict[str, tuple[int, RunState]] = {}
         self._writer_pg = _Pg(config.database_url)  # the writer thread's transactions
         self._reader_pg = _Pg(config.database_url)  # the consumer thread's reads
@@ -337,7 +341,7 @@ class Sink:
             # a commit on the events topic answers a held fetch at once (LONG_POLL_MS)
             "fetch.wait.max.ms": LONG_POLL_MS,
             **NO_DELAY,
-            "log_level": GROUP_CONSUMER_LOG_LEVEL,
+            **group_consumer(c.group_id),
         }
         if c.instance_id:
             conf["group.instance.id"] = c.instance_id
@@ -651,6 +655,11 @@ class Sink:
         if str(projected.disposition) != record["disposition"]:
             self.stats.divergences += 1
             SINK_DIVERGENCES.inc()
+        ended, step_s = self._runs.fold(state, projected.state, record["at"])
+        if ended is not None:
+            batch.ended.append(ended)
+        if step_s is not None:
+            batch.steps.append(step_s)
         row = event_values(record, projected.status)
         runs[run_id] = (seq, projected.state)
         batch.events.append(row)
@@ -702,6 +711,7 @@ class Sink:
         self.stats.snapshots += len(batch.snapshots)
         self.stats.results += len(batch.results)
         SINK_EVENTS.inc(len(batch.events))
+        RunMeter.committed(batch.ended, batch.steps)
         SINK_BATCH_SECONDS.observe(time.monotonic() - began)
         if self.on_commit is not None:
             self.on_commit(CommitReport(time.time(), [(e[0], e[1]) for e in batch.events]))
@@ -800,7 +810,7 @@ class Sink:
     def _finish(self, cur: psycopg.Cursor[Any], batch: _Batch, dead: list[dict[str, Any]]) -> None:
         """The consumed positions, after the dead letters of the batch are flushed (inside
         the transaction: if the broker is away, nothing commits and the batch is retried)."""
-        dead_letters.send(self._dlq, self.dlq_topic, dead)
+        dead_letters.send(self._dlq, self.dlq_topic, dead, component="sink")
         keys = sorted(batch.positions)
         cur.execute(
             SQL_OFFSETS,

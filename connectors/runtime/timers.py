@@ -45,12 +45,12 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
 from agentruns.streams.kafka_defaults import (
-    GROUP_CONSUMER_LOG_LEVEL,
     KEYED_PARTITIONER,
     LONG_POLL_MS,
     NO_DELAY,
     client_settings,
     close_consumer,
+    group_consumer,
     partition_count,
     release,
 )
@@ -160,7 +160,7 @@ class TimerService:
                 # Static membership: a restarted timer service resumes its partitions at once.
                 "group.instance.id": f"{group_id}-{instance_id}",
                 **NO_DELAY,
-                "log_level": GROUP_CONSUMER_LOG_LEVEL,
+                **group_consumer(group_id),
             }
         )
         self._producer = Producer(
@@ -242,7 +242,7 @@ class TimerService:
                             msg, refused.reason, refused.error_class, record="Effect"
                         )
                     )
-            dead_letters.send(self._producer, self.dlq, dead)
+            dead_letters.send(self._producer, self.dlq, dead, component="timer")
         self.dead_letters += len(dead)
         # counted once the batch is in: a batch retried after an outage counts once
         TIMER_RECORDS.inc(len(messages))

@@ -23,7 +23,7 @@ from agentruns.processors.limits import MAX_JSON_DEPTH
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack
+from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack, anonymous
 from tests.support.pipeline import SEARCH, Inbox, now_ms, read_all, read_raw, submitted
 from tests.support.waiting import wait_for
 
@@ -40,7 +40,7 @@ def committed_result(bootstrap: str, prefix: str, run_id: str) -> dict[str, Any]
 def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
     stack: Stack,
 ) -> None:
-    with httpx.Client(base_url=stack.url, timeout=10) as anon:
+    with anonymous(stack.url) as anon:
         for method, path in [
             ("POST", "/runs"),
             ("GET", "/runs/x"),

@@ -243,8 +243,10 @@ def tool_env(
         server.close()
 
 
-def slow_tools(server: tool_server.ServerHandle, ms: float) -> None:
-    rule = {"target": "*", "kind": "latency", "times": None, "min_ms": ms, "max_ms": ms}
+def slow_tools(server: tool_server.ServerHandle, ms: float, max_ms: float | None = None) -> None:
+    """Every tool call takes ``ms`` (or, with ``max_ms``, anything up to it)."""
+    top = ms if max_ms is None else max_ms
+    rule = {"target": "*", "kind": "latency", "times": None, "min_ms": ms, "max_ms": top}
     httpx.post(server.url + "/faults", json=rule, timeout=5).raise_for_status()
 
 
@@ -265,13 +267,15 @@ def executions(server: tool_server.ServerHandle, calls: Sequence[CallTool]) -> s
 def test_a_rebalance_with_calls_in_flight_answers_each_effect_once(
     kafka_bootstrap: str, database_url: str, tmp_path: Path, revoke_wait_s: float
 ) -> None:
-    """A second executor joins while the first has calls of 1.5 s in flight. With time to
-    wait, the partition that moves waits for its calls and commits their answers before it
-    goes; with 0.2 s, its calls still running are handed over: the new owner looks each up
-    (the tool executed it already) and answers it, the old one records it and sends nothing.
-    Either way every effect is answered exactly once and every ticket is created once."""
+    """A second executor joins while the first has calls of 0.3 to 2.5 s in flight, so they
+    end out of order. With time to wait, the partition that moves waits for its calls and
+    commits their answers before it goes; with 0.2 s, its calls still running are handed over:
+    the new owner looks each up (the tool executed it already) and answers it, the old one
+    records it and sends nothing, and the calls that ended after one still running (answered
+    above the committed offset) are named in the offset's note, so the new owner passes them
+    over. Either way every effect is answered exactly once and every ticket is created once."""
     with tool_env(kafka_bootstrap, database_url, tmp_path) as (harness, server, registry):
-        slow_tools(server, 1500)
+        slow_tools(server, 300, 2500)
         first = ToolExecutor(harness.config("tool", revoke_wait_s=revoke_wait_s), registry)
         harness.start(first)
         calls = tool_calls(100, f"rebalance-{int(revoke_wait_s * 10)}")
@@ -309,6 +313,7 @@ def test_a_rebalance_with_calls_in_flight_answers_each_effect_once(
         assert second.executor is not None and second.executor.stats.effects > 0
         if revoke_wait_s < 1:
             assert first.stats.handed_back >= 1
+            assert second.executor.stats.answered_before >= 1
 
 
 def test_a_call_longer_than_the_poll_interval_keeps_the_executor_in_its_group(

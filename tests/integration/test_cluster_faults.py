@@ -136,6 +136,7 @@ class _Unit:
     offset: int
     fail: bool = False
     offsets: Mapping[int, int] = field(init=False)
+    offset_notes: Mapping[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.offsets = {0: self.offset}

@@ -41,6 +41,7 @@ def test_every_page_refuses_without_a_session_and_the_api_refuses_a_session(stac
     pages = [
         "/ui/runs",
         f"/ui/runs/{run_id}",
+        f"/ui/runs/{run_id}/transcript",
         "/ui/dead-letters",
         "/ui/tools",
         "/ui/artifacts/sha256:00",
@@ -367,6 +368,45 @@ def test_a_run_page_lists_the_context_output_and_results_of_its_newest_steps(
         assert steps == [str(s) for s in range(MAX_STEPS + 5, 5, -1)]
         assert table.count(">result 1<") >= MAX_STEPS - 1  # each older step's tool result
         assert "step 5 and before" in html
+
+
+def test_a_transcript_shows_each_step_of_a_run_as_text(stack: Stack, database_url: str) -> None:
+    """The transcript lists every step of a finished run: the goal the model saw (as text),
+    each answer with its tokens, each tool call of the operations table, budgets so far."""
+    run_id = stack.submit(f"console-transcript-{uuid.uuid4().hex}", goal=f"find {HOSTILE}")
+    stack.wait_status(run_id, "SUCCEEDED")
+    with psycopg.connect(database_url) as conn:
+        answers = conn.execute(
+            "SELECT step, payload -> 'usage' FROM events"
+            " WHERE run_id = %s AND type = 'ModelCallCompleted' AND disposition = 'APPLIED'"
+            " ORDER BY seq",
+            (run_id,),
+        ).fetchall()
+        tools = conn.execute(
+            "SELECT step, tool FROM operations WHERE run_id = %s ORDER BY seq", (run_id,)
+        ).fetchall()
+        last_step = conn.execute(
+            "SELECT max(step) FROM events WHERE run_id = %s", (run_id,)
+        ).fetchone()
+    assert last_step is not None and len(answers) >= 2 and tools
+    with logged_in(stack) as console:
+        page = console.get(f"/ui/runs/{run_id}")
+        assert f'href="/ui/runs/{run_id}/transcript"' in page.text
+        r = console.get(f"/ui/runs/{run_id}/transcript")
+        assert r.status_code == 200
+        html = r.text
+        assert "<script>alert" not in html and "<img src=x" not in html
+        shown = re.findall(r'<section class="step[^"]*" id="step-(\d+)"', html)
+        assert shown == [str(n) for n in range(1, int(last_step[0]) + 1)]
+        first = html.split('id="step-1"')[1].split("</section>")[0]
+        assert "The model saw" in first and "&lt;script&gt;alert(" in first
+        assert html.count("The model answered") == int(last_step[0])
+        for step, tool in tools:
+            section = html.split(f'id="step-{step}"')[1].split("</section>")[0]
+            assert f"<code>{tool}</code>" in section
+        total = sum(int(u["input_tokens"]) + int(u["output_tokens"]) for _, u in answers)
+        assert f"{total} tokens, {len(tools)} tool calls so far" in html
+        assert console.get("/ui/runs/no-such-run/transcript").status_code == 404
 
 
 def test_step_latency_is_per_minute_from_the_events_of_each_step(

@@ -1,8 +1,9 @@
 """The console in a real browser (Debian's chromium through chromium-driver, headless): log in,
 filter the runs waiting for a person, answer a question in its form and watch the run succeed
-without a reload, cancel a running run, find an injected bad input among the dead letters; an
-operator continues a paused run and gives the verdict on a tool call of unknown outcome, and the
-timeline says who did it, while a session opened with the API token is offered no operator action.
+without a reload, read its transcript, cancel a running run, find an injected bad input among
+the dead letters; an operator continues a paused run and gives the verdict on a tool call of
+unknown outcome, and the timeline says who did it, while a session opened with the API token is
+offered no operator action.
 
 Screenshots of each page go to $AGENTRUNS_SCREENSHOTS (docs/img keeps the current ones), else to
 the test's temporary directory."""
@@ -148,6 +149,19 @@ def test_a_person_answers_cancels_and_reads_dead_letters_in_the_console(
     assert browser.find_elements(By.ID, "result") and not browser.find_elements(By.ID, "reply")
     browser.set_window_size(1400, 2400)  # the whole run: timeline, effects, state diagram
     browser.save_screenshot(str(shots / "console-run.png"))
+    browser.set_window_size(1400, 1100)
+
+    # the same run as a conversation: the goal, each answer, the guarded call and the approval
+    browser.find_element(By.ID, "transcript-link").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "section.step"))
+    first = browser.find_element(By.ID, "step-1")
+    assert "update the pricing page" in first.text and "The model answered" in first.text
+    asked = browser.find_elements(By.CSS_SELECTOR, "section.step .exchange")
+    assert asked and "approval" in asked[0].text and "true" in asked[0].text
+    calls = browser.find_elements(By.CSS_SELECTOR, "tr.tool-call")
+    assert any(GUARDED.name in c.text and "SUCCEEDED" in c.text for c in calls)
+    browser.set_window_size(1400, 1600)
+    browser.save_screenshot(str(shots / "console-transcript.png"))
     browser.set_window_size(1400, 1100)
 
     browser.get(f"{stack.url}/ui/runs/{running}")

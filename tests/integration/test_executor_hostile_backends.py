@@ -531,3 +531,21 @@ def test_a_model_handler_that_raises_answers_a_transport_error(
     event = model_call(model_env, request, "explode")
     assert event.outcome is ModelOutcome.TRANSPORT_ERROR and event.candidate_ref is None
     assert "executor_error: KeyError" in detail_of(model_env.harness, f"{event.run_id}:model:1:1")
+
+
+def test_an_if_match_with_cr_lf_fails_that_call_and_sends_nothing(
+    tools: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """A model-chosen ``expected_version`` becomes the ``If-Match`` header: with CR/LF in it
+    the request would be split into a second one carrying the tool's headers. The call fails
+    (UNKNOWN: not retried), nothing reaches the backend, the batch's good call succeeds."""
+    ids = ids_for(request)
+    call = ids.call("update_record", {"record_id": "R-1", "fields": {"a": 1}})
+    smuggled = "1\r\nContent-Length: 0\r\n\r\nPOST /tools/create_ticket HTTP/1.1\r\nX-A: b"
+    operation = msgspec.structs.replace(call.operation, expected_version=smuggled)
+    bad = msgspec.structs.replace(call, operation=operation)
+    good_and_bad(tools, ids, bad)
+    failed = tools.harness.inbox.typed(bad, ToolCallFailed)
+    assert (failed.error_class, failed.error_code) == (ErrorClass.UNKNOWN, "invalid_request")
+    assert "If-Match holds CR, LF or NUL" in failed.message
+    assert tools.executions(bad.operation.key) == 0

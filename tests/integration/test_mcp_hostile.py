@@ -16,8 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from agentruns.connectors.dev.servers import mcp_server
 from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
 from agentruns.processors.events import (
     CancelConfirmed,
@@ -131,7 +133,10 @@ def endpoint() -> Iterator[Endpoint]:
 
 def _handler(endpoint: Endpoint, tmp: Path) -> ToolHandler:
     path = tmp / "tools.json"
-    entry = {"name": "evil", "url": endpoint.url, "timeout_ms": 600}
+    # destructive, not idempotent, but called without a person's approval: the hostile
+    # answers are what is tested here, not the executor's approval check
+    override = {"act": {"approval_required": False}}
+    entry = {"name": "evil", "url": endpoint.url, "timeout_ms": 600, "tools": override}
     path.write_text(json.dumps({"mcp_servers": [entry]}))
     return ToolHandler(ToolRegistry.load(path))
 
@@ -233,3 +238,52 @@ def test_a_cancel_before_the_call_left_is_confirmed(endpoint: Endpoint, tmp_path
     finally:
         handler.close()
     assert endpoint.calls == calls  # never sent
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [
+        ("malformed", "invalid_output:not_json"),
+        ("wrong_id", "invalid_output:wrong_id"),
+        ("unknown_block", "invalid_output:bad_result"),
+    ],
+)
+def test_the_example_servers_wire_faults_are_classified_and_its_session_goes_on(
+    tmp_path: Path, kind: str, code: str
+) -> None:
+    """The SDK-built example server answering one run's call as the fault rule says (the rule
+    names the run: the other run's call beside it is not touched); the next call of the same
+    session succeeds."""
+    with mcp_server.serve() as server:
+        path = tmp_path / "tools.json"
+        entry = {"name": "shop", "url": server.mcp_url, "timeout_ms": 5000}
+        path.write_text(json.dumps({"mcp_servers": [entry]}))
+        handler = ToolHandler(ToolRegistry.load(path))
+        hostile, other = Ids(f"run-wire-{kind}"), Ids(f"run-beside-{kind}")
+        rule = {"target": "lookup_order", "kind": kind, "run": hostile.run_id, "times": 1}
+        httpx.post(f"{server.url}/faults", json=rule).raise_for_status()
+
+        async def run() -> list[Any]:
+            try:
+                beside = await handler.execute(
+                    other.call("shop__lookup_order", {"order_id": "o-1"}), None, {}
+                )
+                bad = await handler.execute(
+                    hostile.call("shop__lookup_order", {"order_id": "o-1"}), None, {}
+                )
+                after = await handler.execute(
+                    hostile.call("shop__lookup_order", {"order_id": "o-2"}), None, {}
+                )
+                return [beside.event, bad.event, after.event]
+            finally:
+                await handler.aclose()
+                handler.close()  # on the loop: its connections are the loop's
+
+        beside, bad, after = asyncio.run(run())
+        assert isinstance(beside, ToolCallSucceeded), beside
+        assert isinstance(bad, ToolCallFailed), bad
+        assert (bad.error_class, bad.error_code) == (ErrorClass.UNKNOWN, code)
+        assert isinstance(after, ToolCallSucceeded), after
+        stats = httpx.get(f"{server.url}/stats").json()
+        assert stats["faults_injected"] == {kind: 1}
+        assert sum(stats["calls"].values()) == 2  # the faulted call never reached the tool

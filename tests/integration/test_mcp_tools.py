@@ -39,6 +39,8 @@ from tests.support.executors import Harness, ids_for, make_harness
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+#: A call of a tool under approval that a person approved (refund_order).
+APPROVED_WRITE: dict[str, Any] = {"policy_decision": "approved", "permission": "write"}
 
 
 def _free_port() -> int:
@@ -192,7 +194,16 @@ def test_a_call_end_to_end_executes_once_with_its_key_in_meta(
     env: MCPEnv, request: pytest.FixtureRequest
 ) -> None:
     ids = ids_for(request)
-    call = ids.call("shop__refund_order", {"order_id": "o-1", "amount_cents": 1200})
+    # refund_order is under approval: a call without a person's approval is not made
+    unapproved = ids.call("shop__refund_order", {"order_id": "o-0", "amount_cents": 1})
+    env.harness.effects.send(unapproved)
+    refused = env.harness.inbox.typed(unapproved, ToolCallFailed)
+    assert refused.error_class is ErrorClass.PERMISSION_DENIED
+    assert refused.error_code == "not_approved"
+    assert unapproved.operation.key not in env.server.stats()["calls"]
+    call = ids.call(
+        "shop__refund_order", {"order_id": "o-1", "amount_cents": 1200}, **APPROVED_WRITE
+    )
     env.harness.effects.send(call)
     event = env.harness.inbox.typed(call, ToolCallSucceeded)
     result = env.harness.artifact(event.result_ref)
@@ -243,7 +254,7 @@ def test_server_killed_mid_call_is_an_unknown_outcome_never_called_again(
 ) -> None:
     ids = ids_for(request)
     env.server.fault(target="refund_order", kind="crash")
-    call = ids.call("shop__refund_order", {"order_id": "o-6", "amount_cents": 5})
+    call = ids.call("shop__refund_order", {"order_id": "o-6", "amount_cents": 5}, **APPROVED_WRITE)
     env.harness.effects.send(call)
     env.harness.inbox.typed(call, ToolCallTimedOut)
     assert env.server.process is not None and env.server.process.wait(10) == 17
@@ -253,7 +264,7 @@ def test_server_killed_mid_call_is_an_unknown_outcome_never_called_again(
     outcome = env.harness.inbox.typed(reconcile, ReconcileCompleted).outcome
     assert outcome is ReconcileOutcome.UNDETERMINABLE  # not idempotent: a person decides
     # the executor's session died with the server: the next call opens a new one (404)
-    after = ids.call("shop__refund_order", {"order_id": "o-7", "amount_cents": 5})
+    after = ids.call("shop__refund_order", {"order_id": "o-7", "amount_cents": 5}, **APPROVED_WRITE)
     env.harness.effects.send(after)
     env.harness.inbox.typed(after, ToolCallSucceeded)
     stats = env.server.stats()
@@ -273,7 +284,7 @@ def test_a_changed_tool_list_is_listed_again(env: MCPEnv, request: pytest.Fixtur
     first = ids.call("shop__lookup_order", {"order_id": "o-8"})
     env.harness.effects.send(first)
     env.harness.inbox.typed(first, ToolCallSucceeded)
-    added = ids.call("shop__archive_order", {"order_id": "o-8"})
+    added = ids.call("shop__archive_order", {"order_id": "o-8"}, **APPROVED_WRITE)
     env.harness.effects.send(added)  # unlisted when sent: its server's tools are listed again
     output = env.harness.artifact(env.harness.inbox.typed(added, ToolCallSucceeded).result_ref)
     assert output["output"] == {"result": "archived o-8"}
@@ -284,7 +295,8 @@ def test_kill_9_of_the_executor_mid_calls_executes_no_key_twice(
 ) -> None:
     ids = ids_for(request)
     calls = [
-        ids.call("shop__refund_order", {"order_id": f"o-{i}", "amount_cents": i}) for i in range(20)
+        ids.call("shop__refund_order", {"order_id": f"o-{i}", "amount_cents": i}, **APPROVED_WRITE)
+        for i in range(20)
     ]
     keys = [c.operation.key for c in calls]
     env.server.fault(target="refund_order", kind="slow", delay_ms=400, times=None)

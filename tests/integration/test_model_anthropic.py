@@ -165,6 +165,13 @@ def test_an_anthropic_route_streams_a_tool_call(server: ServerHandle) -> None:
         ({"kind": "disconnect", "after_chunks": 9}, ModelOutcome.INCOMPLETE, "connection lost"),
         ({"kind": "incomplete", "after_chunks": 9}, ModelOutcome.INCOMPLETE, "stop_reason"),
         ({"kind": "overloaded", "after_chunks": 4}, ModelOutcome.RATE_LIMITED, "overloaded"),
+        # an error event that is no request to slow down: the call is incomplete (retried)
+        ({"kind": "api_error", "after_chunks": 9}, ModelOutcome.INCOMPLETE, "event api_error"),
+        (
+            {"kind": "bad_chunk", "shape": "unknown_block", "after_chunks": 4},
+            ModelOutcome.INCOMPLETE,
+            "unknown content block type 'hologram'",
+        ),
         ({"kind": "529", "retry_after": 2}, ModelOutcome.RATE_LIMITED, "HTTP 529"),
         ({"kind": "length"}, ModelOutcome.TRUNCATED, "max_tokens"),
         ({"kind": "content_filter"}, ModelOutcome.BLOCKED, "refusal"),
@@ -194,3 +201,38 @@ def test_an_anthropic_stream_past_its_deadline_is_cut(server: ServerHandle) -> N
     result = call(server, total_timeout_s=1.0)
     assert result.outcome is ModelOutcome.INCOMPLETE and "total timeout" in result.detail
     assert time.monotonic() - began < 5
+
+
+def test_after_each_hostile_stream_the_same_route_answers_the_next_call(
+    server: ServerHandle,
+) -> None:
+    """A stream cut mid tool input, a block of an unknown type, an error event: each call is
+    classified, and the next call of the same handler (its connections, its route) finishes."""
+    config = RouteConfig(base_url=server.url, provider="anthropic", api_key="sk-ant-x")
+    handler = ModelHandler("postgresql://unused", Routes({"claude": config}, config))
+    conversation = [{"role": "user", "content": "Go"}]
+    tools = [{"type": "function", "function": {"name": "search_docs", "parameters": {}}}]
+    payload = anthropic_request(conversation, tools, config, "claude-test", "run-next")
+    hostile = [
+        # message_start, 6 text block events, the tool_use start, one input piece: ends there
+        ({"kind": "incomplete", "after_chunks": 9}, "without a stop_reason"),
+        ({"kind": "bad_chunk", "shape": "unknown_block", "after_chunks": 2}, "hologram"),
+        ({"kind": "api_error", "after_chunks": 3}, "error event api_error"),
+    ]
+
+    async def calls() -> list[tuple[Assembled, Assembled]]:
+        pairs = []
+        try:
+            for rule, _ in hostile:
+                fault(server, **rule)
+                bad = await handler.stream(config, payload, "scenario:multi_tool")
+                good = await handler.stream(config, payload, "scenario:multi_tool")
+                pairs.append((bad, good))
+        finally:
+            handler.close()
+        return pairs
+
+    for (bad, good), (_, detail) in zip(asyncio.run(calls()), hostile, strict=True):
+        assert bad.outcome is ModelOutcome.INCOMPLETE and detail in bad.detail, bad.detail
+        assert bad.tool_calls == ()
+        assert good.outcome is ModelOutcome.FINISHED and len(good.tool_calls) == 1, good.detail

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.executors.conversation import build_conversation
 from agentruns.connectors.executors.model import (
     Assembled,
     ModelExecutor,
@@ -25,7 +26,6 @@ from agentruns.connectors.executors.model import (
     RouteConfig,
     Routes,
     StreamAssembler,
-    build_conversation,
 )
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.effects import RepairNote

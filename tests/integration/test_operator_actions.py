@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 from agentruns.connectors.api.operator import MAX_REASON_CHARS
 from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject
 from agentruns.processors.ids import run_id_for_key
-from tests.support.api import GUARDED, OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
+from tests.support.api import (
+    GUARDED,
+    OPERATOR,
+    OPERATOR_TOKEN,
+    PARTITIONS,
+    TOKEN,
+    Stack,
+    anonymous,
+)
 from tests.support.console import csrf_of, logged_in
 from tests.support.waiting import wait_for
 
@@ -78,7 +86,7 @@ def test_operator_actions_need_an_operator_token(stack: Stack) -> None:
     stack.double.stalled_runs.add(run_id := stack.submit(f"op-auth-{uuid.uuid4().hex}"))
     for action in ("resolve", "reopen", "redrive"):
         path = f"/runs/{run_id}/{action}"
-        with httpx.Client(base_url=stack.url, timeout=30) as anon:
+        with anonymous(stack.url) as anon:
             assert anon.post(path, json={"action": "fail"}).status_code == 401
             forged = {"Authorization": f"Bearer {OPERATOR_TOKEN}x"}
             assert anon.post(path, json={"action": "fail"}, headers=forged).status_code == 401

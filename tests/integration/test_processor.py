@@ -459,5 +459,5 @@ def test_bad_input_goes_to_the_dlq_and_processing_goes_on(
     # the process's Prometheus series see the same counts (published once per transaction)
     assert processor.stats.dead_letters == 5
     assert (REGISTRY.get_sample_value("agentruns_dead_letters_total") or 0) >= 5
-    applied = REGISTRY.get_sample_value("agentruns_transitions_total", {"disposition": "APPLIED"})
+    applied = REGISTRY.get_sample_value("agentruns_transitions_total", {"disposition": "applied"})
     assert applied is not None and applied >= processor.stats.applied > 0

@@ -3,8 +3,9 @@ in-process processor, the sink and a scripted executor double, on one topic pref
 
 from __future__ import annotations
 
+import random
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.admin import ensure_topics
-from agentruns.streams.processor import ProcessorConfig
+from agentruns.streams.processor import Processor, ProcessorConfig
 from tests.support.pipeline import (
     SEARCH,
     ExecutorDouble,
@@ -63,8 +64,10 @@ class ScriptedDouble(ExecutorDouble):
     is never answered (a look-up finds it succeeded); `stalled_runs` call a tool at every
     step and never finish (each result is the same, so no step makes progress)."""
 
-    def __init__(self, bootstrap: str, prefix: str) -> None:
-        super().__init__(bootstrap, prefix, PARTITIONS, steps=2)
+    def __init__(
+        self, bootstrap: str, prefix: str, kinds: tuple[str, ...] = ("model", "tool")
+    ) -> None:
+        super().__init__(bootstrap, prefix, PARTITIONS, steps=2, kinds=kinds)
         self.async_runs: set[str] = set()
         self.undeterminable_runs: set[str] = set()
         self.silent_runs: set[str] = set()
@@ -144,6 +147,23 @@ class ScriptedDouble(ExecutorDouble):
             yield from super().answer(effect)
 
 
+def client_address() -> str:
+    """A client address of its own: uvicorn takes X-Forwarded-For from 127.0.0.1 (its default
+    trusted proxy), so a test's wrong tokens count against this address, not against every
+    other request of the module (the API throttles wrong tokens per address)."""
+    return f"198.18.{random.randrange(256)}.{random.randrange(1, 255)}"
+
+
+def anonymous(url: str) -> httpx.Client:
+    """A client without the bearer token whose every request comes from an address of its own
+    (`client_address`)."""
+
+    def spread(request: httpx.Request) -> None:
+        request.headers.setdefault("X-Forwarded-For", client_address())
+
+    return httpx.Client(base_url=url, timeout=30, event_hooks={"request": [spread]})
+
+
 @dataclass
 class Stack:
     bootstrap: str
@@ -152,6 +172,15 @@ class Stack:
     url: str
     double: ScriptedDouble
     http: httpx.Client
+    processor: Processor | None = None
+    api: ApiConfig | None = None
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Hold new tasks to ``catalog`` from now on, at the API and the processor (what a
+        `CatalogRefresher` hands them)."""
+        assert self.processor is not None and self.api is not None
+        self.processor.set_catalog(catalog)
+        self.api.set_catalog(catalog)
 
     def submit(self, key: str, **task: Any) -> str:
         body = {"goal": "find three documents", "tools": [SEARCH.model_dump()], **task}
@@ -181,16 +210,20 @@ class Stack:
 
 @contextmanager
 def pipeline(
-    bootstrap: str, database_url: str, *, catalog: Catalog | None = None
+    bootstrap: str,
+    database_url: str,
+    *,
+    catalog: Catalog | None = None,
+    make_double: Callable[[str, str], ScriptedDouble] = ScriptedDouble,
 ) -> Iterator[Stack]:
     """Processor + sink + executor double + API for one topic prefix; with `catalog`, the
-    processor and the API hold tasks to it."""
+    processor and the API hold tasks to it. `make_double(bootstrap, prefix)`: the double."""
     prefix = f"t-api-{uuid.uuid4().hex[:10]}"
     ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
     config = ProcessorConfig(
         bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc", catalog=catalog
     )
-    double = ScriptedDouble(bootstrap, prefix)
+    double = make_double(bootstrap, prefix)
     api = ApiConfig(
         bootstrap=bootstrap,
         database_url=database_url,
@@ -200,12 +233,12 @@ def pipeline(
         operator_tokens={OPERATOR_TOKEN: OPERATOR},
         catalog=catalog,
     )
-    with running_processor(config, database_url):
+    with running_processor(config, database_url) as processor:
         double.start()
         try:
             with running_sink(bootstrap, database_url, prefix), serving(api) as url:
                 headers = {"Authorization": f"Bearer {TOKEN}"}
                 with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
-                    yield Stack(bootstrap, database_url, prefix, url, double, http)
+                    yield Stack(bootstrap, database_url, prefix, url, double, http, processor, api)
         finally:
             double.close()

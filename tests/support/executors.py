@@ -227,7 +227,14 @@ class Ids:
         }
 
     def call(
-        self, tool: str, args: dict[str, Any], op_key: str | None = None, dispatch: int = 1
+        self,
+        tool: str,
+        args: dict[str, Any],
+        op_key: str | None = None,
+        dispatch: int = 1,
+        *,
+        policy_decision: str = "allow",
+        permission: str | None = None,
     ) -> CallTool:
         base = self._base("call")
         operation = OperationSpec(
@@ -235,8 +242,9 @@ class Ids:
             tool=tool,
             arguments_json=canonical_json(args),
             expected_version=None,
-            policy_decision="allow",
+            policy_decision=policy_decision,
             dispatch=dispatch,
+            permission=permission,
         )
         return CallTool(**base, operation=operation)
 

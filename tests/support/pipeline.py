@@ -245,7 +245,15 @@ def model_answer(
 class ExecutorDouble(threading.Thread):
     """Answers model and tool effects like the executors would (a test double for them)."""
 
-    def __init__(self, bootstrap: str, prefix: str, partitions: int, *, steps: int = 3) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        prefix: str,
+        partitions: int,
+        *,
+        steps: int = 3,
+        kinds: tuple[str, ...] = ("model", "tool"),
+    ) -> None:
         super().__init__(daemon=True, name="executor-double")
         self.steps = steps
         self.inbox = Inbox(bootstrap, prefix, partitions)
@@ -263,9 +271,8 @@ class ExecutorDouble(threading.Thread):
                 "log_level": 3,
             }
         )
-        self._consumer.subscribe(
-            [topic_name(effect_suffix("model"), prefix), topic_name(effect_suffix("tool"), prefix)]
-        )
+        # the effects of `kinds` only: a test may run a real executor for the others
+        self._consumer.subscribe([topic_name(effect_suffix(kind), prefix) for kind in kinds])
 
     def run(self) -> None:
         try:

@@ -26,8 +26,8 @@ from agentruns.streams import dlq
 
 def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_key() -> None:
     now = [1_000_000]
-    sessions = Sessions(b"k" * 32, lambda: now[0])
-    cookie = sessions.new()
+    sessions = Sessions(b"k" * 32, lambda: now[0], {"api-token": None})
+    cookie = sessions.new("api-token")
     session = sessions.valid(cookie)
     assert session is not None
     assert sessions.csrf_ok(session, sessions.csrf(session))
@@ -35,10 +35,24 @@ def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_
     expires, nonce, mac = cookie.split(".")
     assert sessions.valid(f"{int(expires) + 1}.{nonce}.{mac}") is None  # extended by hand
     assert sessions.valid(f"{expires}.{nonce}x.{mac}") is None
-    assert Sessions(b"o" * 32, lambda: now[0]).valid(cookie) is None
+    assert Sessions(b"o" * 32, lambda: now[0], {"api-token": None}).valid(cookie) is None
     assert sessions.valid("") is None and sessions.valid(None) is None
     now[0] = int(expires)
     assert sessions.valid(cookie) is None
+
+
+def test_a_session_ends_when_the_token_that_opened_it_is_rotated() -> None:
+    secret, clock = b"k" * 32, lambda: 1_000
+    before = Sessions(secret, clock, {"old-token": None, "op-token": "alice"})
+    api, operator = before.new("old-token"), before.new("op-token")
+    after = Sessions(secret, clock, {"new-token": None, "op-token": "alice"})
+    assert after.valid(api) is None  # the API token changed
+    session = after.valid(operator)
+    assert session is not None and Sessions.operator(session) == "alice"
+    demoted = Sessions(secret, clock, {"new-token": None, "op-token": "bob"})
+    assert demoted.valid(operator) is None  # the token now names another operator
+    with pytest.raises(ValueError):
+        after.new("old-token")
 
 
 def test_the_preview_shows_bytes_as_hex_and_printable_text_only() -> None:

@@ -236,6 +236,8 @@ def test_valid_tool_call_dispatches_operation() -> None:
     call = only(t, CallTool)
     op = d.s.ops[0]
     assert call.operation.key == op.key and call.operation.arguments_json == '{"query":"q"}'
+    # the permission the run declared rides with the call: the executor checks it again
+    assert call.operation.permission == "read"
     assert op.status is OpStatus.DISPATCHED and op.policy_decision == "allow"
     assert d.s.last_decision is not None and d.s.last_decision.validator_version == 2
     assert d.s.tool_calls == 1

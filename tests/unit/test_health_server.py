@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import threading
 import time
@@ -46,11 +47,18 @@ def test_metrics_healthz_livez_and_404(server: HealthServer) -> None:
     metrics = httpx.get(_url(server, "/metrics"))
     assert metrics.status_code == 200
     assert "python_info" in metrics.text
+    assert re.search(
+        r'^agentruns_build_info\{python="[0-9.]+",version="[^"A-Z]+"\} 1\.0$',
+        metrics.text,
+        re.MULTILINE,
+    ), metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
     ready = httpx.get(_url(server, "/healthz?verbose=1"))
     assert ready.status_code == 200
     assert ready.json() == {"checks": {}, "component": "test", "status": "ready"}
     assert httpx.get(_url(server, "/livez")).json()["status"] == "starting"
+    readyz = httpx.get(_url(server, "/readyz"))
+    assert (readyz.status_code, readyz.json()) == (200, ready.json())
     missing = httpx.get(_url(server, "/nope"))
     assert missing.status_code == 404
     assert httpx.head(_url(server, "/metrics")).status_code == 200
@@ -63,6 +71,7 @@ def test_readiness_waits_for_the_consumer_and_liveness_ends_with_the_loop() -> N
     try:
         starting = httpx.get(_url(served, "/healthz"))
         assert starting.status_code == 503
+        assert httpx.get(_url(served, "/readyz")).json() == starting.json()
         assert starting.json()["reason"] == "consumer: starting: no consumer yet"
         stop = threading.Event()
         status.watch_loop(stop, threading.current_thread())

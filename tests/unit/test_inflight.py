@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentruns.streams.inflight import OffsetTracker
+from agentruns.streams.inflight import (
+    MAX_NOTE_CHARS,
+    NOTE_PREFIX,
+    OffsetTracker,
+    answered_note,
+    parse_answered_note,
+)
 
 
 def test_the_mark_waits_for_the_lowest_open_record() -> None:
@@ -84,3 +90,53 @@ def test_the_mark_never_passes_an_open_record_and_never_goes_back(
         assert mark >= marks.get(partition, mark)
         marks[partition] = mark
     assert tracker.open == sum(len(v) for v in open_.values())
+
+
+def test_the_records_answered_above_the_mark_are_named_until_the_mark_passes_them() -> None:
+    tracker = OffsetTracker()
+    for offset in range(10, 16):
+        tracker.take(0, offset)
+    for offset in (12, 13, 15):
+        tracker.answer(0, offset)
+    assert tracker.low_water(0) == 10
+    assert tracker.answered_above(0) == [12, 13, 15]
+    tracker.answer(0, 10)
+    tracker.answer(0, 11)
+    assert tracker.low_water(0) == 14
+    assert tracker.answered_above(0) == [15]
+    assert tracker.answered_above(1) == []
+
+
+def test_a_note_names_its_offsets_by_their_distance_from_the_mark() -> None:
+    note = answered_note(100, [100, 102, 103, 104, 110])
+    assert note == NOTE_PREFIX + "0,2-4,10"
+    assert parse_answered_note(note, 100) == {100, 102, 103, 104, 110}
+    assert answered_note(100, []) == ""
+
+
+def test_a_note_that_would_pass_the_brokers_limit_leaves_out_what_does_not_fit() -> None:
+    answered = list(range(0, 20_000, 2))  # no two consecutive: one entry each
+    note = answered_note(0, answered)
+    assert len(note) <= MAX_NOTE_CHARS
+    named = parse_answered_note(note, 0)
+    assert named and named == set(answered[: len(named)])
+
+
+def test_metadata_that_is_not_a_note_of_ours_names_nothing() -> None:
+    for metadata in (
+        None,
+        "",
+        "some other tool's metadata",
+        NOTE_PREFIX + "x",
+        NOTE_PREFIX + "3-1",
+        NOTE_PREFIX + "-5",
+        NOTE_PREFIX + "0-99999999",
+        NOTE_PREFIX + "1," * 5000,
+    ):
+        assert parse_answered_note(metadata, 7) == set(), metadata
+
+
+@given(st.sets(st.integers(min_value=0, max_value=500)), st.integers(0, 10**12))
+def test_a_note_read_back_names_exactly_what_it_was_given(offsets: set[int], mark: int) -> None:
+    answered = sorted(mark + o for o in offsets)
+    assert parse_answered_note(answered_note(mark, answered), mark) == set(answered)

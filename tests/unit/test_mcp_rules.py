@@ -119,6 +119,31 @@ def test_registry_entries_are_read_with_their_secrets(monkeypatch: pytest.Monkey
     assert shop.tools["refund_order"].limits.max_in_flight == 2
 
 
+def test_a_stdio_entry_is_read_with_its_limits_and_secret_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOCAL_TOKEN", "t0ken")
+    entry = {
+        "name": "local",
+        "command": "/usr/bin/local-mcp",
+        "args": ["--stdio", "-v"],
+        "env": {"MODE": "test", "TOKEN": {"value_env": "LOCAL_TOKEN"}},
+        "max_line_bytes": 65536,
+        "start_timeout_ms": 2000,
+    }
+    local = parse_mcp_servers({"mcp_servers": [entry]}, "test")["local"]
+    assert local.url == "" and local.endpoint == "stdio:/usr/bin/local-mcp"
+    assert local.stdio is not None
+    assert (local.stdio.args, local.stdio.max_line_bytes) == (("--stdio", "-v"), 65536)
+    assert local.stdio.start_timeout_ms == 2000
+    assert {k: v.reveal() for k, v in local.stdio.env.items()} == {"MODE": "test", "TOKEN": "t0ken"}
+    assert "t0ken" not in repr(local)
+    assert local.conn.redact("the token t0ken leaked") == "the token [redacted] leaked"
+    default = parse_mcp_servers({"mcp_servers": [{"name": "d", "command": "x"}]}, "test")["d"]
+    assert default.stdio is not None and default.stdio.max_line_bytes == 8 * 1024 * 1024
+    assert default.stdio.start_timeout_ms == 10_000
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
@@ -134,6 +159,22 @@ def test_registry_entries_are_read_with_their_secrets(monkeypatch: pytest.Monkey
         ({**SHOP, "tools": {"t": {"permission": "admin"}}}, "permission"),
         ({**SHOP, "tools": {"t": {"endpoint": "/x"}}}, "unknown fields"),
         ({**SHOP, "auth": {"type": "bearer", "token_env": "NOPE_X"}}, "NOPE_X"),
+        # a server the executor starts
+        ({"name": "local"}, "exactly one of url and command"),
+        ({**SHOP, "command": "srv"}, "exactly one of url and command"),
+        ({"name": "local", "command": ""}, "command must be"),
+        ({"name": "local", "command": ["srv"]}, "command must be"),
+        ({"name": "local", "command": "srv", "args": "-x"}, "args must be"),
+        ({"name": "local", "command": "srv", "args": [1]}, "args must be"),
+        ({"name": "local", "command": "srv", "args": ["a"] * 65}, "args must be"),
+        ({"name": "local", "command": "srv", "env": {"A=B": "x"}}, "not a variable name"),
+        ({"name": "local", "command": "srv", "env": {"A": 1}}, "env A must be"),
+        ({"name": "local", "command": "srv", "env": {"A": "x\x00y"}}, "env A must be"),
+        ({"name": "local", "command": "srv", "env": {"A": {"value_env": "NOPE_X"}}}, "NOPE_X"),
+        ({"name": "local", "command": "srv", "max_line_bytes": 10}, "max_line_bytes"),
+        ({"name": "local", "command": "srv", "start_timeout_ms": 0}, "start_timeout_ms"),
+        ({"name": "local", "command": "srv", "auth": {"type": "bearer"}}, "auth is for an HTTP"),
+        ({"name": "local", "command": "srv", "proxy": ""}, "proxy is for an HTTP"),
     ],
 )  # fmt: skip
 def test_invalid_registry_entries_are_refused_naming_what(entry: Any, says: str) -> None:

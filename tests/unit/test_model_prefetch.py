@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agentruns.connectors.executors.base import ExecutorError
-from agentruns.connectors.executors.model import (
+from agentruns.connectors.executors.conversation import (
     PREFETCH_DEPTH,
     Conversations,
     build_conversation,

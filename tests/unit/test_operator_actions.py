@@ -185,10 +185,10 @@ def test_a_waiting_run_is_redriven_only_without_a_driving_timer() -> None:
 
 
 def test_a_console_session_carries_its_operator_inside_the_signature() -> None:
-    sessions = Sessions(b"k" * 32, lambda: 1_000)
-    plain = sessions.valid(sessions.new())
+    sessions = Sessions(b"k" * 32, lambda: 1_000, {"api": None, "bob-token": "bob@example.org"})
+    plain = sessions.valid(sessions.new("api"))
     assert plain is not None and Sessions.operator(plain) is None
-    cookie = sessions.new("bob@example.org")
+    cookie = sessions.new("bob-token")
     session = sessions.valid(cookie)
     assert session is not None and Sessions.operator(session) == "bob@example.org"
     expires, nonce, mac = cookie.split(".")

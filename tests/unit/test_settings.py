@@ -59,11 +59,11 @@ def test_comments_blank_lines_separators_and_whitespace() -> None:
 
 
 def test_escapes_and_continuation_lines() -> None:
-    text = "sasl.password=a\\=b\\:c\\\\d\\u00e9\\t!\nclient.id=one,\\\n    two\na\\=key=x\n"
+    text = "sasl.password=a\\=b\\:c\\\\d\\u00e9\\t!\nclient.id=one,\\\n    two\nssl.a\\=key=x\n"
     assert parse(text) == {
         "sasl.password": "a=b:c\\dé\t!",
         "client.id": "one,two",
-        "a=key": "x",
+        "ssl.a=key": "x",
     }
 
 
@@ -118,11 +118,11 @@ def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
 
 def test_librdkafka_refusal_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "client.properties"
-    path.write_text("security.protocol=SASL_PLAINTEXT\n# x\nno.such.thing=1\n")
+    path.write_text("security.protocol=SASL_PLAINTEXT\n# x\nssl.no.such.thing=1\n")
     with pytest.raises(KafkaPropertiesError) as caught:
         check_with_librdkafka(read_properties_file(path), str(path))
     assert f"{path} line 3: librdkafka refuses it" in caught.value.one_line()
-    assert "no.such.thing" in caught.value.one_line()
+    assert "ssl.no.such.thing" in caught.value.one_line()
 
 
 def test_a_bad_value_is_refused_by_librdkafka(tmp_path: Path) -> None:

@@ -250,7 +250,11 @@ class _Producer:
     def send_offsets_to_transaction(
         self, offsets: list[TopicPartition], metadata: Any, timeout: float
     ) -> None:
-        self._step("offsets", [(tp.topic, tp.partition, tp.offset) for tp in offsets], metadata)
+        positions = [
+            (tp.topic, tp.partition, tp.offset, *([tp.metadata] * bool(tp.metadata)))
+            for tp in offsets
+        ]
+        self._step("offsets", positions, metadata)
 
     def flush(self, timeout: float) -> int:
         self._step("flush")
@@ -276,6 +280,7 @@ class _Unit:
     outputs: list[Record] = field(default_factory=list)
     metadata: Any = None
     fail: Exception | None = None
+    offset_notes: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metadata = self.metadata or f"metadata of {self.name}"
@@ -414,6 +419,18 @@ def test_what_is_handed_over_during_a_transaction_commits_together_in_the_next(
     assert rig.slots("begin") == [("a", 0), ("b", 1)]
     rig.commit(rig.unit("d", {0: 13}))
     assert rig.slots("begin")[-1] == ("a", 0)
+
+
+def test_an_offset_note_goes_with_its_own_units_offset_only(rig: _Rig) -> None:
+    """A note describes the records above the offset it was made with: a unit of the same
+    transaction that moves that partition's offset on takes the note away."""
+    hold = rig.committing(rig.unit("a", {0: 10}))
+    assert rig.committer.submit(rig.unit("b", {0: 12, 1: 4}, offset_notes={0: "b0", 1: "b1"}))
+    assert rig.committer.submit(rig.unit("c", {0: 13}))
+    hold.set()
+    rig.committer.wait()
+    offsets = [s for s in rig.steps() if s[0] == "offsets"]
+    assert offsets[1] == ("offsets", [("in", 0, 13), ("in", 1, 4, "b1")], "metadata of c")
 
 
 def test_a_failed_transaction_holds_what_is_queued_until_the_loop_takes_it_and_aborts(

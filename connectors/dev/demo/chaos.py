@@ -51,9 +51,9 @@ from agentruns.connectors.dev.demo.cluster_faults import (
     acknowledged_missing,
     percentiles,
 )
-from agentruns.connectors.dev.demo.run import registry_tools
+from agentruns.connectors.dev.demo.run import registry_tools, registry_with_shop
 from agentruns.connectors.dev.servers import hostile as hostile_cases
-from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.dev.servers import mcp_server, model_server, tool_server
 from agentruns.connectors.dev.stack import netlab
 from agentruns.connectors.dev.stack.netlab import NetLab
 from agentruns.connectors.dev.stack.procs import free_port_block
@@ -221,6 +221,7 @@ class ChaosRun:
     sup: Supervisor
     model_url: str
     tool_url: str
+    mcp_url: str | None
     api_url: str | None
     api_token: str | None
     operator_token: str | None
@@ -279,6 +280,10 @@ class ChaosRun:
                 contextlib.ExitStack() as cleanup,
             ):
                 self.model_url, self.tool_url = models.url, tools.url
+                # the MCP server of the hostile cases, as the tool executor's `shop`
+                self.mcp_url = None
+                if self.plan.hostile:
+                    self.mcp_url = cleanup.enter_context(mcp_server.serve("127.0.0.1", 0)).url
                 self._start_pipeline(cleanup)
                 self._arm(cleanup)
                 self._submit_and_wait()
@@ -325,7 +330,7 @@ class ChaosRun:
 
     def _add_workers(self) -> None:
         sup, common, quiet = self.sup, ("--prefix", self.prefix), ("--log-level", "WARNING")
-        registry = ("--registry", str(tool_server.DEFAULT_REGISTRY))
+        registry = ("--registry", str(self._registry()))
         for i in (0, 1):
             processor = "agentruns.connectors.runtime.processor"
             sup.add(f"processor-{i}", processor, *common, "--instance-id", str(i), *quiet)
@@ -336,13 +341,23 @@ class ChaosRun:
         sup.add("timer", "agentruns.connectors.runtime.timers", *common, *quiet)
         sup.add("sink", "agentruns.connectors.projection.sink", *common, *quiet)
 
+    def _registry(self) -> Path:
+        """The example registry; with the example MCP server as `shop` when there is one."""
+        if self.mcp_url is None:
+            return tool_server.DEFAULT_REGISTRY
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return registry_with_shop(self.log_dir / "tools.json", self.mcp_url)
+
     def _model_routes(self) -> tuple[str, ...]:
         if not self.plan.hostile:
             return ()
-        # streams that never end are cut after seconds, not minutes
+        # streams that never end are cut after seconds, not minutes; one route goes to the
+        # model server's Anthropic mode
         self.log_dir.mkdir(parents=True, exist_ok=True)
         routes_file = self.log_dir / "routes.json"
-        routes_file.write_text(json.dumps({"*": HOSTILE_ROUTE}))
+        anthropic = {"provider": "anthropic", "base_url": self.model_url, "api_key": "hostile"}
+        routes = {"*": HOSTILE_ROUTE, hostile_cases.ANTHROPIC_ROUTE: {**HOSTILE_ROUTE, **anthropic}}
+        routes_file.write_text(json.dumps(routes))
         return ("--routes", str(routes_file))
 
     def _add_api(self) -> None:
@@ -407,6 +422,7 @@ class ChaosRun:
             model_url=self.model_url,
             tool_url=self.tool_url,
             tools=self.tool_specs,
+            mcp_url=self.mcp_url,
             api_url=self.api_url,
             api_token=self.api_token,
             operator_token=self.operator_token,

@@ -28,6 +28,7 @@ from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
 from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
+from agentruns.connectors.postgres.dsn import redact_dsn
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.effects import AskUser, CallTool
 from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
@@ -63,13 +64,19 @@ def registry_tools() -> tuple[ToolSpec, ...]:
     )
 
 
-def _configuration(folder: Path, models_url: str, shop_url: str) -> tuple[Path, Path]:
-    """The demo's tool registry (the example registry and the example MCP server) and model
-    routes (every route to the scripted server; ``claude`` through its Anthropic mode)."""
-    registry = folder / "tools.json"
+def registry_with_shop(registry: Path, shop_url: str) -> Path:
+    """Write at ``registry`` the example registry with the example MCP server at ``shop_url``
+    as ``shop``."""
     spec = json.loads(REGISTRY.read_text())
     spec["mcp_servers"] = [mcp_server.dev_registry_entry(shop_url)]
     registry.write_text(json.dumps(spec))
+    return registry
+
+
+def _configuration(folder: Path, models_url: str, shop_url: str) -> tuple[Path, Path]:
+    """The demo's tool registry (the example registry and the example MCP server) and model
+    routes (every route to the scripted server; ``claude`` through its Anthropic mode)."""
+    registry = registry_with_shop(folder / "tools.json", shop_url)
     routes = folder / "routes.json"
     anthropic = {"provider": "anthropic", "base_url": models_url, "model": "claude-demo"}
     routes.write_text(json.dumps({ANTHROPIC_ROUTE: {**anthropic, "api_key": "demo-key"}, "*": {}}))
@@ -412,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert stack.endpoints is not None
         ep = stack.endpoints
         print(f"  kafka    {ep.kafka_bootstrap}  ({ep.kafka_source})", flush=True)
-        print(f"  postgres {ep.database_url}  ({ep.postgres_source})", flush=True)
+        print(f"  postgres {redact_dsn(ep.database_url)}  ({ep.postgres_source})", flush=True)
         migrate(ep.database_url)
         ensure_topics(ep.kafka_bootstrap, prefix=prefix, partitions=PARTITIONS)
         with (

@@ -1,12 +1,13 @@
 """Hostile inputs through every door of the pipeline, and what each must end as (R30).
 
 Each case injects one bad input through one door (the inbox as an upstream producer would
-write it, the API, an effect or event topic, the scripted model server, the example tool
-server) and names its one allowed ending: a dead-letter record at the input's position whose
-reason or class names what was wrong, a terminal result of its run with a status and a
-reason, or an HTTP status from the API. The hostile suite and `agentruns chaos --hostile` run
-them beside good runs and check every ending (`check`), so nothing is lost, nothing crash-loops
-and the good runs still succeed.
+write it, the API, an effect or event topic, the scripted model server in its OpenAI and
+Anthropic modes, the example tool server, the example MCP server) and names its one allowed
+ending: a dead-letter record at the input's position whose reason or class names what was
+wrong, a terminal result of its run with a status and a reason, or an HTTP status from the
+API. The hostile suite and `agentruns chaos --hostile` run them beside good runs and check
+every ending (`check`), so nothing is lost, nothing crash-loops and the good runs still
+succeed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from agentruns.connectors.api.operator import MAX_REASON_CHARS
 from agentruns.processors.events import ForkedFrom, RunSubmitted, UserReplied
 from agentruns.processors.events import Message as ChatMessage
 from agentruns.processors.ids import canonical_json, operation_key
-from agentruns.processors.state import Budgets, Policy, ToolSpec
+from agentruns.processors.state import Budgets, LoopLimits, Policy, ToolSpec
 from agentruns.processors.transition import transition
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
@@ -80,6 +81,7 @@ class Doors:
     model_url: str
     tool_url: str
     tools: tuple[ToolSpec, ...]
+    mcp_url: str | None = None  # the example MCP server (the tool executor's ``shop``)
     api_url: str | None = None
     api_token: str | None = None
     operator_token: str | None = None  # for the operator routes (resolve, reopen, redrive)
@@ -217,7 +219,7 @@ Inject = Callable[[Doors, str], Injected]
 @dataclass(frozen=True)
 class Case:
     name: str
-    door: str  # inbox | api | effects | events | model | tool
+    door: str  # inbox | api | effects | events | model | tool | mcp
     ending: Ending
     inject: Inject
     needs_api: bool = False
@@ -385,7 +387,7 @@ def _scripted(scenario: str, turns: list[dict[str, Any]], **fields: Any) -> Inje
     return inject
 
 
-def _model_fault(fault: dict[str, Any], *, then_answer: bool = True) -> Inject:
+def _model_fault(fault: dict[str, Any], *, then_answer: bool = True, **fields: Any) -> Inject:
     """The model answers the first turn with ``fault`` (``times: null``: every attempt),
     then, after one tool result, with a final answer."""
     first: dict[str, Any] = {
@@ -393,7 +395,35 @@ def _model_fault(fault: dict[str, Any], *, then_answer: bool = True) -> Inject:
         "faults": [fault],
     }
     turns = [first, {"content": "done"}] if then_answer else [first]
-    return _scripted(f"model-{fault['kind']}", turns)
+    return _scripted(f"model-{fault['kind']}", turns, **fields)
+
+
+def _anthropic_fault(fault: dict[str, Any]) -> Inject:
+    """As :func:`_model_fault`, the run's route the model server's Anthropic mode (its events
+    instead of chat completion chunks)."""
+    return _model_fault(fault, model_route=ANTHROPIC_ROUTE)
+
+
+def _mcp_call(kind: str | None) -> Inject:
+    """The model calls the example MCP server's ``lookup_order`` at every turn; the server
+    answers each call of this run with the wire fault ``kind`` (a rule naming the run: the
+    other runs' calls are not touched), so the second classified failure in a row ends the run
+    as a loop of that error (the task's limit: 2). ``kind`` None: no fault, and the model's
+    second turn is a final answer."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        assert doors.mcp_url is not None, "no MCP server among the doors"
+        call = {"tool_calls": [{"name": SHOP_LOOKUP.name, "arguments": {"order_id": "A-1"}}]}
+        if kind is None:
+            return _scripted("mcp-good", [call, {"content": "done"}], tools=(SHOP_LOOKUP,))(
+                doors, run_id
+            )
+        rule = {"target": "lookup_order", "kind": kind, "run": run_id, "times": None}
+        httpx.post(f"{doors.mcp_url}/faults", json=rule, timeout=30).raise_for_status()
+        loop = LoopLimits(max_repeat_error=2)
+        return _scripted(f"mcp-{kind}", [call], tools=(SHOP_LOOKUP,), loop=loop)(doors, run_id)
+
+    return inject
 
 
 def _tool_fault(fault: dict[str, Any]) -> Inject:
@@ -410,6 +440,20 @@ def _tool_fault(fault: dict[str, Any]) -> Inject:
 
     return inject
 
+
+# The model route a chaos run sends to the scripted model server's Anthropic mode.
+ANTHROPIC_ROUTE = "hostile-anthropic"
+# The example MCP server's read-only tool, as the tool executor names it (server ``shop``).
+SHOP_LOOKUP = ToolSpec(
+    name="shop__lookup_order",
+    parameters={
+        "type": "object",
+        "properties": {"order_id": {"type": "string"}},
+        "required": ["order_id"],
+    },
+    permission="read",
+    idempotent=True,
+)
 
 LOOKUP_REDOS = ToolSpec(
     name="lookup",
@@ -683,6 +727,60 @@ CASES: tuple[Case, ...] = (
         )
         for label, value in (("inf", "inf"), ("1e300", "1e300"), ("minus_1", "-1"))
     ),
+    # the model's stream over Anthropic Messages: an untrusted stream is retried, then ends the
+    # run with the class of what went wrong
+    Case(
+        "anthropic_stream_ends_mid_tool_input",
+        "model",
+        Ending(status="FAILED", reason="model:retries_exhausted:incomplete"),
+        _anthropic_fault({"kind": "incomplete", "after_chunks": 3, "times": None}),
+    ),
+    Case(
+        "anthropic_stream_ends_mid_tool_input_once_is_retried",
+        "model",
+        Ending(status="SUCCEEDED"),
+        _anthropic_fault({"kind": "incomplete", "after_chunks": 3, "times": 1}),
+    ),
+    Case(
+        "anthropic_unknown_content_block_type",
+        "model",
+        Ending(status="FAILED", reason="model:retries_exhausted:incomplete"),
+        _anthropic_fault(
+            {"kind": "bad_chunk", "shape": "unknown_block", "after_chunks": 1, "times": None}
+        ),
+    ),
+    Case(
+        "anthropic_error_event_mid_stream",
+        "model",
+        Ending(status="FAILED", reason="model:retries_exhausted:incomplete"),
+        _anthropic_fault({"kind": "api_error", "after_chunks": 3, "times": None}),
+    ),
+    Case(
+        "anthropic_overloaded_event_mid_stream_backs_off",
+        "model",
+        Ending(status="SUCCEEDED"),
+        _anthropic_fault({"kind": "overloaded", "after_chunks": 3, "times": 1}),
+    ),
+    # an MCP server's answer: a classified failure the model is told of, every time
+    Case(
+        "mcp_answer_not_json",
+        "mcp",
+        Ending(status="FAILED", reason="loop:repeated_error:UNKNOWN:invalid_output:not_json"),
+        _mcp_call("malformed"),
+    ),
+    Case(
+        "mcp_answer_to_another_request_id",
+        "mcp",
+        Ending(status="FAILED", reason="loop:repeated_error:UNKNOWN:invalid_output:wrong_id"),
+        _mcp_call("wrong_id"),
+    ),
+    Case(
+        "mcp_content_block_of_an_unknown_type",
+        "mcp",
+        Ending(status="FAILED", reason="loop:repeated_error:UNKNOWN:invalid_output:bad_result"),
+        _mcp_call("unknown_block"),
+    ),
+    Case("mcp_call_beside_the_hostile_answers", "mcp", Ending(status="SUCCEEDED"), _mcp_call(None)),
     # the tool's answer
     Case(
         "tool_body_nested_1000_deep",

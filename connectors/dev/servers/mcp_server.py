@@ -12,15 +12,20 @@ Tools (names as the server lists them; the executor names them ``<server>__<tool
 
 Admin routes (plain HTTP beside the MCP endpoint ``/mcp``): ``GET /stats`` (calls and
 executions per key, fault counts), ``POST /faults`` with ``{"target": tool or "*", "kind":
-..., "times": n or null, "delay_ms": ..., "size": ...}``, ``DELETE /faults``. Fault kinds:
-``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in the middle of
-the call, after counting the call and before answering), ``error`` (an ``isError`` result,
-nothing executed), ``huge`` (a text block of ``size`` bytes), ``tools_changed`` (the call
-adds the tool ``archive_order`` to the list and tells the client: ``notifications/tools/
-list_changed``). With ``--counts-file`` every call and execution is appended to a file and
-read back at start, so the counts survive a crash.
+..., "times": n or null, "delay_ms": ..., "size": ..., "run": ...}``, ``DELETE /faults``.
+Fault kinds: ``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in
+the middle of the call, after counting the call and before answering), ``error`` (an
+``isError`` result, nothing executed), ``huge`` (a text block of ``size`` bytes),
+``tools_changed`` (the call adds the tool ``archive_order`` to the list and tells the client:
+``notifications/tools/list_changed``); and, answered on the wire in the SDK's place (the tool
+never called, no call counted): ``malformed`` (JSON cut short), ``wrong_id`` (a result to
+another request id), ``unknown_block`` (a result whose content block has a type the protocol
+does not have). A rule with ``run`` matches only that run's calls (the request's
+``_meta["agentruns/run_id"]``). With ``--counts-file`` every call and execution is appended
+to a file and read back at start, so the counts survive a crash.
 
     python -m agentruns.connectors.dev.servers.mcp_server --port 8702
+    python -m agentruns.connectors.dev.servers.mcp_server --stdio   # MCP on stdin/stdout
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -44,22 +50,34 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations, ToolListChangedNotification
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_PORT = 8702
 KEY_META = "agentruns/idempotency_key"
 RUN_META = "agentruns/run_id"
-FAULT_KINDS = frozenset({"slow", "crash", "error", "huge", "tools_changed"})
+# Answered by the MCP SDK's server, the tool's execution changed as the fault says.
+TOOL_FAULTS = frozenset({"slow", "crash", "error", "huge", "tools_changed"})
+# Answered on the wire in the SDK's place (the tool is not called, nothing counted as a call):
+# a JSON-RPC answer the protocol does not have.
+WIRE_FAULTS = frozenset({"malformed", "wrong_id", "unknown_block"})
+FAULT_KINDS = TOOL_FAULTS | WIRE_FAULTS
+UNKNOWN_BLOCK_TYPE = "hologram"
+MAX_REQUEST_BYTES = 1024 * 1024  # a tools/call the wire faults read to match a rule
 HUGE_BYTES = 1024 * 1024
 MAX_DELAY_MS = 60_000
 
 
 @dataclass
 class Fault:
+    """A rule: calls of ``target`` (a tool or ``*``), of run ``run`` when given (the request's
+    ``_meta["agentruns/run_id"]``), get ``kind``, ``times`` times (None: every call)."""
+
     target: str
     kind: str
     times: int | None = 1
     delay_ms: float = 200.0
     size: int = HUGE_BYTES
+    run: str | None = None
 
 
 @dataclass
@@ -88,10 +106,13 @@ class ServerState:
                 with self.counts_file.open("a") as out:
                     out.write(f"{what} {key}\n")
 
-    def take_fault(self, tool: str) -> Fault | None:
+    def take_fault(
+        self, tool: str, run: str | None, kinds: frozenset[str] = TOOL_FAULTS
+    ) -> Fault | None:
+        """The first rule of one of ``kinds`` that matches this call, counted."""
         with self.lock:
             for fault in self.faults:
-                if fault.target in (tool, "*"):
+                if fault.kind in kinds and fault.target in (tool, "*") and fault.run in (None, run):
                     if fault.times is not None:
                         fault.times -= 1
                         if fault.times <= 0:
@@ -109,10 +130,32 @@ class ServerState:
             }
 
 
-def _key(ctx: Context) -> str:
+def fault_of(rule: Any) -> Fault:
+    """A fault rule from its JSON (ValueError: why it is not one)."""
+    try:
+        fault = Fault(
+            target=str(rule.get("target", "*")),
+            kind=str(rule["kind"]),
+            times=rule.get("times", 1),
+            delay_ms=float(rule.get("delay_ms", 200.0)),
+            size=int(rule.get("size", HUGE_BYTES)),
+            run=None if rule.get("run") is None else str(rule["run"]),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"invalid fault: {exc!r}") from None
+    if fault.kind not in FAULT_KINDS:
+        raise ValueError(f"kind must be one of {sorted(FAULT_KINDS)}")
+    return fault
+
+
+def _meta(ctx: Context, name: str) -> str:
     meta: Any = ctx.request_context.meta
-    value = meta.get(KEY_META) if isinstance(meta, dict) else None
+    value = meta.get(name) if isinstance(meta, dict) else None
     return value if isinstance(value, str) else ""
+
+
+def _key(ctx: Context) -> str:
+    return _meta(ctx, KEY_META)
 
 
 def build(state: ServerState) -> MCPServer:
@@ -124,7 +167,7 @@ def build(state: ServerState) -> MCPServer:
         """Count the call and apply a fault (ToolError: an ``isError`` result, nothing
         executed); a huge text the tool answers instead of its own."""
         state.count("call", _key(ctx))
-        fault = state.take_fault(tool)
+        fault = state.take_fault(tool, _meta(ctx, RUN_META) or None)
         if fault is None:
             return None
         match fault.kind:
@@ -178,18 +221,9 @@ def build(state: ServerState) -> MCPServer:
                 state.faults.clear()
             return JSONResponse({"faults": 0})
         try:
-            rule = await request.json()
-            fault = Fault(
-                target=str(rule.get("target", "*")),
-                kind=str(rule["kind"]),
-                times=rule.get("times", 1),
-                delay_ms=float(rule.get("delay_ms", 200.0)),
-                size=int(rule.get("size", HUGE_BYTES)),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return JSONResponse({"error": f"invalid fault: {exc!r}"}, status_code=400)
-        if fault.kind not in FAULT_KINDS:
-            return JSONResponse({"error": f"kind must be one of {sorted(FAULT_KINDS)}"}, 400)
+            fault = fault_of(await request.json())
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         with state.lock:
             state.faults.append(fault)
         return JSONResponse({"faults": len(state.faults)})
@@ -197,6 +231,88 @@ def build(state: ServerState) -> MCPServer:
     server.custom_route("/stats", methods=["GET"])(stats)
     server.custom_route("/faults", methods=["POST", "DELETE"])(faults)
     return server
+
+
+def wire_answer(kind: str, request_id: Any) -> bytes:
+    """The body of a wire fault's answer to the ``tools/call`` of ``request_id``."""
+    match kind:
+        case "malformed":  # JSON cut short
+            return b'{"jsonrpc": "2.0", "id": '
+        case "wrong_id":  # a good result, to a request that was never sent
+            answer_id = request_id + 1000 if isinstance(request_id, int) else "other"
+            result = {"content": [{"type": "text", "text": "not yours"}]}
+            return json.dumps({"jsonrpc": "2.0", "id": answer_id, "result": result}).encode()
+        case _:  # unknown_block: a content block of a type the protocol does not have
+            block = {"type": UNKNOWN_BLOCK_TYPE, "data": "x"}
+            answer = {"jsonrpc": "2.0", "id": request_id, "result": {"content": [block]}}
+            return json.dumps(answer).encode()
+
+
+class WireFaults:
+    """ASGI middleware before the SDK's app: a ``tools/call`` POST that a wire fault rule
+    matches is answered here (``200 application/json``) and never reaches the SDK; every
+    other request goes on, its body replayed."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more and len(body) <= MAX_REQUEST_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        fault, request_id = self._match(bytes(body)) if not more else (None, None)
+        if fault is None:
+            first = {"type": "http.request", "body": bytes(body), "more_body": more}
+            await self.app(scope, _replay([first], receive), send)
+            return
+        answer = wire_answer(fault.kind, request_id)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    def _match(self, body: bytes) -> tuple[Fault | None, Any]:
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return None, None
+        if not isinstance(message, dict) or message.get("method") != "tools/call":
+            return None, None
+        params = message.get("params")
+        params = params if isinstance(params, dict) else {}
+        meta = params.get("_meta")
+        run = meta.get(RUN_META) if isinstance(meta, dict) else None
+        tool = params.get("name")
+        if not isinstance(tool, str):
+            return None, None
+        fault = self.state.take_fault(tool, run if isinstance(run, str) else None, WIRE_FAULTS)
+        return fault, message.get("id")
+
+
+def _replay(messages: list[Message], then: Receive) -> Receive:
+    """An ASGI ``receive`` that gives ``messages`` first, then what ``then`` receives (the
+    rest of the body, the client's disconnect)."""
+    pending = list(messages)
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await then()
+
+    return receive
+
+
+def app_of(state: ServerState) -> ASGIApp:
+    """The ASGI app: the SDK's streamable HTTP app behind the wire faults."""
+    return WireFaults(build(state).streamable_http_app(), state)
 
 
 def _add_archive(server: MCPServer) -> None:
@@ -220,7 +336,7 @@ class MCPServerHandle:
         self.sock.bind((host, port))
         self.port = int(self.sock.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
-        app = build(state).streamable_http_app()
+        app = app_of(state)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
@@ -273,9 +389,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--counts-file", type=Path, help="keep the call counts in this file")
+    parser.add_argument(
+        "--stdio",
+        action="store_true",
+        help="speak MCP on stdin and stdout instead (no admin routes, no wire faults)",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a fault rule from the start, as POST /faults takes it ({"target", "kind", ...})',
+    )
     args = parser.parse_args(argv)
     state = ServerState(args.counts_file)
-    app = build(state).streamable_http_app()
+    try:
+        state.faults.extend(fault_of(json.loads(rule)) for rule in args.fault)
+    except ValueError as exc:
+        print(f"error: --fault: {exc}", file=sys.stderr)
+        return 2
+    if args.stdio:
+        if any(f.kind in WIRE_FAULTS for f in state.faults):
+            print("error: --fault: wire faults are for HTTP", file=sys.stderr)
+            return 2
+        build(state).run("stdio")  # until stdin ends
+        return 0
+    app = app_of(state)
     print(f"MCP server listening on http://{args.host}:{args.port}/mcp", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

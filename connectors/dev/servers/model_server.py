@@ -58,6 +58,7 @@ FaultKind = Literal[
     "429",
     "529",
     "overloaded",
+    "api_error",
     "500",
     "503",
     "keepalive",
@@ -81,12 +82,15 @@ BadShape = Literal[
     "not_object",
     "not_json",
     "deep",
+    "unknown_block",
 ]
 BAD_SHAPES: frozenset[str] = frozenset(get_args(BadShape))
 # Defaults of the new kinds' parameters (bytes, nesting, milliseconds).
 HUGE_STREAM_BYTES = 8 * 1024 * 1024
 HUGE_LINE_BYTES = 1024 * 1024
 BAD_DEPTH = 1000
+# `bad_chunk; shape=unknown_block`: a content block (Anthropic) or part (OpenAI) of this type
+UNKNOWN_BLOCK_TYPE = "hologram"
 KEEPALIVE_MS = 100.0
 DRIP_MS = 1000.0
 # `latency`: the words of the filler deltas streamed before the scripted answer, a few a chunk.
@@ -627,6 +631,8 @@ def bad_chunk(shape: str, completion_id: str, model: str, depth: int = BAD_DEPTH
         "arguments_not_string": {
             "tool_calls": [{"index": 0, **call, "function": {"arguments": {"query": "x"}}}]
         },
+        # content parts of a type no protocol has (chat completion deltas carry a string)
+        "unknown_block": {"content": [{"type": UNKNOWN_BLOCK_TYPE, "data": "oops"}]},
     }
     match shape:
         case "not_json":
@@ -643,6 +649,13 @@ def bad_chunk(shape: str, completion_id: str, model: str, depth: int = BAD_DEPTH
             choice = {"index": 0, "delta": deltas[shape], "finish_reason": None}
             payload = {**base, "choices": [choice]}
     return json.dumps(payload, separators=(",", ":")).encode()
+
+
+# the kinds that end a stream with an error event (OpenAI mode: an error chunk): its message, type
+ERROR_EVENTS: Mapping[str, tuple[str, str]] = {
+    "overloaded": ("Overloaded (scripted)", "overloaded_error"),
+    "api_error": ("Internal server error (scripted)", "api_error"),
+}
 
 
 def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -897,7 +910,7 @@ class ModelHandler(JSONHandler):
         if not self.server.sleep(delay):
             self.drop_connection()
             return
-        if kind in ("disconnect", "incomplete", "overloaded"):
+        if kind in ("disconnect", "incomplete", "overloaded", "api_error"):
             self.drop_connection()
             return
         finish = answer.finish_reason
@@ -984,9 +997,9 @@ class ModelHandler(JSONHandler):
         elif kind in ("length", "content_filter"):
             events = events[: max(1, len(events) // 2)]
             events += finish(str(kind))
-        elif fault is not None and kind == "overloaded":  # OpenAI has no such event: an error
+        elif fault is not None and kind in ERROR_EVENTS:  # OpenAI has no such event: an error
             at = max(0, min(fault.integer("after_chunks", 2), len(events)))  # chunk, no finish
-            error = json.dumps(_error("Overloaded (scripted)", "overloaded_error")).encode()
+            error = json.dumps(_error(*ERROR_EVENTS[fault.kind])).encode()
             events = [*events[:at], b"data: " + error + b"\n\n"]
         else:
             events += finish(answer.finish_reason)
@@ -1029,12 +1042,13 @@ class ModelHandler(JSONHandler):
         kind = fault.kind if fault else None
         if fault is not None and kind in ("disconnect", "incomplete"):
             events = events[: max(0, min(fault.integer("after_chunks", 2), len(events) - 1))]
-        elif fault is not None and kind in ("bad_chunk", "bad_utf8", "overloaded"):
+        elif fault is not None and kind in ("bad_chunk", "bad_utf8", *ERROR_EVENTS):
             at = max(0, min(fault.integer("after_chunks", 2), len(events)))
-            if kind == "overloaded":
-                error = _anthropic_error("Overloaded (scripted)", "overloaded_error")
+            if kind in ERROR_EVENTS:
+                error = _anthropic_error(*ERROR_EVENTS[fault.kind])
                 events = [*events[:at], sse_event(error)]
             else:
+                bad_event = b"content_block_delta"
                 if kind == "bad_utf8":  # a text delta with bytes that are not UTF-8
                     delta = {"type": "text_delta", "text": "@@"}
                     text = json.dumps({"type": "content_block_delta", "index": 0, "delta": delta})
@@ -1042,9 +1056,14 @@ class ModelHandler(JSONHandler):
                 elif fault.params.get("shape") in ("not_json", "deep", "not_object"):
                     depth = fault.integer("depth", BAD_DEPTH)
                     data = bad_chunk(fault.params["shape"], message_id, model, depth)
+                elif fault.params.get("shape") == "unknown_block":  # a block of no known type
+                    block = {"type": UNKNOWN_BLOCK_TYPE, "data": "oops"}
+                    start = {"type": "content_block_start", "index": len(blocks)}
+                    data = json.dumps({**start, "content_block": block}).encode()
+                    bad_event = b"content_block_start"
                 else:  # any other shape: a delta that is not an object
                     data = b'{"type":"content_block_delta","index":0,"delta":"oops"}'
-                bad = b"event: content_block_delta\ndata: " + data + b"\n\n"
+                bad = b"event: " + bad_event + b"\ndata: " + data + b"\n\n"
                 events = [*events[:at], bad, *events[at:], *finish(answer.finish_reason)]
         elif fault is not None and kind == "huge_stream":
             size = fault.integer("size", HUGE_STREAM_BYTES)
