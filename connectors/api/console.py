@@ -929,6 +929,7 @@ class Console:
         )
         return {
             "run": view,
+            "actions": None if state is None else allowed(state),
             "steps": steps[:TRANSCRIPT_STEPS],
             "more_steps": len(steps) > TRANSCRIPT_STEPS,
             "events_cut": len(events) >= MAX_EVENTS,
@@ -938,6 +939,7 @@ class Console:
     async def transcript_page(self, request: Request, session: str) -> Response:
         """The run's conversation step by step (`agentruns.connectors.api.transcript`)."""
         context = await run_in_threadpool(self._transcript, request.path_params["run_id"])
+        context["operator"] = self.sessions.operator(session)
         return _page("transcript.html", csrf=self.sessions.csrf(session), **context)
 
     async def tools_page(self, request: Request, session: str) -> Response:

@@ -99,6 +99,12 @@ class Step:
     tool_calls_so_far: int = 0
     failed: bool = False
 
+    @property
+    def fork_at(self) -> int:
+        """The seq to fork at to ask the model this step's question again: the record before
+        the step's first answer (the state then waits for it); a step without one, its last."""
+        return self.answers[0].seq - 1 if self.answers else self.last_seq
+
 
 def build(
     events: Sequence[Mapping[str, Any]],

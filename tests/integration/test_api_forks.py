@@ -5,6 +5,7 @@ with nothing produced."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -204,3 +205,25 @@ def test_the_console_shows_the_lineage_and_forks_for_an_operator(stack: Stack) -
         )
         bad = operator.post(f"/ui/runs/{run_id}/fork", data={**form, "at": "999999"})
         assert bad.status_code == 409 and "outside" in bad.text
+
+
+def test_each_step_of_a_transcript_forks_before_its_answer_for_an_operator(stack: Stack) -> None:
+    """The transcript offers an operator "fork here" on every step, at the record before the
+    step's first answer (the state then waits for the model); a viewer is offered none."""
+    run_id, _ = ended(stack, f"transcript-fork-{uuid.uuid4().hex}")
+    with logged_in(stack) as viewer:
+        html = viewer.get(f"/ui/runs/{run_id}/transcript").text
+        assert "fork-here" not in html and "The model answered" in html
+    with logged_in(stack, OPERATOR_TOKEN) as operator:
+        html = operator.get(f"/ui/runs/{run_id}/transcript").text
+        answers = [int(s) for s in re.findall(r"The model answered <small>[^<]*seq (\d+)<", html)]
+        offered = [int(s) for s in re.findall(r'name="at" value="(\d+)"', html)]
+        assert len(answers) >= 2 and offered == [seq - 1 for seq in answers]
+        assert "resume-here" not in html  # it succeeded
+        form = {"csrf": csrf_of(html), "at": str(offered[1])}
+        done = operator.post(f"/ui/runs/{run_id}/fork", data=form)
+        assert done.status_code == 303, done.text
+        fork_id = done.headers["location"].rsplit("/", 1)[1]
+        stack.wait_status(fork_id, "SUCCEEDED")
+        fork = operator.get(f"/ui/runs/{fork_id}/transcript")
+        assert fork.status_code == 200 and "The model answered" in fork.text
