@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from agentruns.connectors import forks
 from agentruns.connectors.dev.servers import mcp_server, model_server, tool_server
 from agentruns.connectors.dev.stack.services import ServiceStack
 from agentruns.connectors.dev.stack.supervisor import Supervisor
@@ -31,9 +32,22 @@ from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.dsn import redact_dsn
 from agentruns.connectors.postgres.migrate import migrate
 from agentruns.processors.effects import AskUser, CallTool
-from agentruns.processors.events import CancelRequested, Message, RunSubmitted, UserReplied
+from agentruns.processors.events import (
+    CancelRequested,
+    Message,
+    ModelCallCompleted,
+    RunSubmitted,
+    UserReplied,
+)
 from agentruns.processors.ids import canonicalize_arguments, operation_key
-from agentruns.processors.state import Budgets, LoopLimits, Policy, RunState, ToolSpec
+from agentruns.processors.state import (
+    Budgets,
+    ForkEdits,
+    LoopLimits,
+    Policy,
+    RunState,
+    ToolSpec,
+)
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import decode, encode
@@ -283,18 +297,59 @@ def kill_processor_mid_run(demo: Demo, sc: Scenario, state: RunState | None) -> 
     sc.done_driving = True
 
 
-def late_ticket(demo: Demo, sc: Scenario) -> None:
-    """Make the ticket system answer this run's create_ticket call after the executor gave up
-    (it still creates the ticket): the operation goes UNKNOWN, reconciliation finds it."""
+def _ticket_key(run_id: str) -> str:
+    """The operation key of the create_ticket call of a multi_tool run (its step 2)."""
     turn = json.loads((SCENARIOS / "multi_tool.json").read_text())["turns"][1]["tool_calls"][0]
     args = canonicalize_arguments(json.dumps(turn["arguments"]))
     assert args is not None
-    key = operation_key(sc.run_id, 2, "create_ticket", args)
-    httpx.post(
-        f"{demo.tools_url}/faults",
-        json={"target": "create_ticket", "kind": "late", "key": key, "times": 1},
-        timeout=10,
-    ).raise_for_status()
+    return operation_key(run_id, 2, "create_ticket", args)
+
+
+def _ticket_fault(demo: Demo, run_id: str, kind: str, times: int | None) -> None:
+    rule = {"target": "create_ticket", "kind": kind, "key": _ticket_key(run_id), "times": times}
+    httpx.post(f"{demo.tools_url}/faults", json=rule, timeout=10).raise_for_status()
+
+
+def late_ticket(demo: Demo, sc: Scenario) -> None:
+    """Make the ticket system answer this run's create_ticket call after the executor gave up
+    (it still creates the ticket): the operation goes UNKNOWN, reconciliation finds it."""
+    _ticket_fault(demo, sc.run_id, "late", 1)
+
+
+def ticket_bug(demo: Demo, sc: Scenario) -> None:
+    """The ticket system fails this run's create_ticket call with a 500, every time: the run
+    fails once its retries are spent. The fix is the fork's own key, which the rule spares."""
+    _ticket_fault(demo, sc.run_id, "500", None)
+
+
+def _forked(demo: Demo, sc: Scenario, fork: forks.Fork, what: str) -> None:
+    forks.produce(demo.bootstrap, demo.prefix, fork, producer_id=f"demo-{sc.name}")
+    source = sc.run_id
+    sc.run_id = fork.record.run_id
+    sc.done_driving = True
+    demo.say(f"{sc.name}: {what} {source} at seq {fork.record.source_seq}: {sc.run_id}")
+
+
+def resume_after_fix(demo: Demo, sc: Scenario, state: RunState | None) -> None:
+    """Once the run failed on the ticket system's bug: `agentruns resume` (the bug is fixed
+    for the fork's call), which asks neither the model nor a tool again before the failure."""
+    result = demo.results.get(sc.run_id)
+    if result is None or result["status"] != "FAILED":
+        return
+    log = forks.source_log(demo.bootstrap, demo.prefix, sc.run_id)
+    _forked(demo, sc, forks.plan(log, forks.resume_seq(log)), "FAILED as planned; resumed")
+
+
+def fork_on_another_route(demo: Demo, sc: Scenario, state: RunState | None) -> None:
+    """Once the run succeeded: `agentruns fork --at SEQ --route claude` from just before its
+    second model answer, so step 2 on runs through the Anthropic Messages API."""
+    result = demo.results.get(sc.run_id)
+    if result is None or result["status"] != "SUCCEEDED":
+        return
+    log = forks.source_log(demo.bootstrap, demo.prefix, sc.run_id)
+    answers = [f.seq for f in log if isinstance(f.event, ModelCallCompleted)]
+    edits = ForkEdits(model_route=ANTHROPIC_ROUTE)
+    _forked(demo, sc, forks.plan(log, answers[1] - 1, edits=edits), "succeeded; forked")
 
 
 def scenarios() -> list[Scenario]:
@@ -358,6 +413,20 @@ def scenarios() -> list[Scenario]:
             "open a ticket and notify the customer, through the Anthropic Messages API",
             "SUCCEEDED",
             route=ANTHROPIC_ROUTE,
+        ),
+        Scenario(
+            "resume-after-fix",
+            "multi_tool",
+            "open a ticket while the ticket system has a bug, then resume once it is fixed",
+            "SUCCEEDED",
+            drive=resume_after_fix,
+        ),
+        Scenario(
+            "fork-other-route",
+            "multi_tool",
+            "open a ticket, then fork the run at step 2 onto the Anthropic route",
+            "SUCCEEDED",
+            drive=fork_on_another_route,
         ),
         Scenario(
             "processor-killed",
@@ -508,6 +577,8 @@ def _run(demo: Demo, items: list[Scenario], timeout: float) -> int:
         demo.say(f"submitted {sc.name} ({sc.run_id}): {sc.description}")
         if sc.name == "tool-timeout-reconciled":
             late_ticket(demo, sc)
+        elif sc.name == "resume-after-fix":
+            ticket_bug(demo, sc)
     deadline = time.monotonic() + timeout
     reported: set[str] = set()
     while time.monotonic() < deadline and len(reported) < len(items):
@@ -516,7 +587,8 @@ def _run(demo: Demo, items: list[Scenario], timeout: float) -> int:
             if sc.drive is not None and not sc.done_driving:
                 sc.drive(demo, sc, demo.states.get(sc.run_id))
             result = demo.results.get(sc.run_id)
-            if result is not None and sc.run_id not in reported:
+            forking = sc.drive in (resume_after_fix, fork_on_another_route) and not sc.done_driving
+            if result is not None and sc.run_id not in reported and not forking:
                 reported.add(sc.run_id)
                 mark = "ok" if result["status"] == sc.expect else f"EXPECTED {sc.expect}"
                 demo.say(f"{sc.name}: {result['status']} ({mark})")
