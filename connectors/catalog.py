@@ -12,9 +12,10 @@ last listed (both logged and counted): a catalog is never emptied by an outage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client import Counter
@@ -28,6 +29,7 @@ from agentruns.connectors.executors.tool import (
     tools_of,
 )
 from agentruns.connectors.executors.tool_mcp import discover
+from agentruns.connectors.settings import current
 from agentruns.processors.catalog import Catalog, CatalogTool
 
 log = logging.getLogger("agentruns.catalog")
@@ -266,3 +268,31 @@ def format_listing(version: str, rows: list[dict[str, object]]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
     ]
     return "\n".join([f"tool catalog {version} ({len(rows)} tools)", *lines])
+
+
+@contextlib.contextmanager
+def refreshing(
+    path: Path | str | None,
+    catalog: Catalog | None,
+    apply: Callable[[Catalog], None],
+    *,
+    component: str,
+    routes: Path | str | None = None,
+) -> Iterator[CatalogRefresher | None]:
+    """A `CatalogRefresher` of a long-running component's catalog while the block runs, every
+    ``catalog_refresh_s`` of the settings (none without a catalog: tasks declare their own)."""
+    if catalog is None or not path:
+        yield None
+        return
+    refresher = CatalogRefresher(
+        path,
+        catalog,
+        apply,
+        component=component,
+        interval_s=current().catalog_refresh_s,
+        routes=routes,
+    ).start()
+    try:
+        yield refresher
+    finally:
+        refresher.stop()

@@ -766,7 +766,7 @@ class Console:
             return [], None
         steps: list[dict[str, Any]] = []
         candidate, inputs = state.candidate_ref, list(state.step_inputs)
-        for ref, step, previous_candidate, previous_inputs in rows[:MAX_STEPS]:
+        for ref, step, doc in rows[:MAX_STEPS]:
             steps.append(
                 {
                     "step": step if isinstance(step, int) else "?",
@@ -777,8 +777,11 @@ class Console:
                     ],
                 }
             )
-            candidate = previous_candidate
-            inputs = previous_inputs if isinstance(previous_inputs, list) else []
+            doc = doc if isinstance(doc, dict) else {}
+            previous = doc.get("previous_candidate")
+            candidate = previous if isinstance(previous, str) else None
+            listed = doc.get("inputs")
+            inputs = listed if isinstance(listed, list) else []
         older = None
         if len(rows) > MAX_STEPS:
             step = rows[MAX_STEPS][1]
@@ -918,15 +921,14 @@ class Console:
             chain: list[tuple[str, Any, Any]] = []
             if state is not None and state.context_ref:
                 with contextlib.suppress(psycopg.DataError):  # not JSON: no messages shown
-                    chain = queries.context_docs(conn, state.context_ref, TRANSCRIPT_STEPS)
+                    chain = queries.context_chain(conn, state.context_ref, TRANSCRIPT_STEPS)
             docs = [doc for _, _, doc in chain]
             artifacts = queries.json_artifacts(
                 conn, transcript.artifacts_named(docs, operations), TRANSCRIPT_ARTIFACT_BYTES
             )
         artifacts.update({ref: doc for ref, _, doc in chain})
-        steps = transcript.build(
-            events, operations, questions, [(ref, step) for ref, step, _ in chain], artifacts
-        )
+        oldest_first = [(ref, step) for ref, step, _ in reversed(chain)]
+        steps = transcript.build(events, operations, questions, oldest_first, artifacts)
         return {
             "run": view,
             "actions": None if state is None else allowed(state),

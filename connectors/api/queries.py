@@ -236,34 +236,17 @@ def store_artifact(conn: Conn, ref: str, media_type: str, content: bytes) -> Non
     )
 
 
-def context_chain(conn: Conn, context_ref: str, depth: int) -> list[tuple[Any, ...]]:
-    """The frozen contexts from `context_ref` back along `previous_context`, up to `depth` + 1
-    of them, newest first: (ref, step, previous_candidate, inputs) each. Raises
-    `psycopg.DataError` if an artifact of the chain is not JSON."""
-    return conn.execute(
-        "WITH RECURSIVE chain(ref, doc, depth) AS ("
-        " SELECT ref, convert_from(content, 'UTF8')::jsonb, 1"
-        " FROM artifacts WHERE ref = %s"
-        " UNION ALL SELECT a.ref, convert_from(a.content, 'UTF8')::jsonb, c.depth + 1"
-        " FROM chain c JOIN artifacts a ON a.ref = c.doc->>'previous_context'"
-        " WHERE c.depth <= %s)"
-        " SELECT ref, doc->'step', doc->>'previous_candidate', doc->'inputs'"
-        " FROM chain ORDER BY depth",
-        (context_ref, depth),
-    ).fetchall()
-
-
-def context_docs(conn: Conn, context_ref: str, depth: int) -> list[tuple[str, Any, Any]]:
+def context_chain(conn: Conn, context_ref: str, depth: int) -> list[tuple[str, Any, Any]]:
     """(ref, step, document) of the frozen contexts from `context_ref` back along
-    `previous_context`, up to `depth` of them, newest first. Raises `psycopg.DataError` if an
-    artifact of the chain is not JSON."""
+    `previous_context`, up to `depth` + 1 of them (one more tells whether older ones exist),
+    newest first. Raises `psycopg.DataError` if an artifact of the chain is not JSON."""
     rows = conn.execute(
         "WITH RECURSIVE chain(ref, doc, depth) AS ("
         " SELECT ref, convert_from(content, 'UTF8')::jsonb, 1"
         " FROM artifacts WHERE ref = %s"
         " UNION ALL SELECT a.ref, convert_from(a.content, 'UTF8')::jsonb, c.depth + 1"
         " FROM chain c JOIN artifacts a ON a.ref = c.doc->>'previous_context'"
-        " WHERE c.depth < %s)"
+        " WHERE c.depth <= %s)"
         " SELECT ref, doc->'step', doc FROM chain ORDER BY depth",
         (context_ref, depth),
     ).fetchall()

@@ -75,7 +75,7 @@ def serving(config: ApiConfig) -> Iterator[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
-    from agentruns.connectors.catalog import CatalogRefresher, configured_catalog
+    from agentruns.connectors.catalog import configured_catalog, refreshing
     from agentruns.connectors.service import run_service
 
     args = build_parser().parse_args(list(argv) if argv is not None else None)
@@ -90,22 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             production=args.production,
             catalog=catalog,
         )
-        refresher = None
-        if catalog is not None:
-            refresher = CatalogRefresher(
-                args.registry,
-                catalog,
-                config.set_catalog,
-                component="api",
-                interval_s=current().catalog_refresh_s,
-                routes=args.routes,
-            ).start()
         app = create_app(config)
-        try:
+        with refreshing(
+            args.registry, catalog, config.set_catalog, component="api", routes=args.routes
+        ):
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-        finally:
-            if refresher is not None:
-                refresher.stop()
     return 0
 
 

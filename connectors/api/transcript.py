@@ -117,7 +117,8 @@ def build(
 
     ``events``: the run's events in seq order (seq, type, step, attempt, disposition, reason,
     status, payload); ``operations`` and ``questions``: its rows of those tables;
-    ``contexts``: (ref, step) of its frozen contexts, any order; ``artifacts``: ref -> parsed
+    ``contexts``: (ref, step) of its frozen contexts, oldest first (a step may have two: a
+    fork's messages come in a context of their own); ``artifacts``: ref -> parsed
     JSON of the contexts and of what they name (candidates, tool results), as far as read."""
     steps: dict[int, Step] = {}
     tokens = calls = 0
@@ -221,7 +222,7 @@ def _add_seen(
 
     known = Conversations(size=len(contexts) + 1)
     before = 0
-    for ref, number in sorted(contexts, key=lambda c: c[1] if isinstance(c[1], int) else -1):
+    for ref, number in contexts:
         try:
             messages, _ = rebuild(ref, load, known)
         except (ExecutorError, KeyError, TypeError, ValueError):
@@ -229,7 +230,7 @@ def _add_seen(
             continue
         step = steps.get(number) if isinstance(number, int) else None
         if step is not None:
-            step.seen = [
+            step.seen += [
                 SeenMessage(str(m.get("role")), Shown.of(m.get("content")))
                 for m in messages[before:]
                 if m.get("role") in _SEEN_ROLES

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from agentruns.connectors import health
-from agentruns.connectors.catalog import CatalogRefresher, configured_catalog
+from agentruns.connectors.catalog import configured_catalog, refreshing
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
@@ -138,23 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         tune_switch_interval()
         processor = Processor(config, store.put_many)
         status.watch_consumer(processor.membership, config.group_id)
-        refresher = None
-        if catalog is not None:
-            refresher = CatalogRefresher(
-                args.registry,
-                catalog,
-                processor.set_catalog,
-                component="processor",
-                interval_s=current().catalog_refresh_s,
-                routes=args.routes,
-            ).start()
+        refresh = refreshing(
+            args.registry, catalog, processor.set_catalog, component="processor", routes=args.routes
+        )
         running.serving_loop()
         log.info("processor %s started on %s", args.instance_id, ep.kafka_bootstrap)
         try:
-            processor.run(running.stop)
+            with refresh:
+                processor.run(running.stop)
         finally:
-            if refresher is not None:
-                refresher.stop()
             store.close()
     log.info("processor %s stopped", args.instance_id)
     return 0

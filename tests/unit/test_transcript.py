@@ -164,7 +164,7 @@ def _run() -> tuple[
             "closed_seq": 7,
         }
     ]
-    contexts = [("sha256:ctx3", 3), ("sha256:ctx2", 2), ("sha256:ctx1", 1)]
+    contexts = [("sha256:ctx1", 1), ("sha256:ctx2", 2), ("sha256:ctx3", 3)]
     return events, operations, questions, contexts, artifacts
 
 
@@ -238,4 +238,17 @@ def test_the_artifacts_to_read_are_the_candidates_inputs_and_results_named() -> 
         "sha256:cand2",
         "sha256:r1",
         "sha256:r2",
+    ]
+
+
+def test_a_second_context_of_a_step_adds_its_messages_to_that_step() -> None:
+    """A fork that adds messages where it asks the model writes a context of its own for the
+    same step: its messages join what the model saw at that step, after the others."""
+    events, operations, questions, contexts, artifacts = _run()
+    added = [{"role": "user", "content": "try the other queue"}]
+    artifacts["sha256:ctx3b"] = _context(3, "sha256:ctx3", None, [], added, "find it, then stop")
+    steps = build(events, operations, questions, [*contexts, ("sha256:ctx3b", 3)], artifacts)
+    assert [m.content.text for m in steps[2].seen] == [
+        "New goal: find it, then stop",
+        "try the other queue",
     ]

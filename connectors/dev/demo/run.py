@@ -587,8 +587,8 @@ def _run(demo: Demo, items: list[Scenario], timeout: float) -> int:
             if sc.drive is not None and not sc.done_driving:
                 sc.drive(demo, sc, demo.states.get(sc.run_id))
             result = demo.results.get(sc.run_id)
-            forking = sc.drive in (resume_after_fix, fork_on_another_route) and not sc.done_driving
-            if result is not None and sc.run_id not in reported and not forking:
+            driven = sc.drive is None or sc.done_driving  # a fork's source ends before it
+            if result is not None and sc.run_id not in reported and driven:
                 reported.add(sc.run_id)
                 mark = "ok" if result["status"] == sc.expect else f"EXPECTED {sc.expect}"
                 demo.say(f"{sc.name}: {result['status']} ({mark})")
