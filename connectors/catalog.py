@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
+import msgspec
 from prometheus_client import Counter
 
 from agentruns.connectors.executors.base import ExecutorError
@@ -63,6 +64,7 @@ def catalog_of(
             approval_required=entry.approval_required,
             idempotent=entry.idempotent,
             is_async=entry.is_async,
+            kind="run" if entry.kind == "run" else msgspec.UNSET,
         )
         for name, entry in entries.items()
     }

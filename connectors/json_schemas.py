@@ -42,7 +42,7 @@ DIRECTORY = Path(agentruns.schemas.__file__).resolve().parent / "json"
 #: RunSubmitted fields a task leaves out: the submitter derives them (the run id from the
 #: idempotency key, the event id from the run id, the time when it is submitted), or the
 #: processor does (the rules version the run is submitted under, its tool catalog check).
-TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at", "rules_version", "catalog")
+TASK_DERIVED_FIELDS = ("type", "run_id", "event_id", "at", "rules_version", "catalog", "parent")
 
 _TASK_DESCRIPTION = (
     "A task: the body of POST /runs and of RunsProducer.submit. The fields of the RunSubmitted"

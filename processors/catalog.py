@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -41,7 +41,7 @@ from agentruns.processors.state import Frozen, Policy, ToolSpec
 #: Permission names by strictness: a tool declared with a higher rank is narrower.
 PERMISSION_RANK: dict[str, int] = {"read": 0, "write": 1, "admin": 2}
 #: The ToolSpec fields a door fills from the catalog when the submitter left them out.
-FILLED_FIELDS = ("parameters", "permission", "idempotent", "is_async")
+FILLED_FIELDS = ("parameters", "permission", "idempotent", "is_async", "kind")
 # Reasons are capped like the core's other invalid_input reasons.
 _MAX_REASON = 300
 # The registry's own label is cut to this before the content hash is added (an id's bound).
@@ -56,6 +56,9 @@ class CatalogTool(Frozen, frozen=True, kw_only=True, gc=False):
     approval_required: bool = False
     idempotent: bool = True
     is_async: bool = False
+    #: "run": a call starts a child run (agentruns.processors.children); UNSET (not written):
+    #: an ordinary tool, so the catalogs without one keep their versions.
+    kind: Literal["tool", "run"] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Catalog(Frozen, frozen=True, kw_only=True, gc=False):
@@ -124,6 +127,8 @@ def _tool_problem(spec: ToolSpec, allowed: CatalogTool, policy: Policy) -> str |
             return f"permission {spec.permission} is wider than the catalog's {allowed.permission}"
     if canonical_json(spec.parameters) != canonical_json(allowed.parameters):
         return "parameters differ from the catalog's schema"
+    if _kind(spec.kind) != _kind(allowed.kind):
+        return f"kind {_kind(spec.kind)} differs from the catalog's {_kind(allowed.kind)}"
     for name in ("idempotent", "is_async"):
         mine_flag, theirs_flag = getattr(spec, name), getattr(allowed, name)
         if mine_flag != theirs_flag:
@@ -134,6 +139,10 @@ def _tool_problem(spec: ToolSpec, allowed: CatalogTool, policy: Policy) -> str |
             f"policy.approval_required must list its permission {spec.permission}"
         )
     return None
+
+
+def _kind(value: str | msgspec.UnsetType) -> str:
+    return "tool" if isinstance(value, msgspec.UnsetType) else value
 
 
 def _flag(value: bool) -> str:
@@ -206,7 +215,7 @@ def with_catalog_fields(tool: Any, catalog: Catalog) -> Any:
     if allowed is None:
         return tool
     declared = allowed.model_dump()
-    return {**{f: declared[f] for f in FILLED_FIELDS if f not in tool}, **tool}
+    return {**{f: declared[f] for f in FILLED_FIELDS if f not in tool and f in declared}, **tool}
 
 
 def call_refusal(

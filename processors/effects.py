@@ -9,8 +9,16 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from agentruns.processors.limits import Id, TimeMs
-from agentruns.processors.state import Decoder, Frozen, RunStatus, TimerPurpose
+from agentruns.processors.limits import Count, Id, Ids, TimeMs
+from agentruns.processors.state import (
+    Budgets,
+    Decoder,
+    Frozen,
+    Policy,
+    RunStatus,
+    TimerPurpose,
+    Tools,
+)
 
 # Values an effect copies from the run's input keep their bounds (ids, times the core caps at
 # MAX_TIME_MS); counters the core increments (step, attempt, dispatch, poll) stay unbounded.
@@ -37,6 +45,21 @@ class CallModel(EffectBase, tag="CallModel", frozen=True, kw_only=True, gc=False
     repair: RepairNote | None = None
 
 
+class ChildCall(Frozen, frozen=True, kw_only=True, gc=False):
+    """What a call of a tool of kind run carries of its caller for the child it starts
+    (agentruns.processors.children): the caller's rights, what it has left, where it stands."""
+
+    at: TimeMs  # when the call was made: the child's submission time, the same on every resend
+    trace_id: Id  # the caller's
+    depth: Count  # the child's depth: the caller's plus one
+    ancestors: Ids  # the child's ancestors, the oldest first, the caller last
+    ordinal: Count  # the caller's child runs, this one included
+    remaining: Budgets  # what the caller has left of its budgets
+    tools: Tools  # the caller's tools: the child's are among them
+    policy: Policy  # the caller's: the child keeps its approvals
+    model_route: Id  # the caller's, unless the catalog entry names another
+
+
 class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
     key: str  # passed to the backend: the same on every resend (R12, R25)
     tool: Id
@@ -48,6 +71,9 @@ class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
     # executor refuses the call when its catalog now ranks the tool stricter. None: an effect
     # written before it was carried (not checked).
     permission: Id | None = None
+    # A call of a tool of kind run: the caller's part of the child's task. UNSET (not
+    # written) for any other call.
+    child: ChildCall | msgspec.UnsetType = msgspec.UNSET
 
 
 class CallTool(EffectBase, tag="CallTool", frozen=True, kw_only=True, gc=False):
@@ -107,6 +133,22 @@ class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True, 
     summary: str
 
 
+class NotifyParent(EffectBase, tag="NotifyParent", frozen=True, kw_only=True, gc=False):
+    """A child run ended: its end answers the call of its parent that started it. Addressed to
+    the parent (``run_id``, ``trace_id``, ``step`` are the parent's call's), carried by the tool
+    executor, which answers the parent's operation with the child's result or failure."""
+
+    type: ClassVar[Literal["NotifyParent"]] = "NotifyParent"
+    child_run_id: Id
+    operation_key: Id
+    tool: Id
+    dispatch: int
+    status: RunStatus
+    result_ref: str  # the child's result document
+    answer_ref: str | None  # the child's final answer (a candidate), when it succeeded
+    reason: str
+
+
 Effect = (
     CallModel
     | CallTool
@@ -117,6 +159,7 @@ Effect = (
     | CancelTimer
     | AskUser
     | PublishResult
+    | NotifyParent
 )
 
 EFFECT_DECODER: Decoder[Effect] = Decoder(msgspec.json.Decoder(Effect))

@@ -20,6 +20,7 @@ from agentruns.processors.state import (
     ForkEdits,
     Frozen,
     LoopLimits,
+    ParentLink,
     Policy,
     RunState,
     RunStatus,
@@ -67,6 +68,10 @@ class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=
     # it checked the task against, and what it found (a producer's value is overwritten, and
     # removed when the processor has no catalog). UNSET: no catalog; the bytes are as before.
     catalog: CatalogCheck | msgspec.UnsetType = msgspec.UNSET
+    # Set by the tool executor that starts this run for another run's call of a tool of kind
+    # run (agentruns.processors.children), never by a task's submitter: the API and the client
+    # derive no such field. UNSET: a run nobody started; the bytes are as before.
+    parent: ParentLink | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelOutcome(StrEnum):

@@ -286,6 +286,13 @@ class ToolSpec(Frozen, frozen=True, kw_only=True, gc=False):
     is_async: bool = False
     idempotent: bool = True
     cancellable: bool = False
+    #: "run": a call starts a child run (agentruns.processors.children) instead of reaching a
+    #: backend; UNSET (not written): an ordinary tool, so every other spec keeps its bytes.
+    kind: Literal["tool", "run"] | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def starts_run(self) -> bool:
+        return self.kind == "run"
 
 
 class Policy(Frozen, frozen=True, kw_only=True, gc=False):
@@ -461,6 +468,22 @@ class Lineage(Frozen, frozen=True, kw_only=True, gc=False):
     edits: ForkEdits = ForkEdits()
 
 
+class ParentLink(Frozen, frozen=True, kw_only=True, gc=False):
+    """The run that started this one as a tool call (agentruns.processors.children): its
+    operation, which this run's end answers, and the chain of runs above it."""
+
+    run_id: Id
+    trace_id: Id
+    operation_key: Id
+    tool: Id
+    step: Count
+    dispatch: Count = 1
+    #: 1 for a child of a run nobody started; one more for each run above.
+    depth: Count
+    #: Every run above this one, the oldest first, ``run_id`` last.
+    ancestors: Ids
+
+
 class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     run_id: Id
     trace_id: Id
@@ -508,6 +531,10 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     # The run this one was forked from (agentruns.processors.lineage); UNSET (not written) for
     # a submitted run, so the snapshots of every other run are the bytes they were.
     forked_from: Lineage | msgspec.UnsetType = msgspec.UNSET
+    # The run that started this one as a tool call; UNSET (not written) for every other run.
+    parent: ParentLink | msgspec.UnsetType = msgspec.UNSET
+    # The child runs this run's calls started; UNSET (not written) until the first.
+    children: int | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def terminal(self) -> bool:

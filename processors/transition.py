@@ -16,6 +16,7 @@ import msgspec
 from msgspec.structs import replace
 
 from agentruns.processors.catalog import refusal as catalog_refusal
+from agentruns.processors.children import child_call, parent_problem
 from agentruns.processors.effects import (
     AskUser,
     CallModel,
@@ -23,6 +24,7 @@ from agentruns.processors.effects import (
     CancelTimer,
     CancelTool,
     Effect,
+    NotifyParent,
     OperationSpec,
     PollTool,
     PublishResult,
@@ -292,8 +294,7 @@ def _terminate(
 ) -> RunState:
     """Enter a terminal status with cleanup effects and a published result artifact."""
     for op in s.ops:
-        spec = s.config.tool(op.tool)
-        if op.status in IN_FLIGHT and spec is not None and spec.cancellable:
+        if op.status in IN_FLIGHT and _cancellable(s, op):
             out.effects.append(_cancel_tool(s, out, op))
     s = _cancel_timers(s, out, keep=lambda _t: False)
     result = {
@@ -334,6 +335,27 @@ def _terminate(
             **out.ids(s),
         )
     )
+    parent = s.parent
+    if not isinstance(parent, msgspec.UnsetType):  # a child's end answers its parent's call
+        out.effects.append(
+            NotifyParent(
+                idempotency_key=effect_key(
+                    "notify_parent", s.run_id, s.step, s.attempt, s.resolution, status.value
+                ),
+                run_id=parent.run_id,
+                step=parent.step,
+                attempt=s.attempt,
+                trace_id=parent.trace_id,
+                child_run_id=s.run_id,
+                operation_key=parent.operation_key,
+                tool=parent.tool,
+                dispatch=parent.dispatch,
+                status=status,
+                result_ref=ref,
+                answer_ref=answer_ref,
+                reason=reason[:300],
+            )
+        )
     s = replace(s, outcome=reason, result_ref=ref, question=None, pending_final_ref=None)
     return _goto(s, out, status)
 
@@ -593,9 +615,9 @@ def _validate(
             return _terminate(s, out, RunStatus.FAILED, failure_reason(code, decision.detail))
 
 
-def _op_spec(s: RunState, op: Operation) -> OperationSpec:
+def _op_spec(s: RunState, out: _Out, op: Operation) -> OperationSpec:
     spec = s.config.tool(op.tool)
-    return OperationSpec(
+    operation = OperationSpec(
         key=op.key,
         tool=op.tool,
         arguments_json=op.args_json,
@@ -604,6 +626,26 @@ def _op_spec(s: RunState, op: Operation) -> OperationSpec:
         dispatch=op.dispatch,
         permission=None if spec is None else spec.permission,
     )
+    if spec is None or not spec.starts_run:
+        return operation
+    # a child run: the caller's part of its task (counted in `s` already)
+    ordinal = _children(s)
+    return replace(operation, child=child_call(s, out.at, ordinal, s.tool_calls))
+
+
+def _children(s: RunState) -> int:
+    return 0 if isinstance(s.children, msgspec.UnsetType) else s.children
+
+
+def _counted_children(s: RunState, ops: Iterable[Operation]) -> RunState:
+    """``s`` with the child runs that ``ops`` start counted."""
+    started = sum(1 for o in ops if _starts_run(s, o))
+    return replace(s, children=_children(s) + started) if started else s
+
+
+def _starts_run(s: RunState, op: Operation) -> bool:
+    spec = s.config.tool(op.tool)
+    return spec is not None and spec.starts_run
 
 
 def _send(s: RunState, out: _Out, op: Operation) -> None:
@@ -612,7 +654,7 @@ def _send(s: RunState, out: _Out, op: Operation) -> None:
             idempotency_key=effect_key(
                 "call_tool", s.run_id, op.step, s.attempt, op.key, op.dispatch
             ),
-            operation=_op_spec(s, op),
+            operation=_op_spec(s, out, op),
             **out.ids(s, op.step),
         )
     )
@@ -645,21 +687,28 @@ def _dispatch(s: RunState, out: _Out, calls: Iterable[ValidatedCall], approve: b
     if approve:
         payload = {"approve": [{"tool": o.tool, "arguments": o.args_json} for o in ops.values()]}
         return _ask(s.model_copy(update=update), out, "approval", payload)
-    for op in ops.values():
-        _send(s, out, op)  # reads only run/step/attempt/trace ids, unchanged by ``update``
     update["tool_calls"] = s.tool_calls + len(ops)
-    return _goto(s.model_copy(update=update), out, RunStatus.TOOL_RUNNING)
+    s = s.model_copy(update=update)
+    before = _children(s)
+    for op in ops.values():
+        if _starts_run(s, op):  # each child its own number among the caller's children
+            before += 1
+            s = replace(s, children=before)
+        _send(s, out, op)
+    return _goto(s, out, RunStatus.TOOL_RUNNING)
 
 
 def _start_approved(s: RunState, out: _Out) -> RunState:
     ops = []
+    started = sum(1 for o in s.ops if o.status is OpStatus.PROPOSED)
+    s = replace(s, tool_calls=s.tool_calls + started)
     for op in s.ops:
         if op.status is OpStatus.PROPOSED:
             op = replace(op, status=OpStatus.DISPATCHED, policy_decision="approved")
+            s = _counted_children(s, (op,))
             _send(s, out, op)
         ops.append(op)
-    started = sum(1 for o in s.ops if o.status is OpStatus.PROPOSED)
-    s = replace(s, ops=tuple(ops), tool_calls=s.tool_calls + started)
+    s = replace(s, ops=tuple(ops))
     return _goto(s, out, RunStatus.TOOL_RUNNING)
 
 
@@ -982,7 +1031,8 @@ def _on_cancel_requested(s: RunState, e: CancelRequested) -> Transition:
 
 def _cancellable(s: RunState, op: Operation) -> bool:
     spec = s.config.tool(op.tool)
-    return spec is not None and spec.cancellable
+    # a child run can always be told to stop: cancelling its caller cancels it
+    return spec is not None and (spec.cancellable or spec.starts_run)
 
 
 def _on_cancel_confirmed(s: RunState, e: CancelConfirmed) -> Transition:
@@ -1198,7 +1248,8 @@ def _on_input_refused(s: RunState, e: InputRefused) -> Transition:
 
 def _on_submitted(e: RunSubmitted) -> Transition:
     # the task's own consistency first, then what the processor's catalog check found
-    problem = task_problem(e) or catalog_refusal(e)
+    lineage = parent_problem(e)
+    problem = task_problem(e) or catalog_refusal(e) or lineage
     # a refused task's tools are not kept: its state holds nothing it could not serialize
     tools = e.tools if problem is None else ()
     config = RunConfig(
@@ -1227,6 +1278,9 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         memory_ref=e.memory_ref,
         evidence_refs=e.evidence_refs,
         time=TimeAccount(started_at=e.at, last_at=e.at),
+        # a link that cannot be (a cycle) answers nobody; any other refused child answers
+        # the call that started it with its failure
+        parent=msgspec.UNSET if lineage is not None else e.parent,
     )
     out = _Out(s, e)
     out.store(frozen)
@@ -1327,6 +1381,8 @@ def _on_forked(e: ForkedFrom) -> Transition:
         warnings=tuple(_rekeyed_text(w, keys) for w in src.warnings),
         submitted_event_id=e.event_id,
         forked_from=Lineage(source_run_id=src.run_id, source_seq=e.source_seq, edits=e.edits),
+        # a fork answers no caller: the source's end does, if it was started as a child
+        parent=msgspec.UNSET,
         # the source's submission is the fork's own in the fork
         recent_event_ids=tuple(
             e.event_id if i == src.submitted_event_id else i for i in src.recent_event_ids

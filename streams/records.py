@@ -26,6 +26,8 @@ EFFECT_TOPIC_KIND: dict[str, str] = {
     "Reconcile": "tool",
     "PollTool": "tool",
     "CancelTool": "tool",
+    # A child run's end, to the tool executor that answers its parent's call.
+    "NotifyParent": "tool",
     "ScheduleTimer": "timer",
     "CancelTimer": "timer",
     # A question for a person: the timer service owns its expiry; the API reads it from state.

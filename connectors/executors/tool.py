@@ -71,6 +71,7 @@ from agentruns.connectors.executors.base import (
     decode_json,
     event_identity,
 )
+from agentruns.connectors.executors.children import ChildRuns, template_of
 from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -100,7 +101,15 @@ from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.connectors.settings import current
 from agentruns.processors import tool_results
 from agentruns.processors.catalog import call_refusal
-from agentruns.processors.effects import CallTool, CancelTool, Effect, PollTool, Reconcile
+from agentruns.processors.children import CHILD_PARAMETERS, ChildTemplate, child_run_id
+from agentruns.processors.effects import (
+    CallTool,
+    CancelTool,
+    Effect,
+    NotifyParent,
+    PollTool,
+    Reconcile,
+)
 from agentruns.processors.events import (
     CancelConfirmed,
     CancelUnconfirmed,
@@ -163,6 +172,10 @@ class ToolEntry:
     backend: str = "http"
     mcp_server: str | None = None  # the registry's name of the MCP server
     mcp_tool: str | None = None  # the tool's name at that server
+    # "run": a call starts a child run (connectors/executors/children.py), with `run` its
+    # template; "tool": an HTTP or MCP tool
+    kind: str = "tool"
+    run: ChildTemplate | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +205,9 @@ class ToolRegistry:
                 t["name"]: ToolEntry(
                     name=t["name"],
                     description=t.get("description", ""),
-                    parameters=t.get("parameters", {"type": "object"}),
+                    parameters=t.get(
+                        "parameters", CHILD_PARAMETERS if _kind(t) == "run" else {"type": "object"}
+                    ),
                     endpoint=t.get("endpoint", f"/tools/{t['name']}"),
                     method=t.get("method", "POST").upper(),
                     timeout_ms=int(t.get("timeout_ms", 5000)),
@@ -204,6 +219,10 @@ class ToolRegistry:
                     conn=parse_connectivity(t, f"tool {t['name']!r} in {path}", defaults),
                     limits=_limits(t),
                     approval_required=_flag(t, "approval_required", False),
+                    kind=_kind(t),
+                    run=template_of(t, f"tool {t['name']!r} in {path}")
+                    if _kind(t) == "run"
+                    else None,
                 )
                 for t in data.get("tools", [])
             }
@@ -245,6 +264,14 @@ def tools_of(registry: ToolRegistry) -> dict[str, ToolEntry]:
     that does not answer is logged and has none)."""
     listed, _ = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
     return {**listed, **registry.tools}
+
+
+def _kind(tool: Mapping[str, Any]) -> str:
+    """A registry entry's kind: ``tool`` (the default) or ``run`` (ValueError: another)."""
+    kind = tool.get("kind", "tool")
+    if kind not in ("tool", "run"):
+        raise ValueError(f"kind of {tool['name']!r} is not tool or run: {kind!r}")
+    return str(kind)
 
 
 def _flag(tool: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -347,7 +374,7 @@ def registry_from_args(path: str | None) -> ToolRegistry:
 class ToolHandler:
     """Executes tool effects over HTTP; one pooled keep-alive client shared by the pool."""
 
-    effect_types = frozenset({"CallTool", "Reconcile", "PollTool", "CancelTool"})
+    effect_types = frozenset({"CallTool", "Reconcile", "PollTool", "CancelTool", "NotifyParent"})
 
     def __init__(
         self,
@@ -361,8 +388,11 @@ class ToolHandler:
         lookup_timeout_s: float = 5.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         catalog_refresh_s: float = DEFAULT_CATALOG_REFRESH_S,
+        children: ChildRuns | None = None,
     ) -> None:
         self.registry = registry
+        # child runs (tools of kind run): None where no executor's Kafka is at hand
+        self.children = children
         # the registry file is read again this often (when it has a path), so a call is held
         # to the catalog as it is now; a file that cannot be read keeps the last registry
         self.catalog_refresh_s = catalog_refresh_s
@@ -371,7 +401,7 @@ class ToolHandler:
         self.reload_failures = 0
         self._base_url_given = bool(base_url)
         self.base_url = (base_url or registry.base_url).rstrip("/")
-        if not self.base_url and registry.tools:
+        if not self.base_url and _http_tools(registry):
             raise ExecutorError(
                 "no tool base URL", hint="set base_url in the registry or --base-url"
             )
@@ -408,7 +438,7 @@ class ToolHandler:
 
         try:
             registry = ToolRegistry.load(self.registry.path)
-            if registry.tools and not (self._base_url_given or registry.base_url):
+            if _http_tools(registry) and not (self._base_url_given or registry.base_url):
                 raise ExecutorError(f"{registry.path}: HTTP tools and no base_url")
         except ExecutorError as exc:
             self.reload_failures += 1
@@ -434,6 +464,8 @@ class ToolHandler:
 
     def close(self) -> None:
         self._http.close()
+        if self.children is not None:
+            self.children.close()
 
     def route_of(self, effect: Effect) -> str:
         """A tool effect's route is its tool (its calls and look-ups reach the same backend),
@@ -518,6 +550,9 @@ class ToolHandler:
     async def execute(self, effect: Effect, previous: ActionRecord | None, ahead: Ahead) -> Outcome:
         self.reload_if_due()
         tool = _tool_of(effect)
+        entry = self.registry.tools.get(tool)
+        if isinstance(effect, NotifyParent) or (entry is not None and entry.kind == "run"):
+            return await self._execute_child(effect, entry)
         if self.mcp.server_of(tool) is not None and tool not in self.registry.tools:
             return await self._execute_mcp(effect, previous)
         match effect:
@@ -533,6 +568,30 @@ class ToolHandler:
                 return await self._cancel(effect)
             case _:
                 raise ExecutorError(f"not a tool effect: {effect.type}")
+
+    async def _execute_child(self, effect: Effect, entry: ToolEntry | None) -> Outcome:
+        """An effect of a child run (connectors/executors/children.py)."""
+        children = self.children
+        if children is None:
+            return self.failure(
+                effect, "child_runs_unavailable", "this tool executor cannot start child runs"
+            )
+        match effect:
+            case NotifyParent():
+                return await children.notify(effect)
+            case CallTool():
+                assert entry is not None and entry.run is not None
+                op = effect.operation
+                refused = self._refused(effect, entry, self._ids(effect, op.key, op.dispatch))
+                if refused is not None:
+                    return refused
+                return await children.call(effect, entry.run)
+            case PollTool():
+                return await children.poll(effect)
+            case CancelTool():
+                return await children.cancel(effect, child_run_id(effect.operation_key))
+            case _:  # Reconcile: never asked (a child's start is never answered timed out)
+                return self.failure(effect, "child_run", "a child run's call is not looked up")
 
     def callback_for(self, key: str) -> str | None:
         """The X-Callback-URL of an operation: ``{key}`` in the template is replaced by the
@@ -1004,6 +1063,11 @@ class ToolHandler:
         return Outcome(CancelUnconfirmed(**ids), detail=f"cancel: {state}")
 
 
+def _http_tools(registry: ToolRegistry) -> bool:
+    """Whether ``registry`` has tools a base URL is needed for (not only child runs)."""
+    return any(t.kind == "tool" for t in registry.tools.values())
+
+
 def _tool_of(effect: Effect) -> str:
     if isinstance(effect, CallTool):
         return effect.operation.tool
@@ -1053,6 +1117,7 @@ class ToolExecutor(Executor):
             summary_bytes=summary_bytes,
             max_body_bytes=max_body_bytes,
             catalog_refresh_s=catalog_refresh_s,
+            children=ChildRuns(config),
         )
         try:
             super().__init__(config, handler)

@@ -14,13 +14,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from agentruns.connectors.dev.servers import model_server, tool_server
@@ -389,16 +390,25 @@ class Pipeline:
 
 @contextlib.contextmanager
 def running_pipeline(
-    kafka_bootstrap: str, database_url: str, tmp: Path, *, timers: bool = False
+    kafka_bootstrap: str,
+    database_url: str,
+    tmp: Path,
+    *,
+    timers: bool = False,
+    extra_tools: Sequence[dict[str, Any]] = (),
 ) -> Iterator[Pipeline]:
     """Processor, both executors (threads of this process), both servers in threads, and the
-    timer service when ``timers`` (back-off and user-expiry timers fire)."""
+    timer service when ``timers`` (back-off and user-expiry timers fire); ``extra_tools``:
+    registry entries added to the example registry's (tools of kind run)."""
     prefix = f"t-e2e-exec-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
     models = model_server.serve("127.0.0.1", 0)
     tools = tool_server.serve("127.0.0.1", 0)
     registry = fast_registry(tmp, tools.url)
     spec = json.loads(registry.read_text())
+    if extra_tools:
+        spec["tools"].extend(extra_tools)
+        registry.write_text(json.dumps(spec))
     store = PostgresArtifactStore(database_url)
     stop = threading.Event()
 
@@ -420,7 +430,7 @@ def running_pipeline(
     specs = tuple(
         ToolSpec(
             name=t["name"], parameters=t["parameters"], permission=t["permission"],
-            is_async=t["async"],
+            is_async=t.get("async", False), kind=t.get("kind", msgspec.UNSET),
         )
         for t in spec["tools"]
         if t["permission"] != "admin"
