@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from confluent_kafka import KafkaError, Message, Producer
 
 from agentruns.connectors.executors.base import ExecutorError, Outcome, event_identity
@@ -46,6 +47,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json, derive_key
 from agentruns.processors.state import ErrorClass, RunStatus
+from agentruns.processors.transition import load_candidate
 from agentruns.streams import records
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
@@ -128,12 +130,9 @@ class ChildRuns:
         if content is None:
             return None
         try:
-            value = json.loads(content)
-        except ValueError:
+            return load_candidate(content).content
+        except msgspec.DecodeError:  # not a candidate: the document as it is
             return content
-        if isinstance(value, dict) and isinstance(value.get("content"), str):
-            return str(value["content"])
-        return content
 
     # ------------------------------------------------------------------ effects
 
