@@ -35,7 +35,7 @@ from agentruns.connectors.api.operator import MAX_REASON_CHARS
 from agentruns.processors.events import ForkedFrom, RunSubmitted, UserReplied
 from agentruns.processors.events import Message as ChatMessage
 from agentruns.processors.ids import canonical_json, operation_key
-from agentruns.processors.state import Budgets, LoopLimits, Policy, ToolSpec
+from agentruns.processors.state import Budgets, LoopLimits, ParentLink, Policy, ToolSpec
 from agentruns.processors.transition import transition
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
@@ -297,6 +297,27 @@ def _inbox_fork(source: Callable[[str], str], state_of: Callable[[str], str]) ->
             state=state,
         )
         return _send(doors, run_id, encode("Input", input_record(record)))
+
+    return inject
+
+
+def _inbox_child(parent: Callable[[str], tuple[str, tuple[str, ...]]]) -> Inject:
+    """A task written to the inbox by hand as a child run's: ``parent(run_id)`` gives the
+    parent it names and the ancestors (its depth is their number)."""
+
+    def inject(doors: Doors, run_id: str) -> Injected:
+        named, ancestors = parent(run_id)
+        link = ParentLink(
+            run_id=named,
+            trace_id=f"trace-{named}",
+            operation_key=operation_key(named, 1, "ask", "{}"),
+            tool="ask",
+            step=1,
+            depth=len(ancestors),
+            ancestors=ancestors,
+        )
+        task = _task(run_id, doors, parent=link)
+        return _send(doors, run_id, encode("Input", input_record(task)))
 
     return inject
 
@@ -954,6 +975,36 @@ CASES: tuple[Case, ...] = (
         "inbox",
         Ending(dlq="a run id of its own"),
         _inbox_fork(lambda run: run, lambda run: run),
+    ),
+    # child runs: a child that names itself as its parent, a cycle through its ancestors, a
+    # task that sets the parent link through the API (only the tool executor may)
+    Case(
+        "inbox_child_naming_itself_as_its_parent",
+        "inbox",
+        Ending(status="FAILED", reason="invalid_input:child_cycle"),
+        _inbox_child(lambda run: (run, (run,))),
+    ),
+    Case(
+        "inbox_child_in_a_cycle_of_ancestors",
+        "inbox",
+        Ending(status="FAILED", reason="invalid_input:child_cycle"),
+        _inbox_child(lambda run: (f"{run}-b", (f"{run}-a", run, f"{run}-b"))),
+    ),
+    Case(
+        "api_task_naming_a_parent",
+        "api",
+        Ending(http=422),
+        lambda d, r: _api_submit(
+            lambda run: _api_task(
+                d.tools,
+                run,
+                parent={
+                    "run_id": run, "trace_id": "t", "operation_key": "k", "tool": "ask",
+                    "step": 1, "depth": 1, "ancestors": [run],
+                },
+            )
+        )(d, r),
+        needs_api=True,
     ),
 )
 
