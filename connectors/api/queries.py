@@ -65,6 +65,17 @@ def forks_of(conn: Conn, run_id: str, limit: int) -> list[dict[str, Any]]:
     )
 
 
+def children_of(conn: Conn, run_ids: list[str], limit: int) -> list[dict[str, Any]]:
+    """The child runs of the runs `run_ids` (the projection's lineage), oldest first."""
+    return _dicts(
+        conn.execute(
+            "SELECT run_id, parent_run_id, status, goal FROM runs"
+            " WHERE parent_run_id = ANY(%s) ORDER BY started_at, run_id LIMIT %s",
+            (run_ids, limit),
+        )
+    )
+
+
 def run_exists(conn: Conn, run_id: str) -> bool:
     return conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone() is not None
 

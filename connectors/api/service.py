@@ -67,6 +67,9 @@ from agentruns.streams.records import input_record, parse_state
 API_PRODUCER_ID = "api"
 #: The most forks of a run its view lists.
 MAX_FORKS_SHOWN = 100
+# A run page's tree of child runs: at most this many runs, this many levels down.
+MAX_CHILDREN_SHOWN = 100
+MAX_CHILD_LEVELS = 10
 
 
 CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
@@ -372,6 +375,11 @@ class ApiService:
             if isinstance(state.forked_from, msgspec.UnsetType)
             else state.forked_from.model_dump(),
             "forks": queries.forks_of(conn, run_id, MAX_FORKS_SHOWN),
+            # the run whose call started it, and the tree of the runs its calls started
+            "parent": None
+            if isinstance(state.parent, msgspec.UnsetType)
+            else state.parent.model_dump(),
+            "children": children_tree(conn, run_id),
             "question": None,
             "result": None,
         }
@@ -720,3 +728,29 @@ class ApiService:
         """Readiness (`/healthz`): Kafka and Postgres answer (the checks every service uses)."""
         ok, body = self.status.ready()
         return ok, {**body, "inbox": self.inbox.topic, "partitions": self.inbox.partitions}
+
+
+def children_tree(conn: Conn, run_id: str) -> list[dict[str, Any]]:
+    """The child runs of ``run_id``, each with its own children (``run_id``, ``status``,
+    ``goal``, ``children``), a level at a time: at most MAX_CHILDREN_SHOWN runs and
+    MAX_CHILD_LEVELS levels."""
+    nodes: dict[str, dict[str, Any]] = {}
+    roots: list[dict[str, Any]] = []
+    level = [run_id]
+    for _ in range(MAX_CHILD_LEVELS):
+        left = MAX_CHILDREN_SHOWN - len(nodes)
+        if not level or left <= 0:
+            break
+        rows = [r for r in queries.children_of(conn, level, left) if r["run_id"] not in nodes]
+        for row in rows:
+            node = {
+                "run_id": row["run_id"],
+                "status": row["status"],
+                "goal": (row["goal"] or "")[:200],
+                "children": [],
+            }
+            nodes[row["run_id"]] = node
+            above = nodes.get(row["parent_run_id"])
+            (roots if above is None else above["children"]).append(node)
+        level = [r["run_id"] for r in rows]
+    return roots

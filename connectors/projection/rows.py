@@ -100,6 +100,7 @@ RUN_COLUMNS = (
     "state",
     "forked_from_run_id",
     "forked_from_seq",
+    "parent_run_id",
 )
 EVENT_COLUMNS = (
     "run_id",
@@ -189,6 +190,7 @@ def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
         state.result_ref,
         state.model_dump_json(),
         *_lineage(state),
+        None if isinstance(state.parent, msgspec.UnsetType) else state.parent.run_id,
     )
 
 

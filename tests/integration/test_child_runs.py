@@ -34,6 +34,8 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
+from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.serve import serving
 from agentruns.connectors.dev.servers import model_server, tool_server
 from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
@@ -45,8 +47,11 @@ from agentruns.streams.admin import ensure_topics
 from agentruns.streams.processor import Processor, ProcessorConfig
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import effect_suffix, topic_name
+from tests.support.api import SECRET, TOKEN
+from tests.support.console import csrf_of
 from tests.support.executors import fast_registry
 from tests.support.pipeline import Inbox, Pipeline, read_raw, running_pipeline
+from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,10 +87,29 @@ def pipeline(
     kafka_bootstrap: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pipeline]:
     tmp = tmp_path_factory.mktemp("children")
-    with running_pipeline(
-        kafka_bootstrap, database_url, tmp, timers=True, extra_tools=CHILD_TOOLS
-    ) as pipe:
+    with (
+        running_pipeline(
+            kafka_bootstrap, database_url, tmp, timers=True, extra_tools=CHILD_TOOLS
+        ) as pipe,
+        running_sink(kafka_bootstrap, database_url, pipe.prefix),
+    ):
         yield pipe
+
+
+@pytest.fixture(scope="module")
+def api(pipeline: Pipeline, database_url: str) -> Iterator[httpx.Client]:
+    """The API and console on the pipeline's prefix, a client with the API's token."""
+    config = ApiConfig(
+        bootstrap=pipeline.bootstrap,
+        database_url=database_url,
+        api_token=TOKEN,
+        secret=SECRET,
+        prefix=pipeline.prefix,
+    )
+    with serving(config) as url:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+            yield client
 
 
 @pytest.fixture
@@ -177,6 +201,41 @@ def test_a_parent_waits_for_its_child_and_resumes_with_its_answer(
     states = [json.loads(s["state"]) for s in e2e._read("state", "Snapshot", parent)]
     assert "WAITING_TOOL" in {s["status"] for s in states}
     assert states[-1]["children"] == 1
+
+
+def test_the_api_and_the_console_show_a_childs_parent_and_a_runs_tree_of_children(
+    e2e: Pipeline, api: httpx.Client
+) -> None:
+    parent = new_run("tree")
+    submit(e2e, parent, "delegate")
+    assert e2e.result(parent)["status"] == "SUCCEEDED"
+    (call,) = child_calls(e2e, parent)
+    child = child_run_id(call["operation"]["key"])
+
+    def shown(run_id: str) -> dict[str, Any] | None:
+        r = api.get(f"/runs/{run_id}")
+        return dict(r.json()) if r.status_code == 200 and r.json()["terminal"] else None
+
+    above = wait_for(lambda: shown(parent), 60, "the parent projected")
+    below = wait_for(lambda: shown(child), 60, "the child projected")
+    assert below["parent"]["run_id"] == parent and below["parent"]["tool"] == "ask_specialist"
+    assert below["children"] == [] and above["parent"] is None
+    assert above["children"] == [
+        {
+            "run_id": child,
+            "status": "SUCCEEDED",
+            "goal": "Find the escalation policy for printers.",
+            "children": [],
+        }
+    ]
+    with httpx.Client(base_url=str(api.base_url), timeout=30) as viewer:
+        form = viewer.get("/ui/login")
+        done = viewer.post("/ui/login", data={"csrf": csrf_of(form.text), "token": TOKEN})
+        assert done.status_code == 303, done.text
+        page = viewer.get(f"/ui/runs/{parent}")
+        assert 'id="child-runs"' in page.text and f"/runs/{child}" in page.text
+        page = viewer.get(f"/ui/runs/{child}")
+        assert 'id="parent-run"' in page.text and f"/runs/{parent}" in page.text
 
 
 def test_a_child_over_its_budget_fails_alone_and_its_parent_reads_the_error(

@@ -999,8 +999,13 @@ CASES: tuple[Case, ...] = (
                 d.tools,
                 run,
                 parent={
-                    "run_id": run, "trace_id": "t", "operation_key": "k", "tool": "ask",
-                    "step": 1, "depth": 1, "ancestors": [run],
+                    "run_id": run,
+                    "trace_id": "t",
+                    "operation_key": "k",
+                    "tool": "ask",
+                    "step": 1,
+                    "depth": 1,
+                    "ancestors": [run],
                 },
             )
         )(d, r),
