@@ -31,6 +31,7 @@ from agentruns.connectors.endpoints import state_dir
 from agentruns.connectors.executors.tool import ToolRegistry, tools_of
 from agentruns.connectors.postgres.dsn import redact_dsn
 from agentruns.connectors.postgres.migrate import migrate
+from agentruns.processors.children import CHILD_PARAMETERS, child_run_id
 from agentruns.processors.effects import AskUser, CallTool
 from agentruns.processors.events import (
     CancelRequested,
@@ -78,11 +79,27 @@ def registry_tools() -> tuple[ToolSpec, ...]:
     )
 
 
+#: The demo's tool of kind run: a call hands a question to a specialist agent, a child run on
+#: the scripted `specialist` scenario with the caller's search tool (docs/tools.md).
+SPECIALIST_TOOL: dict[str, Any] = {
+    "name": "ask_specialist",
+    "kind": "run",
+    "description": "Hand a question to a specialist agent (a child run) and wait for its answer.",
+    "permission": "read",
+    "parameters": CHILD_PARAMETERS,
+    "run": {"model_route": "scenario:specialist", "tools": ["search_docs"]},
+}
+SPECIALIST_SPEC = ToolSpec(
+    name="ask_specialist", parameters=CHILD_PARAMETERS, permission="read", kind="run"
+)
+
+
 def registry_with_shop(registry: Path, shop_url: str) -> Path:
     """Write at ``registry`` the example registry with the example MCP server at ``shop_url``
-    as ``shop``."""
+    as ``shop`` and the demo's tool of kind run."""
     spec = json.loads(REGISTRY.read_text())
     spec["mcp_servers"] = [mcp_server.dev_registry_entry(shop_url)]
+    spec["tools"].append(SPECIALIST_TOOL)
     registry.write_text(json.dumps(spec))
     return registry
 
@@ -131,6 +148,8 @@ class Scenario:
     # registry's HTTP tools, or the example MCP server's
     route: str = ""
     mcp_tools: bool = False
+    # tools the task has beside the registry's (the demo's tool of kind run)
+    extra_tools: tuple[ToolSpec, ...] = ()
 
 
 class Demo:
@@ -233,7 +252,7 @@ def submit(demo: Demo, sc: Scenario, tools: tuple[ToolSpec, ...]) -> None:
             Message(role="system", content=f"scenario:{sc.model_scenario}"),
             Message(role="user", content=f"{sc.description} (run {run_id})"),
         ),
-        tools=tools,
+        tools=(*tools, *sc.extra_tools),
         policy=sc.policy,
         model_route=sc.route or f"scenario:{sc.model_scenario}",
         budgets=sc.budgets,
@@ -352,6 +371,20 @@ def fork_on_another_route(demo: Demo, sc: Scenario, state: RunState | None) -> N
     _forked(demo, sc, forks.plan(log, answers[1] - 1, edits=edits), "succeeded; forked")
 
 
+def report_children(demo: Demo, sc: Scenario, state: RunState | None) -> None:
+    """Say which child run the parent's call started once the parent ended."""
+    if state is None or not state.terminal:
+        return
+    keys = sorted(demo.op_keys.get(sc.run_id, ()))
+    children = [r for r in (child_run_id(k) for k in keys) if r in demo.results]
+    if not children:  # its result is read from another topic: it comes
+        return
+    sc.done_driving = True
+    for run_id in children:
+        child = demo.results[run_id]
+        demo.say(f"{sc.name}: child run {run_id} ended {child['status']}")
+
+
 def scenarios() -> list[Scenario]:
     return [
         Scenario("success", "multi_tool", "open a ticket and notify the customer", "SUCCEEDED"),
@@ -427,6 +460,14 @@ def scenarios() -> list[Scenario]:
             "open a ticket, then fork the run at step 2 onto the Anthropic route",
             "SUCCEEDED",
             drive=fork_on_another_route,
+        ),
+        Scenario(
+            "child-run",
+            "delegate",
+            "find the escalation policy through a specialist agent (a child run)",
+            "SUCCEEDED",
+            extra_tools=(SPECIALIST_SPEC,),
+            drive=report_children,
         ),
         Scenario(
             "processor-killed",
