@@ -227,6 +227,9 @@ class CatalogRefresher:
 def _backend(entry: ToolEntry | None) -> str:
     if entry is None:
         return ""
+    if entry.kind == "run":
+        route = entry.run.model_route if entry.run is not None else None
+        return f"run {route or '(the caller route)'}"
     if entry.backend == "mcp":
         return f"mcp {entry.mcp_server} {entry.mcp_tool}"
     return f"{entry.method} {entry.endpoint}"

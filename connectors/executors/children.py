@@ -69,23 +69,26 @@ class ChildRuns:
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.topic = topic_name(INBOX, config.prefix)
-        self._producer = Producer(
-            {
-                "bootstrap.servers": config.bootstrap,
-                **client_settings(),
-                "enable.idempotence": True,
-                "linger.ms": 1,
-                **NO_DELAY,
-                "log_level": 3,
-                **config.extra_producer,
-            }
-        )
+        self._settings = {
+            "bootstrap.servers": config.bootstrap,
+            **client_settings(),
+            "enable.idempotence": True,
+            "linger.ms": 1,
+            **NO_DELAY,
+            "log_level": 3,
+            **config.extra_producer,
+        }
+        # made with the first child: an executor whose registry has no tool of kind run has
+        # no producer of its own
+        self._producer: Producer | None = None
         self._partitions: int | None = None
         self._store = PostgresArtifactStore(config.database_url)
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()  # the store's connection: one thread at a time
 
     def close(self) -> None:
-        release(self._producer, 5)
+        if self._producer is not None:
+            release(self._producer, 5)
         self._store.close()
 
     # ------------------------------------------------------------------ I/O (worker threads)
@@ -94,9 +97,11 @@ class ChildRuns:
         """``event`` on the inbox partition of its run, acknowledged (ExecutorError: not in
         time or refused; the handler's guard answers the call with its failure)."""
         with self._lock:
+            if self._producer is None:
+                self._producer = Producer(self._settings)
             if self._partitions is None:
                 self._partitions = partition_count(self._producer, self.topic)
-            partitions = self._partitions
+            producer, partitions = self._producer, self._partitions
         record = records.input_record(event, input_id=input_id)
         done = threading.Event()
         failure: list[KafkaError] = []
@@ -106,7 +111,7 @@ class ChildRuns:
                 failure.append(err)
             done.set()
 
-        self._producer.produce(
+        producer.produce(
             self.topic,
             key=run_key(event.run_id),
             value=encode("Input", record),
@@ -116,9 +121,9 @@ class ChildRuns:
         )
         deadline = time.monotonic() + PRODUCE_TIMEOUT_S
         while not done.is_set() and time.monotonic() < deadline:
-            self._producer.poll(0.05)
-        if not done.is_set():
-            raise ExecutorError(f"no acknowledgement from {self.topic} in time")
+            producer.poll(0.05)
+        if not done.is_set():  # the broker is away: the effect is carried out again later
+            raise ExecutorError(f"no acknowledgement from {self.topic} in time", retryable=True)
         if failure:
             raise ExecutorError(f"producing to {self.topic}: {failure[0]}")
 
@@ -126,7 +131,8 @@ class ChildRuns:
         """The text of a child's final answer (its candidate's content), or None."""
         if ref is None:
             return None
-        content = self._store.get(ref)
+        with self._store_lock:
+            content = self._store.get(ref)
         if content is None:
             return None
         try:

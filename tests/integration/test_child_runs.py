@@ -37,6 +37,7 @@ from confluent_kafka import Producer
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
 from agentruns.connectors.dev.servers import model_server, tool_server
+from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject
 from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, RouteConfig, Routes
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -236,6 +237,38 @@ def test_the_api_and_the_console_show_a_childs_parent_and_a_runs_tree_of_childre
         assert 'id="child-runs"' in page.text and f"/runs/{child}" in page.text
         page = viewer.get(f"/ui/runs/{child}")
         assert 'id="parent-run"' in page.text and f"/runs/{parent}" in page.text
+
+
+def test_the_hostile_child_cases_end_as_they_must(e2e: Pipeline, api: httpx.Client) -> None:
+    """The child-run cases of the hostile suite (`agentruns chaos --hostile` runs them beside
+    good runs), here against this pipeline: a child naming itself as its parent and a cycle
+    through its ancestors fail, a task naming a parent through the API is refused."""
+    doors = Doors(
+        e2e.bootstrap,
+        e2e.prefix,
+        2,
+        e2e.models.url,
+        e2e.tools.url,
+        e2e.tool_specs,
+        api_url=str(api.base_url),
+        api_token=TOKEN,
+    )
+    child_cases = [c for c in cases(api=True) if "child" in c.name or "parent" in c.name]
+    assert len(child_cases) == 3
+    try:
+        injected = [(c, inject(c, doors, new_run("hostile"))) for c in child_cases]
+        doors.flush()
+        ran = [i.run_id for c, i in injected if c.ending.status is not None]
+        assert None not in ran
+        ended = e2e.results([r for r in ran if r is not None], timeout=60)
+        results = {run_id: [result] for run_id, result in ended.items()}
+        for case, done in injected:
+            assert check(case, done, results, {}) is None, (case.name, done)
+        for run_id in ran:  # a link that cannot be answers nobody
+            assert run_id is not None
+            assert not [e for e in e2e.effects("tool", run_id) if e["type"] == "NotifyParent"]
+    finally:
+        doors.close()
 
 
 def test_a_child_over_its_budget_fails_alone_and_its_parent_reads_the_error(
