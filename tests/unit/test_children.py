@@ -6,6 +6,7 @@ caller context, cancel and end notice."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -13,7 +14,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentruns.connectors.catalog import catalog_of
+from agentruns.connectors.executors.base import ExecutorError
+from agentruns.connectors.executors.children import template_of
+from agentruns.connectors.executors.tool import ToolRegistry
+from agentruns.processors.catalog import (
+    Catalog,
+    CatalogTool,
+    catalog_problem,
+    with_catalog_defaults,
+    with_catalog_fields,
+)
 from agentruns.processors.children import (
+    CHILD_PARAMETERS,
     ChildTemplate,
     carve,
     child_key,
@@ -408,3 +421,67 @@ def test_a_fork_of_a_child_answers_no_caller() -> None:
         ),
     )  # fmt: skip
     assert fork.state is not None and isinstance(fork.state.parent, msgspec.UnsetType)
+
+
+# --------------------------------------------------------------------------- catalog, registry
+
+
+def test_the_catalog_fills_and_holds_a_tools_kind() -> None:
+    catalog = Catalog.of("v1", {"ask": CatalogTool(kind="run"), "search_docs": CatalogTool()})
+    assert Catalog.of("v1", {"search_docs": CatalogTool()}).version.startswith("v1+")
+    # a record that left the kind out gets the catalog's; a task declaring another is refused
+    (filled,) = with_catalog_defaults((ToolSpec(name="ask"),), catalog)
+    assert filled.kind == "run"
+    wrong = catalog_problem((ToolSpec(name="search_docs", kind="run"),), Policy(), catalog)
+    assert wrong == (
+        "invalid_input:tool_differs_from_catalog: search_docs: kind run differs from the"
+        " catalog's tool"
+    )
+    assert catalog_problem((ToolSpec(name="ask", kind="run"),), Policy(), catalog) is None
+    assert with_catalog_fields({"name": "search_docs"}, catalog) == {
+        "name": "search_docs",
+        "parameters": {"type": "object"},
+        "permission": "read",
+        "idempotent": True,
+        "is_async": False,
+    }
+    assert with_catalog_fields({"name": "ask"}, catalog)["kind"] == "run"
+
+
+@pytest.mark.parametrize(
+    ("run", "error"),
+    [
+        ([], "is not an object"),
+        ({"model": "x"}, "unknown fields ['model']"),
+        ({"model_route": 5}, "run.model_route"),
+        ({"tools": "search_docs"}, "run.tools"),
+        ({"max_depth": -1}, "run.max_depth"),
+        ({"max_children": True}, "run.max_children"),
+        ({"max_children": 10**6}, "run.max_children"),
+    ],
+)
+def test_a_registry_entry_of_kind_run_that_cannot_be_is_refused(run: Any, error: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        template_of({"name": "ask", "kind": "run", "run": run}, "tool 'ask'")
+
+
+def test_a_registry_entry_of_kind_run_loads_with_the_childs_task_schema(tmp_path: Any) -> None:
+    path = tmp_path / "tools.json"
+    path.write_text(
+        json.dumps(
+            {
+                "version": "1",
+                "tools": [
+                    {"name": "ask", "kind": "run", "run": {"max_depth": 2, "tools": ["x"]}},
+                ],
+            }
+        )
+    )
+    registry = ToolRegistry.load(path)  # no base_url: no HTTP tool needs one
+    entry = registry.tools["ask"]
+    assert entry.kind == "run" and entry.parameters == CHILD_PARAMETERS
+    assert entry.run == ChildTemplate(max_depth=2, tools=("x",))
+    assert catalog_of(registry, dict(registry.tools)).tools["ask"].kind == "run"
+    path.write_text(json.dumps({"version": "1", "tools": [{"name": "ask", "kind": "agent"}]}))
+    with pytest.raises(ExecutorError, match="kind of 'ask' is not tool or run"):
+        ToolRegistry.load(path)
