@@ -18,6 +18,7 @@ from agentruns.processors.state import (
     RunStatus,
     TimerPurpose,
     Tools,
+    Usage,
 )
 
 # Values an effect copies from the run's input keep their bounds (ids, times the core caps at
@@ -147,6 +148,7 @@ class NotifyParent(EffectBase, tag="NotifyParent", frozen=True, kw_only=True, gc
     result_ref: str  # the child's result document
     answer_ref: str | None  # the child's final answer (a candidate), when it succeeded
     reason: str
+    usage: Usage = Usage()  # what the child spent, charged to the caller
 
 
 Effect = (

@@ -150,6 +150,9 @@ class ToolCallSucceeded(OpEvent, tag="ToolCallSucceeded", frozen=True, kw_only=T
     summary: OutputSummary | None = None
     resource_version: Id | None = None
     candidate_count: Count | None = None
+    # A child run's answer: what the child spent, charged to the caller's budgets (its
+    # remainder is what the child's budget was carved from). UNSET for any other tool.
+    child_usage: ModelUsage | msgspec.UnsetType = msgspec.UNSET
 
 
 class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True, gc=False):
@@ -158,6 +161,8 @@ class ToolCallFailed(OpEvent, tag="ToolCallFailed", frozen=True, kw_only=True, g
     error_code: Id
     message: Text = ""
     retry_after_ms: DurationMs | None = None
+    # A child run's failure: what the child spent, charged to the caller's budgets.
+    child_usage: ModelUsage | msgspec.UnsetType = msgspec.UNSET
 
 
 class ToolCallTimedOut(OpEvent, tag="ToolCallTimedOut", frozen=True, kw_only=True, gc=False):

@@ -46,6 +46,7 @@ from agentruns.processors.events import (
     Message,
     ModelCallCompleted,
     ModelOutcome,
+    ModelUsage,
     ReconcileCompleted,
     ReconcileOutcome,
     RedriveRequested,
@@ -354,6 +355,7 @@ def _terminate(
                 result_ref=ref,
                 answer_ref=answer_ref,
                 reason=reason[:300],
+                usage=s.usage,
             )
         )
     s = replace(s, outcome=reason, result_ref=ref, question=None, pending_final_ref=None)
@@ -918,11 +920,24 @@ def _succeed(
     return s.model_copy(update=update)
 
 
+def _charged(s: RunState, usage: ModelUsage | msgspec.UnsetType) -> RunState:
+    """``s`` with what a child run spent added to its usage (its budgets' counters)."""
+    if isinstance(usage, msgspec.UnsetType):
+        return s
+    spent = Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cost_micros=usage.cost_micros,
+    )
+    return replace(s, usage=s.usage.plus(spent))
+
+
 def _on_tool_succeeded(s: RunState, e: ToolCallSucceeded) -> Transition:
     op = _lookup(s, e, IN_FLIGHT | {OpStatus.UNKNOWN})
     if isinstance(op, Transition):
         return op
     out = _Out(s, e)
+    s = _charged(s, e.child_usage)
     summary_ref = None
     if e.summary is not None and e.result_bytes > s.config.policy.large_output_bytes:
         summary = {"raw_ref": e.result_ref, "summary": e.summary.model_dump(mode="json")}
@@ -936,6 +951,7 @@ def _on_tool_failed(s: RunState, e: ToolCallFailed) -> Transition:
     if isinstance(op, Transition):
         return op
     out = _Out(s, e)
+    s = _charged(s, e.child_usage)
     s = _cancel_timers(s, out, keep=lambda t: t.op_key != op.key)
     failed = replace(op, status=OpStatus.FAILED, error_class=e.error_class, error_code=e.error_code)
     s = _replace_op(s, failed)

@@ -41,6 +41,7 @@ from agentruns.processors.events import (
     CancelConfirmed,
     CancelRequested,
     Event,
+    ModelUsage,
     ToolCallAccepted,
     ToolCallFailed,
     ToolStatusReported,
@@ -185,7 +186,15 @@ class ChildRuns:
 
     async def notify(self, effect: NotifyParent) -> Outcome:
         """The caller's operation answered with the child's end."""
-        ids = _ids(effect, effect.operation_key, effect.dispatch)
+        spent = effect.usage
+        ids = {
+            **_ids(effect, effect.operation_key, effect.dispatch),
+            "child_usage": ModelUsage(
+                input_tokens=spent.input_tokens,
+                output_tokens=spent.output_tokens,
+                cost_micros=spent.cost_micros,
+            ),
+        }
         if effect.status is not RunStatus.SUCCEEDED:
             event: Event = ToolCallFailed(
                 **ids,

@@ -199,6 +199,9 @@ def test_a_parent_waits_for_its_child_and_resumes_with_its_answer(
     result = json.loads(store.get(succeeded["result_ref"]) or "{}")
     assert result["output"]["run_id"] == child
     assert result["output"]["answer"] == "Printers escalate to facilities within four hours."
+    # what the child spent is charged to the parent
+    (child_end,) = [json.loads(s["state"]) for s in e2e._read("state", "Snapshot", child)][-1:]
+    assert succeeded["child_usage"] == child_end["usage"] and child_end["usage"]["input_tokens"]
     states = [json.loads(s["state"]) for s in e2e._read("state", "Snapshot", parent)]
     assert "WAITING_TOOL" in {s["status"] for s in states}
     assert states[-1]["children"] == 1

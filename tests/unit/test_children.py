@@ -49,6 +49,7 @@ from agentruns.processors.events import (
     ForkedFrom,
     ModelCallCompleted,
     ModelOutcome,
+    ModelUsage,
     RunSubmitted,
     ToolCallAccepted,
     ToolCallFailed,
@@ -485,3 +486,30 @@ def test_a_registry_entry_of_kind_run_loads_with_the_childs_task_schema(tmp_path
     path.write_text(json.dumps({"version": "1", "tools": [{"name": "ask", "kind": "agent"}]}))
     with pytest.raises(ExecutorError, match="kind of 'ask' is not tool or run"):
         ToolRegistry.load(path)
+
+
+def test_what_a_child_spent_is_charged_to_its_caller() -> None:
+    s = _state(Budgets(max_tokens=1000))
+    t = _asked(s, ("ask", {"goal": "a"}))
+    (call_effect,) = [e for e in t.effects if isinstance(e, CallTool)]
+    args = {"goal": "a"}
+    child = child_submission(call_effect, args, ChildTemplate())
+    assert isinstance(child, RunSubmitted) and child.budgets.max_tokens == 1000
+    ended = transition(
+        transition(None, child).state,
+        CancelRequested(run_id=child.run_id, event_id="cc", at=AT + 40, trace_id=child.trace_id),
+    )
+    (notice,) = [e for e in ended.effects if isinstance(e, NotifyParent)]
+    assert notice.usage == Usage()
+    spent = ModelUsage(input_tokens=300, output_tokens=100, cost_micros=7)
+    failed = transition(
+        t.state,
+        ToolCallFailed(
+            run_id="parent", event_id="f", at=AT + 50, trace_id="trace-p", step=1,
+            operation_key=call_effect.operation.key, error_class=ErrorClass.UNKNOWN,
+            error_code="child_failed", child_usage=spent,
+        ),
+    )  # fmt: skip
+    assert failed.state is not None
+    assert failed.state.usage == Usage(input_tokens=300, output_tokens=100, cost_micros=7)
+    assert remaining(failed.state).max_tokens == 600
