@@ -56,6 +56,7 @@ from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+AGENTRUNS = str(Path(sys.executable).parent / "agentruns")
 
 CHILD_TOOLS: list[dict[str, Any]] = [
     {
@@ -208,7 +209,7 @@ def test_a_parent_waits_for_its_child_and_resumes_with_its_answer(
 
 
 def test_the_api_and_the_console_show_a_childs_parent_and_a_runs_tree_of_children(
-    e2e: Pipeline, api: httpx.Client
+    e2e: Pipeline, api: httpx.Client, database_url: str
 ) -> None:
     parent = new_run("tree")
     submit(e2e, parent, "delegate")
@@ -232,6 +233,14 @@ def test_the_api_and_the_console_show_a_childs_parent_and_a_runs_tree_of_childre
             "children": [],
         }
     ]
+    # audit folds both logs again and finds the projection (the lineage column too) the same
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": e2e.bootstrap, "DATABASE_URL": database_url}
+    audited = subprocess.run(
+        [AGENTRUNS, "audit", "--run", parent, "--run", child, "--prefix", e2e.prefix],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    assert "audited 2 runs: 0 differences" in audited.stdout
     with httpx.Client(base_url=str(api.base_url), timeout=30) as viewer:
         form = viewer.get("/ui/login")
         done = viewer.post("/ui/login", data={"csrf": csrf_of(form.text), "token": TOKEN})
