@@ -21,6 +21,7 @@ from agentruns.processors.effects import (
     CancelTimer,
     CancelTool,
     Effect,
+    NotifyParent,
     PollTool,
     PublishResult,
     Reconcile,
@@ -56,6 +57,8 @@ def describe_effect(effect: Effect) -> str:
             return f"AskUser {effect.question_id} expires={_iso(effect.expires_at)}"
         case PublishResult():
             return f"PublishResult {effect.status} {effect.result_ref}"
+        case NotifyParent():
+            return f"NotifyParent {effect.run_id} op={effect.operation_key} {effect.status}"
     return str(effect.type)  # pragma: no cover - every effect type is listed above
 
 
@@ -204,6 +207,12 @@ def format_timeline(run_id: str, entries: Sequence[TimelineEntry], state: RunSta
         lineage = lineage_of(state)
         if lineage is not None:
             lines.append(_lineage_line(lineage))
+        parent = state.parent
+        if not isinstance(parent, msgspec.UnsetType):
+            lines.append(
+                f"started by {parent.run_id} (its call of {parent.tool} at step {parent.step},"
+                f" op={parent.operation_key}, depth {parent.depth})"
+            )
         lines.append(
             f"final: {state.status} step {state.step} version {state.version} "
             f"resolution {state.resolution} outcome {state.outcome or '-'}"

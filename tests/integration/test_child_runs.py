@@ -241,6 +241,15 @@ def test_the_api_and_the_console_show_a_childs_parent_and_a_runs_tree_of_childre
     )  # fmt: skip
     assert audited.returncode == 0, audited.stdout + audited.stderr
     assert "audited 2 runs: 0 differences" in audited.stdout
+    replayed = subprocess.run(
+        [AGENTRUNS, "replay", "--prefix", e2e.prefix, child],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert f"started by {parent} (its call of ask_specialist" in replayed.stdout
+    assert f"effect: NotifyParent {parent} op={call['operation']['key']} SUCCEEDED" in (
+        replayed.stdout
+    )
     with httpx.Client(base_url=str(api.base_url), timeout=30) as viewer:
         form = viewer.get("/ui/login")
         done = viewer.post("/ui/login", data={"csrf": csrf_of(form.text), "token": TOKEN})
