@@ -86,6 +86,10 @@ class ChildRuns:
         self._store = PostgresArtifactStore(config.database_url)
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()  # the store's connection: one thread at a time
+        # children being submitted, by run id: a cancel of one waits for its submission (a
+        # call and its cancel are effects of one partition, so of this executor, and run at
+        # once: the cancel must not reach the inbox before the run it cancels)
+        self._starting: dict[str, asyncio.Event] = {}
 
     def close(self) -> None:
         if self._producer is not None:
@@ -157,7 +161,12 @@ class ChildRuns:
                 **ids, error_class=ErrorClass.UNKNOWN, error_code=code, message=message
             )
             return Outcome(event, detail=f"child refused: {submission}"[:300])
-        await asyncio.to_thread(self._produce, submission, submission.event_id)
+        started = self._starting.setdefault(submission.run_id, asyncio.Event())
+        try:
+            await asyncio.to_thread(self._produce, submission, submission.event_id)
+        finally:
+            started.set()
+            self._starting.pop(submission.run_id, None)
         accepted = ToolCallAccepted(**ids, poll_after_ms=POLL_AFTER_MS)
         return Outcome(accepted, detail=f"child run {submission.run_id}")
 
@@ -172,6 +181,9 @@ class ChildRuns:
     async def cancel(self, effect: CancelTool, child_run_id: str) -> Outcome:
         """Ask the child to cancel (its own cancel then reaches its children) and confirm."""
         ids = _ids(effect, effect.operation_key, effect.dispatch)
+        starting = self._starting.get(child_run_id)
+        if starting is not None:
+            await asyncio.wait_for(starting.wait(), PRODUCE_TIMEOUT_S)
         request = CancelRequested(
             run_id=child_run_id,
             event_id="cancel-" + derive_key("cancel_child", effect.idempotency_key)[:32],
