@@ -16,8 +16,10 @@ executions per key, fault counts), ``POST /faults`` with ``{"target": tool or "*
 Fault kinds: ``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in
 the middle of the call, after counting the call and before answering), ``error`` (an
 ``isError`` result, nothing executed), ``huge`` (a text block of ``size`` bytes),
-``tools_changed`` (the call adds the tool ``archive_order`` to the list and tells the client:
-``notifications/tools/list_changed``); and, answered on the wire in the SDK's place (the tool
+``tools_changed`` (the call adds the tool ``archive_order`` to the list and announces it:
+``notifications/tools/list_changed`` on the call's own answer and on the standing ``GET``
+stream of every session, so a listener that makes no call hears it too; the server
+advertises ``tools.listChanged``); and, answered on the wire in the SDK's place (the tool
 never called, no call counted): ``malformed`` (JSON cut short), ``wrong_id`` (a result to
 another request id), ``unknown_block`` (a result whose content block has a type the protocol
 does not have). A rule with ``run`` matches only that run's calls (the request's
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,10 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
+from mcp.server.lowlevel import NotificationOptions
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations, ToolListChangedNotification
+from mcp.shared.message import SessionMessage
+from mcp_types import JSONRPCNotification, ToolAnnotations, ToolListChangedNotification
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -162,6 +168,7 @@ def build(state: ServerState) -> MCPServer:
     """The example server: its tools, their annotations and the admin routes."""
     server: MCPServer = MCPServer("agentruns-example", version="1", log_level="WARNING")
     logging.getLogger("mcp").setLevel(logging.WARNING)
+    _advertise_list_changed(server)
 
     async def before(tool: str, ctx: Context) -> str | None:
         """Count the call and apply a fault (ToolError: an ``isError`` result, nothing
@@ -185,6 +192,7 @@ def build(state: ServerState) -> MCPServer:
                 await ctx.request_context.session.send_notification(
                     ToolListChangedNotification(), related_request_id=ctx.request_context.request_id
                 )
+                await announce_tools_changed(server)
         return None
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
@@ -313,6 +321,33 @@ def _replay(messages: list[Message], then: Receive) -> Receive:
 def app_of(state: ServerState) -> ASGIApp:
     """The ASGI app: the SDK's streamable HTTP app behind the wire faults."""
     return WireFaults(build(state).streamable_http_app(), state)
+
+
+def _advertise_list_changed(server: MCPServer) -> None:
+    """Advertise ``tools.listChanged`` in the ``initialize`` answer (the SDK's server
+    advertises it only when its initialization options are given the flag)."""
+    low = server._lowlevel_server
+    make = low.create_initialization_options
+
+    def options(notification_options: NotificationOptions | None = None, *args: Any) -> Any:
+        return make(notification_options or NotificationOptions(tools_changed=True), *args)
+
+    low.create_initialization_options = options  # type: ignore[method-assign,assignment]
+
+
+async def announce_tools_changed(server: MCPServer) -> None:
+    """``notifications/tools/list_changed`` on the standing ``GET`` stream of every session
+    (a message not related to a request goes there; a session without one loses it)."""
+    note = JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed")
+    # the SDK's server has no broadcast to every session (its own is for the 2026 wire's
+    # subscriptions/listen): each session's transport is sent the message as its server would
+    for transport in list(server.session_manager._server_instances.values()):
+        stream = transport._write_stream
+        if stream is None:
+            continue
+        gone = (anyio.ClosedResourceError, anyio.BrokenResourceError, TimeoutError)
+        with contextlib.suppress(*gone), anyio.fail_after(1.0):
+            await stream.send(SessionMessage(note))
 
 
 def _add_archive(server: MCPServer) -> None:
