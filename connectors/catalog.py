@@ -4,10 +4,13 @@ The processor, the API and `agentruns run` hold every task to the catalog of the
 are given (``--registry``, else the ``tool_registry`` setting, ``AGENTRUNS_TOOL_REGISTRY``); with
 none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`: its HTTP
 tools and the tools its MCP servers list when the catalog is made. A `CatalogRefresher` makes
-it again every ``catalog_refresh_s`` (the registry file and the routes file read again, every
-MCP server listed again) and hands a new version to its component; a refresh that cannot read
-a file keeps the catalog it has, and an MCP server that does not answer keeps the tools it
-last listed (both logged and counted): a catalog is never emptied by an outage.
+it again every ``catalog_refresh_s`` and when an MCP server announces that its tools changed
+(``notifications/tools/list_changed``, heard on a standing session:
+:mod:`agentruns.connectors.executors.mcp_listen`): the registry file and the routes file read
+again (a registry made in memory is its own source), every MCP server listed again, a new
+version handed to its component. A refresh that cannot read a file keeps the catalog it has,
+and an MCP server that does not answer keeps the tools it last listed (both logged and
+counted): a catalog is never emptied by an outage.
 """
 
 from __future__ import annotations
@@ -138,9 +141,12 @@ def changes(before: Catalog, after: Catalog) -> str:
 
 
 class CatalogRefresher:
-    """Makes a long-running component's catalog again every ``interval_s`` from the registry
-    file at ``path`` (and the model routes file ``routes``) and the MCP servers it names, and
-    hands each new version to ``apply`` (the processor's `set_catalog`, the API's config).
+    """Makes a long-running component's catalog again every ``interval_s``, and soon after an
+    MCP server announces a change (``listen``: one standing session per server that can,
+    announcements coalesced), from the registry ``source`` (its file, read again each time, or
+    a registry made in memory) and the model routes file ``routes`` and the MCP servers it
+    names, and hands each new version to ``apply`` (the processor's `set_catalog`, the API's
+    config, the monolith's).
 
     - the registry or routes file cannot be read or is not valid: the catalog stays
       (``failed``, logged);
