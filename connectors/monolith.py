@@ -4,9 +4,10 @@ Processor, model executor, tool executor, timer service and sink run as threads 
 configured Kafka and Postgres (same resolution as every command); `--dev-servers` also starts
 the scripted model server, the example tool server and the example MCP server and points the
 executors at them; the HTTP API (uvicorn) runs in a thread too. The tool catalog is refreshed
-as in the processor and the API (`catalog.refreshing`), and each version reaches both. Production runs the same classes as separate,
-independently scaled processes (`agentruns processor`, `agentruns executor model|tool`,
-`agentruns timer`, `agentruns sink`, `agentruns api`).
+as in the processor and the API (`catalog.refreshing`), and each version reaches both.
+Production runs the same classes as separate, independently scaled processes (`agentruns
+processor`, `agentruns executor model|tool`, `agentruns timer`, `agentruns sink`, `agentruns
+api`).
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ class TasksEnv:
         run_id = run_id_for_key(key)
         arguments = {"since": "2026-01-01", "duration_ms": duration_ms}
         self.double.calls[run_id] = (EXPORT, arguments)
-        assert self.stack.submit(key, tools=[{"name": EXPORT, "cancellable": cancellable}], policy=POLICY) == run_id
+        tools = [{"name": EXPORT, "cancellable": cancellable}]
+        assert self.stack.submit(key, tools=tools, policy=POLICY) == run_id
         return run_id
 
     def events(self, run_id: str) -> list[dict[str, Any]]:
