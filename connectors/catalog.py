@@ -4,10 +4,13 @@ The processor, the API and `agentruns run` hold every task to the catalog of the
 are given (``--registry``, else the ``tool_registry`` setting, ``AGENTRUNS_TOOL_REGISTRY``); with
 none, tasks declare their own tools. The catalog is made from a loaded `ToolRegistry`: its HTTP
 tools and the tools its MCP servers list when the catalog is made. A `CatalogRefresher` makes
-it again every ``catalog_refresh_s`` (the registry file and the routes file read again, every
-MCP server listed again) and hands a new version to its component; a refresh that cannot read
-a file keeps the catalog it has, and an MCP server that does not answer keeps the tools it
-last listed (both logged and counted): a catalog is never emptied by an outage.
+it again every ``catalog_refresh_s`` and when an MCP server announces that its tools changed
+(``notifications/tools/list_changed``, heard on a standing session:
+:mod:`agentruns.connectors.executors.mcp_listen`): the registry file and the routes file read
+again (a registry made in memory is its own source), every MCP server listed again, a new
+version handed to its component. A refresh that cannot read a file keeps the catalog it has,
+and an MCP server that does not answer keeps the tools it last listed (both logged and
+counted): a catalog is never emptied by an outage.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -22,6 +26,7 @@ import msgspec
 from prometheus_client import Counter
 
 from agentruns.connectors.executors.base import ExecutorError
+from agentruns.connectors.executors.mcp_listen import ToolListListener
 from agentruns.connectors.executors.mcp_rules import SEPARATOR
 from agentruns.connectors.executors.tool import (
     ToolEntry,
@@ -42,6 +47,10 @@ REFRESHES = Counter(
     " stays), unanswered (an MCP server did not list its tools: the tools it last listed stay)",
     ["component", "outcome"],
 )
+
+#: Refreshes made for announcements (``notifications/tools/list_changed``) are at least this
+#: far apart.
+ANNOUNCED_GAP_S = 1.0
 
 #: What a process without a catalog logs when it starts.
 NO_CATALOG = "no tool catalog: tasks declare their own tools"
@@ -134,9 +143,12 @@ def changes(before: Catalog, after: Catalog) -> str:
 
 
 class CatalogRefresher:
-    """Makes a long-running component's catalog again every ``interval_s`` from the registry
-    file at ``path`` (and the model routes file ``routes``) and the MCP servers it names, and
-    hands each new version to ``apply`` (the processor's `set_catalog`, the API's config).
+    """Makes a long-running component's catalog again every ``interval_s``, and soon after an
+    MCP server announces a change (``listen``: one standing session per server that can,
+    announcements coalesced), from the registry ``source`` (its file, read again each time, or
+    a registry made in memory) and the model routes file ``routes`` and the MCP servers it
+    names, and hands each new version to ``apply`` (the processor's `set_catalog`, the API's
+    config, the monolith's).
 
     - the registry or routes file cannot be read or is not valid: the catalog stays
       (``failed``, logged);
@@ -148,22 +160,41 @@ class CatalogRefresher:
 
     def __init__(
         self,
-        path: Path | str,
+        source: Path | str | ToolRegistry,
         catalog: Catalog,
         apply: Callable[[Catalog], None],
         *,
         component: str,
         interval_s: float,
         routes: Path | str | None = None,
+        listen: bool = True,
     ) -> None:
-        self.path, self.routes = str(path), routes
+        # a registry made in memory (`agentruns run --dev-servers`: no file) is its own
+        # source; one read from a file is read again from it
+        self._registry: ToolRegistry | None = None
+        if isinstance(source, ToolRegistry) and not source.path:
+            self.path, self._registry = "", source
+        else:
+            self.path = source.path if isinstance(source, ToolRegistry) else str(source)
+        self.routes = routes
         self.catalog = catalog
         self._apply = apply
         self.component = component
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a server announced a change: refresh now
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.listener = ToolListListener(self.changed) if listen else None
+        self.announced = 0  # refreshes made for an announcement, for logs and tests
+
+    def changed(self, server: str) -> None:
+        """An MCP server announced that its tools changed: refresh soon (any number of
+        announcements before that refresh make one)."""
+        self._wake.set()
+
+    def _load(self) -> ToolRegistry:
+        return self._registry if self._registry is not None else ToolRegistry.load(self.path)
 
     def refresh(self) -> str:
         """One refresh now: its outcome (changed, unchanged, failed, unanswered)."""
@@ -174,7 +205,7 @@ class CatalogRefresher:
 
     def _refresh(self) -> str:
         try:
-            registry = ToolRegistry.load(self.path)
+            registry = self._load()
             names = _route_names(self.routes)
         except ExecutorError as exc:
             log.warning(
@@ -182,6 +213,8 @@ class CatalogRefresher:
                 self.component, self.catalog.version, exc.args[0] if exc.args else exc,
             )  # fmt: skip
             return "failed"
+        if self.listener is not None:
+            self.listener.watch(registry.mcp_servers)
         listed, answered = discover(registry.mcp_servers, registry.tools.__contains__, ToolEntry)
         unanswered = set(registry.mcp_servers) - answered
         fresh = catalog_of(registry, {**listed, **registry.tools}, names)
@@ -204,14 +237,31 @@ class CatalogRefresher:
         return "unanswered" if unanswered else "changed"
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        due = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            self._wake.wait(max(due - time.monotonic(), 0.0))
+            if self._stop.is_set():
+                return
+            announced = self._wake.is_set()
+            if not announced and time.monotonic() < due:
+                continue
+            self._wake.clear()  # announcements from here on make the next refresh
+            if announced:
+                self.announced += 1
             try:
                 self.refresh()
             except Exception:  # a refresh never stops the component it serves
                 REFRESHES.labels(self.component, "failed").inc()
                 log.exception("%s: tool catalog refresh failed", self.component)
+            due = time.monotonic() + self.interval_s
+            # a server announcing changes without pause costs one listing per gap at most
+            self._stop.wait(ANNOUNCED_GAP_S)
 
     def start(self) -> CatalogRefresher:
+        if self.listener is not None:
+            self.listener.start()
+            with contextlib.suppress(ExecutorError):  # the first refresh says why, logged
+                self.listener.watch(self._load().mcp_servers)
         self._thread = threading.Thread(
             target=self._loop, daemon=True, name=f"catalog-{self.component}"
         )
@@ -220,8 +270,11 @@ class CatalogRefresher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(30)
+        if self.listener is not None:
+            self.listener.stop()
 
 
 def _backend(entry: ToolEntry | None) -> str:
@@ -277,7 +330,7 @@ def format_listing(version: str, rows: list[dict[str, object]]) -> str:
 
 @contextlib.contextmanager
 def refreshing(
-    path: Path | str | None,
+    path: Path | str | ToolRegistry | None,
     catalog: Catalog | None,
     apply: Callable[[Catalog], None],
     *,
@@ -285,8 +338,10 @@ def refreshing(
     routes: Path | str | None = None,
 ) -> Iterator[CatalogRefresher | None]:
     """A `CatalogRefresher` of a long-running component's catalog while the block runs, every
-    ``catalog_refresh_s`` of the settings (none without a catalog: tasks declare their own)."""
-    if catalog is None or not path:
+    ``catalog_refresh_s`` of the settings and when an MCP server announces a change (none
+    without a catalog: tasks declare their own). ``path``: the registry file, or a registry
+    made in memory (read again from its file when it has one)."""
+    if catalog is None or path is None or (not isinstance(path, ToolRegistry) and not path):
         yield None
         return
     refresher = CatalogRefresher(

@@ -24,8 +24,15 @@ from agentruns.connectors.settings import current
 from agentruns.processors.events import ForkedFrom, parse_event
 from agentruns.processors.ids import canonical_json, request_hash, run_id_for_key
 from agentruns.processors.limits import MAX_ID_CHARS, MAX_ITEMS, MAX_TEXT_CHARS
-from agentruns.processors.lineage import Folded, ForkError, folded, fork_record, resume_point
-from agentruns.processors.state import ForkEdits, Message, Messages, ReplacedInput
+from agentruns.processors.lineage import (
+    Folded,
+    ForkError,
+    folded,
+    fork_record,
+    resume_point,
+    state_at,
+)
+from agentruns.processors.state import Budgets, ForkEdits, Message, Messages, ReplacedInput
 from agentruns.streams.clock import now_ms
 from agentruns.streams.records import parse_event_body
 from agentruns.streams.topics import default_prefix
@@ -74,10 +81,35 @@ def source_log(bootstrap: str, prefix: str, run_id: str) -> list[Folded]:
 def default_key(source_run_id: str, seq: int, edits: ForkEdits) -> str:
     """The key of a fork made without one: the same fork of the same point is one run."""
     key = f"fork:{source_run_id}:{seq}:{edits.model_route or ''}"
-    if edits.replaced_inputs or edits.messages:
-        more = {"replaced": edits.model_dump()["replaced_inputs"], "messages": edits.messages}
+    if edits.replaced_inputs or edits.messages or edits.budgets is not None:
+        dumped = edits.model_dump()
+        more = {k: dumped[k] for k in ("replaced_inputs", "messages", "budgets")}
         key += ":" + request_hash(msgspec.to_builtins(more))[:16]
     return key
+
+
+#: The budgets a fork or a resume may raise: `--budget NAME=VALUE`, the API's `budgets`.
+RAISABLE = ("max_steps", "max_tokens", "max_cost_micros", "max_tool_calls", "deadline_at")
+
+
+def raised_budgets(log: Sequence[Folded], seq: int, changes: dict[str, int]) -> Budgets | None:
+    """The source's budgets at `seq` with `changes` (a name of RAISABLE -> its new value); None
+    for no change. ForkRefusedError for a name not raisable or a value out of range (the core
+    refuses a lowered one)."""
+    if not changes:
+        return None
+    unknown = sorted(set(changes) - set(RAISABLE))
+    if unknown:
+        raise ForkRefusedError(f"budgets: {unknown[0]!r} is not one of {', '.join(RAISABLE)}")
+    try:
+        current_budgets = state_at(log, seq).config.budgets
+        return msgspec.convert(
+            {**msgspec.to_builtins(current_budgets), **changes}, Budgets, from_attributes=False
+        )
+    except ForkError as exc:
+        raise ForkRefusedError(f"cannot fork: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise ForkRefusedError(f"budgets: {exc}") from None
 
 
 def plan(
@@ -109,13 +141,43 @@ def plan(
     return Fork(record, key)
 
 
-def resume_seq(log: Sequence[Folded]) -> int:
+def resume_seq(log: Sequence[Folded], *, cancelled: bool = False) -> int:
     """Where the failed run `log` is resumed (ForkRefusedError when it is not resumable)."""
     try:
-        return resume_point(log)
+        return resume_point(log, cancelled=cancelled)
     except ForkError as exc:
         source = log[0].event.run_id if log else "the run"
         raise ForkRefusedError(f"cannot resume {source}: {exc}") from None
+
+
+def resumed(
+    log: Sequence[Folded],
+    *,
+    key: str | None = None,
+    actor: str | None = None,
+    at: int | None = None,
+    from_seq: int | None = None,
+    cancelled: bool = False,
+    budgets: dict[str, int] | None = None,
+) -> Fork:
+    """The resume of the run `log` ended without finishing (a fork at the seq before the
+    failure, or at `from_seq`, before it), with `budgets` raised; the key by default is one
+    per source, seq and raised budgets. ForkRefusedError when it cannot be."""
+    source = log[0].event.run_id if log else ""
+    failed_at = resume_seq(log, cancelled=cancelled)
+    seq = failed_at if from_seq is None else from_seq
+    if seq > failed_at:
+        raise ForkRefusedError(
+            f"cannot resume {source} from {seq}: after the failure (resume from {failed_at} or "
+            "before)"
+        )
+    raised = raised_budgets(log, seq, budgets or {})
+    edits = ForkEdits(budgets=raised)
+    if key is None:
+        key = f"resume:{source}:{seq}"
+        if raised is not None:
+            key += ":" + request_hash(msgspec.to_builtins(raised))[:16]
+    return plan(log, seq, key=key, edits=edits, actor=actor, at=at)
 
 
 def produce(bootstrap: str, prefix: str, fork: Fork, producer_id: str) -> None:
@@ -192,9 +254,36 @@ def _messages(path: str) -> tuple[Message, ...]:
         ) from None
 
 
+def _budget_changes(specs: Sequence[str] | None) -> dict[str, int]:
+    """`--budget NAME=VALUE` (repeatable); `deadline_in_s=S` sets `deadline_at` S seconds
+    from now."""
+    changes: dict[str, int] = {}
+    for spec in specs or ():
+        name, sep, value = spec.partition("=")
+        if not sep or not value.isdigit() or len(value) > 18:
+            raise InvalidArgumentError(f"--budget {spec[:80]!r}: give NAME=INTEGER")
+        if name == "deadline_in_s":
+            name, number = "deadline_at", now_ms() + int(value) * 1000
+        else:
+            number = int(value)
+        if name not in RAISABLE:
+            raise InvalidArgumentError(
+                f"--budget {name[:40]!r}: one of {', '.join(RAISABLE)}, deadline_in_s"
+            )
+        changes[name] = number
+    return changes
+
+
 def _parser(name: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"agentruns {name}", description=description)
     parser.add_argument("run_id", help="the run to fork (it is only read)")
+    parser.add_argument(
+        "--budget",
+        action="append",
+        metavar="NAME=VALUE",
+        help="raise a budget of the fork (max_steps, max_tokens, max_cost_micros, "
+        "max_tool_calls, deadline_at in ms, or deadline_in_s from now); never lower (repeat)",
+    )
     parser.add_argument("--key", help="idempotency key of the fork (same key -> same fork)")
     parser.add_argument("--producer-id", default=current().producer_id)
     parser.add_argument("--prefix", default=default_prefix())
@@ -230,8 +319,12 @@ def main_fork(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
     edits = _edits(args)
+    changes = _budget_changes(args.budget)
     bootstrap = _bootstrap()
     log = source_log(bootstrap, args.prefix, args.run_id)
+    budgets = raised_budgets(log, args.at, changes)
+    if budgets is not None:
+        edits = msgspec.structs.replace(edits, budgets=budgets)
     fork = plan(log, args.at, key=args.key, edits=edits, actor=f"cli:{args.producer_id}")
     produce(bootstrap, args.prefix, fork, args.producer_id)
     print(json.dumps(fork.as_json(), sort_keys=True), flush=True)
@@ -244,12 +337,30 @@ def main_resume(argv: Sequence[str] | None = None) -> int:
         "Resume a failed run after a fix: a fork at the last step before its failure, so the "
         "failed call runs again and nothing before it does.",
     )
+    parser.add_argument(
+        "--from",
+        dest="from_seq",
+        type=int,
+        metavar="SEQ",
+        help="resume from the state after this record instead of the one before the failure",
+    )
+    parser.add_argument(
+        "--cancelled",
+        action="store_true",
+        help="also resume a cancelled run (from before its cancel was asked)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    changes = _budget_changes(args.budget)
     bootstrap = _bootstrap()
     log = source_log(bootstrap, args.prefix, args.run_id)
-    seq = resume_seq(log)
-    key = args.key or f"resume:{args.run_id}:{seq}"
-    fork = plan(log, seq, key=key, actor=f"cli:{args.producer_id}")
+    fork = resumed(
+        log,
+        key=args.key,
+        actor=f"cli:{args.producer_id}",
+        from_seq=args.from_seq,
+        cancelled=args.cancelled,
+        budgets=changes,
+    )
     produce(bootstrap, args.prefix, fork, args.producer_id)
     print(json.dumps(fork.as_json(), sort_keys=True), flush=True)
     return 0

@@ -2,10 +2,12 @@
 
 Processor, model executor, tool executor, timer service and sink run as threads against the
 configured Kafka and Postgres (same resolution as every command); `--dev-servers` also starts
-the scripted model server and the example tool server and points the executors at them; the
-HTTP API (uvicorn) runs in a thread too. Production runs the same classes as separate,
-independently scaled processes (`agentruns processor`, `agentruns executor model|tool`,
-`agentruns timer`, `agentruns sink`, `agentruns api`).
+the scripted model server, the example tool server and the example MCP server and points the
+executors at them; the HTTP API (uvicorn) runs in a thread too. The tool catalog is refreshed
+as in the processor and the API (`catalog.refreshing`), and each version reaches both.
+Production runs the same classes as separate, independently scaled processes (`agentruns
+processor`, `agentruns executor model|tool`, `agentruns timer`, `agentruns sink`, `agentruns
+api`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
-from agentruns.connectors.catalog import catalog_of
+from agentruns.connectors.catalog import CatalogRefresher, catalog_of, refreshing
 from agentruns.connectors.executors.config import ExecutorConfig
 from agentruns.connectors.executors.model import ModelExecutor, Routes
 from agentruns.connectors.executors.tool import (
@@ -60,6 +62,9 @@ class Monolith:
         self.failed: str | None = None  # the component that stopped with an error
         self._threads: list[threading.Thread] = []
         self._closers: list[Callable[[], object]] = []
+        self._refreshing = ExitStack()
+        self.refresher: CatalogRefresher | None = None
+        self.registry = registry
         store = PostgresArtifactStore(database_url)
         self._closers.append(store.close)
 
@@ -83,6 +88,8 @@ class Monolith:
             ),
             store.put_many,
         )
+        # who holds the catalog and takes each new version (the API joins: `take_catalog`)
+        self._takers: list[Callable[[Catalog], None]] = [self.processor.set_catalog]
         self.model_executor = ModelExecutor(
             executor("model"), Routes.from_env(None, model_base_url), registry, tools
         )
@@ -96,7 +103,22 @@ class Monolith:
             "sink": self.sink,
         }
 
+    def take_catalog(self, apply: Callable[[Catalog], None]) -> None:
+        """``apply`` is given the catalog now and every new version after (the API's config)."""
+        self._takers.append(apply)
+        apply(self.catalog)
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        for apply in self._takers:
+            apply(catalog)
+
     def start(self) -> None:
+        # the catalog is made again on the schedule and when an MCP server announces a change,
+        # from the registry file, or from the registry made in memory (`--dev-servers`)
+        self.refresher = self._refreshing.enter_context(
+            refreshing(self.registry, self.catalog, self.set_catalog, component="run")
+        )
         for name, component in self.components.items():
             thread = threading.Thread(
                 target=self._guard, args=(name, component), name=name, daemon=True
@@ -113,6 +135,7 @@ class Monolith:
             self.stop_event.set()
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._refreshing.close()
         self.stop_event.set()
         for thread in self._threads:
             thread.join(timeout=timeout)
@@ -182,9 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tool_base_url=tool_url,
         )
         monolith.start()
-        api = _start_api(
-            ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port, monolith.catalog
-        )
+        api = _start_api(ep.kafka_bootstrap, ep.database_url, args.prefix, args.api_port, monolith)
         if "testcontainers" in (ep.kafka_source, ep.postgres_source):
             # The client commands find a local stack in the state directory, not containers.
             print(
@@ -209,15 +230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start_api(
-    bootstrap: str, database_url: str, prefix: str, port: int, catalog: Catalog
+    bootstrap: str, database_url: str, prefix: str, port: int, monolith: Monolith
 ) -> Callable[[], None] | None:
-    """Serve the HTTP API from a uvicorn server in a thread; return its stopper."""
+    """Serve the HTTP API from a uvicorn server in a thread, on the monolith's catalog (and
+    each version it takes after); return its stopper."""
     import uvicorn
 
     from agentruns.connectors.api.config import ApiConfig
     from agentruns.connectors.api.http import create_app
 
-    app = create_app(ApiConfig.from_env(bootstrap, database_url, prefix=prefix, catalog=catalog))
+    config = ApiConfig.from_env(bootstrap, database_url, prefix=prefix, catalog=monolith.catalog)
+    monolith.take_catalog(config.set_catalog)
+    app = create_app(config)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

@@ -26,7 +26,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import submit_event_id, trace_id_for
 from agentruns.processors.state import ForkEdits, RunState, RunStatus
-from agentruns.processors.transition import Artifact, Disposition
+from agentruns.processors.transition import Artifact, Disposition, budgets_refusal
 
 #: Statuses a run may be resumed from: it ended without doing what it was asked.
 RESUMABLE: frozenset[RunStatus] = frozenset(
@@ -120,6 +120,10 @@ def fork_record(
             f"messages are added where the model is asked; at seq {seq} the run is "
             f"{state.status.value}"
         )
+    if edits.budgets is not None:
+        refused = budgets_refusal(state.config.budgets, edits.budgets, max(at, state.time.last_at))
+        if refused is not None:
+            raise ForkError(refused)
     # folded again from a replaced record on, the source's state names artifacts (contexts,
     # results) nobody stored: the record carries them, the processor stores them with it
     carried: dict[str, CarriedArtifact] = {}
@@ -160,17 +164,21 @@ def _failure_of(event: Event) -> str | None:
     return None
 
 
-def resume_point(log: Sequence[Folded]) -> int:
+def resume_point(log: Sequence[Folded], *, cancelled: bool = False) -> int:
     """Where a failed run is resumed: the seq just before the first failure of the effect whose
     failure ended it (its retries included, so the fork gives it its whole allowance again), or
     the seq before the record that ended it when no effect failed (a budget stop, a refused
-    input). ForkError when the run is not resumable."""
+    input). With `cancelled`, a cancelled run too: the seq before its cancel was asked.
+    ForkError when the run is not resumable."""
     if not log or log[-1].state is None:
         raise ForkError("the run has no state")
     final = log[-1].state
+    if cancelled and final.status is RunStatus.CANCELLED:
+        return _before_cancel(log)
     if final.status not in RESUMABLE:
         what = "still running" if not final.terminal else final.status.value
-        raise ForkError(f"only a failed run is resumed (the run is {what}); fork it instead")
+        hint = " (resume it as cancelled explicitly)" if final.status is RunStatus.CANCELLED else ""
+        raise ForkError(f"only a failed run is resumed (the run is {what}){hint}; fork it instead")
     # the record that ended the run (after its last correction, if it was reopened)
     end = len(log) - 1
     while end > 0 and _terminal(log[end - 1].state):
@@ -193,4 +201,19 @@ def resume_point(log: Sequence[Folded]) -> int:
     first = next(i for i, w in failed if w == last)
     if first == 0:
         raise ForkError("the run failed at its first record")
+    return log[first - 1].seq
+
+
+def _before_cancel(log: Sequence[Folded]) -> int:
+    """The seq before the record at which the run's cancel was asked (the first of the
+    records at its end whose state asks for the cancel or has ended)."""
+
+    def cancelling(entry: Folded) -> bool:
+        return entry.state is not None and (entry.state.cancel_requested or entry.state.terminal)
+
+    first = len(log) - 1
+    while first > 0 and cancelling(log[first - 1]):
+        first -= 1
+    if first == 0:
+        raise ForkError("the run was cancelled at its first record")
     return log[first - 1].seq

@@ -458,6 +458,9 @@ class ForkEdits(Frozen, frozen=True, kw_only=True, gc=False):
     messages: Messages = ()
     #: Records of the source replaced, by seq, before its state at the fork point was folded.
     replaced_inputs: Annotated[tuple[ReplacedInput, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    #: The fork's budgets, each at least the source's (a resume after a budget stop or an
+    #: expired deadline goes on only with more); what the source spent carries over.
+    budgets: Budgets | None = None
 
 
 class Lineage(Frozen, frozen=True, kw_only=True, gc=False):

@@ -79,6 +79,7 @@ from agentruns.processors.state import (
     NON_TERMINAL,
     TERMINAL,
     TRANSIENT,
+    Budgets,
     Decoder,
     ErrorClass,
     Frozen,
@@ -1324,6 +1325,23 @@ def frozen_config(config: RunConfig) -> str:
     )
 
 
+def _lowered(old: int | None, new: int | None) -> bool:
+    """A limit lowered (None is no limit: above every number)."""
+    return new is not None and (old is None or new < old)
+
+
+def budgets_refusal(old: Budgets, new: Budgets, at: int) -> str | None:
+    """Why a fork may not take `new` in place of its source's budgets `old` (None: it may): a
+    fork raises budgets, never lowers them, and a new deadline lies after the fork's time."""
+    for name in ("max_steps", "max_tokens", "max_cost_micros", "max_tool_calls", "deadline_at"):
+        before, after = getattr(old, name), getattr(new, name)
+        if _lowered(before, after):
+            return f"a fork raises budgets, never lowers them: {name} {after} < {before}"
+    if new.deadline_at is not None and new.deadline_at != old.deadline_at and new.deadline_at <= at:
+        return f"the new deadline {new.deadline_at} is not after the fork's time {at}"
+    return None
+
+
 def fork_timer_id(run_id: str, source_timer_id: str) -> str:
     """The fork's id of a timer the source had pending (the source's stays the source's)."""
     return "tmr-" + derive_key("timer", run_id, "fork", source_timer_id)[:32]
@@ -1356,6 +1374,12 @@ def _on_forked(e: ForkedFrom) -> Transition:
         return _unchanged(None, Disposition.REJECTED, reason)
     if any(content_ref(a.content) != a.ref for a in e.artifacts):
         return _unchanged(None, Disposition.REJECTED, "an artifact's ref is not its content's")
+    budgets = e.edits.budgets
+    if budgets is not None:
+        refused = budgets_refusal(src.config.budgets, budgets, e.at)
+        if refused is not None:
+            return _unchanged(None, Disposition.REJECTED, refused)
+    new_deadline = budgets is not None and budgets.deadline_at != src.config.budgets.deadline_at
     run_id = e.run_id
     keys = {o.key: operation_key(run_id, o.step, o.tool, o.args_json) for o in src.ops}
     # an accepted asynchronous operation is the backend's under the source's key: the fork's
@@ -1378,6 +1402,8 @@ def _on_forked(e: ForkedFrom) -> Transition:
         )
         for t in src.timers
         if not (t.purpose is TimerPurpose.TOOL_POLL and t.op_key in redispatched)
+        # a raised deadline replaces the source's deadline timer (scheduled below)
+        and not (new_deadline and t.purpose is TimerPurpose.DEADLINE)
     )
     question = src.question
     if question is not None:
@@ -1411,8 +1437,12 @@ def _on_forked(e: ForkedFrom) -> Transition:
     for a in e.artifacts:
         if all(x.ref != a.ref for x in out.artifacts):
             out.artifacts.append(Artifact(ref=a.ref, media_type=a.media_type, content=a.content))
-    if e.edits.model_route is not None and e.edits.model_route != s.config.model_route:
-        config = replace(s.config, model_route=e.edits.model_route)
+    config = s.config
+    if e.edits.model_route is not None and e.edits.model_route != config.model_route:
+        config = replace(config, model_route=e.edits.model_route)
+    if budgets is not None and budgets != config.budgets:
+        config = replace(config, budgets=budgets)
+    if config is not s.config:
         frozen = frozen_config(config)
         s = replace(s, config=replace(config, config_ref=content_ref(frozen)))
         out.store(frozen)
@@ -1426,6 +1456,8 @@ def _on_forked(e: ForkedFrom) -> Transition:
                 **out.ids(s),
             )
         )
+    if new_deadline and budgets is not None and budgets.deadline_at is not None and not s.terminal:
+        s = _schedule(s, out, TimerPurpose.DEADLINE, budgets.deadline_at)
     if s.terminal:
         return Transition(state=s, effects=tuple(out.effects), artifacts=tuple(out.artifacts))
     # operations in flight (a step's, or an earlier step's still running) go out again; one
@@ -1447,8 +1479,10 @@ def _on_forked(e: ForkedFrom) -> Transition:
             )
     if redispatched and s.status in (RunStatus.TOOL_RUNNING, RunStatus.WAITING_TOOL):
         s = replace(s, status=_tool_phase(s))
-    if e.edits.messages:
-        # the same step asked again with the messages: a context after the source's
+    raised = budgets is not None and budgets != src.config.budgets
+    if e.edits.messages or (raised and s.status is RunStatus.MODEL_RUNNING):
+        # the same step asked again with the messages, or with what remains of raised budgets
+        # (the model executor reads the deadline there): a context after the source's
         context = _context(
             s,
             previous_context=s.context_ref,

@@ -48,6 +48,8 @@ SLOW = HEAVY | {
     "tests/integration/test_versions.py",
     "tests/integration/test_calls_in_flight.py::"
     "test_a_call_longer_than_the_poll_interval_keeps_the_executor_in_its_group",
+    "tests/integration/test_mcp_tasks.py::"
+    "test_the_executor_killed_while_the_task_runs_completes_the_run_once",
     "tests/integration/test_calls_in_flight.py::"
     "test_a_rebalance_with_calls_in_flight_answers_each_effect_once",
     "tests/integration/test_cli_dev.py::test_a_command_leaves_running_what_another_command_started",

@@ -780,23 +780,44 @@ class ApiClient:
         at: int,
         *,
         model_route: str | None = None,
+        budgets: dict[str, int] | None = None,
         idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """Start a new run from the run's state after its record ``at`` (needs an operator
-        token), optionally with another ``model_route``. The same key (by default one derived
-        from the run, the seq and the edits) gives the same fork. Returns the API's answer
-        (the fork's ``run_id``, ``source_run_id``, ``source_seq``, ``created``); raises
-        `ClientError` (404 for an unknown run, 409 for a seq outside its log)."""
+        token), optionally with another ``model_route`` and raised ``budgets`` (``max_steps``,
+        ``max_tokens``, ``max_cost_micros``, ``max_tool_calls``, ``deadline_at``). The same key
+        (by default one derived from the run, the seq and the edits) gives the same fork.
+        Returns the API's answer (the fork's ``run_id``, ``source_run_id``, ``source_seq``,
+        ``created``); raises `ClientError` (404 for an unknown run, 409 for a seq outside its
+        log or a lowered budget)."""
         body: dict[str, Any] = {"at": at}
         if model_route is not None:
             body["model_route"] = model_route
+        if budgets:
+            body["budgets"] = budgets
         return self._operator(run_id, "fork", body, idempotency_key)
 
-    def resume(self, run_id: str, *, idempotency_key: str | None = None) -> dict[str, Any]:
-        """Resume a failed run after a fix: a fork at the last step before its failure, so the
-        failed call runs again and nothing before it does (needs an operator token). Raises
-        `ClientError` (409 when the run did not fail)."""
-        return self._operator(run_id, "resume", {}, idempotency_key)
+    def resume(
+        self,
+        run_id: str,
+        *,
+        from_seq: int | None = None,
+        cancelled: bool = False,
+        budgets: dict[str, int] | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Resume a failed run after a fix: a fork at the last step before its failure (or at
+        ``from_seq``, before it), so the failed call runs again and nothing before it does,
+        with raised ``budgets`` as in `fork` (needs an operator token). ``cancelled`` resumes a
+        cancelled run too. Raises `ClientError` (409 when the run did not fail)."""
+        body: dict[str, Any] = {}
+        if from_seq is not None:
+            body["from_seq"] = from_seq
+        if cancelled:
+            body["cancelled"] = True
+        if budgets:
+            body["budgets"] = budgets
+        return self._operator(run_id, "resume", body, idempotency_key)
 
     def _operator(
         self, run_id: str, action: str, body: dict[str, Any], key: str | None

@@ -14,13 +14,22 @@ from typing import Annotated, Any
 import msgspec
 
 from agentruns.connectors.api.errors import ApiError
-from agentruns.connectors.forks import Fork, ForkRefusedError, plan, replaced_input, resume_seq
+from agentruns.connectors.forks import (
+    Fork,
+    ForkRefusedError,
+    plan,
+    raised_budgets,
+    replaced_input,
+    resumed,
+)
 from agentruns.processors.events import parse_event
 from agentruns.processors.limits import (
+    MAX_AMOUNT,
     MAX_COUNT,
     MAX_ID_CHARS,
     MAX_ITEMS,
     MAX_JSON_DEPTH,
+    MAX_TIME_MS,
     json_depth,
 )
 from agentruns.processors.lineage import Folded, folded
@@ -37,15 +46,33 @@ class Replacement(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     event: dict[str, Any]  # an event's JSON; its size is the body's, its depth checked below
 
 
+class RaisedBudgets(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Budgets a fork or a resume raises (each at least the source's: the core refuses less)."""
+
+    max_steps: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_AMOUNT)] | None = None
+    max_cost_micros: Annotated[int, msgspec.Meta(ge=0, le=MAX_AMOUNT)] | None = None
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] | None = None
+    deadline_at: Annotated[int, msgspec.Meta(ge=0, le=MAX_TIME_MS)] | None = None
+
+    def changes(self) -> dict[str, int]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
 class ForkBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     at: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
     model_route: Route | None = None
     messages: Messages = ()
     replace_inputs: Annotated[tuple[Replacement, ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    budgets: RaisedBudgets = RaisedBudgets()
 
 
 class ResumeBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    pass
+    #: Resume from the state after this record (at or before the failure) instead.
+    from_seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] | None = None
+    #: Resume a cancelled run too (from before its cancel was asked).
+    cancelled: bool = False
+    budgets: RaisedBudgets = RaisedBudgets()
 
 
 def parse(action: str, body: dict[str, Any]) -> ForkBody | ResumeBody:
@@ -77,17 +104,26 @@ def planned(
     at: int,
 ) -> Fork:
     """The fork the request asks for; a 409 `fork_refused` with the reason when it cannot be."""
-    source = log[0].event.run_id
     try:
         if isinstance(body, ForkBody):
             if any(json_depth(r.event) > MAX_JSON_DEPTH for r in body.replace_inputs):
                 raise ApiError(422, "invalid_body", f"a replacement nests over {MAX_JSON_DEPTH}")
             replaced = tuple(replaced_input(r.seq, r.event) for r in body.replace_inputs)
             edits = ForkEdits(
-                model_route=body.model_route, messages=body.messages, replaced_inputs=replaced
+                model_route=body.model_route,
+                messages=body.messages,
+                replaced_inputs=replaced,
+                budgets=raised_budgets(log, body.at, body.budgets.changes()),
             )
             return plan(log, body.at, key=key, edits=edits, actor=actor, at=at)
-        seq = resume_seq(log)
-        return plan(log, seq, key=key or f"resume:{source}:{seq}", actor=actor, at=at)
+        return resumed(
+            log,
+            key=key,
+            actor=actor,
+            at=at,
+            from_seq=body.from_seq,
+            cancelled=body.cancelled,
+            budgets=body.budgets.changes(),
+        )
     except ForkRefusedError as exc:
         raise ApiError(409, "fork_refused", str(exc).removeprefix("cannot ")) from None

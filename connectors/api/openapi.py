@@ -81,6 +81,18 @@ _ACTED = "#/components/schemas/OperatorAction"
 _FORKED = "#/components/schemas/Fork"
 
 
+#: Budgets a fork or a resume raises (never lowers: a lower one is a 409).
+_RAISED_BUDGETS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "description": "the fork's budgets, each at least the source's",
+    "properties": {
+        name: {"type": "integer", "minimum": 0}
+        for name in ("max_steps", "max_tokens", "max_cost_micros", "max_tool_calls", "deadline_at")
+    },
+}
+
+
 def _fork(summary: str, description: str, body: dict[str, Any]) -> dict[str, Any]:
     return {
         "post": {
@@ -399,6 +411,17 @@ OPENAPI: dict[str, Any] = {
                 "properties": {
                     "at": {"type": "integer", "minimum": 1},
                     "model_route": {"type": "string", "minLength": 1, "maxLength": 512},
+                    "messages": {
+                        "type": "array",
+                        "description": "added where the fork asks the model",
+                        "items": {"type": "object", "required": ["role", "content"]},
+                    },
+                    "replace_inputs": {
+                        "type": "array",
+                        "description": "records at or before `at` replaced by other events",
+                        "items": {"type": "object", "required": ["seq", "event"]},
+                    },
+                    "budgets": _RAISED_BUDGETS,
                 },
             },
         ),
@@ -406,8 +429,18 @@ OPENAPI: dict[str, Any] = {
             "Resume a failed run after a fix: a fork before its failure",
             "A FAILED, EXPIRED or BUDGET_EXHAUSTED run is forked at the last step before the "
             "first failure of the call that ended it, so that call runs again (under the "
-            "fork's keys) and nothing before it does.",
-            {"type": "object", "additionalProperties": False, "properties": {}},
+            "fork's keys) and nothing before it does; from `from_seq` instead (at or before "
+            "that point); a CANCELLED run with `cancelled`. What the run spent carries over: "
+            "after a budget stop or an expired deadline, raise `budgets`.",
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "from_seq": {"type": "integer", "minimum": 1},
+                    "cancelled": {"type": "boolean"},
+                    "budgets": _RAISED_BUDGETS,
+                },
+            },
         ),
         "/runs/{run_id}/cancel": {
             "post": {

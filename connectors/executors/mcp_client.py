@@ -286,6 +286,8 @@ class MCPSession:
     spec: MCPServerSpec
     wire: Wire
     opened: bool = False
+    #: the server's ``capabilities`` as its last ``initialize`` answer gave them
+    capabilities: Any = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _lock: asyncio.Lock | None = None
@@ -315,6 +317,7 @@ class MCPSession:
                     "invalid", detail=f"protocol {result.protocol_version[:40]}", sent=False
                 )
             self.wire.opened(result.protocol_version)
+            self.capabilities = reply.value.get("capabilities")
             note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
             failed = await self.wire.exchange(note, deadline - time.monotonic())
             if failed.kind not in ("accepted", "status"):

@@ -94,6 +94,16 @@ from agentruns.connectors.executors.mcp_rules import (
     status_class,
     text_of,
 )
+from agentruns.connectors.executors.mcp_tasks import (
+    TASK_TTL_MS,
+    MemoryTaskStore,
+    PostgresTaskStore,
+    TaskRef,
+    TaskStore,
+    created_task,
+    supports_tasks,
+    task_status,
+)
 from agentruns.connectors.executors.process import add_common_arguments, serve_executor
 from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
 from agentruns.connectors.executors.tool_mcp import MCPTools, discover
@@ -388,9 +398,12 @@ class ToolHandler:
         lookup_timeout_s: float = 5.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         catalog_refresh_s: float = DEFAULT_CATALOG_REFRESH_S,
+        tasks: TaskStore | None = None,
         children: ChildRuns | None = None,
     ) -> None:
         self.registry = registry
+        # the MCP tasks calls started, by operation key (Postgres in an executor process)
+        self.tasks: TaskStore = tasks if tasks is not None else MemoryTaskStore()
         # child runs (tools of kind run): None where no executor's Kafka is at hand
         self.children = children
         # the registry file is read again this often (when it has a path), so a call is held
@@ -464,6 +477,7 @@ class ToolHandler:
 
     def close(self) -> None:
         self._http.close()
+        self.tasks.close()
         if self.children is not None:
             self.children.close()
 
@@ -899,14 +913,17 @@ class ToolHandler:
             case Reconcile():
                 return await self._reconcile_mcp(effect)
             case PollTool():
+                ref = await self.tasks.get(effect.operation_key)
+                if ref is not None:
+                    return await self._poll_task(effect, ref)
                 ids = self._ids(effect, effect.operation_key, effect.dispatch)
                 event: Event = ToolCallFailed(
                     **ids,
                     error_class=ErrorClass.UNKNOWN,
                     error_code="not_pollable",
-                    message="an MCP tool's call is answered in its request; it has no status",
+                    message="this MCP tool's call started no task: it has no status",
                 )
-                return Outcome(event, detail="poll of an MCP tool")
+                return Outcome(event, detail="poll of an MCP tool without a task")
             case CancelTool():
                 return await self._cancel_mcp(effect)
             case _:
@@ -917,6 +934,10 @@ class ToolHandler:
         MCP server has no look-up by key, so only an idempotent tool is called again; any other
         is answered timed out (the core reconciles: undeterminable, a person decides)."""
         op = effect.operation
+        ref = await self.tasks.get(op.key)
+        if ref is not None:  # the call started a task before the crash: wait for it
+            event = ToolCallAccepted(**self._ids(effect, op.key, op.dispatch))
+            return Outcome(event, detail=f"resumed after a crash: MCP task {ref.task_id}")
         if entry is not None and entry.idempotent:
             outcome = await self._call_mcp(effect, entry, problem)
             return replace(outcome, detail=f"resumed (idempotent): {outcome.detail}")
@@ -958,16 +979,87 @@ class ToolHandler:
         meta = {KEY_META: op.key, RUN_META: effect.run_id}
         if op.expected_version is not None:
             meta["agentruns/expected_version"] = op.expected_version
-        params = {"name": entry.mcp_tool, "arguments": arguments, "_meta": meta}
+        params: dict[str, Any] = {"name": entry.mcp_tool, "arguments": arguments, "_meta": meta}
         session = self.mcp.session(entry.mcp_server)
+        tasked = False
+        if entry.is_async:  # a task when the server takes task-augmented calls (opened first)
+            await session.ensure_open(time.monotonic() + entry.timeout_ms / 1000)
+            tasked = supports_tasks(session.capabilities)
+            if tasked:
+                params["task"] = {"ttl": TASK_TTL_MS}
         reply = await session.request("tools/call", params, entry.timeout_ms / 1000, op.key)
         if reply.list_changed:
             self.mcp.stale(entry.mcp_server)
+        if tasked and reply.kind == "result" and "task" in reply.value:
+            return await self._task_started(effect, ids, entry, reply.value)
         return self._mcp_outcome(effect, ids, entry, arguments, reply)
+
+    async def _task_started(
+        self, effect: CallTool, ids: dict[str, Any], entry: ToolEntry, result: Mapping[str, Any]
+    ) -> Outcome:
+        """A call answered with a task: kept by operation key, then ToolCallAccepted (the
+        core polls it: PollTool)."""
+        created = created_task(result)
+        if isinstance(created, str):
+            return self.failure(effect, "invalid_output:bad_task", created)
+        task_id, poll_after_ms = created
+        assert entry.mcp_server is not None
+        await self.tasks.put(effect.operation.key, TaskRef(entry.mcp_server, task_id))
+        event = ToolCallAccepted(**ids, poll_after_ms=poll_after_ms)
+        return Outcome(event, detail=f"MCP task {task_id}"[:300])
+
+    async def _poll_task(self, effect: PollTool, ref: TaskRef) -> Outcome:
+        """``tasks/get``; once the task ended, ``tasks/result`` as the call's answer. A server
+        that cannot be asked now is polled again; one that no longer knows the task fails the
+        call UNKNOWN (it may have run: never called again by itself)."""
+        ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        entry, _ = await self.mcp.entry(effect.tool)
+        if ref.server not in self.mcp.servers or entry is None:
+            return self.failure(effect, "unknown_tool", f"{effect.tool}: its MCP server is gone")
+        session = self.mcp.session(ref.server)
+        params = {"taskId": ref.task_id}
+        reply = await session.request("tasks/get", params, self.lookup_timeout_s)
+        detail = f"poll {effect.poll}: MCP task {ref.task_id[:64]}"
+        running = ToolStatusReported(**ids, status="running", poll=effect.poll)
+        if reply.kind == "error":
+            message = entry.conn.redact(str(reply.value.get("message", "")))[:500]
+            event = ToolCallFailed(
+                **ids, error_class=ErrorClass.UNKNOWN, error_code="task_lost", message=message
+            )
+            return Outcome(event, detail=f"{detail}: tasks/get error")
+        if reply.kind != "result":  # cannot tell now: poll again later
+            return Outcome(running, detail=f"{detail}: {reply.kind} {reply.detail}"[:300])
+        status = task_status(reply.value)
+        if status is None:
+            return self.failure(effect, "invalid_output:bad_task", "not a tasks/get result")
+        state, message = status
+        match state:
+            case "working":
+                return Outcome(running, detail=f"{detail}: working")
+            case "input_required":  # nobody here can give it input: the call cannot end
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code="task_input_required",
+                    message=entry.conn.redact(message)[:500],
+                )  # fmt: skip
+                return Outcome(event, detail=f"{detail}: input_required")
+            case "cancelled":
+                event = ToolCallFailed(
+                    **ids, error_class=ErrorClass.UNKNOWN, error_code="tool_cancelled",
+                    message=entry.conn.redact(message)[:500],
+                )  # fmt: skip
+                return Outcome(event, detail=f"{detail}: cancelled")
+        timeout_s = entry.timeout_ms / 1000
+        answer = await session.request("tasks/result", params, timeout_s)
+        if answer.kind not in ("result", "error") or (
+            answer.kind == "result" and "content" not in answer.value
+        ):  # no answer now: poll again
+            return Outcome(running, detail=f"{detail}: tasks/result {answer.kind}"[:300])
+        outcome = self._mcp_outcome(effect, ids, entry, None, answer)
+        return replace(outcome, detail=f"{detail}: {state}, {outcome.detail}"[:500])
 
     def _mcp_outcome(
         self,
-        effect: CallTool,
+        effect: CallTool | PollTool,
         ids: dict[str, Any],
         entry: ToolEntry,
         arguments: Any,
@@ -989,7 +1081,7 @@ class ToolHandler:
                 return Outcome(event, detail="MCP isError")
             output = output_of(reply.value)
             outcome = self._succeeded(
-                effect, ids, effect.operation.tool, arguments, output, reply.status
+                effect, ids, _tool_of(effect), arguments, output, reply.status
             )
             return replace(outcome, detail="MCP result")
         if reply.kind == "error":
@@ -1053,6 +1145,18 @@ class ToolHandler:
 
     async def _cancel_mcp(self, effect: CancelTool) -> Outcome:
         ids = self._ids(effect, effect.operation_key, effect.dispatch)
+        ref = await self.tasks.get(effect.operation_key)
+        if ref is not None and ref.server in self.mcp.servers:
+            params = {"taskId": ref.task_id}
+            reply = await self.mcp.session(ref.server).request(
+                "tasks/cancel", params, self.lookup_timeout_s
+            )
+            status = task_status(reply.value) if reply.kind == "result" else None
+            detail = f"cancel: MCP task {ref.task_id[:64]}: {reply.kind}"
+            if status is not None and status[0] == "cancelled":
+                return Outcome(CancelConfirmed(**ids), detail=detail)
+            # an error (the task ended already, or is unknown) or no answer: not confirmed
+            return Outcome(CancelUnconfirmed(**ids), detail=detail)
         server = self.mcp.server_of(effect.tool)
         assert server is not None
         state = await self.mcp.session(server.name).cancel(
@@ -1117,6 +1221,7 @@ class ToolExecutor(Executor):
             summary_bytes=summary_bytes,
             max_body_bytes=max_body_bytes,
             catalog_refresh_s=catalog_refresh_s,
+            tasks=PostgresTaskStore(config.database_url),
             children=ChildRuns(config),
         )
         try:

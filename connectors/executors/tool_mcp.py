@@ -30,6 +30,7 @@ from agentruns.connectors.executors.mcp_rules import (
     rules_for,
 )
 from agentruns.connectors.executors.mcp_stdio import StdioWire
+from agentruns.connectors.executors.mcp_tasks import task_support
 
 if TYPE_CHECKING:
     from agentruns.connectors.executors.tool import ToolEntry
@@ -75,7 +76,7 @@ def entries_of(
             permission=rules.permission,
             idempotent=rules.idempotent,
             status_url_template=None,
-            is_async=False,
+            is_async=task_support(tool),
             cancel_url_template=None,
             conn=spec.conn,
             limits=override.limits if override is not None else NO_LIMITS,

@@ -53,7 +53,7 @@ def test_a_fork_through_the_client_runs_and_shows_its_lineage_both_ways(
     assert fork["forked_from"] == {
         "source_run_id": run_id,
         "source_seq": 2,
-        "edits": {"model_route": "other", "messages": [], "replaced_inputs": []},
+        "edits": {"model_route": "other", "messages": [], "replaced_inputs": [], "budgets": None},
     }
     events = stack.http.get(f"/runs/{answer['run_id']}/events").json()["events"]
     assert events[0]["type"] == "ForkedFrom" and events[0]["payload"]["actor"] == answer["actor"]
@@ -102,6 +102,17 @@ def test_resume_of_a_budget_stop_forks_before_the_stop(stack: Stack, operator: A
     fork = stack.wait_status(answer["run_id"], "BUDGET_EXHAUSTED")  # the same budget: it stops
     assert fork["forked_from"]["source_run_id"] == run_id
     assert operator.resume(run_id)["run_id"] == answer["run_id"]  # one resume per point
+    # with a raised budget it goes on to the end, keeping what the source spent
+    more = operator.resume(run_id, budgets={"max_steps": 20})
+    assert more["run_id"] != answer["run_id"] and more["source_seq"] == last - 1
+    assert more["edits"]["budgets"]["max_steps"] == 20
+    done = stack.wait_status(more["run_id"], "SUCCEEDED")
+    assert done["forked_from"]["edits"]["budgets"]["max_steps"] == 20
+    # from an earlier seq than the failure, and never after it
+    earlier = operator.resume(run_id, from_seq=1, budgets={"max_steps": 20})
+    assert earlier["source_seq"] == 1
+    with pytest.raises(ClientError, match="after the failure"):
+        operator.resume(run_id, from_seq=last)
 
 
 def test_hostile_forks_are_refused_and_nothing_is_produced(
@@ -128,6 +139,12 @@ def test_hostile_forks_are_refused_and_nothing_is_produced(
     refused(422, "invalid_body", lambda: operator._operator(run_id, "resume", {"at": 1}, None))
     refused(422, "invalid_body", lambda: operator.fork(run_id, 1, model_route="r" * 600))
     refused(400, "Idempotency-Key", lambda: operator.fork(run_id, 1, idempotency_key="k" * 300))
+    refused(409, "never lowers them", lambda: operator.fork(run_id, 1, budgets={"max_steps": 0}))
+    refused(422, "invalid_body", lambda: operator.fork(run_id, 1, budgets={"max_steps": -1}))
+    refused(422, "invalid_body", lambda: operator.fork(run_id, 1, budgets={"spend": 5}))
+    refused(422, "invalid_body", lambda: operator.fork(run_id, 1, budgets={"max_tokens": 10**30}))
+    refused(409, "fork_refused", lambda: operator.fork(run_id, 1, budgets={"deadline_at": 1}))
+    refused(409, "SUCCEEDED", lambda: operator.resume(run_id, cancelled=True))
     # a token without the operator scope cannot fork
     r = stack.http.post(f"/runs/{run_id}/fork", json={"at": 1})
     assert r.status_code == 403, r.text

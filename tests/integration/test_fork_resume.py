@@ -28,6 +28,8 @@ import pytest
 
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.processors.ids import run_id_for_key
+from agentruns.processors.state import Budgets
+from agentruns.streams.clock import now_ms
 from agentruns.streams.topics import topic_name
 from tests.support.pipeline import Pipeline, read_raw, running_pipeline
 from tests.support.runlog import running_sink
@@ -190,6 +192,32 @@ def test_resume_after_a_tool_fix_repeats_nothing_before_the_failure(e2e: Pipelin
     assert [e["seq"] for e in e2e.events(fork_id)] == [e["seq"] for e in fork_events]
 
 
+def test_an_expired_run_resumed_with_a_later_deadline_ends_and_keeps_its_spending(
+    e2e: Pipeline,
+) -> None:
+    run_id = new_run("late")
+    # the second model call streams slowly (0.8 s a chunk): the deadline passes meanwhile
+    e2e.model_fault(kind="slow", conversation=run_id, turn=1, delay_ms=800)
+    e2e.submit(run_id, budgets=Budgets(deadline_at=now_ms() + 2500))
+    result = e2e.result(run_id)
+    assert result["status"] == "EXPIRED", result
+    # the same deadline expires the resume at once: it needs a later one
+    line = refused(agentruns(e2e, "resume", run_id, "--budget", "max_steps=1"))
+    assert "never lowers them: max_steps 1 < 20" in line
+    answer = forked(
+        agentruns(e2e, "resume", run_id, "--budget", "deadline_in_s=600", "--budget",
+                  "max_steps=30")
+    )  # fmt: skip
+    budgets = answer["edits"]["budgets"]
+    assert budgets["max_steps"] == 30 and budgets["deadline_at"] > now_ms() + 500_000
+    ended = e2e.result(answer["run_id"])
+    assert ended["status"] == "SUCCEEDED", json.dumps(ended)[:1500]
+    # what the source spent carries over: its tool calls count in the fork's state
+    (first,) = [e for e in e2e.events(answer["run_id"]) if e["type"] == "ForkedFrom"]
+    state = json.loads(first["body"])["state"]
+    assert state["tool_calls"] >= 1, state["tool_calls"]
+
+
 def test_a_fork_with_a_replaced_answer_goes_on_from_it_without_the_tool(
     e2e: Pipeline, database: str, tmp_path: Path
 ) -> None:
@@ -220,7 +248,7 @@ def test_a_fork_with_a_replaced_answer_goes_on_from_it_without_the_tool(
     assert fork["edits"]["replaced_inputs"][0]["seq"] == failure["seq"]
     assert fork["status"] == "MODEL_RUNNING"  # the next step: the tool is not called again
     ended = e2e.result(fork["run_id"])
-    assert ended["status"] == "SUCCEEDED", ended
+    assert ended["status"] == "SUCCEEDED", json.dumps(ended)[:1500]
     assert not bodies(e2e, fork["run_id"], "ToolCallFailed")
     calls = tool_calls(e2e)
     assert calls[failed["operation_key"]] == calls_before[failed["operation_key"]]
@@ -273,6 +301,7 @@ def test_a_fork_with_another_route_runs_to_its_end_and_leaves_the_source(
         "model_route": "scenario:multi_tool",
         "messages": [],
         "replaced_inputs": [],
+        "budgets": None,
     }
     assert e2e.result(fork_id)["status"] == "SUCCEEDED"
     calls = [c for c in e2e.effects("model", fork_id) if c["type"] == "CallModel"]

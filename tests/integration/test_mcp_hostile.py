@@ -24,9 +24,11 @@ from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
 from agentruns.processors.events import (
     CancelConfirmed,
     CancelUnconfirmed,
+    ToolCallAccepted,
     ToolCallFailed,
     ToolCallSucceeded,
     ToolCallTimedOut,
+    ToolStatusReported,
 )
 from agentruns.processors.state import ErrorClass
 from tests.support.executors import Ids
@@ -37,13 +39,50 @@ TOOL = {
     "annotations": {"destructiveHint": True},
 }
 GOOD = {"content": [{"type": "text", "text": "done"}]}
+TOOL_OF_TASKS = {**TOOL, "execution": {"taskSupport": "optional"}}
+TASK = {
+    "taskId": "t-1",
+    "status": "working",
+    "createdAt": "2026-12-07T01:00:00Z",
+    "lastUpdatedAt": "2026-12-07T01:00:00Z",
+    "ttl": 60000,
+}
+
+
+def task_answer(mode: str, method: str, rid: Any) -> bytes:
+    """A task server's answer: a good task to a call (or one whose id is too long to keep);
+    to ``tasks/get``, a task ``mode`` says (working, completed), one no task has, or an
+    error; ``tasks/result`` the good result."""
+    result: Any
+    match method, mode:
+        case "tools/call", "long_id":
+            result = {"task": {**TASK, "taskId": "x" * 300}}
+        case "tools/call", _:
+            result = {"task": TASK}
+        case "tasks/get", "garbage_status":
+            result = {**TASK, "status": "sleeping"}
+        case "tasks/get", "unknown_task":
+            error = {"code": -32602, "message": "Failed to retrieve task: Task not found"}
+            return json.dumps({"jsonrpc": "2.0", "id": rid, "error": error}).encode()
+        case "tasks/get", "completed":
+            result = {**TASK, "status": "completed"}
+        case "tasks/get", _:
+            result = TASK
+        case "tasks/result", _:
+            result = GOOD
+        case _:
+            result = {**TASK, "status": "cancelled"}
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "result": result}).encode()
 
 
 class Endpoint:
     """Answers initialize and tools/list properly, and tools/call as ``mode`` says."""
 
-    def __init__(self) -> None:
+    def __init__(self, tasks: bool = False) -> None:
         self.mode = "good"
+        # a server of tasks: it advertises them, lists its tool as one, answers every call
+        # with a task and every tasks/* request as ``mode`` says
+        self.tasks = tasks
         self.sessions = 0
         self.calls = 0
         endpoint = self
@@ -75,16 +114,23 @@ class Endpoint:
                 if method == "initialize":
                     endpoint.sessions += 1
                     info = {"name": "hostile", "version": "0"}
+                    capabilities: dict[str, Any] = {}
+                    if endpoint.tasks:
+                        capabilities["tasks"] = {"requests": {"tools": {"call": {}}}}
                     result = {
-                        "protocolVersion": "2025-06-18",
-                        "capabilities": {},
+                        "protocolVersion": "2025-11-25" if endpoint.tasks else "2025-06-18",
+                        "capabilities": capabilities,
                         "serverInfo": info,
                     }
                     return self.send(200, reply(result))
                 if "id" not in message:
                     return self.send(202, b"")
                 if method == "tools/list":
-                    return self.send(200, reply({"tools": [TOOL]}))
+                    return self.send(
+                        200, reply({"tools": [TOOL_OF_TASKS if endpoint.tasks else TOOL]})
+                    )
+                if endpoint.tasks:
+                    return self.send(200, task_answer(endpoint.mode, method, rid))
                 endpoint.calls += 1
                 match endpoint.mode:
                     case "good":
@@ -287,3 +333,42 @@ def test_the_example_servers_wire_faults_are_classified_and_its_session_goes_on(
         stats = httpx.get(f"{server.url}/stats").json()
         assert stats["faults_injected"] == {kind: 1}
         assert sum(stats["calls"].values()) == 2  # the faulted call never reached the tool
+
+
+def test_a_task_servers_hostile_answers_are_classified(tmp_path: Path) -> None:
+    endpoint = Endpoint(tasks=True)
+    handler = _handler(endpoint, tmp_path)
+    ids = Ids("run-hostile-tasks")
+
+    async def run() -> None:
+        endpoint.mode = "long_id"  # a task id too long to keep: not accepted, not kept
+        call = ids.call("evil__act", {"x": 1})
+        refused = (await handler.execute(call, None, {})).event
+        assert isinstance(refused, ToolCallFailed), refused
+        assert refused.error_code == "invalid_output:bad_task"
+        assert await handler.tasks.get(call.operation.key) is None
+        endpoint.mode = "working"
+        call = ids.call("evil__act", {"x": 2})
+        assert isinstance((await handler.execute(call, None, {})).event, ToolCallAccepted)
+        polled = (await handler.execute(ids.poll(call, 1), None, {})).event
+        assert isinstance(polled, ToolStatusReported) and polled.status == "running"
+        endpoint.mode = "garbage_status"  # a status the protocol does not have
+        garbage = (await handler.execute(ids.poll(call, 2), None, {})).event
+        assert isinstance(garbage, ToolCallFailed), garbage
+        assert garbage.error_code == "invalid_output:bad_task"
+        endpoint.mode = "unknown_task"  # the server forgot the task: it may have run
+        lost = (await handler.execute(ids.poll(call, 3), None, {})).event
+        assert isinstance(lost, ToolCallFailed) and lost.error_code == "task_lost"
+        assert lost.error_class is ErrorClass.UNKNOWN
+        endpoint.mode = "completed"
+        done = (await handler.execute(ids.poll(call, 4), None, {})).event
+        assert isinstance(done, ToolCallSucceeded), done
+        cancelled = (await handler.execute(ids.cancel(call), None, {})).event
+        assert isinstance(cancelled, CancelConfirmed)  # the endpoint answers it cancelled
+        await handler.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        handler.close()
+        endpoint.close()

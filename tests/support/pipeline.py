@@ -322,7 +322,9 @@ class Pipeline:
     tool_specs: tuple[Any, ...]
     inbox: Any
 
-    def submit(self, run_id: str, scenario: str = "multi_tool") -> None:
+    def submit(
+        self, run_id: str, scenario: str = "multi_tool", budgets: Budgets | None = None
+    ) -> None:
         submitted = RunSubmitted(
             run_id=run_id,
             event_id=f"{run_id}:submit",
@@ -332,6 +334,7 @@ class Pipeline:
             messages=(Message(role="user", content="The printer on floor 3 is offline."),),
             tools=self.tool_specs,
             model_route=f"scenario:{scenario}",
+            budgets=budgets or Budgets(),
         )
         self.inbox.send(input_record(submitted))
         self.inbox.flush()

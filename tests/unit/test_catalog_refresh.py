@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from agentruns.connectors.catalog import (
     catalog_of,
     changes,
     configured_catalog,
+    refreshing,
     with_unanswered,
 )
 from agentruns.connectors.dev.servers import tool_server
@@ -187,3 +190,39 @@ def test_the_refresher_takes_a_new_version_and_never_empties_the_catalog(tmp_pat
     assert refresher.refresh() == "changed"
     assert "shop__lookup_order" not in refresher.catalog.tools
     assert refresher.catalog == catalog_of(ToolRegistry.load(path))
+
+
+def test_announcements_are_coalesced_into_few_refreshes(tmp_path: Path) -> None:
+    path = _registry(tmp_path / "tools.json")
+    first = configured_catalog(path, component="test")
+    assert first is not None
+    refresher = CatalogRefresher(path, first, print, component="test", interval_s=3600)
+    refresher.start()
+    try:
+        for _ in range(200):  # a server announcing changes without pause
+            refresher.changed("shop")
+        _registry(path, send_email={"approval_required": True})
+        refresher.changed("shop")
+        deadline = time.monotonic() + 10
+        while not refresher.catalog.tools["send_email"].approval_required:
+            assert time.monotonic() < deadline, "the announcement made no refresh"
+            time.sleep(0.02)
+        time.sleep(1.5)
+    finally:
+        refresher.stop()
+    # not one refresh per announcement: the first, and one for what came during it
+    assert 1 <= refresher.announced <= 2
+
+
+def test_a_registry_made_in_memory_is_refreshed_from_itself(tmp_path: Path) -> None:
+    registry = ToolRegistry.load(_registry(tmp_path / "tools.json"))
+    made = replace(registry, path="")  # as `agentruns run --dev-servers` makes its registry
+    (tmp_path / "tools.json").unlink()  # nothing to read: the registry is its own source
+    catalog = catalog_of(made)
+    refresher = CatalogRefresher(made, catalog, print, component="test", interval_s=60)
+    assert refresher.refresh() == "unchanged"
+    assert refresher.catalog is catalog
+    with refreshing(made, catalog, print, component="test") as running:
+        assert running is not None and running.path == ""
+    with refreshing(None, catalog, print, component="test") as running:
+        assert running is None

@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from agentruns.connectors.dev.servers.workload import simulate, submitted
 from agentruns.processors.effects import CallModel, CallTool, Effect, ScheduleTimer
 from agentruns.processors.events import (
+    CancelRequested,
     Candidate,
     Event,
     ForkedFrom,
     ModelCallCompleted,
     ModelOutcome,
+    RunSubmitted,
     ToolCallFailed,
     ToolCallRequest,
     ToolCallSucceeded,
@@ -42,6 +44,7 @@ from agentruns.processors.lineage import (
 )
 from agentruns.processors.state import (
     IN_FLIGHT,
+    Budgets,
     ErrorClass,
     ForkEdits,
     Lineage,
@@ -50,6 +53,7 @@ from agentruns.processors.state import (
     ReplacedInput,
     RunState,
     RunStatus,
+    TimerPurpose,
 )
 from agentruns.processors.transition import Artifact, Disposition, transition
 
@@ -465,3 +469,115 @@ def test_a_fork_with_messages_asks_the_model_again_with_them() -> None:
     plain = fork_record(log, elsewhere.seq, run_id="fork-msg2", at=0)
     refused = transition(None, plain.model_copy(update={"edits": edits}))  # forged: the core
     assert refused.disposition is Disposition.REJECTED and "messages" in (refused.reason or "")
+
+
+# -- raised budgets
+
+
+def _budget_stopped(run_id: str) -> list[Folded]:
+    """A run submitted with one step, stopped by its budget when its first tool result asks
+    for a second model call."""
+    records = _run(run_id, [None])
+    first = records[0][1]
+    assert isinstance(first, RunSubmitted)
+    one_step = first.model_copy(update={"budgets": Budgets(deadline_at=90_000, max_steps=1)})
+    return folded([(1, one_step), *records[1:]])
+
+
+def test_a_resume_with_a_raised_budget_goes_on_where_the_budget_stopped_the_run() -> None:
+    log = _budget_stopped("run-b")
+    final = log[-1].state
+    assert final is not None and final.status is RunStatus.BUDGET_EXHAUSTED
+    seq = resume_point(log)
+    before = state_at(log, seq)
+    # without more budget the fork stops where the source stopped
+    same = transition(None, fork_record(log, seq, run_id="run-b1", at=2_000))
+    assert same.state is not None
+    assert transition(same.state, _rekeyed_last(log, same.state)).state.status is (
+        RunStatus.BUDGET_EXHAUSTED
+    )
+    raised = Budgets(deadline_at=90_000, max_steps=5)
+    start = transition(
+        None, fork_record(log, seq, run_id="run-b2", at=2_000, edits=ForkEdits(budgets=raised))
+    )
+    assert start.disposition is Disposition.APPLIED and start.state is not None
+    assert start.state.config.budgets == raised
+    assert start.state.config.config_ref != before.config.config_ref  # the frozen config re-made
+    assert [a.ref for a in start.artifacts] == [start.state.config.config_ref]
+    after = transition(start.state, _rekeyed_last(log, start.state))
+    assert after.state is not None and after.state.status is RunStatus.MODEL_RUNNING
+    assert any(isinstance(e, CallModel) for e in after.effects)
+
+
+def _rekeyed_last(log: list[Folded], fork: RunState) -> Event:
+    """The source's last input (its tool result), addressed to the fork's operation."""
+    last = log[-1].event
+    assert isinstance(last, ToolCallSucceeded)
+    (op,) = fork.ops
+    return last.model_copy(
+        update={"run_id": fork.run_id, "event_id": "again", "operation_key": op.key}
+    )
+
+
+def test_a_fork_never_lowers_a_budget_and_a_new_deadline_lies_ahead() -> None:
+    log = _budget_stopped("run-c")
+    seq = resume_point(log)
+    lowered = ForkEdits(budgets=Budgets(deadline_at=90_000, max_steps=0))
+    with pytest.raises(ForkError, match="never lowers them: max_steps 0 < 1"):
+        fork_record(log, seq, run_id="run-c1", at=2_000, edits=lowered)
+    # the core refuses it too (a record made by another writer)
+    record = fork_record(log, seq, run_id="run-c1", at=2_000)
+    forged = record.model_copy(update={"edits": lowered})
+    refused = transition(None, forged)
+    assert refused.disposition is Disposition.REJECTED and "never lowers" in refused.reason
+    past = ForkEdits(budgets=Budgets(deadline_at=95_000, max_steps=1))
+    with pytest.raises(ForkError, match="not after the fork's time"):
+        fork_record(log, seq, run_id="run-c2", at=100_000, edits=past)
+    unlimited = ForkEdits(budgets=Budgets(deadline_at=None, max_steps=1))
+    assert transition(None, fork_record(log, seq, run_id="run-c3", at=2_000, edits=unlimited))
+
+
+def test_a_raised_deadline_replaces_the_source_deadline_timer() -> None:
+    log = _budget_stopped("run-d")
+    seq = resume_point(log)
+    later = Budgets(deadline_at=500_000, max_steps=1)
+    start = transition(
+        None, fork_record(log, seq, run_id="run-d1", at=2_000, edits=ForkEdits(budgets=later))
+    )
+    assert start.state is not None
+    deadlines = [t for t in start.state.timers if t.purpose is TimerPurpose.DEADLINE]
+    assert [t.due_at for t in deadlines] == [500_000]
+    scheduled = [e for e in start.effects if isinstance(e, ScheduleTimer)]
+    assert [(e.timer_id, e.due_at) for e in scheduled] == [(deadlines[0].timer_id, 500_000)]
+
+
+def test_a_cancelled_run_is_resumed_only_when_asked_from_before_its_cancel() -> None:
+    records = _run("run-k", [])[:1]  # submitted: the model is asked
+    cancel = CancelRequested(run_id="run-k", event_id="cancel", at=5_000, trace_id="t")
+    log = folded([*records, (2, cancel)])
+    assert log[-1].state is not None and log[-1].state.status is RunStatus.CANCELLED
+    with pytest.raises(ForkError, match="resume it as cancelled explicitly"):
+        resume_point(log)
+    assert resume_point(log, cancelled=True) == 1  # the record before the cancel
+    start = transition(None, fork_record(log, 1, run_id="run-k2", at=6_000))
+    assert start.disposition is Disposition.APPLIED
+    assert start.state is not None and not start.state.cancel_requested
+    assert any(isinstance(e, CallModel) for e in start.effects)
+    with pytest.raises(ForkError, match="no state"):
+        resume_point(folded([(1, cancel)]), cancelled=True)
+
+
+def test_a_fork_that_asks_the_model_with_raised_budgets_asks_with_what_now_remains() -> None:
+    log = _budget_stopped("run-m")
+    later = Budgets(deadline_at=700_000, max_steps=9)
+    start = transition(
+        None, fork_record(log, 1, run_id="run-m1", at=2_000, edits=ForkEdits(budgets=later))
+    )
+    assert start.state is not None and start.state.status is RunStatus.MODEL_RUNNING
+    (call,) = [e for e in start.effects if isinstance(e, CallModel)]
+    source_context = state_at(log, 1).context_ref
+    assert call.context_ref != source_context
+    (stored,) = [a for a in start.artifacts if a.ref == call.context_ref]
+    context = json.loads(stored.content)
+    assert context["previous_context"] == source_context and context["messages"] == []
+    assert context["remaining"]["deadline_at"] == 700_000 and context["remaining"]["steps"] == 8

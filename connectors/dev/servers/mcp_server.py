@@ -8,16 +8,23 @@ Tools (names as the server lists them; the executor names them ``<server>__<tool
   is counted per idempotency key (the request's ``_meta["agentruns/idempotency_key"]``), so a
   test can prove that no key was executed twice;
 - ``set_order_note`` (``idempotentHint``, not destructive): sets an order's note; a repeat
-  with the same note changes nothing.
+  with the same note changes nothing;
+- ``export_orders`` (not destructive, not idempotent, ``execution.taskSupport`` optional): a
+  long job (``duration_ms``, 2 s); a call that asks for a task gets one at once and polls it
+  (``tasks/get``, ``tasks/result``, ``tasks/cancel``:
+  :mod:`agentruns.connectors.dev.servers.mcp_tasks`); executions counted per key.
 
 Admin routes (plain HTTP beside the MCP endpoint ``/mcp``): ``GET /stats`` (calls and
-executions per key, fault counts), ``POST /faults`` with ``{"target": tool or "*", "kind":
-..., "times": n or null, "delay_ms": ..., "size": ..., "run": ...}``, ``DELETE /faults``.
+executions per key, fault counts, tasks by status), ``POST /faults`` with ``{"target": tool
+or "*", "kind": ..., "times": n or null, "delay_ms": ..., "size": ..., "run": ...}``,
+``DELETE /faults``.
 Fault kinds: ``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in
 the middle of the call, after counting the call and before answering), ``error`` (an
 ``isError`` result, nothing executed), ``huge`` (a text block of ``size`` bytes),
-``tools_changed`` (the call adds the tool ``archive_order`` to the list and tells the client:
-``notifications/tools/list_changed``); and, answered on the wire in the SDK's place (the tool
+``tools_changed`` (the call adds the tool ``archive_order`` to the list and announces it:
+``notifications/tools/list_changed`` on the call's own answer and on the standing ``GET``
+stream of every session, so a listener that makes no call hears it too; the server
+advertises ``tools.listChanged``); and, answered on the wire in the SDK's place (the tool
 never called, no call counted): ``malformed`` (JSON cut short), ``wrong_id`` (a result to
 another request id), ``unknown_block`` (a result whose content block has a type the protocol
 does not have). A rule with ``run`` matches only that run's calls (the request's
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,13 +52,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
+from mcp.server.lowlevel import NotificationOptions
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations, ToolListChangedNotification
+from mcp.shared.message import SessionMessage
+from mcp_types import (
+    JSONRPCNotification,
+    ServerTasksCapability,
+    ServerTasksRequestsCapability,
+    TasksCallCapability,
+    TasksCancelCapability,
+    TasksToolsCapability,
+    ToolAnnotations,
+    ToolExecution,
+    ToolListChangedNotification,
+)
+from mcp_types import Tool as MCPTool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agentruns.connectors.dev.servers.mcp_tasks import TASK_TOOLS, TaskBoard
 
 DEFAULT_PORT = 8702
 KEY_META = "agentruns/idempotency_key"
@@ -92,8 +116,10 @@ class ServerState:
     injected: Counter[str] = field(default_factory=Counter)
     notes: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tasks: TaskBoard = field(init=False)
 
     def __post_init__(self) -> None:
+        self.tasks = TaskBoard(self.count)
         if self.counts_file is not None and self.counts_file.exists():
             for line in self.counts_file.read_text().splitlines():
                 what, _, key = line.partition(" ")
@@ -127,6 +153,7 @@ class ServerState:
                 "calls": dict(self.calls),
                 "executions": dict(self.executions),
                 "faults_injected": dict(self.injected),
+                "tasks": dict(Counter(run.status for run in self.tasks.tasks.values())),
             }
 
 
@@ -158,10 +185,12 @@ def _key(ctx: Context) -> str:
     return _meta(ctx, KEY_META)
 
 
-def build(state: ServerState) -> MCPServer:
-    """The example server: its tools, their annotations and the admin routes."""
+def build(state: ServerState, *, tasks: bool = True) -> MCPServer:
+    """The example server: its tools, their annotations and the admin routes; ``tasks``: it
+    answers task-augmented calls of ``TASK_TOOLS`` (its HTTP middleware does: not on stdio)."""
     server: MCPServer = MCPServer("agentruns-example", version="1", log_level="WARNING")
     logging.getLogger("mcp").setLevel(logging.WARNING)
+    _advertise(server, tasks=tasks)
 
     async def before(tool: str, ctx: Context) -> str | None:
         """Count the call and apply a fault (ToolError: an ``isError`` result, nothing
@@ -185,6 +214,7 @@ def build(state: ServerState) -> MCPServer:
                 await ctx.request_context.session.send_notification(
                     ToolListChangedNotification(), related_request_id=ctx.request_context.request_id
                 )
+                await announce_tools_changed(server)
         return None
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
@@ -211,6 +241,21 @@ def build(state: ServerState) -> MCPServer:
         state.count("execution", _key(ctx))
         state.notes[order_id] = note
         return huge or f"note of {order_id}: {note}"
+
+    @server.tool(
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=False
+        )
+    )
+    async def export_orders(since: str, ctx: Context, duration_ms: int = 2000) -> str:
+        """Export the orders since a date to a file (a long job, not idempotent: every call
+        exports again). Runs as an MCP task when the call asks for one."""
+        huge = await before("export_orders", ctx)
+        await asyncio.sleep(min(max(duration_ms, 0), MAX_DELAY_MS) / 1000)
+        key = _key(ctx)
+        state.count("execution", key)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        return huge or f"exported the orders since {since} (export E-{digest})"
 
     async def stats(request: Request) -> Response:
         return JSONResponse(state.stats())
@@ -250,8 +295,9 @@ def wire_answer(kind: str, request_id: Any) -> bytes:
 
 class WireFaults:
     """ASGI middleware before the SDK's app: a ``tools/call`` POST that a wire fault rule
-    matches is answered here (``200 application/json``) and never reaches the SDK; every
-    other request goes on, its body replayed."""
+    matches is answered here (``200 application/json``) and never reaches the SDK, and so is
+    a task request (:mod:`agentruns.connectors.dev.servers.mcp_tasks`); every other request
+    goes on, its body replayed."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -270,11 +316,14 @@ class WireFaults:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         fault, request_id = self._match(bytes(body)) if not more else (None, None)
-        if fault is None:
+        if fault is not None:
+            answer: bytes | None = wire_answer(fault.kind, request_id)
+        else:
+            answer = None if more else await self.state.tasks.answer_body(bytes(body))
+        if answer is None:
             first = {"type": "http.request", "body": bytes(body), "more_body": more}
             await self.app(scope, _replay([first], receive), send)
             return
-        answer = wire_answer(fault.kind, request_id)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
@@ -313,6 +362,57 @@ def _replay(messages: list[Message], then: Receive) -> Receive:
 def app_of(state: ServerState) -> ASGIApp:
     """The ASGI app: the SDK's streamable HTTP app behind the wire faults."""
     return WireFaults(build(state).streamable_http_app(), state)
+
+
+def _advertise(server: MCPServer, *, tasks: bool) -> None:
+    """Advertise ``tools.listChanged`` in the ``initialize`` answer (the SDK's server does
+    only when its initialization options are given the flag), and with ``tasks`` the tasks
+    capability (task-augmented ``tools/call``, ``tasks/cancel``) and ``execution.taskSupport``
+    ``optional`` on the tools of ``TASK_TOOLS`` (the SDK's server has neither)."""
+    low = server._lowlevel_server
+    make = low.create_initialization_options
+
+    def options(notification_options: NotificationOptions | None = None, *args: Any) -> Any:
+        made = make(notification_options or NotificationOptions(tools_changed=True), *args)
+        if not tasks:
+            return made
+        capability = ServerTasksCapability(
+            cancel=TasksCancelCapability(),
+            requests=ServerTasksRequestsCapability(
+                tools=TasksToolsCapability(call=TasksCallCapability())
+            ),
+        )
+        capabilities = made.capabilities.model_copy(update={"tasks": capability})
+        return made.model_copy(update={"capabilities": capabilities})
+
+    low.create_initialization_options = options  # type: ignore[method-assign,assignment]
+    if not tasks:
+        return
+    listed = server.list_tools
+
+    async def list_tools() -> list[MCPTool]:
+        optional = ToolExecution(task_support="optional")
+        return [
+            tool.model_copy(update={"execution": optional}) if tool.name in TASK_TOOLS else tool
+            for tool in await listed()
+        ]
+
+    server.list_tools = list_tools  # type: ignore[method-assign]
+
+
+async def announce_tools_changed(server: MCPServer) -> None:
+    """``notifications/tools/list_changed`` on the standing ``GET`` stream of every session
+    (a message not related to a request goes there; a session without one loses it)."""
+    note = JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed")
+    # the SDK's server has no broadcast to every session (its own is for the 2026 wire's
+    # subscriptions/listen): each session's transport is sent the message as its server would
+    for transport in list(server.session_manager._server_instances.values()):
+        stream = transport._write_stream
+        if stream is None:
+            continue
+        gone = (anyio.ClosedResourceError, anyio.BrokenResourceError, TimeoutError)
+        with contextlib.suppress(*gone), anyio.fail_after(1.0):
+            await stream.send(SessionMessage(note))
 
 
 def _add_archive(server: MCPServer) -> None:
@@ -412,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(f.kind in WIRE_FAULTS for f in state.faults):
             print("error: --fault: wire faults are for HTTP", file=sys.stderr)
             return 2
-        build(state).run("stdio")  # until stdin ends
+        build(state, tasks=False).run("stdio")  # until stdin ends
         return 0
     app = app_of(state)
     print(f"MCP server listening on http://{args.host}:{args.port}/mcp", flush=True)
