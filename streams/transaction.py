@@ -56,6 +56,8 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from agentruns.streams.access import transactional_id_prefix
+from agentruns.streams.authorization import refused
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
     NO_DELAY,
@@ -145,7 +147,7 @@ class Clients:
     @property
     def member(self) -> str:
         """``<group>-<instance>``: the base of the transactional ids (and of a static member id)."""
-        return f"{self.group_id}-{self.instance_id}"
+        return f"{transactional_id_prefix(self.group_id)}{self.instance_id}"
 
     def consumer_config(
         self, settings: Mapping[str, Any], fetch_window_ms: int = 0
@@ -202,6 +204,10 @@ class Clients:
                 error = exc.args[0] if exc.args else None
                 retriable = isinstance(error, KafkaError) and error.retriable()
                 no_coordinator = isinstance(error, KafkaError) and error.code() in _NO_COORDINATOR
+                tid = f"{self.member}-{slot}"
+                denied = refused(kafka_error(exc), name=tid, operation="Write")
+                if denied is not None:
+                    raise denied from exc
                 if not (retriable or no_coordinator) or time.monotonic() > deadline:
                     raise AgentrunsKafkaError(
                         f"cannot start a transactional producer: {exc}"

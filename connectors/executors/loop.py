@@ -474,7 +474,9 @@ class Executor:
                 # join it.
                 now = time.monotonic()
                 gather = c.gather_ms / 1000 if now < gathering_until else 0.0
-                batch = poll_batch(self._consumer, c.max_batch, c.poll_timeout_s, gather=gather)
+                batch = poll_batch(
+                    self._consumer, c.max_batch, c.poll_timeout_s, gather=gather, group=c.group
+                )
                 if len(batch) > 1:
                     gathering_until = time.monotonic() + GATHER_AFTER_S
                 if batch:
