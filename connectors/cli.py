@@ -149,6 +149,12 @@ def _kafka_acls(argv: list[str]) -> int:
     return main(argv)
 
 
+def _keys(argv: list[str]) -> int:
+    from agentruns.connectors.keys import main
+
+    return main(argv)
+
+
 def _versions(argv: list[str]) -> int:
     from agentruns.connectors.projection.rules_versions import main
 
@@ -178,6 +184,7 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("revalidate",): (_revalidate, "re-run validators over candidates"),
     ("versions",): (_versions, "which rules versions the runs use, with counts"),
     ("kafka", "acls"): (_kafka_acls, "the Kafka ACLs a service's principal needs"),
+    ("keys",): (_keys, "the callback key of AGENTRUNS_API_SECRET, for the tool executors"),
 }
 
 #: The first words of the development commands (`agentruns.connectors.dev.commands`).

@@ -450,7 +450,7 @@ class Console:
         self.service = service
         config = service.config
         self.sessions = Sessions(
-            config.secret, service.clock, {config.api_token: None, **config.operator_tokens}
+            config.keys.console, service.clock, {config.api_token: None, **config.operator_tokens}
         )
         self.logins = LoginLimiter(service.clock)
         self._charts_lock = threading.Lock()
