@@ -177,6 +177,23 @@ CALLBACK_DISPATCH_KEY = "agentruns.callback_dispatch"
 _SIGNATURE_HEADER = CALLBACK_SIGNATURE_HEADER.lower().encode()
 
 
+#: The ASGI scope key `_Auth` sets when the request's credential was checked and valid.
+AUTHENTICATED_KEY = "agentruns.authenticated"
+#: Public paths that answer more to a caller with a credential (`/healthz`: its checks' error
+#: text names hosts, ports and user names); such a credential is checked, and counted when
+#: wrong, like any other.
+_DETAILED_WITH_CREDENTIAL = frozenset({"/healthz"})
+
+
+def _public(scope: Scope) -> bool:
+    path = scope["path"]
+    if path not in PUBLIC_PATHS:
+        return False
+    return path not in _DETAILED_WITH_CREDENTIAL or not any(
+        name == b"authorization" for name, _ in scope["headers"]
+    )
+
+
 class _Auth:
     """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
     instead carry its signature header (`keys.verify_callback`: the operation, the dispatch,
@@ -204,7 +221,7 @@ class _Auth:
         self._operators = operators or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
+        if scope["type"] != "http" or _console(scope["path"]) or _public(scope):
             await self.app(scope, receive, send)
             return
         client = scope.get("client")
@@ -214,7 +231,8 @@ class _Auth:
             throttled = JSONResponse(
                 {
                     "error": "too_many_wrong_tokens",
-                    "detail": f"too many wrong tokens from this address: retry in {wait_s} s",
+                    "detail": "too many wrong tokens from this address (or from all addresses):"
+                    f" retry in {wait_s} s",
                 },
                 status_code=429,
                 headers={"Retry-After": str(wait_s)},
@@ -235,6 +253,7 @@ class _Auth:
             or operator is not None
             or self._callback_signed(scope)
         ):
+            scope[AUTHENTICATED_KEY] = True
             await self.app(scope, receive, send)
             return
         if given or _SIGNATURE_HEADER in headers:
@@ -405,7 +424,11 @@ async def _callback(s: ApiService, r: Request) -> Response:
 
 
 async def _health(s: ApiService, r: Request) -> Response:
+    """Readiness. Without a credential only the status: the checks' details (a broker's or
+    Postgres's error text: hosts, ports, user names) go to a caller with the bearer token."""
     ok, body = await run_in_threadpool(s.health)
+    if not r.scope.get(AUTHENTICATED_KEY):
+        body = {"status": body.get("status", "ready" if ok else "not ready")}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -65,7 +65,13 @@ def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
             assert r.headers["www-authenticate"].startswith("Bearer")
         wrong = anon.get("/runs/x", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        assert anon.get("/healthz").json()["status"] == "ready"
+        # readiness for anyone; its checks' details (error text naming hosts, ports, users)
+        # only with a credential, and a wrong one is a 401 like anywhere else
+        assert anon.get("/healthz").json() == {"status": "ready"}
+        detailed = anon.get("/healthz", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert detailed["status"] == "ready" and set(detailed["checks"]) >= {"kafka", "postgres"}
+        guessed = anon.get("/healthz", headers={"Authorization": "Bearer " + "g" * 40})
+        assert guessed.status_code == 401
         assert "agentruns_api_requests_total" in anon.get("/metrics").text
         spec = anon.get("/openapi.json").json()
         assert "/runs/{run_id}/replies" in spec["paths"]

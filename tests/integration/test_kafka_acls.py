@@ -27,18 +27,17 @@ from agentruns.connectors.kafka_acls import apply, bindings
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import ToolSpec
 from agentruns.streams.access import acls, executor_group, transactional_id_prefix
-from agentruns.streams.admin import ensure_topics
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
-from agentruns.streams.topics import INBOX, topic_name
+from agentruns.streams.topics import INBOX, TopicNames, topic_name
 from tests.support.executors import fast_registry
 from tests.support.pipeline import read_all
 from tests.support.waiting import wait_for
 
 PREFIX = "acl"
 PARTITIONS = 2
-SERVICES = ("processor", "model-executor", "tool-executor", "timer", "sink", "submitter")
+SERVICES = ("admin", "processor", "model-executor", "tool-executor", "timer", "sink", "submitter")
 USERS = {s: ScramUser(f"agentruns-{s}", f"password-of-{s}-0123456789") for s in SERVICES}
 MODULES = {
     "processor": "agentruns.connectors.runtime.processor",
@@ -46,6 +45,7 @@ MODULES = {
     "tool-executor": "agentruns.connectors.executors.tool",
     "timer": "agentruns.connectors.runtime.timers",
     "sink": "agentruns.connectors.projection.sink",
+    "admin": "agentruns.connectors.cli",
 }
 
 
@@ -140,10 +140,34 @@ def stop(procs: dict[str, subprocess.Popen[str]]) -> dict[str, str]:
 def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
     secured_kafka: LocalKafka, database_url: str, tmp_path: Path
 ) -> None:
-    admin = secured_kafka.bootstrap_servers  # PLAINTEXT: the super user sets up
-    ensure_topics(admin, prefix=PREFIX, partitions=PARTITIONS)
+    admin = secured_kafka.bootstrap_servers  # PLAINTEXT: the super user grants the ACLs
     for service in SERVICES:
         apply(admin, acls(service, PREFIX), f"User:{USERS[service].name}")
+    # the admin principal creates the topics (`agentruns topics create`) with its ACLs only
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRUNS_")}
+    created = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            MODULES["admin"],
+            "topics",
+            "create",
+            "--prefix",
+            PREFIX,
+            "--partitions",
+            str(PARTITIONS),
+        ],
+        env={
+            **env,
+            "KAFKA_BOOTSTRAP_SERVERS": secured_kafka.sasl_bootstrap_servers,
+            "AGENTRUNS_KAFKA_CONFIG": str(properties_file(tmp_path, USERS["admin"])),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert created.returncode == 0, created.stderr
+    assert created.stdout.count("created") == len(TopicNames.for_prefix(PREFIX).all())
 
     registry = fast_registry(tmp_path, "http://127.0.0.1:9")
     procs: dict[str, subprocess.Popen[str]] = {}
