@@ -26,7 +26,7 @@ from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.kafka_acls import apply, bindings
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import ToolSpec
-from agentruns.streams.access import acls, executor_group, transactional_id_prefix
+from agentruns.streams.access import Acl, acls, executor_group, transactional_id_prefix
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
@@ -238,7 +238,22 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
     # One ACL less: the tool executor's transactional ids. A new tool executor ends at once
     # with one line naming the transactional id it was refused.
     (txn,) = [a for a in acls("tool-executor", PREFIX) if a.resource == "TransactionalId"]
-    (binding,) = bindings([txn], f"User:{USERS['tool-executor'].name}")
+    revoke(admin, txn, "tool-executor")
+    line = refused_line(start("tool-executor", secured_kafka, database_url, tmp_path, *reg))
+    expected = f"transactional id {transactional_id_prefix(executor_group(PREFIX, 'tool'))}0-a"
+    assert expected in line and "TRANSACTIONAL_ID_AUTHORIZATION_FAILED" in line, line
+    # The sink refused Read on the results topic: one line naming the topic.
+    results = topic_name("results", PREFIX)
+    (read,) = [a for a in acls("sink", PREFIX) if a.name == results and a.operation == "Read"]
+    revoke(admin, read, "sink")
+    sink = start("sink", secured_kafka, database_url, tmp_path, "--log-level", "WARNING")
+    line = refused_line(sink)
+    assert f"Read on topic {results}" in line and "TOPIC_AUTHORIZATION_FAILED" in line, line
+
+
+def revoke(admin: str, acl: Acl, service: str) -> None:
+    """Delete one ACL of ``service``'s principal (as the super user)."""
+    (binding,) = bindings([acl], f"User:{USERS[service].name}")
     match = AclBindingFilter(
         binding.restype,
         binding.name,
@@ -249,16 +264,16 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
         binding.permission_type,
     )
     client = AdminClient({"bootstrap.servers": admin})
-    deleted = client.delete_acls([match])
-    for future in deleted.values():
+    for future in client.delete_acls([match]).values():
         assert len(future.result(timeout=30)) == 1
+
+
+def refused_line(proc: subprocess.Popen[str]) -> str:
+    """The one line a service refused an ACL ends with (exit 2, within 30 s, no stack)."""
     began = time.monotonic()
-    refused = start("tool-executor", secured_kafka, database_url, tmp_path, *reg)
-    _, stderr = refused.communicate(timeout=60)
-    assert refused.returncode == 2, stderr
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
-    expected = f"transactional id {transactional_id_prefix(executor_group(PREFIX, 'tool'))}0-a"
-    assert expected in lines[0], lines[0]
-    assert "TRANSACTIONAL_ID_AUTHORIZATION_FAILED" in lines[0]
     assert time.monotonic() - began < 30
+    return lines[0]
