@@ -34,7 +34,8 @@ def refused(
     if error is None or error.code() not in REFUSALS:
         return None
     kind = REFUSALS[error.code()]
-    what = f"{kind} {name}" if name else kind
+    # without the name the caller asked for, librdkafka's own text is all there is
+    what = f"{kind} {name}" if name else f"a {kind} ({error.str()})"
     return KafkaAuthorizationError(
         f"Kafka refused {operation or 'access'} on {what} ({error.name()}): "
         "the principal lacks that ACL",

@@ -589,9 +589,13 @@ class Committer(Generic[U]):
         """After a failed transaction, the committer settled: a fatal error replaces the current
         producer (its successor's `init_transactions` aborts what it left open), any other
         aborts the open transaction. Logged; returns the fault (`classify`). A StuckClientError
-        (a commit whose outcome stayed unknown) is raised: the process must stop."""
+        (a commit whose outcome stayed unknown) is raised: the process must stop, and so is a
+        refusal for want of an ACL (`authorization.refused`): no retry grants it."""
         if isinstance(error, FatalConsumerError):  # a commit of unknown outcome: stop
             raise error
+        denied = refused(kafka_error(error), operation="a transaction's Write")
+        if denied is not None:  # the successor's init_transactions aborts what is open
+            raise denied from error
         fault = classify(error)
         fatal = fault is Fault.FATAL
         self._log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", error)
