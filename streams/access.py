@@ -24,6 +24,7 @@ __all__ = [
     "acls",
     "executor_group",
     "processor_group",
+    "reader_group_prefix",
     "restore_group",
     "sink_group",
     "timer_group",
@@ -63,6 +64,12 @@ def restore_group(group: str) -> str:
     return f"{group}-restore"
 
 
+def reader_group_prefix(topic: str) -> str:
+    """What the group ids of a reader of ``topic`` (replay, audit) start with: it assigns
+    partitions and never commits, but librdkafka still asks for its group's coordinator."""
+    return f"{topic}-audit-"
+
+
 def transactional_id_prefix(group: str) -> str:
     """What every transactional id of a transactional loop of ``group`` starts with: its ids
     are ``<group>-<instance>-<slot>`` (`streams.transaction.Clients`)."""
@@ -89,6 +96,7 @@ SERVICES: dict[str, str] = {
     "scanner": "reads the executors' committed offsets; --redrive writes the inbox",
     "api": "produces tasks, replies and cancels to the inbox",
     "submitter": "an upstream producer (agentruns submit/reply/cancel/fork): the inbox",
+    "audit": "agentruns replay/audit: read the log and the snapshots (assigned, no group)",
     "admin": "agentruns topics create/list: creates the topics and aligns their configs",
 }
 
@@ -142,6 +150,12 @@ def acls(service: str, prefix: str = DEFAULT_PREFIX, *, group: str | None = None
         ]
     elif service in ("api", "submitter"):
         found = _on(TOPIC, [t.inbox], "Write")
+    elif service == "audit":
+        found = [
+            *_on(TOPIC, [t.events, t.state], "Read"),
+            *_on(GROUP, [reader_group_prefix(t.events), reader_group_prefix(t.state)], "Read",
+                 pattern=PREFIXED),
+        ]  # fmt: skip
     elif service == "admin":
         found = _on(TOPIC, t.all(), "Create", "Describe", "DescribeConfigs", "AlterConfigs")
     else:

@@ -37,7 +37,16 @@ from tests.support.waiting import wait_for
 
 PREFIX = "acl"
 PARTITIONS = 2
-SERVICES = ("admin", "processor", "model-executor", "tool-executor", "timer", "sink", "submitter")
+SERVICES = (
+    "admin",
+    "processor",
+    "model-executor",
+    "tool-executor",
+    "timer",
+    "sink",
+    "submitter",
+    "audit",
+)
 USERS = {s: ScramUser(f"agentruns-{s}", f"password-of-{s}-0123456789") for s in SERVICES}
 MODULES = {
     "processor": "agentruns.connectors.runtime.processor",
@@ -230,6 +239,21 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
                 return str(row[0]) if row and row[0] == "SUCCEEDED" else None
 
             assert wait_for(projected, 30, "the sink's projection") == "SUCCEEDED"
+            # an auditor reads the run's log back with its own principal
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRUNS_")}
+            replayed = subprocess.run(
+                [sys.executable, "-m", MODULES["admin"], "replay", "--prefix", PREFIX, run_id],
+                env={
+                    **env,
+                    "KAFKA_BOOTSTRAP_SERVERS": secured_kafka.sasl_bootstrap_servers,
+                    "AGENTRUNS_KAFKA_CONFIG": str(properties_file(tmp_path, USERS["audit"])),
+                },
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert replayed.returncode == 0, replayed.stderr
+            assert "RunSubmitted" in replayed.stdout, replayed.stdout[-2000:]
         finally:
             errors = stop(procs)
         for name, text in errors.items():
