@@ -143,6 +143,18 @@ def _revalidate(argv: list[str]) -> int:
     return main(argv)
 
 
+def _kafka_acls(argv: list[str]) -> int:
+    from agentruns.connectors.kafka_acls import main
+
+    return main(argv)
+
+
+def _keys(argv: list[str]) -> int:
+    from agentruns.connectors.keys import main
+
+    return main(argv)
+
+
 def _versions(argv: list[str]) -> int:
     from agentruns.connectors.projection.rules_versions import main
 
@@ -171,6 +183,8 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("audit",): (_audit, "fold the log, compare with snapshots and Postgres"),
     ("revalidate",): (_revalidate, "re-run validators over candidates"),
     ("versions",): (_versions, "which rules versions the runs use, with counts"),
+    ("kafka", "acls"): (_kafka_acls, "the Kafka ACLs a service's principal needs"),
+    ("keys",): (_keys, "the callback key of AGENTRUNS_API_SECRET, for the tool executors"),
 }
 
 #: The first words of the development commands (`agentruns.connectors.dev.commands`).
@@ -289,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     executor_sub = executor.add_subparsers(dest="executor_kind", required=True)
     for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "executor"):
         executor_sub.add_parser(name, help=f"{text} (see its --help)")
+    kafka = sub.add_parser("kafka", help="the pipeline's Kafka permissions")
+    kafka_sub = kafka.add_subparsers(dest="kafka_command", required=True)
+    for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "kafka"):
+        kafka_sub.add_parser(name, help=f"{text} (see its --help)")
     from agentruns.connectors.dev import commands
 
     commands.add_parsers(sub)

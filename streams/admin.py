@@ -146,7 +146,9 @@ def _ensure_topics(
             except KafkaException as exc:
                 # It exists after all: another process created it between our list and create,
                 # or the metadata we listed was stale. Checked below like any existing topic.
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                if exc.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                    outcome[name] = _unchecked(name)
+                elif exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise AgentrunsKafkaError(f"creating topic {name} failed: {exc}") from exc
         raced = [s.name(prefix) for s in missing if s.name(prefix) not in outcome]
         if raced:
@@ -163,9 +165,23 @@ def _ensure_topics(
                 f"topic {name} has {have} partitions, the spec says {spec.partitions}",
                 hint="use --partitions to match, or a new --prefix; never repartition run topics",
             )
-        _align_configs(admin, name, spec)
-        outcome[name] = "exists"
+        outcome[name] = "exists" if _align_configs(admin, name, spec) else _unchecked(name)
     return outcome
+
+
+#: What `ensure_topics` reports for a topic its principal may not create, or whose configs it
+#: may not read or set: with ACLs, a service's principal holds only what the service needs
+#: (`streams.access`), and the operator's admin principal creates the topics.
+UNCHECKED = "unchecked"
+
+
+def _unchecked(name: str) -> str:
+    log.info(
+        "topic %s: this principal may not create it or set its configs (no ACL); "
+        "the admin's `agentruns topics create` keeps it",
+        name,
+    )
+    return UNCHECKED
 
 
 def _wait_listed(admin: AdminClient, names: list[str]) -> dict[str, Any]:
@@ -184,21 +200,23 @@ def configs_to_set(current: Mapping[str, str | None], wanted: Mapping[str, str])
     return {k: v for k, v in wanted.items() if current.get(k) != v}
 
 
-def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> None:
+def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> bool:
     """Set what differs from the spec, and nothing else: every service checks the topics when
     it starts, and a config change is not free. A change of ``min.insync.replicas`` (even to the
     value it has) clears the partitions' eligible leader replicas (Kafka 4.1's ELR, KIP-966),
     so services restarting after two brokers were down left every pipeline partition whose ISR
-    had emptied without a leader for good."""
+    had emptied without a leader for good. False when the principal may not read or set them."""
     topic = ConfigResource(ResourceType.TOPIC, name)
     try:
         (described,) = admin.describe_configs([topic]).values()
         current = {k: e.value for k, e in described.result(timeout=TIMEOUT_S).items()}
     except KafkaException as exc:
+        if _not_permitted(exc):
+            return False
         raise AgentrunsKafkaError(f"reading the configs of {name} failed: {exc}") from exc
     changed = configs_to_set(current, spec.kafka_configs())
     if not changed:
-        return
+        return True
     resource = ConfigResource(
         ResourceType.TOPIC,
         name,
@@ -212,7 +230,18 @@ def _align_configs(admin: AdminClient, name: str, spec: TopicSpec) -> None:
         for future in futures.values():
             future.result(timeout=TIMEOUT_S)
     except KafkaException as exc:
+        if _not_permitted(exc):
+            return False
         raise AgentrunsKafkaError(f"aligning the configs of {name} failed: {exc}") from exc
+    return True
+
+
+def _not_permitted(exc: KafkaException) -> bool:
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and error.code() in (
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    )
 
 
 def describe_topics(bootstrap: str, *, prefix: str = DEFAULT_PREFIX) -> list[str]:

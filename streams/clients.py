@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from agentruns.streams import admin
+from agentruns.streams.access import restore_group
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.transaction import ClientConfig, Clients, Watermarked
 
@@ -87,7 +88,7 @@ class ConfluentClients:
             {
                 "bootstrap.servers": self.clients.bootstrap,
                 **client_settings(),
-                "group.id": f"{self.clients.group_id}-restore",
+                "group.id": restore_group(self.clients.group_id),
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
                 "enable.partition.eof": True,

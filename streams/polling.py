@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import Consumer, KafkaError, Message
 
+from agentruns.streams.authorization import REFUSALS, refused
 from agentruns.streams.transaction import fatal_error, is_fatal
 
 
-def check_fatal(messages: list[Message]) -> list[Message]:
+def check_fatal(messages: list[Message], group: str = "") -> list[Message]:
     """`messages`, unless one carries a fatal consumer error: then raise FatalConsumerError.
     Logged and skipped like any consumer error, it left a process that consumed nothing while
-    its transactions could still commit: a zombie beside the member that took its partitions."""
+    its transactions could still commit: a zombie beside the member that took its partitions.
+    A refusal for want of an ACL (on a topic, or on ``group``) raises one error naming it: no
+    retry grants an ACL."""
     for message in messages:
         error = message.error()
         if is_fatal(error):
             raise fatal_error(error)
+        if error is not None and error.code() in REFUSALS:
+            group_refused = error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED
+            name = group if group_refused else (message.topic() or "")
+            denied = refused(error, name=name, operation="Read")
+            assert denied is not None
+            raise denied
     return messages
 
 
 def poll_batch(
-    consumer: Consumer, limit: int, timeout: float, gather: float = 0.0
+    consumer: Consumer, limit: int, timeout: float, gather: float = 0.0, group: str = ""
 ) -> list[Message]:
     """Up to `limit` records: wait at most `timeout` for the first, then take what has already
     arrived, or with `gather` (seconds) what arrives that much longer: a consumer-side linger.
@@ -30,5 +39,5 @@ def poll_batch(
     if first is None:
         return []
     if limit <= 1:
-        return check_fatal([first])
-    return check_fatal([first, *consumer.consume(limit - 1, gather)])
+        return check_fatal([first], group)
+    return check_fatal([first, *consumer.consume(limit - 1, gather)], group)

@@ -56,6 +56,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from agentruns.processors.catalog import Catalog
 from agentruns.processors.transition import Artifact
 from agentruns.streams import metrics
+from agentruns.streams.access import processor_group
 from agentruns.streams.clients import ConfluentClients, KafkaClients
 from agentruns.streams.codec import encode
 from agentruns.streams.errors import FatalConsumerError
@@ -154,7 +155,7 @@ class ProcessorConfig:
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.group_id = self.group_id or f"{self.prefix}-processor"
+        self.group_id = self.group_id or processor_group(self.prefix)
 
 
 @dataclass
@@ -364,9 +365,13 @@ class Processor:
                 # keep being applied into the next batch, up to `max_batch` (throughput under
                 # load).
                 if self._batch is None:
-                    messages = poll_batch(self._consumer, limit, interval)
+                    messages = poll_batch(
+                        self._consumer, limit, interval, group=self.config.group_id
+                    )
                 else:
-                    messages = check_fatal(self._consumer.consume(limit, 0.002))
+                    messages = check_fatal(
+                        self._consumer.consume(limit, 0.002), self.config.group_id
+                    )
                 drained = len(messages) < limit
                 try:
                     self._check_in_flight()  # a failed transaction: recover before applying more

@@ -56,6 +56,8 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from agentruns.streams.access import transactional_id_prefix
+from agentruns.streams.authorization import refused
 from agentruns.streams.errors import AgentrunsKafkaError, FatalConsumerError, StuckClientError
 from agentruns.streams.kafka_defaults import (
     NO_DELAY,
@@ -145,7 +147,7 @@ class Clients:
     @property
     def member(self) -> str:
         """``<group>-<instance>``: the base of the transactional ids (and of a static member id)."""
-        return f"{self.group_id}-{self.instance_id}"
+        return f"{transactional_id_prefix(self.group_id)}{self.instance_id}"
 
     def consumer_config(
         self, settings: Mapping[str, Any], fetch_window_ms: int = 0
@@ -202,6 +204,10 @@ class Clients:
                 error = exc.args[0] if exc.args else None
                 retriable = isinstance(error, KafkaError) and error.retriable()
                 no_coordinator = isinstance(error, KafkaError) and error.code() in _NO_COORDINATOR
+                tid = f"{self.member}-{slot}"
+                denied = refused(kafka_error(exc), name=tid, operation="Write")
+                if denied is not None:
+                    raise denied from exc
                 if not (retriable or no_coordinator) or time.monotonic() > deadline:
                     raise AgentrunsKafkaError(
                         f"cannot start a transactional producer: {exc}"
@@ -583,9 +589,13 @@ class Committer(Generic[U]):
         """After a failed transaction, the committer settled: a fatal error replaces the current
         producer (its successor's `init_transactions` aborts what it left open), any other
         aborts the open transaction. Logged; returns the fault (`classify`). A StuckClientError
-        (a commit whose outcome stayed unknown) is raised: the process must stop."""
+        (a commit whose outcome stayed unknown) is raised: the process must stop, and so is a
+        refusal for want of an ACL (`authorization.refused`): no retry grants it."""
         if isinstance(error, FatalConsumerError):  # a commit of unknown outcome: stop
             raise error
+        denied = refused(kafka_error(error), operation="a transaction's Write")
+        if denied is not None:  # the successor's init_transactions aborts what is open
+            raise denied from error
         fault = classify(error)
         fatal = fault is Fault.FATAL
         self._log.warning("transaction failed (%s): %s", "fatal" if fatal else "abortable", error)

@@ -45,6 +45,7 @@ SLOW = HEAVY | {
     "tests/integration/test_faust.py",
     "tests/integration/test_health_endpoints.py",
     "tests/integration/test_java_consumer.py",
+    "tests/integration/test_kafka_acls.py",
     "tests/integration/test_versions.py",
     "tests/integration/test_calls_in_flight.py::"
     "test_a_call_longer_than_the_poll_interval_keeps_the_executor_in_its_group",

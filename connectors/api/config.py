@@ -4,6 +4,7 @@ limits, clock), and how it is read from the environment.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
 from agentruns.connectors.api.tokens import OperatorTokensError, parse_operator_tokens
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.keys import Keys
 from agentruns.connectors.settings import current
 from agentruns.processors.catalog import Catalog
 from agentruns.streams.clock import now_ms
@@ -25,6 +27,11 @@ log = logging.getLogger("agentruns.api")
 #: with: wrong tokens are throttled per address, but only length keeps guessing hopeless
 #: from many addresses, and a short secret can be found offline from any resume token.
 MIN_TOKEN_CHARS = 32
+
+
+@functools.lru_cache(maxsize=8)
+def _derived(secret: bytes) -> Keys:
+    return Keys.derive(secret)
 
 
 def _check_lengths(
@@ -74,6 +81,12 @@ class ApiConfig:
     extra_producer: dict[str, Any] = field(default_factory=dict)
     #: The operator's tool catalog tasks are held to (422 when one widens it); None: none.
     catalog: Catalog | None = None
+
+    @property
+    def keys(self) -> Keys:
+        """One key per purpose, derived from ``secret`` (`agentruns.connectors.keys`): the
+        secret itself signs nothing."""
+        return _derived(self.secret)
 
     def set_catalog(self, catalog: Catalog | None) -> None:
         """Hold tasks to ``catalog`` from now on (a refresh: `agentruns.connectors.catalog.

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import math
 import secrets
 import string
@@ -72,11 +73,17 @@ MAX_FORM_BYTES = 256 * 1024
 BAD_CSRF = "missing or wrong CSRF token"
 #: How long the runs page's charts are reused before they are read again.
 CHARTS_TTL_MS = 10_000
+log = logging.getLogger("agentruns.api")
+
 #: Wrong tokens a client address may post to the login form per LOGIN_WINDOW_MS.
 LOGIN_FAILURES = 5
 LOGIN_WINDOW_MS = 60_000
 #: Addresses whose failures are remembered; past it the one that failed longest ago goes.
 LOGIN_ADDRESSES = 10_000
+#: Wrong credentials from all addresses together in LOGIN_WINDOW_MS beyond which every
+#: address waits (a global back-off): many addresses, or every user behind a proxy whose
+#: address the API does not trust (FORWARDED_ALLOW_IPS), cannot guess faster than this.
+GLOBAL_LOGIN_FAILURES = 200
 
 _HERE = Path(__file__).parent
 _ENV = Environment(
@@ -177,7 +184,8 @@ class Sessions:
 
 class LoginLimiter:
     """Failed logins per client address in a sliding window, in a table of at most
-    `capacity` addresses (each holding at most `failures` times)."""
+    `capacity` addresses (each holding at most `failures` times); and all of them together:
+    past `global_failures` in the window every address waits (the global back-off)."""
 
     def __init__(
         self,
@@ -185,18 +193,26 @@ class LoginLimiter:
         failures: int = LOGIN_FAILURES,
         window_ms: int = LOGIN_WINDOW_MS,
         capacity: int = LOGIN_ADDRESSES,
+        global_failures: int = GLOBAL_LOGIN_FAILURES,
     ) -> None:
         self.clock = clock
         self.failures = failures
         self.window_ms = window_ms
         self.capacity = capacity
+        self.global_failures = global_failures
         self._failed: OrderedDict[str, deque[int]] = OrderedDict()
+        # the times of the latest `global_failures` failures, from any address
+        self._all: deque[int] = deque(maxlen=global_failures)
+        self._backing_off = False
 
     def __len__(self) -> int:
         return len(self._failed)
 
     def retry_after(self, address: str) -> int | None:
         """Seconds until `address` may try again; None when it may now."""
+        everyone = self._global_wait()
+        if everyone is not None:
+            return everyone
         times = self._failed.get(address)
         if times is None:
             return None
@@ -210,7 +226,26 @@ class LoginLimiter:
             return None
         return max(1, math.ceil((times[0] + self.window_ms - now) / 1000))
 
+    def _global_wait(self) -> int | None:
+        """Seconds until the failures of all addresses are back under `global_failures` in
+        the window; None when they are."""
+        now = self.clock()
+        full = len(self._all) >= self.global_failures
+        if not full or self._all[0] <= now - self.window_ms:
+            self._backing_off = False
+            return None
+        if not self._backing_off:
+            self._backing_off = True
+            log.warning(
+                "%d wrong credentials from all addresses within %d s: every address waits "
+                "(global back-off)",
+                self.global_failures,
+                self.window_ms // 1000,
+            )
+        return max(1, math.ceil((self._all[0] + self.window_ms - now) / 1000))
+
     def failed(self, address: str) -> None:
+        self._all.append(self.clock())
         times = self._failed.pop(address, None) or deque(maxlen=self.failures)
         times.append(self.clock())
         self._failed[address] = times  # the newest failure last
@@ -450,7 +485,7 @@ class Console:
         self.service = service
         config = service.config
         self.sessions = Sessions(
-            config.secret, service.clock, {config.api_token: None, **config.operator_tokens}
+            config.keys.console, service.clock, {config.api_token: None, **config.operator_tokens}
         )
         self.logins = LoginLimiter(service.clock)
         self._charts_lock = threading.Lock()

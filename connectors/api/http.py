@@ -34,11 +34,13 @@ from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
-from agentruns.connectors.api.tokens import OPERATOR_SCOPE, callback_signature, operator_of
+from agentruns.connectors.api.tokens import OPERATOR_SCOPE, operator_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.health import metrics_text
+from agentruns.connectors.keys import CALLBACK_SIGNATURE_HEADER, CallbackRefused, verify_callback
 from agentruns.processors.limits import json_depth
 from agentruns.streams import tracing
+from agentruns.streams.clock import now_ms
 
 log = logging.getLogger("agentruns.api")
 
@@ -168,11 +170,34 @@ def _console(path: str) -> bool:
 #: The ASGI scope key `_Auth` sets to the operator's name when the bearer token was an
 #: operator token (the operator scope); absent otherwise.
 ACTOR_KEY = "agentruns.operator"
+#: The ASGI scope key `_Auth` sets to the dispatch a callback's signature was made for (the
+#: callback is then refused unless that dispatch is the operation's current one); absent
+#: when the callback came with the bearer token.
+CALLBACK_DISPATCH_KEY = "agentruns.callback_dispatch"
+_SIGNATURE_HEADER = CALLBACK_SIGNATURE_HEADER.lower().encode()
+
+
+#: The ASGI scope key `_Auth` sets when the request's credential was checked and valid.
+AUTHENTICATED_KEY = "agentruns.authenticated"
+#: Public paths that answer more to a caller with a credential (`/healthz`: its checks' error
+#: text names hosts, ports and user names); such a credential is checked, and counted when
+#: wrong, like any other.
+_DETAILED_WITH_CREDENTIAL = frozenset({"/healthz"})
+
+
+def _public(scope: Scope) -> bool:
+    path = scope["path"]
+    if path not in PUBLIC_PATHS:
+        return False
+    return path not in _DETAILED_WITH_CREDENTIAL or not any(
+        name == b"authorization" for name, _ in scope["headers"]
+    )
 
 
 class _Auth:
     """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
-    instead carry the operation's HMAC ``sig`` query parameter (see `callback_url`). An
+    instead carry its signature header (`keys.verify_callback`: the operation, the dispatch,
+    an expiry; `CALLBACK_DISPATCH_KEY`). An
     operator token passes too and marks the request with its operator (`ACTOR_KEY`). Every
     wrong credential counts against the client address in `limiter` (the console's login
     limiter): an address over its budget gets 429 with Retry-After, before its credential is
@@ -185,15 +210,18 @@ class _Auth:
         secret: bytes,
         limiter: LoginLimiter,
         operators: dict[str, str] | None = None,
+        clock: Callable[[], int] = now_ms,
     ) -> None:
+        """``secret``: the callback key (`keys.Keys.callback`)."""
         self.app = app
         self._expected = f"Bearer {token}".encode()
         self._secret = secret
+        self._clock = clock
         self._limiter = limiter
         self._operators = operators or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _console(scope["path"]):
+        if scope["type"] != "http" or _console(scope["path"]) or _public(scope):
             await self.app(scope, receive, send)
             return
         client = scope.get("client")
@@ -203,7 +231,8 @@ class _Auth:
             throttled = JSONResponse(
                 {
                     "error": "too_many_wrong_tokens",
-                    "detail": f"too many wrong tokens from this address: retry in {wait_s} s",
+                    "detail": "too many wrong tokens from this address (or from all addresses):"
+                    f" retry in {wait_s} s",
                 },
                 status_code=429,
                 headers={"Retry-After": str(wait_s)},
@@ -224,9 +253,10 @@ class _Auth:
             or operator is not None
             or self._callback_signed(scope)
         ):
+            scope[AUTHENTICATED_KEY] = True
             await self.app(scope, receive, send)
             return
-        if given or b"sig=" in scope.get("query_string", b""):
+        if given or _SIGNATURE_HEADER in headers:
             # a guess, not a request without any credential (a browser's /favicon.ico): only
             # guesses spend the address's budget
             self._limiter.failed(address)
@@ -242,11 +272,16 @@ class _Auth:
         parts = str(scope["path"]).strip("/").split("/")
         if len(parts) != 3 or parts[0] != "operations" or parts[2] != "callback":
             return False
-        query = dict(
-            p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p
-        )
-        sig = query.get("sig", "")
-        return hmac.compare_digest(sig, callback_signature(self._secret, parts[1]))
+        given = dict(scope["headers"]).get(_SIGNATURE_HEADER)
+        if not given:
+            return False
+        try:
+            signature = given.decode("ascii")
+            dispatch = verify_callback(self._secret, parts[1], signature, self._clock())
+        except (UnicodeDecodeError, CallbackRefused):
+            return False
+        scope[CALLBACK_DISPATCH_KEY] = dispatch
+        return True
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -383,12 +418,17 @@ def _fork(action: str) -> Callable[[ApiService, Request], Awaitable[Response]]:
 
 async def _callback(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
-    status, out = await run_in_threadpool(s.callback, r.path_params["key"], body)
+    dispatch = r.scope.get(CALLBACK_DISPATCH_KEY)
+    status, out = await run_in_threadpool(s.callback, r.path_params["key"], body, dispatch)
     return JSONResponse(out, status_code=status)
 
 
 async def _health(s: ApiService, r: Request) -> Response:
+    """Readiness. Without a credential only the status: the checks' details (a broker's or
+    Postgres's error text: hosts, ports, user names) go to a caller with the bearer token."""
     ok, body = await run_in_threadpool(s.health)
+    if not r.scope.get(AUTHENTICATED_KEY):
+        body = {"status": body.get("status", "ready" if ok else "not ready")}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -453,9 +493,10 @@ def create_app(config: ApiConfig) -> Starlette:
     app.add_middleware(
         _Auth,
         token=config.api_token,
-        secret=config.secret,
+        secret=config.keys.callback,
         limiter=console.logins,
         operators=config.operator_tokens,
+        clock=config.clock,
     )
     app.add_middleware(_Guard)  # added last: runs first
     app.state.service = service

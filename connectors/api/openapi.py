@@ -457,10 +457,15 @@ OPENAPI: dict[str, Any] = {
         },
         "/operations/{key}/callback": {
             "post": {
-                "summary": "Completion of an async tool operation (bearer token or ?sig=)",
+                "summary": "Completion of an async tool operation (bearer token or"
+                " X-Callback-Signature)",
                 "parameters": [
                     {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}},
-                    {"name": "sig", "in": "query", "schema": {"type": "string"}},
+                    {
+                        "name": "X-Callback-Signature",
+                        "in": "header",
+                        "schema": {"type": "string", "maxLength": 128},
+                    },
                 ],
                 "requestBody": {
                     "required": True,
@@ -471,6 +476,7 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "202": _resp("accepted; the core applies it"),
                     "200": _resp("nothing to do (already settled, or still running)"),
+                    "403": _resp("signed for another dispatch of the operation", _ERROR),
                     "404": _resp("unknown operation", _ERROR),
                     "422": _resp("unknown status", _ERROR),
                     **_TOO_LARGE,

@@ -403,7 +403,7 @@ class ApiService:
             "expires_at": q.expires_at,
             "state_version": q.version,
             "token_id": q.token_id,
-            "resume_token": sign_token(self.config.secret, token),
+            "resume_token": sign_token(self.config.keys.resume, token),
         }
 
     def events(self, run_id: str, after_seq: int, limit: int) -> dict[str, Any]:
@@ -436,7 +436,7 @@ class ApiService:
                 "response_invalid",
                 f"invalid_input:response_too_deep: nested deeper than {MAX_JSON_DEPTH}",
             )
-        token = verify_token(self.config.secret, text)
+        token = verify_token(self.config.keys.resume, text)
         if token.run_id != run_id:
             raise TokenError("token_forged", "resume token was issued for another run")
         now = self.clock()
@@ -648,12 +648,24 @@ class ApiService:
                 conn, artifact.ref, artifact.media_type, artifact.content.encode()
             )
 
-    def callback(self, op_key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def callback(
+        self, op_key: str, body: dict[str, Any], signed_dispatch: int | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """A tool backend's report of an operation's outcome. ``signed_dispatch``: the dispatch
+        the callback's signature was made for (None: the bearer token); a signature of
+        another dispatch than the operation's current one is refused (a replay)."""
         with self.db.connection() as conn:
             row = queries.callback_operation(conn, op_key)
         if row is None:
             raise ApiError(404, "operation_not_found", f"no operation {op_key}")
         run_id, step, dispatch, op_status, tool, trace_id = row
+        if signed_dispatch is not None and signed_dispatch != dispatch:
+            raise ApiError(
+                403,
+                "callback_other_dispatch",
+                f"the signature is for dispatch {signed_dispatch} of this operation, "
+                f"not its current dispatch",
+            )
         status = str(body.get("status", ""))
         if op_status in {s.value for s in SETTLED}:
             return 200, {"operation_key": op_key, "accepted": False, "reason": op_status}

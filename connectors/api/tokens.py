@@ -1,12 +1,12 @@
-"""Resume tokens, callback signatures and operator tokens (R15).
+"""Resume tokens and operator tokens (R15); callback signatures are `agentruns.connectors.keys`'.
 
 Operator tokens are bearer tokens with the operator scope: besides what the API token may do,
 they resolve, reopen and re-drive runs, and the operator's name goes into the run's log as the
 actor of each such action.
 
 A resume token ``art1.<claims>.<HMAC>`` binds run, question, token id, state version and
-expiry; the API signs it when it shows a question and verifies it on a reply. A callback URL
-carries an HMAC of its operation key, so a tool backend can report without the bearer token.
+expiry; the API signs it (with the resume-token key, `keys.Keys.resume`) when it shows a
+question and verifies it on a reply.
 """
 
 from __future__ import annotations
@@ -108,17 +108,6 @@ def verify_token(secret: bytes, text: str) -> ResumeToken:
         )
     except (KeyError, TypeError, ValueError):
         raise TokenError("token_forged", "resume token claims are incomplete") from None
-
-
-def callback_signature(secret: bytes, operation_key: str) -> str:
-    """The ``sig`` query parameter that authenticates a callback for one operation."""
-    return _b64(hmac.new(secret, f"callback.{operation_key}".encode(), hashlib.sha256).digest())
-
-
-def callback_url(base_url: str, operation_key: str, secret: bytes) -> str:
-    """A callback URL a tool backend can POST to without the bearer token."""
-    sig = callback_signature(secret, operation_key)
-    return f"{base_url.rstrip('/')}/operations/{operation_key}/callback?sig={sig}"
 
 
 class OperatorTokensError(ValueError):

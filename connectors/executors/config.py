@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentruns.connectors.postgres.artifacts import MAX_ARTIFACT_BYTES
+from agentruns.streams.access import executor_group
 
 
 @dataclass
@@ -71,7 +72,7 @@ class ExecutorConfig:
 
     @property
     def group(self) -> str:
-        return self.group_id or f"{self.prefix}-executor-{self.kind}"
+        return self.group_id or executor_group(self.prefix, self.kind)
 
     @property
     def held_limit(self) -> int:

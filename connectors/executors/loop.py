@@ -385,17 +385,24 @@ class Executor:
             }
         )
         self.membership = Membership()  # what /healthz reports
-        self._committer: Committer[_Ready] = Committer(
-            self._new_producer,
-            self.effects_topic,
-            self._on_commit,
-            name=f"commit-{c.kind}",
-            offsets_first=True,
-            logger=log,
-        )
-        self._route = _Route(
-            self.inbox, partition_count(self._committer.producer, self.inbox), self.dlq
-        )
+        try:
+            self._committer: Committer[_Ready] = Committer(
+                self._new_producer,
+                self.effects_topic,
+                self._on_commit,
+                name=f"commit-{c.kind}",
+                offsets_first=True,
+                logger=log,
+            )
+            self._route = _Route(
+                self.inbox, partition_count(self._committer.producer, self.inbox), self.dlq
+            )
+        except BaseException:
+            # No transactional producer (refused an ACL, say): the calls' event loop goes now,
+            # not in the garbage collector at exit, where closing it printed a stack trace
+            # after the one line the process ends with.
+            self._calls.close()
+            raise
         self._limiter = RouteLimiter(handler.limits)
         # Everything below is shared by the loop, dispatch, calls and answer threads: one lock,
         # three conditions on it (work to start, answers to hand over, held effects that left).
@@ -474,7 +481,9 @@ class Executor:
                 # join it.
                 now = time.monotonic()
                 gather = c.gather_ms / 1000 if now < gathering_until else 0.0
-                batch = poll_batch(self._consumer, c.max_batch, c.poll_timeout_s, gather=gather)
+                batch = poll_batch(
+                    self._consumer, c.max_batch, c.poll_timeout_s, gather=gather, group=c.group
+                )
                 if len(batch) > 1:
                     gathering_until = time.monotonic() + GATHER_AFTER_S
                 if batch:

@@ -47,9 +47,6 @@ and the transaction). The protocol with a tool backend (R11-R14, R22, R25):
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
-import hmac
 import json
 import logging
 import math
@@ -107,6 +104,13 @@ from agentruns.connectors.executors.mcp_tasks import (
 from agentruns.connectors.executors.process import add_common_arguments, serve_executor
 from agentruns.connectors.executors.tool_http import parse_connectivity, scrub_answer
 from agentruns.connectors.executors.tool_mcp import MCPTools, discover
+from agentruns.connectors.keys import (
+    CALLBACK_KEY_ENV,
+    CALLBACK_SIGNATURE_HEADER,
+    DEFAULT_CALLBACK_TTL_MS,
+    executor_callback_key,
+    sign_callback,
+)
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.connectors.settings import current
 from agentruns.processors import tool_results
@@ -392,7 +396,8 @@ class ToolHandler:
         *,
         base_url: str | None = None,
         callback_url: str | None = None,
-        callback_secret: bytes | None = None,
+        callback_key: bytes | None = None,
+        callback_ttl_ms: int = DEFAULT_CALLBACK_TTL_MS,
         summary_bytes: int = DEFAULT_SUMMARY_BYTES,
         connect_timeout_s: float = 2.0,
         lookup_timeout_s: float = 5.0,
@@ -419,7 +424,9 @@ class ToolHandler:
                 "no tool base URL", hint="set base_url in the registry or --base-url"
             )
         self.callback_url = callback_url
-        self.callback_secret = callback_secret
+        # The callback key only (`agentruns.connectors.keys`): never the API's secret.
+        self.callback_key = callback_key
+        self.callback_ttl_ms = callback_ttl_ms
         self.summary_bytes = summary_bytes
         self.connect_timeout_s = connect_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
@@ -607,17 +614,20 @@ class ToolHandler:
             case _:  # Reconcile: never asked (a child's start is never answered timed out)
                 return self.failure(effect, "child_run", "a child run's call is not looked up")
 
-    def callback_for(self, key: str) -> str | None:
-        """The X-Callback-URL of an operation: ``{key}`` in the template is replaced by the
-        percent-encoded key; with a secret, ``sig`` = the API's HMAC for that key is added."""
+    def callback_headers(self, key: str, dispatch: int, now: int | None = None) -> dict[str, str]:
+        """The callback headers of one dispatch of an operation: ``X-Callback-URL``, the
+        template with ``{key}`` replaced by the percent-encoded key, and with a callback key
+        ``X-Callback-Signature`` (`keys.sign_callback`: this operation, this dispatch, until
+        ``callback_ttl_ms`` from now), which the backend sends back as a header. A signature
+        never travels in the URL, which access logs record."""
         if not self.callback_url:
-            return None
-        url = self.callback_url.replace("{key}", quote(key, safe=""))
-        if self.callback_secret:
-            mac = hmac.new(self.callback_secret, f"callback.{key}".encode(), hashlib.sha256)
-            sig = base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
-            url += ("&" if "?" in url else "?") + f"sig={sig}"
-        return url
+            return {}
+        headers = {"X-Callback-URL": self.callback_url.replace("{key}", quote(key, safe=""))}
+        if self.callback_key:
+            expires = (now_ms() if now is None else now) + self.callback_ttl_ms
+            signature = sign_callback(self.callback_key, key, dispatch, expires)
+            headers[CALLBACK_SIGNATURE_HEADER] = signature
+        return headers
 
     def _refused(self, effect: CallTool, entry: ToolEntry, ids: dict[str, Any]) -> Outcome | None:
         """The refusal of a call the catalog as it is now does not allow (it may have changed
@@ -687,9 +697,7 @@ class ToolHandler:
         }
         if op.expected_version is not None:
             headers["If-Match"] = op.expected_version
-        callback = self.callback_for(op.key)
-        if callback is not None:
-            headers["X-Callback-URL"] = callback
+        headers.update(self.callback_headers(op.key, op.dispatch))
         answer = await self._send(
             entry,
             entry.method,
@@ -1208,7 +1216,7 @@ class ToolExecutor(Executor):
         *,
         base_url: str | None = None,
         callback_url: str | None = None,
-        callback_secret: bytes | None = None,
+        callback_key: bytes | None = None,
         summary_bytes: int = DEFAULT_SUMMARY_BYTES,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         catalog_refresh_s: float = DEFAULT_CATALOG_REFRESH_S,
@@ -1217,7 +1225,7 @@ class ToolExecutor(Executor):
             registry if isinstance(registry, ToolRegistry) else ToolRegistry.load(registry),
             base_url=base_url,
             callback_url=callback_url,
-            callback_secret=callback_secret,
+            callback_key=callback_key,
             summary_bytes=summary_bytes,
             max_body_bytes=max_body_bytes,
             catalog_refresh_s=catalog_refresh_s,
@@ -1251,7 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
         "--callback-url",
         default=os.environ.get("AGENTRUNS_CALLBACK_URL"),
         help="X-Callback-URL template, e.g. http://api:8000/operations/{key}/callback "
-        "(signed with $AGENTRUNS_API_SECRET when set)",
+        f"(signed with ${CALLBACK_KEY_ENV}, from `agentruns keys callback`)",
     )
     parser.add_argument("--summary-bytes", type=int, default=DEFAULT_SUMMARY_BYTES)
     parser.add_argument(
@@ -1269,7 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
             registry,
             base_url=args.base_url,
             callback_url=args.callback_url,
-            callback_secret=os.environ.get("AGENTRUNS_API_SECRET", "").encode() or None,
+            callback_key=executor_callback_key(),
             summary_bytes=args.summary_bytes,
             max_body_bytes=args.max_body_bytes,
             catalog_refresh_s=current().catalog_refresh_s,

@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from agentruns.connectors.errors import AgentrunsError, AgentrunsKafkaError
+from agentruns.streams.access import reader_group_prefix
 from agentruns.streams.codec import CodecError, decode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
@@ -67,8 +68,8 @@ def read_keyed(
         {
             "bootstrap.servers": bootstrap,
             **client_settings(),
-            # named after the topic, so the prefix's group ACLs cover it (never committed)
-            "group.id": f"{topic}-audit-{uuid.uuid4().hex[:12]}",
+            # never committed; its prefix is what the audit principal's group ACL grants
+            "group.id": f"{reader_group_prefix(topic)}{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
@@ -121,7 +122,11 @@ def read_keyed(
 
 def partition_count(bootstrap: str, topic: str) -> int:
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, **client_settings(), "group.id": f"{topic}-audit-meta"}
+        {
+            "bootstrap.servers": bootstrap,
+            **client_settings(),
+            "group.id": f"{reader_group_prefix(topic)}meta",
+        }
     )
     try:
         meta = consumer.list_topics(topic, timeout=30).topics.get(topic)

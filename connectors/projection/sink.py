@@ -94,6 +94,7 @@ from agentruns.connectors.projection.sql import (
 from agentruns.connectors.service import run_service
 from agentruns.processors.state import RunState
 from agentruns.streams import tracing
+from agentruns.streams.access import sink_group
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, decode_fields
 from agentruns.streams.dlq import INVALID_EVENT
@@ -169,7 +170,7 @@ class SinkConfig:
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.group_id = self.group_id or f"{self.prefix}-sink"
+        self.group_id = self.group_id or sink_group(self.prefix)
 
 
 @dataclass
@@ -447,7 +448,10 @@ class Sink:
                 # While batch N commits, batch N+1 gathers in the consumer's queue: the batch
                 # grows with the load.
                 messages = poll_batch(
-                    self._consumer, self.config.batch_size, self.config.poll_timeout_s
+                    self._consumer,
+                    self.config.batch_size,
+                    self.config.poll_timeout_s,
+                    group=self.config.group_id,
                 )
                 if messages:
                     batch = self._prepare(messages)

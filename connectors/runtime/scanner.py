@@ -31,6 +31,7 @@ from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.connectors.runtime.timers import fired_input
 from agentruns.connectors.service import run_service
 from agentruns.streams import clock
+from agentruns.streams.access import executor_group
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings, close_consumer
 from agentruns.streams.partitioning import partition_for
@@ -122,7 +123,7 @@ def scan(
         elif kind is not None:
             topic = topic_name(effect_suffix(kind), prefix)
             if kind not in lags:
-                lags[kind] = group_lag(bootstrap, f"{prefix}-executor-{kind}", topic)
+                lags[kind] = group_lag(bootstrap, executor_group(prefix, kind), topic)
             lag = lags[kind]
             waiting = f"{kind} executor"
             if lag is None:

@@ -41,6 +41,7 @@ from agentruns.processors.effects import CancelTimer, ScheduleTimer
 from agentruns.processors.events import TimerFired
 from agentruns.processors.limits import MAX_TIME_MS
 from agentruns.streams import dlq
+from agentruns.streams.access import timer_group
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode, encode
@@ -139,7 +140,7 @@ class TimerService:
         self.tick = tick_ms / 1000
         self.inbox = topic_name(INBOX, prefix)
         self.dlq = topic_name(DLQ, prefix)
-        group_id = group_id or f"{prefix}-timer"  # one group per deployment prefix
+        group_id = group_id or timer_group(prefix)  # one group per deployment prefix
         self.group_id = group_id
         self.membership = Membership()  # what /healthz reports
         self.fired = 0
@@ -193,7 +194,7 @@ class TimerService:
             while not stop.is_set():
                 try:
                     if pending is None:
-                        pending = check_fatal(self._consumer.consume(500, self.tick))
+                        pending = check_fatal(self._consumer.consume(500, self.tick), self.group_id)
                     self._ingest(pending)
                     pending = None
                     self._fire_due()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,14 +17,24 @@ from jsonschema import Draft202012Validator
 
 from agentruns.connectors.api.client import ResultsConsumer
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES
-from agentruns.connectors.api.tokens import callback_url, sign_token, verify_token
+from agentruns.connectors.api.tokens import sign_token, verify_token
 from agentruns.connectors.json_schemas import DIRECTORY, task_schema_components
+from agentruns.connectors.keys import Keys, sign_callback
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.limits import MAX_JSON_DEPTH
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from tests.support.api import GUARDED, PARTITIONS, REPORT, SECRET, TOKEN, Stack, anonymous
+from tests.support.api import (
+    GUARDED,
+    PARTITIONS,
+    REPORT,
+    SECRET,
+    TOKEN,
+    Stack,
+    anonymous,
+    signed_callback,
+)
 from tests.support.pipeline import SEARCH, Inbox, now_ms, read_all, read_raw, submitted
 from tests.support.waiting import wait_for
 
@@ -54,11 +65,21 @@ def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
             assert r.headers["www-authenticate"].startswith("Bearer")
         wrong = anon.get("/runs/x", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        assert anon.get("/healthz").json()["status"] == "ready"
+        # readiness for anyone; its checks' details (error text naming hosts, ports, users)
+        # only with a credential, and a wrong one is a 401 like anywhere else
+        assert anon.get("/healthz").json() == {"status": "ready"}
+        detailed = anon.get("/healthz", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert detailed["status"] == "ready" and set(detailed["checks"]) >= {"kafka", "postgres"}
+        guessed = anon.get("/healthz", headers={"Authorization": "Bearer " + "g" * 40})
+        assert guessed.status_code == 401
         assert "agentruns_api_requests_total" in anon.get("/metrics").text
         spec = anon.get("/openapi.json").json()
         assert "/runs/{run_id}/replies" in spec["paths"]
-        signed = anon.post("/operations/k/callback?sig=forged", json={"status": "succeeded"})
+        signed = anon.post(
+            "/operations/k/callback",
+            json={"status": "succeeded"},
+            headers={"X-Callback-Signature": "cb1.1.99999999999999.forged"},
+        )
         assert signed.status_code == 401
 
 
@@ -179,7 +200,8 @@ def test_replies_with_a_forged_or_reused_token_are_rejected_a_valid_one_is_consu
 ) -> None:
     run_id, q = _waiting_question(stack)
     token = q["resume_token"]
-    claims = verify_token(SECRET, token)
+    resume_key = Keys.derive(SECRET).resume
+    claims = verify_token(resume_key, token)
     assert (claims.run_id, claims.token_id) == (run_id, q["token_id"])
 
     def reply(tok: str, response: dict[str, Any], run: str = run_id) -> httpx.Response:
@@ -191,7 +213,8 @@ def test_replies_with_a_forged_or_reused_token_are_rejected_a_valid_one_is_consu
     forged = [
         f"{head}.{body}.{sig[:-2]}AA",  # tampered signature
         sign_token(b"another secret", claims),  # signed with the wrong key
-        f"{head}.{sign_token(SECRET, claims).split('.')[1]}x.{sig}",  # tampered claims
+        sign_token(SECRET, claims),  # signed with the root secret, not the resume-token key
+        f"{head}.{sign_token(resume_key, claims).split('.')[1]}x.{sig}",  # tampered claims
         "not-a-token",
     ]
     for tok in forged:
@@ -261,17 +284,46 @@ def test_cancel_during_a_long_async_tool(stack: Stack) -> None:
 
 def test_an_async_tool_callback_completes_the_operation(stack: Stack) -> None:
     run_id, op = _waiting_tool(stack)
-    url = callback_url(stack.url, op["op_key"], SECRET)
+    url, signed = signed_callback(stack.url, op)
     payload = {"key": op["op_key"], "status": "succeeded", "result": {"rows": 3}}
-    with httpx.Client(timeout=10) as backend:  # a tool backend: no bearer token, a signed URL
-        first = backend.post(url, json=payload)
+    with httpx.Client(timeout=10) as backend:  # a tool backend: no bearer token, a signature
+        first = backend.post(url, json=payload, headers=signed)
         assert first.status_code == 202, first.text
         run = stack.wait_status(run_id, "SUCCEEDED")
         assert run["operations"][0]["status"] == "SUCCEEDED"
-        repeat = backend.post(url, json=payload)
+        repeat = backend.post(url, json=payload, headers=signed)
         assert repeat.status_code == 200 and repeat.json()["accepted"] is False
     missing = stack.http.post("/operations/no-such-op/callback", json={"status": "succeeded"})
     assert missing.status_code == 404
+
+
+def test_a_callback_signature_is_refused_on_another_dispatch_after_expiry_or_in_the_query(
+    stack: Stack,
+) -> None:
+    """A callback signature binds the operation, its dispatch and an expiry, and travels in a
+    header: replayed on another dispatch, after its expiry, for another operation, signed with
+    the root secret, or put in the URL (where access logs keep it), it opens nothing."""
+    run_id, op = _waiting_tool(stack)
+    payload = {"key": op["op_key"], "status": "succeeded", "result": {"rows": 3}}
+    url, good = signed_callback(stack.url, op)
+    _, other_dispatch = signed_callback(stack.url, op, dispatch=op["dispatch"] + 1)
+    _, expired = signed_callback(stack.url, op, expires_ms=int(time.time() * 1000) - 1)
+    _, other_op = signed_callback(stack.url, {**op, "op_key": op["op_key"] + "x"})
+    root = sign_callback(SECRET, op["op_key"], op["dispatch"], int(time.time() * 1000) + 60_000)
+    with anonymous(stack.url) as backend:  # each request from an address of its own
+        r = backend.post(url, json=payload, headers=other_dispatch)
+        assert r.status_code == 403 and r.json()["error"] == "callback_other_dispatch", r.text
+        for headers in (expired, other_op, {"X-Callback-Signature": root}):
+            r = backend.post(url, json=payload, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+        in_query = backend.post(f"{url}?sig={good['X-Callback-Signature']}", json=payload)
+        assert in_query.status_code == 401
+        huge = backend.post(url, json=payload, headers={"X-Callback-Signature": "cb1." * 10_000})
+        assert huge.status_code in (401, 431), huge.status_code
+        assert stack.http.get(f"/runs/{run_id}").json()["status"] == "WAITING_TOOL"
+        taken = backend.post(url, json=payload, headers=good)
+        assert taken.status_code == 202, taken.text
+    assert stack.wait_status(run_id, "SUCCEEDED")["operations"][0]["status"] == "SUCCEEDED"
 
 
 # --------------------------------------------------------------------------- hostile input
@@ -468,7 +520,10 @@ def test_headers_with_cr_lf_or_non_utf8_bytes_get_a_clean_4xx(stack: Stack) -> N
         "non-UTF-8 key": _submit_head(b"k-\xff\xfe", length),
         "non-UTF-8 trace id": _submit_head(b"k-trace", b"\r\nX-Trace-Id: \xc3\x28" + length),
         "non-UTF-8 token": _submit_head(b"k-auth", b"\r\nAuthorization: Bearer \xff" + length),
-        "non-UTF-8 query": b"POST /operations/op-1/callback?sig=\xff\xfe HTTP/1.1\r\nHost: api"
+        "non-UTF-8 query": b"POST /operations/op-1/callback?x=\xff\xfe HTTP/1.1\r\nHost: api"
+        + length,
+        "non-ASCII callback signature": b"POST /operations/op-1/callback HTTP/1.1\r\nHost: api"
+        + b"\r\nX-Callback-Signature: cb1.\xff\xfe"
         + length,
     }
     for name, head in heads.items():
@@ -492,11 +547,11 @@ def test_a_callback_or_cancel_outside_the_limits_is_refused_and_a_good_one_is_ta
     stack: Stack,
 ) -> None:
     run_id, op = _waiting_tool(stack)
-    url = callback_url(stack.url, op["op_key"], SECRET)
+    url, signed = signed_callback(stack.url, op)
     with httpx.Client(timeout=10) as backend:
         for retry in (2**70, -1, "soon"):
             bad = {"status": "failed", "error_class": "TRANSIENT", "retry_after_ms": retry}
-            r = backend.post(url, json=bad)
+            r = backend.post(url, json=bad, headers=signed)
             assert r.status_code == 422, r.text
             assert r.json()["reason"].startswith("invalid_input:retry_after_ms")
     r = stack.http.post(f"/runs/{run_id}/cancel", json={}, headers={"Idempotency-Key": "k" * 201})

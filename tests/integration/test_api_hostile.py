@@ -60,7 +60,9 @@ def test_wrong_tokens_are_throttled_per_address_on_every_route_and_with_the_cons
                 assert 1 <= int(limited.headers["retry-after"]) <= 60
                 assert limited.json()["error"] == "too_many_wrong_tokens"
         forged_callback = client.post(
-            "/operations/k/callback?sig=forged", json={}, headers={"X-Forwarded-For": address}
+            "/operations/k/callback",
+            json={},
+            headers={"X-Forwarded-For": address, "X-Callback-Signature": "cb1.1.1.forged"},
         )
         assert forged_callback.status_code == 429
         # the console's login form shares the budget: no more guesses there either

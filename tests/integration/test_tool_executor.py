@@ -458,17 +458,30 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
     assert ours <= BURST + 45, (ours, leftovers)
 
 
-def test_callback_url_is_per_operation_and_signed_like_the_api() -> None:
-    from agentruns.connectors.api.tokens import callback_url
+def test_callback_headers_are_per_dispatch_signed_with_the_callback_key_and_expire() -> None:
     from agentruns.connectors.executors.tool import ToolHandler, ToolRegistry
+    from agentruns.connectors.keys import CallbackRefused, Keys, verify_callback
 
     registry = ToolRegistry.load(tool_server.DEFAULT_REGISTRY)
     template = "http://api.test/operations/{key}/callback"
-    handler = ToolHandler(registry, callback_url=template, callback_secret=b"secret")
+    key = Keys.derive(b"the API's secret").callback
+    handler = ToolHandler(registry, callback_url=template, callback_key=key, callback_ttl_ms=1000)
     try:
-        assert handler.callback_for("k1") == callback_url("http://api.test", "k1", b"secret")
+        headers = handler.callback_headers("k 1", 2, now=5_000)
     finally:
         handler.close()
+    # the URL carries no signature: access logs record URLs
+    assert headers["X-Callback-URL"] == "http://api.test/operations/k%201/callback"
+    signature = headers["X-Callback-Signature"]
+    assert verify_callback(key, "k 1", signature, now_ms=5_999) == 2
+    for op_key, now in (("k 1", 6_000), ("k 2", 5_000)):
+        with pytest.raises(CallbackRefused):
+            verify_callback(key, op_key, signature, now_ms=now)
+    unsigned = ToolHandler(registry, callback_url=template)
+    try:
+        assert "X-Callback-Signature" not in unsigned.callback_headers("k1", 1)
+    finally:
+        unsigned.close()
 
 
 def test_kill_9_mid_batch_and_restart_executes_no_key_twice(

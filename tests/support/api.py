@@ -4,6 +4,7 @@ in-process processor, the sink and a scripted executor double, on one topic pref
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import httpx
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.serve import serving
+from agentruns.connectors.keys import Keys, sign_callback
 from agentruns.processors.catalog import Catalog
 from agentruns.processors.effects import CallModel, CallTool, CancelTool, Reconcile
 from agentruns.processors.events import (
@@ -242,3 +244,21 @@ def pipeline(
                     yield Stack(bootstrap, database_url, prefix, url, double, http, processor, api)
         finally:
             double.close()
+
+
+def signed_callback(
+    url: str, op: dict[str, Any], *, dispatch: int | None = None, expires_ms: int | None = None
+) -> tuple[str, dict[str, str]]:
+    """What a tool backend posts a callback with: the operation's callback URL (no signature
+    in it) and the X-Callback-Signature header the executor gave it, signed with the callback
+    key of SECRET for ``dispatch`` (default the operation's) until ``expires_ms`` (default in
+    an hour)."""
+    expires = expires_ms if expires_ms is not None else int(time.time() * 1000) + 3_600_000
+    signature = sign_callback(
+        Keys.derive(SECRET).callback,
+        op["op_key"],
+        op["dispatch"] if dispatch is None else dispatch,
+        expires,
+    )
+    target = f"{url}/operations/{op['op_key']}/callback"
+    return target, {"X-Callback-Signature": signature}

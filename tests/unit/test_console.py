@@ -104,6 +104,24 @@ def test_the_partial_index_of_live_runs_spells_the_terminal_statuses_of_the_stuc
     assert f"WHERE status NOT IN {TERMINAL_SQL};" in sql
 
 
+def test_wrong_credentials_from_many_addresses_past_the_global_rate_make_every_address_wait() -> (
+    None
+):
+    """Behind a proxy the API does not trust, or from many addresses, guesses stay under one
+    global rate: past it every address waits, until the window has drained."""
+    now = [1_000_000]
+    limiter = LoginLimiter(lambda: now[0], failures=5, window_ms=60_000, global_failures=10)
+    for i in range(9):  # nine addresses, one wrong credential each: nobody waits
+        limiter.failed(f"203.0.113.{i}")
+    assert limiter.retry_after("198.51.100.7") is None
+    now[0] += 10_000
+    limiter.failed("203.0.113.99")  # the tenth within the minute
+    assert limiter.retry_after("198.51.100.7") == 50  # an address that never failed waits too
+    assert limiter.retry_after("203.0.113.1") == 50
+    now[0] = 1_000_000 + 60_000  # the first nine leave the window
+    assert limiter.retry_after("198.51.100.7") is None
+
+
 def test_failed_logins_are_limited_per_address_for_a_minute_in_a_bounded_table() -> None:
     now = [1_000_000]
     limiter = LoginLimiter(lambda: now[0], failures=5, window_ms=60_000, capacity=3)

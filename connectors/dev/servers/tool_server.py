@@ -154,6 +154,8 @@ class Operation:
     result: Any
     callback_url: str | None = None
     callback: dict[str, Any] = field(default_factory=dict)
+    #: The caller's X-Callback-Signature, sent back with the callback.
+    callback_signature: str | None = None
     timer: threading.Timer | None = None
 
     def view(self) -> dict[str, Any]:
@@ -348,7 +350,12 @@ class ToolServerApp:
     # --- execution ----------------------------------------------------------------------
 
     def call(
-        self, tool: ToolDef, key: str, args: dict[str, Any], callback_url: str | None
+        self,
+        tool: ToolDef,
+        key: str,
+        args: dict[str, Any],
+        callback_url: str | None,
+        callback_signature: str | None = None,
     ) -> tuple[int, dict[str, Any], bool]:
         """Execute once per key. Returns (HTTP status, body, replayed)."""
         args_hash = short_hash(canonical(args), 32)
@@ -365,6 +372,7 @@ class ToolServerApp:
                 return op.http_status, self._response(op), True
             if tool.is_async:
                 op = self._start_job(key, args, args_hash, callback_url)
+                op.callback_signature = callback_signature
             else:
                 try:
                     result = self._tools[tool.name](key, args)
@@ -419,15 +427,20 @@ class ToolServerApp:
                 }
             payload = op.view()
             payload.pop("callback", None)
-            url = op.callback_url
+            url, signature = op.callback_url, op.callback_signature
         if url:
-            self._deliver_callback(key, url, payload)
+            self._deliver_callback(key, url, payload, signature)
 
-    def _deliver_callback(self, key: str, url: str, payload: dict[str, Any]) -> None:
-        """POST the outcome to the caller's callback URL; three attempts, short backoff."""
+    def _deliver_callback(
+        self, key: str, url: str, payload: dict[str, Any], signature: str | None = None
+    ) -> None:
+        """POST the outcome to the caller's callback URL, with the caller's callback signature
+        (X-Callback-Signature) when it sent one; three attempts, short backoff."""
         attempts, delivered, error = 0, False, ""
         data = json.dumps(payload, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        if signature:
+            headers["X-Callback-Signature"] = signature
         for backoff in (0.0, 0.1, 0.5):
             if backoff and self._wait_closing(backoff):
                 break
@@ -735,7 +748,9 @@ class ToolHandler(JSONHandler):
             messages = [f"{'/'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors]
             self.send_json(422, {"error": "invalid_arguments", "messages": messages})
             return
-        status, payload, replayed = app.call(tool, key, args, self.header("X-Callback-URL"))
+        status, payload, replayed = app.call(
+            tool, key, args, self.header("X-Callback-URL"), self.header("X-Callback-Signature")
+        )
         if fault is not None and kind == "drop_after":
             self.drop_connection()  # executed, but the answer is lost
             return

@@ -177,8 +177,26 @@ def broker_settings(replicas: int) -> dict[str, str]:
     }
 
 
-def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
-    """The broker+controller config of one node."""
+#: The KRaft authorizer: ACLs live in the cluster metadata (`kafka-acls.sh`, the admin API).
+STANDARD_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+def authorizer_settings() -> dict[str, str]:
+    """ACLs enforced, and nothing allowed without one. The PLAINTEXT listeners (brokers and
+    controllers among themselves, and an operator's admin client on the PLAINTEXT port) are
+    the super user ANONYMOUS; clients of the SASL listener hold only what ACLs grant them."""
+    return {
+        "authorizer.class.name": STANDARD_AUTHORIZER,
+        "super.users": "User:ANONYMOUS",
+        "allow.everyone.if.no.acl.found": "false",
+    }
+
+
+def server_properties(
+    node: KafkaNode, voters: str, replicas: int, *, authorizer: bool = False
+) -> str:
+    """The broker+controller config of one node; with ``authorizer``, ACLs are enforced
+    (`authorizer_settings`)."""
     listeners = f"PLAINTEXT://{node.host}:{node.port}"
     protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
     sasl: dict[str, str] = {}
@@ -204,6 +222,7 @@ def server_properties(node: KafkaNode, voters: str, replicas: int) -> str:
         "inter.broker.listener.name": "PLAINTEXT",
         "listener.security.protocol.map": protocols,
         **sasl,
+        **(authorizer_settings() if authorizer else {}),
         "log.dirs": str(node.directory / "data"),
         **broker_settings(replicas),
     }
@@ -230,15 +249,20 @@ class LocalKafka:
         scram_user: ScramUser | None = None,
         sasl_port: int | None = None,
         placed: Sequence[tuple[str, Sequence[str]]] | None = None,
+        more_users: Sequence[ScramUser] = (),
+        authorizer: bool = False,
     ) -> None:
         """``scram_user`` adds a SASL_PLAINTEXT listener (SCRAM-SHA-256) on ``sasl_port`` (+i
         for node i) next to the PLAINTEXT one, with that user; it is created when the storage
-        is first formatted. ``placed`` gives node i an address to listen on and a command
+        is first formatted, with ``more_users`` beside it; ``authorizer`` enforces ACLs on them
+        (`authorizer_settings`). ``placed`` gives node i an address to listen on and a command
         prefix to run in (a network namespace of `netlab`) instead of 127.0.0.1."""
         if (scram_user is None) != (sasl_port is None):
             raise ValueError("scram_user and sasl_port go together")
         self.directory = directory
         self.scram_user = scram_user
+        self.more_users = tuple(more_users)
+        self.authorizer = authorizer
         self.brokers = brokers
         self.heap = heap
         self._libs = libs
@@ -301,7 +325,7 @@ class LocalKafka:
         for node in self.nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
             props = node.directory / "server.properties"
-            props.write_text(server_properties(node, voters, replicas))
+            props.write_text(server_properties(node, voters, replicas, authorizer=self.authorizer))
             if not (node.directory / "data" / "meta.properties").exists():
                 self._format(classpath, cluster_id, props, log4j, node)
         for node in self.nodes:
@@ -348,7 +372,11 @@ class LocalKafka:
             "--config",
             str(props),
             "--ignore-formatted",
-            *(["--add-scram", self.scram_user.storage_argument()] if self.scram_user else []),
+            *(
+                word
+                for user in ([self.scram_user] if self.scram_user else []) + [*self.more_users]
+                for word in ("--add-scram", user.storage_argument())
+            ),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
