@@ -4,13 +4,11 @@ broker's acknowledgement; a broker that does not answer in time is a 503 `ApiErr
 
 from __future__ import annotations
 
-import threading
-import time
-
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaException, Producer
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.errors import ApiError
+from agentruns.streams.acked import NotAcknowledgedError, produce_acked
 from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, topic_name
@@ -38,32 +36,22 @@ class Inbox:
     def produce(
         self, run_id: str, value: bytes, headers: list[tuple[str, str | bytes | None]] | None = None
     ) -> None:
-        done = threading.Event()
-        failure: list[KafkaError] = []
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                failure.append(err)
-            done.set()
-
         try:
-            self._producer.produce(
+            failure = produce_acked(
+                self._producer,
                 self.topic,
                 key=run_id.encode(),
                 value=value,
                 partition=partition_for(run_id, self.partitions),
-                headers=headers or None,
-                on_delivery=delivered,
+                headers=headers,
+                timeout_s=self.timeout,
             )
-            deadline = time.monotonic() + self.timeout
-            while not done.is_set() and time.monotonic() < deadline:
-                self._producer.poll(0.05)
         except (KafkaException, BufferError) as exc:
             raise ApiError(503, "kafka_unavailable", f"producing to {self.topic}: {exc}") from exc
-        if not done.is_set():
-            raise ApiError(503, "kafka_unavailable", f"no ack from {self.topic} in time")
-        if failure:
-            raise ApiError(503, "kafka_unavailable", f"producing to {self.topic}: {failure[0]}")
+        except NotAcknowledgedError:
+            raise ApiError(503, "kafka_unavailable", f"no ack from {self.topic} in time") from None
+        if failure is not None:
+            raise ApiError(503, "kafka_unavailable", f"producing to {self.topic}: {failure}")
 
     def close(self) -> None:
         release(self._producer, 5)

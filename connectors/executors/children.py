@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import Producer
 
 from agentruns.connectors.executors.base import ExecutorError, Outcome, event_identity
 from agentruns.connectors.executors.config import ExecutorConfig
@@ -50,6 +49,7 @@ from agentruns.processors.ids import canonical_json, derive_key
 from agentruns.processors.state import ErrorClass, RunStatus
 from agentruns.processors.transition import load_candidate
 from agentruns.streams import records
+from agentruns.streams.acked import NotAcknowledgedError, produce_acked
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import NO_DELAY, client_settings, partition_count, release
 from agentruns.streams.partitioning import partition_for, run_key
@@ -108,29 +108,20 @@ class ChildRuns:
                 self._partitions = partition_count(self._producer, self.topic)
             producer, partitions = self._producer, self._partitions
         record = records.input_record(event, input_id=input_id)
-        done = threading.Event()
-        failure: list[KafkaError] = []
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                failure.append(err)
-            done.set()
-
-        producer.produce(
-            self.topic,
-            key=run_key(event.run_id),
-            value=encode("Input", record),
-            partition=partition_for(event.run_id, partitions),
-            headers=[("trace_id", event.trace_id.encode()), ("run_id", event.run_id.encode())],
-            on_delivery=delivered,
-        )
-        deadline = time.monotonic() + PRODUCE_TIMEOUT_S
-        while not done.is_set() and time.monotonic() < deadline:
-            producer.poll(0.05)
-        if not done.is_set():  # the broker is away: the effect is carried out again later
-            raise ExecutorError(f"no acknowledgement from {self.topic} in time", retryable=True)
-        if failure:
-            raise ExecutorError(f"producing to {self.topic}: {failure[0]}")
+        try:
+            failure = produce_acked(
+                producer,
+                self.topic,
+                key=run_key(event.run_id),
+                value=encode("Input", record),
+                partition=partition_for(event.run_id, partitions),
+                headers=[("trace_id", event.trace_id.encode()), ("run_id", event.run_id.encode())],
+                timeout_s=PRODUCE_TIMEOUT_S,
+            )
+        except NotAcknowledgedError as exc:  # the broker is away: carried out again later
+            raise ExecutorError(str(exc), retryable=True) from None
+        if failure is not None:
+            raise ExecutorError(f"producing to {self.topic}: {failure}")
 
     def _answer_text(self, ref: str | None) -> str | None:
         """The text of a child's final answer (its candidate's content), or None."""
