@@ -299,6 +299,12 @@ def traceparent_of(span: Span) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
+def set_error(span: Span, error: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, error[:500]))
+
+
 def end(span: Span, error: str | None = None) -> None:
     if error is not None:
         from opentelemetry.trace import Status, StatusCode
@@ -423,6 +429,7 @@ __all__ = [
     "run_span_id",
     "run_trace_id",
     "sent",
+    "set_error",
     "start",
     "traceparent_of",
 ]

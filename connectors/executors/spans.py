@@ -104,8 +104,9 @@ def describe_chat(
         span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
     span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
     span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-    if outcome != "finished":
+    if outcome != "finished":  # rate limited, cut off, refused: the core calls again or fails
         span.set_attribute("error.type", outcome)
+        tracing.set_error(span, outcome)
     if tracing.messages_on():
         messages = [_message(m) for m in payload.get("messages", ())]
         if isinstance(payload.get("system"), str):  # Anthropic's system prompt
