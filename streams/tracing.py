@@ -286,11 +286,40 @@ def messages_on() -> bool:
     return _messages_max_chars > 0
 
 
+_CUT = "...[truncated]"
+
+
 def capped_json(value: Any) -> str:
-    """`value` as JSON, cut at the configured size (messages on model spans)."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    """`value` as JSON of at most the configured size (messages on model spans): its long
+    strings are shortened first, so that it stays JSON a viewer can show; cut as text last."""
     limit = _messages_max_chars
-    return text if len(text) <= limit else text[: max(limit - 15, 0)] + "...[truncated]"
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return text
+    strings = _count_strings(value)
+    budget = max(16, limit // (2 * max(strings, 1)))
+    text = json.dumps(_shortened(value, budget), ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: max(limit - len(_CUT), 0)] + _CUT
+
+
+def _count_strings(value: Any) -> int:
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, Mapping):
+        return sum(_count_strings(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_count_strings(v) for v in value)
+    return 0
+
+
+def _shortened(value: Any, budget: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= budget else value[:budget] + _CUT
+    if isinstance(value, Mapping):
+        return {k: _shortened(v, budget) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shortened(v, budget) for v in value]
+    return value
 
 
 def traceparent_of(span: Span) -> str:
