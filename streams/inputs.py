@@ -698,8 +698,7 @@ class InputPath:
         )
         attributes.update(
             {
-                "gen_ai.conversation.id": slot.run_id,
-                "agentruns.run_id": slot.run_id,
+                "gen_ai.conversation.id": slot.run_id,  # the run id
                 "agentruns.seq": seq,
                 "agentruns.event": event.type,
             }

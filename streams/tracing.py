@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -57,6 +58,8 @@ MESSAGES_DEFAULT_MAX_CHARS = 16 * 1024
 
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
+# opentelemetry.trace, imported once tracing is configured (never with tracing off)
+_otel: Any = None
 _messages_max_chars = 0  # 0: messages are not recorded
 # The ids the next span takes (`_FixedIds`): the run's span is made at the run's end with the
 # id its children already name.
@@ -132,34 +135,36 @@ def start(
     `kind` names an OpenTelemetry SpanKind (INTERNAL, CLIENT, PRODUCER, CONSUMER); `links`
     are the contexts of the spans that produced what this one consumes (None ones skipped);
     `start_ms` backdates the start (a wait measured once it is over)."""
-    from opentelemetry.trace import Link, SpanKind
-
-    assert _tracer is not None, "tracing is off"
-    linked = [Link(_context_of(link)) for link in links if link is not None and link != parent]
+    assert _tracer is not None and _otel is not None, "tracing is off"
+    linked = [
+        _otel.Link(_context_of(link)) for link in links if link is not None and link != parent
+    ]
     return _tracer.start_span(
         name,
         context=_parent(parent),
-        kind=SpanKind[kind],
+        kind=_otel.SpanKind[kind],
         attributes=dict(attributes or {}),
         links=linked,
         start_time=None if start_ms is None else start_ms * 1_000_000,
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def _context_of(traceparent: str) -> Any:
-    """The SpanContext a traceparent names (remote)."""
-    from opentelemetry.trace import SpanContext, TraceFlags
-
+    """The SpanContext a traceparent names (remote); the same few (a run's span, an effect's)
+    come again and again, and a SpanContext is immutable."""
+    assert _otel is not None
     _, trace_id, span_id, flags = traceparent.split("-")[:4]
-    return SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)))
+    return _otel.SpanContext(
+        int(trace_id, 16), int(span_id, 16), True, _otel.TraceFlags(int(flags, 16))
+    )
 
 
 def _parent(parent: str | None) -> Any:
     if parent is None:
         return None
-    from opentelemetry.trace import NonRecordingSpan, set_span_in_context
-
-    return set_span_in_context(NonRecordingSpan(_context_of(parent)))
+    assert _otel is not None
+    return _otel.set_span_in_context(_otel.NonRecordingSpan(_context_of(parent)))
 
 
 def current() -> Span | None:
@@ -260,7 +265,6 @@ def consumed(topic: str, partition: int, offset: int, group: str) -> dict[str, A
     return {
         "messaging.system": "kafka",
         "messaging.operation.type": "process",
-        "messaging.operation.name": "process",
         "messaging.destination.name": topic,
         "messaging.destination.partition.id": str(partition),
         "messaging.consumer.group.name": group,
@@ -273,7 +277,6 @@ def sent(topic: str, partition: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "messaging.system": "kafka",
         "messaging.operation.type": "send",
-        "messaging.operation.name": "send",
         "messaging.destination.name": topic,
     }
     if partition is not None:
@@ -352,6 +355,11 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
     _messages_max_chars = 0
     if provider is None:
         return
+    global _otel
+    import opentelemetry.trace
+
+    _otel = opentelemetry.trace
+    _context_of.cache_clear()
     tracer = provider.get_tracer("agentruns")
     ids = getattr(tracer, "id_generator", None)
     if ids is not None:  # the SDK's tracer: the run's span takes the ids its children name

@@ -32,11 +32,9 @@ def effect_span(
     attributes = tracing.consumed(topic, partition, offset, group)
     attributes.update(
         {
-            "gen_ai.conversation.id": effect.run_id,
-            "agentruns.run_id": effect.run_id,
+            "gen_ai.conversation.id": effect.run_id,  # the run id
             "agentruns.step": effect.step,
             "agentruns.attempt": effect.attempt,
-            "agentruns.effect": effect.type,
         }
     )
     if isinstance(effect, CallModel):
@@ -48,7 +46,6 @@ def effect_span(
         attributes["gen_ai.operation.name"] = "execute_tool"
         attributes["gen_ai.tool.name"] = op.tool
         attributes["gen_ai.tool.call.id"] = op.key
-        attributes["gen_ai.tool.type"] = "function"
         attributes["agentruns.dispatch"] = op.dispatch
         name, kind = f"execute_tool {op.tool}", "INTERNAL"
     elif isinstance(effect, PollTool | Reconcile):
@@ -87,7 +84,6 @@ def describe_chat(
     (`tracing.messages_on`), each attribute size-capped."""
     span.update_name(f"chat {model}")
     span.set_attribute("gen_ai.provider.name", provider)
-    span.set_attribute("gen_ai.system", provider)
     span.set_attribute("gen_ai.request.model", model)
     for key, attribute in (
         ("max_tokens", "gen_ai.request.max_tokens"),
