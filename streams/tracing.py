@@ -196,16 +196,16 @@ def _digest(text: str, chars: int) -> str:
 
 
 def run_trace_id(run_id: str, trace_id: str | None) -> str:
-    """The trace id of a run's trace when no caller's trace contains it: the run's own trace
-    id (`trace_id`, None: the one the API derives from the run id) when it is a valid W3C
-    one, else one derived from the run id."""
-    if trace_id is None:  # the run's trace id when its submitter named none
+    """The trace id of a run's trace when no caller's trace contains it: derived from the run's
+    own trace id (`trace_id`; None: the one the API derives from the run id), the same
+    everywhere the run is known. Not that id itself: the API's is a UUID, whose fixed version
+    and variant bits sit where a ratio sampler reads the trace id (`traceidratio` below one half
+    would then sample no run)."""
+    if trace_id is None:
         from agentruns.processors.ids import trace_id_for
 
         trace_id = trace_id_for(run_id)
-    if _HEX32.fullmatch(trace_id) and trace_id != _ZERO_TRACE:
-        return trace_id
-    return _digest(f"trace:{run_id}", 32)
+    return _digest(f"trace:{trace_id}", 32)
 
 
 def run_span_id(run_id: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBasedTraceIdRatio
 from opentelemetry.trace import SpanKind
 
 from agentruns.connectors.executors import spans as executor_spans
@@ -118,22 +118,26 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 def test_a_runs_span_ids_come_from_the_run() -> None:
     own = "4bf92f3577b34da6a3ce929d0e0e4736"
-    assert tracing.run_trace_id("run-1", own) == own
-    assert tracing.run_trace_id("run-1", None) == trace_id_for("run-1")
-    derived = tracing.run_trace_id("run-1", "not hex")  # a caller's own trace id: derived
-    assert len(derived) == 32 and derived == tracing.run_trace_id("run-1", "other")
-    assert tracing.run_trace_id("run-1", "0" * 32) != "0" * 32
+    trace = tracing.run_trace_id("run-1", own)
+    assert tracing.parse(f"00-{trace}-{tracing.run_span_id('run-1')}-01") is not None
+    assert trace == tracing.run_trace_id("run-2", own) != tracing.run_trace_id("run-1", None)
+    assert tracing.run_trace_id("run-1", None) == tracing.run_trace_id(
+        "run-1", trace_id_for("run-1")
+    )
+    assert tracing.run_trace_id("run-1", "not hex") != tracing.run_trace_id("run-1", "other")
     assert tracing.run_span_id("run-1") == tracing.run_span_id("run-1") != "0" * 16
     assert tracing.run_span_id("run-1") != tracing.run_span_id("run-2")
     # without a first context the run's span is in its own trace; with one, in that trace
-    assert tracing.run_context("run-1", own, None) == f"00-{own}-{tracing.run_span_id('run-1')}-01"
+    assert tracing.run_context("run-1", own, None) == (
+        f"00-{trace}-{tracing.run_span_id('run-1')}-01"
+    )
     assert tracing.run_context("run-1", own, VALID).split("-")[1] == VALID.split("-")[1]
 
 
 def test_the_runs_span_is_made_at_its_end_with_the_ids_its_children_name(
     spans: InMemorySpanExporter,
 ) -> None:
-    own = trace_id_for("run-1")
+    own = tracing.run_trace_id("run-1", None)
     child = tracing.start("process RunSubmitted", tracing.run_context("run-1", None, None))
     tracing.end(child)
     tracing.record_run("run-1", None, None, AT, AT + 5000, {"agentruns.run_id": "run-1"})
@@ -161,6 +165,13 @@ def test_the_runs_trace_is_sampled_as_the_sampler_says() -> None:
         assert tracing.run_context("run-1", None, None).endswith("-00")
     finally:
         tracing.configure(None)
+    # a ratio: about that share of the runs (the API's UUID trace ids included)
+    tracing.configure(TracerProvider(sampler=ParentBasedTraceIdRatio(0.1)), {})
+    try:
+        sampled = [tracing.run_context(f"run-{i}", None, None) for i in range(2000)]
+    finally:
+        tracing.configure(None)
+    assert 120 < sum(c.endswith("-01") for c in sampled) < 280
 
 
 def test_an_http_span_names_no_secret_of_the_url(spans: InMemorySpanExporter) -> None:
