@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv broker-jars postgres chromium prometheus demo test check unit integration lint typecheck docs fmt bench clean
+.PHONY: help setup venv broker-jars postgres chromium prometheus phoenix demo test check unit integration lint typecheck docs fmt bench clean
 
 help:
 	@echo "make demo   - set up, start Kafka + Postgres locally, run the demo scenarios"
@@ -69,6 +69,18 @@ prometheus:
 	  echo "promtool is missing: install it (e.g. sudo apt-get install -y prometheus)"; exit 2; \
 	fi
 
+# Arize Phoenix for the tracing test (tests/e2e/test_phoenix_traces.py), in a virtual
+# environment of its own: its pins conflict with the project's test dependencies
+# (deploy/phoenix/requirements.txt).
+PHOENIX_VENV := .venv-phoenix
+$(PHOENIX_VENV)/.installed: deploy/phoenix/requirements.txt
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install -q -r deploy/phoenix/requirements.txt
+	@touch $@
+
+phoenix: $(PHOENIX_VENV)/.installed
+
 setup: venv broker-jars postgres prometheus
 
 demo: setup
@@ -97,12 +109,12 @@ docs: typecheck
 unit: $(STAMP) prometheus
 	$(VENV)/bin/pytest tests/unit -q $(PYTEST_ARGS)
 
-integration: setup
+integration: setup phoenix
 	$(VENV)/bin/pytest tests/integration tests/e2e -q $(PYTEST_ARGS)
 
 # Two workers: most tests wait on the broker, so two run side by side in about the time of one;
 # the heavy ones (tests/conftest.py, HEAVY) one after another on one worker.
-test: setup chromium lint typecheck docs
+test: setup chromium phoenix lint typecheck docs
 	$(VENV)/bin/pytest -q -rs --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The edit-test loop: the same checks and every test not marked slow (tests/conftest.py, SLOW;
@@ -118,4 +130,4 @@ bench: setup
 	$(VENV)/bin/agentruns bench core
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PHOENIX_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

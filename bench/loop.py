@@ -32,6 +32,13 @@ server's ``create_ticket``; ``--tool-path both`` runs the levels once on each pa
 in the same run, and reports ``tool_paths``: the tool executor's and the tool server's CPU
 microseconds per step on each path, and the MCP path's over the HTTP path's.
 
+``--tracing on`` runs the pipeline's processes with tracing on, exporting over OTLP/HTTP to a
+receiver in the bench that keeps nothing (`agentruns.bench.otlp_sink`; every span sampled: the
+SDK's default sampler); ``--tracing both`` runs the levels with tracing off, then restarts the
+processor and the executors with it on and runs them again, in the same run, and reports
+``tracing``: per level, each process's CPU microseconds per step with tracing off and on, and the
+pipeline's (processors and executors) on over off.
+
 Without latencies, first, on the same broker, the Kafka floor at the same concurrencies
 (`agentruns.bench.floor`: two bare transactional consume -> produce loops, four of whose hops
 make a step); each level
@@ -62,6 +69,7 @@ from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
+from agentruns.bench.otlp_sink import OtlpSink
 from agentruns.bench.overhead import (
     InFlightSampler,
     backend_ms,
@@ -347,6 +355,30 @@ def _tool_paths(
     return out
 
 
+def _tracing_overhead(
+    off: Sequence[Mapping[str, Any]], on: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Per level: each process's CPU per step with tracing off and on, and the pipeline's
+    (processors and executors: what makes spans) on over off."""
+    out: dict[str, Any] = {}
+    for o, t in zip(off, on, strict=True):
+        off_cpu, on_cpu = o.get("cpu_us_per_step") or {}, t.get("cpu_us_per_step") or {}
+        pipeline = [n for n in off_cpu if n.startswith(("processor", "model-executor", "tool-"))]
+        pipeline = [n for n in pipeline if n != "tool-server"]
+        off_sum = sum(off_cpu.get(n) or 0 for n in pipeline)
+        on_sum = sum(on_cpu.get(n) or 0 for n in pipeline)
+        out[str(o["concurrency"])] = {
+            "off_cpu_us_per_step": {n: off_cpu.get(n) for n in pipeline},
+            "on_cpu_us_per_step": {n: on_cpu.get(n) for n in pipeline},
+            "pipeline_off_cpu_us_per_step": round(off_sum, 1),
+            "pipeline_on_cpu_us_per_step": round(on_sum, 1),
+            "pipeline_on_over_off": round(on_sum / off_sum, 3) if off_sum else None,
+            "off_durable_steps_per_s": o.get("durable_steps_per_s"),
+            "on_durable_steps_per_s": t.get("durable_steps_per_s"),
+        }
+    return out
+
+
 def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str, Any]:
     """``instant`` runs one after the other with nothing else running, then the same beside
     ``slow`` runs started together (their model calls slowed): the instant runs' latency
@@ -432,6 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         " the levels once on each (HTTP first)",
     )
     parser.add_argument(
+        "--tracing",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the pipeline's tracing: off, on (OTLP to a receiver that keeps nothing), or the"
+        " levels once each way (off first) to compare their CPU per step",
+    )
+    parser.add_argument(
         "--no-floor", action="store_true", help="skip the Kafka floor (skipped with latencies)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
@@ -461,9 +500,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_latency = model_rule is not None or tool_rule is not None
     if args.tool_path != "http" and (with_latency or mixed):
         parser.error("--tool-path mcp|both measures instant backends: no latencies, no --mixed")
+    if args.tracing == "both" and (args.tool_path == "both" or mixed):
+        parser.error("--tracing both compares one path: not with --tool-path both nor --mixed")
     max_in_flight = args.max_in_flight or max(ExecutorConfig.max_in_flight, *levels)
     prefix = f"loop-{uuid.uuid4().hex[:8]}"
-    with ServiceStack(ephemeral=True) as stack, tempfile.TemporaryDirectory() as tmp:
+    with (
+        ServiceStack(ephemeral=True) as stack,
+        tempfile.TemporaryDirectory() as tmp,
+        OtlpSink() as sink,
+    ):
         assert stack.endpoints is not None
         ep = stack.endpoints
         migrate(ep.database_url)
@@ -491,6 +536,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "DATABASE_URL": ep.database_url,
             "AGENTRUNS_LOG_LEVEL": "WARNING",
         }
+        traced_env = {
+            **env,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_SERVICE_NAME": "agentruns-bench",
+        }
+        if args.tracing == "on":
+            env = traced_env
+        else:  # no exporter configured anywhere: tracing off
+            env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
         sup = Supervisor(Path(tempfile.gettempdir()) / f"{prefix}-logs", env)
         common = ("--prefix", prefix)
         scenarios = _scenarios_dir(Path(tmp) / "scenarios")
@@ -557,6 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver = Driver(ep.kafka_bootstrap, prefix, args.partitions)
         results: list[dict[str, Any]] = []
         mcp_results: list[dict[str, Any]] | None = None
+        traced_results: list[dict[str, Any]] | None = None
+        exported: dict[str, int] | None = None
         mixed_figures = None
         try:
             driver.level(1, 1, 120)  # warm-up: every process connected and joined
@@ -564,12 +621,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 post_json(model_url + "/faults", model_rule)
             if tool_rule is not None:
                 post_json(tool_url + "/faults", tool_rule)
-            components = {
-                c.process.pid: name for name, c in sup.components.items() if c.process is not None
-            }
 
             def measure_levels(scenario: str) -> list[dict[str, Any]]:
                 measured: list[dict[str, Any]] = []
+                components = {  # again each time: `--tracing both` restarts the pipeline
+                    c.process.pid: name
+                    for name, c in sup.components.items()
+                    if c.process is not None
+                }
                 for concurrency, count in zip(levels, runs, strict=True):
                     print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
                     machine = MachineCpu.start({**services, **components})
@@ -613,6 +672,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.tool_path == "both":
                 print("the same levels through the MCP server", file=sys.stderr, flush=True)
                 mcp_results = measure_levels(SCENARIO_MCP)
+            if args.tracing == "both":
+                print("the same levels with tracing on", file=sys.stderr, flush=True)
+                sup.env = traced_env
+                pipeline = [n for n in sup.components if n in watched or n in sampled]
+                for name in pipeline:  # stopped cleanly: their groups hand over at once
+                    sup.stop(name)
+                for name in pipeline:
+                    sup.start(name)
+                driver.level(1, 1, 120)  # warm-up again: every process connected and joined
+                traced_results = measure_levels(SCENARIO)
+            if args.tracing != "off":
+                exported = sink.counts()
             if mixed is not None:
                 print(f"mixed: {mixed[1]} instant beside {mixed[0]} slow", file=sys.stderr)
                 # instant: every call of the instant runs, their tools' too
@@ -652,6 +723,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "floor": floor,
         "tool_path": args.tool_path,
     }
+    figures["tracing_mode"] = args.tracing
+    figures["otlp_exported"] = exported
+    if traced_results is not None:
+        figures["traced_levels"] = traced_results
+        figures["tracing"] = _tracing_overhead(results, traced_results)
     if mcp_results is not None:
         figures["mcp_levels"] = mcp_results
         figures["tool_paths"] = _tool_paths(results, mcp_results)

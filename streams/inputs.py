@@ -36,7 +36,7 @@ from agentruns.processors.effects import PublishResult, ScheduleTimer
 from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSubmitted
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
-from agentruns.processors.state import TimerPurpose
+from agentruns.processors.state import RunState, RunStatus, TimerPurpose
 from agentruns.processors.transition import Artifact, Disposition, Transition
 from agentruns.streams import dlq, dlq_metrics, metrics, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
@@ -69,6 +69,9 @@ from agentruns.streams.topics import TopicNames
 from agentruns.streams.transaction import Headers, Record
 
 log = logging.getLogger("agentruns.processor")
+
+#: The statuses a run waits in, and the name of the span of such a wait (made when it ends).
+_WAITS = {RunStatus.WAITING_USER: "wait for a person", RunStatus.WAITING_TOOL: "wait for a tool"}
 
 #: Bytes kept free under a topic's record limit for what our size count leaves out: the record
 #: batch header and per-record overhead the broker counts (our count is key + value + headers).
@@ -174,6 +177,8 @@ class PathSettings:
     # (agentruns.processors.catalog), stamped on its submission; None: tasks declare their
     # own tools.
     catalog: Catalog | None = None
+    # The processor's consumer group (the spans' messaging.consumer.group.name)
+    group: str = ""
 
 
 def record_size(record: Record) -> int:
@@ -256,6 +261,8 @@ class InputPath:
         self._clock = clock
         self._batch = Batch()
         self._incoming: str | None = None  # the trace context of the input in hand
+        self._inbound: Inbound | None = None  # the input in hand (its span's attributes)
+        self._before: RunState | None = None  # the state before the transition being traced
         # partition -> why it stopped (PartitionStopped, or a snapshot this build cannot read
         # at restore): its inputs are left where they are, for a build that can apply them
         self.stopped: dict[int, str] = {}
@@ -273,6 +280,7 @@ class InputPath:
         if inbound.partition in self.stopped:
             return  # left unconsumed: its offset is not committed past the stop
         self._incoming = tracing.from_headers(inbound.headers)
+        self._inbound = inbound
         if inbound.offset >= 0:
             batch.positions[inbound.partition] = inbound.offset + 1
         batch.inputs += 1
@@ -658,16 +666,10 @@ class InputPath:
             event = catalog.stamped(
                 versions.stamped(event, self.rules_version), self.settings.catalog
             )
-        # The input's trace context, else the run's (a timer, a held input, a reply); the first
-        # one a run sees becomes the run's.
-        context = self._incoming or slot.traceparent
         span = None
+        context = self._incoming or slot.traceparent
         if tracing.enabled():
-            span = tracing.start(
-                f"transition {event.type}",
-                context,
-                {"agentruns.run_id": slot.run_id, "agentruns.seq": seq},
-            )
+            span = self._span(partition, slot, event, seq)
             context = tracing.traceparent_of(span)
         try:
             self._transition(partition, slot, event, input_id, seq, context)
@@ -676,7 +678,79 @@ class InputPath:
                 tracing.end(span, f"{type(exc).__name__}: {exc}")
             raise
         if span is not None:
+            self._spans_after(span, slot, event)
             tracing.end(span)
+
+    def _span(self, partition: int, slot: RunSlot, event: Event, seq: int) -> Any:
+        """The CONSUMER span of one input (tracing is on): the child of the run's span, linked
+        to the span that produced the input (its record's context, when it came with one)."""
+        if slot.traceparent is None:  # the first context a run sees becomes the run's
+            slot.traceparent = self._incoming or tracing.run_context(
+                slot.run_id, event.trace_id, None
+            )
+        parent = tracing.run_context(slot.run_id, event.trace_id, slot.traceparent)
+        inbound = self._inbound
+        attributes = tracing.consumed(
+            self.topics.inbox,
+            partition,
+            inbound.offset if inbound is not None else -1,
+            self.settings.group,
+        )
+        attributes.update(
+            {
+                "gen_ai.conversation.id": slot.run_id,  # the run id
+                "agentruns.seq": seq,
+                "agentruns.event": event.type,
+            }
+        )
+        self._before = slot.state
+        return tracing.start(
+            f"process {event.type}", parent, attributes, kind="CONSUMER", links=[self._incoming]
+        )
+
+    def _spans_after(self, span: Any, slot: RunSlot, event: Event) -> None:
+        """What the transition did, on its span; a wait that ended, as a span of its own; the
+        run's span when the run ended."""
+        before, after = self._before, slot.state
+        if after is None:
+            return
+        span.set_attribute("agentruns.status", after.status.value)
+        waited = before.status if before is not None else None
+        if waited in _WAITS and after.status is not waited and before is not None:
+            parent = tracing.run_context(slot.run_id, after.trace_id, slot.traceparent)
+            wait = tracing.start(
+                _WAITS[waited],
+                parent,
+                {"agentruns.run_id": slot.run_id, "agentruns.ended_by": event.type},
+                start_ms=before.time.last_at,
+            )
+            tracing.end_at(wait, max(event.at, before.time.last_at))
+        if after.status in _WAITS and waited is not after.status:
+            span.add_event(_WAITS[after.status], {"agentruns.status": after.status.value})
+        if after.terminal and (before is None or not before.terminal):
+            usage = after.usage
+            error = None if after.status is RunStatus.SUCCEEDED else after.status.value
+            tracing.record_run(
+                slot.run_id,
+                after.trace_id,
+                slot.traceparent,
+                after.time.started_at,
+                event.at,
+                {
+                    "gen_ai.operation.name": "invoke_agent",
+                    "gen_ai.agent.name": "agentruns",
+                    "gen_ai.conversation.id": slot.run_id,
+                    "gen_ai.usage.input_tokens": usage.input_tokens,
+                    "gen_ai.usage.output_tokens": usage.output_tokens,
+                    "agentruns.run_id": slot.run_id,
+                    "agentruns.status": after.status.value,
+                    "agentruns.outcome": after.outcome or "",
+                    "agentruns.steps": after.step,
+                    "agentruns.tool_calls": after.tool_calls,
+                    "agentruns.cost_micros": usage.cost_micros,
+                },
+                error,
+            )
 
     def _transition(
         self,

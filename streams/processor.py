@@ -226,6 +226,7 @@ class Processor:
                 max_log_events=config.max_log_events,
                 rules_version=config.rules_version,
                 catalog=config.catalog,
+                group=config.group_id,
             ),
             self.stats,
             limits=self._record_limits(),

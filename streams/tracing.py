@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
+import hashlib
+import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,6 +37,7 @@ MAX_CHARS = 512
 _VALUE = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 #: The context of the effect being executed, for the HTTP call a handler makes (set by the
 #: executor loop around each handler call, in the pool thread running it).
@@ -41,8 +45,27 @@ OUTGOING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "agentruns_traceparent", default=None
 )
 
+#: The span the executor loop made for the effect being executed, for the handler to name and
+#: describe (`current`): None when tracing is off.
+CURRENT: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "agentruns_span", default=None
+)
+
+#: Messages on model spans (`gen_ai.input.messages`, `gen_ai.output.messages`) are off by
+#: default, since they may hold personal data: `AGENTRUNS_TRACE_MESSAGES=true` turns them on,
+#: each attribute cut at `AGENTRUNS_TRACE_MESSAGES_MAX_CHARS` (default 16 KiB).
+MESSAGES_DEFAULT_MAX_CHARS = 16 * 1024
+
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
+# opentelemetry.trace, imported once tracing is configured (never with tracing off)
+_otel: Any = None
+_messages_max_chars = 0  # 0: messages are not recorded
+# The ids the next span takes (`_FixedIds`): the run's span is made at the run's end with the
+# id its children already name.
+_NEXT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "agentruns_next_ids", default=None
+)
 
 
 def parse(value: str | bytes | None) -> str | None:
@@ -98,21 +121,220 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def start(name: str, parent: str | None, attributes: Mapping[str, Any] | None = None) -> Span:
-    """A span (tracing must be on) as the child of `parent`, or the root of a new trace."""
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+def start(
+    name: str,
+    parent: str | None,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    kind: str = "INTERNAL",
+    links: Sequence[str | None] = (),
+    start_ms: int | None = None,
+) -> Span:
+    """A span (tracing must be on) as the child of `parent`, or the root of a new trace.
 
-    assert _tracer is not None, "tracing is off"
-    context = None
-    if parent is not None:
-        context = TraceContextTextMapPropagator().extract({HEADER: parent})
-    return _tracer.start_span(name, context=context, attributes=dict(attributes or {}))
+    `kind` names an OpenTelemetry SpanKind (INTERNAL, CLIENT, PRODUCER, CONSUMER); `links`
+    are the contexts of the spans that produced what this one consumes (None ones skipped);
+    `start_ms` backdates the start (a wait measured once it is over)."""
+    assert _tracer is not None and _otel is not None, "tracing is off"
+    linked = [
+        _otel.Link(_context_of(link)) for link in links if link is not None and link != parent
+    ]
+    return _tracer.start_span(
+        name,
+        context=_parent(parent),
+        kind=_otel.SpanKind[kind],
+        attributes=dict(attributes or {}),
+        links=linked,
+        start_time=None if start_ms is None else start_ms * 1_000_000,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _context_of(traceparent: str) -> Any:
+    """The SpanContext a traceparent names (remote); the same few (a run's span, an effect's)
+    come again and again, and a SpanContext is immutable."""
+    assert _otel is not None
+    _, trace_id, span_id, flags = traceparent.split("-")[:4]
+    return _otel.SpanContext(
+        int(trace_id, 16), int(span_id, 16), True, _otel.TraceFlags(int(flags, 16))
+    )
+
+
+def _parent(parent: str | None) -> Any:
+    if parent is None:
+        return None
+    assert _otel is not None
+    return _otel.set_span_in_context(_otel.NonRecordingSpan(_context_of(parent)))
+
+
+def current() -> Span | None:
+    """The span of the effect being executed, or None (tracing off)."""
+    return CURRENT.get()
+
+
+def end_at(span: Span, end_ms: int, error: str | None = None) -> None:
+    """End `span` at `end_ms` (ms since the epoch)."""
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error[:500]))
+    span.end(end_time=end_ms * 1_000_000)
+
+
+# --------------------------------------------------------------------------- the run's span
+#
+# A run is one `invoke_agent` span, the parent of every span of the run. It lasts as long as
+# the run (days, when it waits for a person), so no process holds it open: its id is derived
+# from the run id, its children name it from the first step on, and the processor makes it
+# (backdated to the submission) when the run ends. Its trace id is the run's trace id when that
+# is one (32 hex digits, as the API derives it), so the run's trace is found by the run.
+
+
+def _digest(text: str, chars: int) -> str:
+    value = hashlib.sha256(text.encode()).hexdigest()[:chars]
+    return value if value.strip("0") else "1".rjust(chars, "0")
+
+
+def run_trace_id(run_id: str, trace_id: str | None) -> str:
+    """The trace id of a run's trace when no caller's trace contains it: derived from the run's
+    own trace id (`trace_id`; None: the one the API derives from the run id), the same
+    everywhere the run is known. Not that id itself: the API's is a UUID, whose fixed version
+    and variant bits sit where a ratio sampler reads the trace id (`traceidratio` below one half
+    would then sample no run)."""
+    if trace_id is None:
+        from agentruns.processors.ids import trace_id_for
+
+        trace_id = trace_id_for(run_id)
+    return _digest(f"trace:{trace_id}", 32)
+
+
+def run_span_id(run_id: str) -> str:
+    return _digest(f"invoke_agent:{run_id}", 16)
+
+
+def run_context(run_id: str, trace_id: str | None, first: str | None) -> str:
+    """The traceparent of the run's span. `first` is the first context the run saw (the
+    submitter's span, kept in the run's snapshot): the run's span is in its trace; without one,
+    in the run's own trace, sampled as the tracer's sampler decides for that trace id."""
+    if first is not None:
+        _, trace, _, flags = first.split("-")[:4]
+    else:
+        trace = run_trace_id(run_id, trace_id)
+        flags = "01" if _sampled(trace) else "00"
+    return f"00-{trace}-{run_span_id(run_id)}-{flags}"
+
+
+def _sampled(trace: str) -> bool:
+    if _tracer is None:
+        return True
+    sampler = getattr(_tracer, "sampler", None)
+    if sampler is None:
+        return True
+    result = sampler.should_sample(None, int(trace, 16), "invoke_agent")
+    return bool(result.decision.is_sampled())
+
+
+def record_run(
+    run_id: str,
+    trace_id: str | None,
+    first: str | None,
+    start_ms: int,
+    end_ms: int,
+    attributes: Mapping[str, Any],
+    error: str | None = None,
+) -> None:
+    """Make the run's `invoke_agent` span (tracing must be on), from `start_ms` to `end_ms`:
+    the root of the run's own trace, or the child of `first` when that is another trace (a
+    caller's)."""
+    own = run_trace_id(run_id, trace_id)
+    parent = None if first is None or first.split("-")[1] == own else first
+    trace = own if parent is None else first.split("-")[1]  # type: ignore[union-attr]
+    token = _NEXT_IDS.set((int(trace, 16), int(run_span_id(run_id), 16)))
+    try:
+        span = start("invoke_agent", parent, attributes, start_ms=start_ms)
+    finally:
+        _NEXT_IDS.reset(token)
+    end_at(span, max(end_ms, start_ms), error)
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+def consumed(topic: str, partition: int, offset: int, group: str) -> dict[str, Any]:
+    """The OpenTelemetry messaging attributes of a record processed from Kafka."""
+    return {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": topic,
+        "messaging.destination.partition.id": str(partition),
+        "messaging.consumer.group.name": group,
+        "messaging.kafka.offset": offset,
+    }
+
+
+def sent(topic: str, partition: int | None = None) -> dict[str, Any]:
+    """The OpenTelemetry messaging attributes of a record sent to Kafka."""
+    out: dict[str, Any] = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "send",
+        "messaging.destination.name": topic,
+    }
+    if partition is not None:
+        out["messaging.destination.partition.id"] = str(partition)
+    return out
+
+
+def messages_on() -> bool:
+    """Whether model spans carry the input and output messages (opt-in)."""
+    return _messages_max_chars > 0
+
+
+_CUT = "...[truncated]"
+
+
+def capped_json(value: Any) -> str:
+    """`value` as JSON of at most the configured size (messages on model spans): its long
+    strings are shortened first, so that it stays JSON a viewer can show; cut as text last."""
+    limit = _messages_max_chars
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return text
+    strings = _count_strings(value)
+    budget = max(16, limit // (2 * max(strings, 1)))
+    text = json.dumps(_shortened(value, budget), ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: max(limit - len(_CUT), 0)] + _CUT
+
+
+def _count_strings(value: Any) -> int:
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, Mapping):
+        return sum(_count_strings(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_count_strings(v) for v in value)
+    return 0
+
+
+def _shortened(value: Any, budget: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= budget else value[:budget] + _CUT
+    if isinstance(value, Mapping):
+        return {k: _shortened(v, budget) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shortened(v, budget) for v in value]
+    return value
 
 
 def traceparent_of(span: Span) -> str:
     """The traceparent naming `span`: what its children continue."""
     ctx = span.get_span_context()
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def set_error(span: Span, error: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, error[:500]))
 
 
 def end(span: Span, error: str | None = None) -> None:
@@ -123,11 +345,50 @@ def end(span: Span, error: str | None = None) -> None:
     span.end()
 
 
-def configure(provider: TracerProvider | None) -> None:
-    """Make spans with `provider` (None: tracing off)."""
-    global _tracer, _provider
+def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = None) -> None:
+    """Make spans with `provider` (None: tracing off); `env` (default: the process's) says
+    whether model spans carry messages (`AGENTRUNS_TRACE_MESSAGES`)."""
+    global _tracer, _provider, _messages_max_chars
+    env = os.environ if env is None else env
     _provider = provider
-    _tracer = None if provider is None else provider.get_tracer("agentruns")
+    _tracer = None
+    _messages_max_chars = 0
+    if provider is None:
+        return
+    global _otel
+    import opentelemetry.trace
+
+    _otel = opentelemetry.trace
+    _context_of.cache_clear()
+    tracer = provider.get_tracer("agentruns")
+    ids = getattr(tracer, "id_generator", None)
+    if ids is not None:  # the SDK's tracer: the run's span takes the ids its children name
+        tracer.id_generator = _fixed_ids(ids)  # type: ignore[attr-defined]
+    _tracer = tracer
+    if env.get("AGENTRUNS_TRACE_MESSAGES", "").strip().lower() in ("1", "true", "yes"):
+        try:
+            limit = int(env.get("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS", MESSAGES_DEFAULT_MAX_CHARS))
+        except ValueError:
+            log.warning("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS is not a number: the default")
+            limit = MESSAGES_DEFAULT_MAX_CHARS
+        _messages_max_chars = max(0, min(limit, 1 << 20))
+
+
+def _fixed_ids(inner: Any) -> Any:
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class FixedIds(IdGenerator):
+        """The SDK's ids, except for the span `record_run` makes."""
+
+        def generate_span_id(self) -> int:
+            fixed = _NEXT_IDS.get()
+            return inner.generate_span_id() if fixed is None else fixed[1]
+
+        def generate_trace_id(self) -> int:
+            fixed = _NEXT_IDS.get()
+            return inner.generate_trace_id() if fixed is None else fixed[0]
+
+    return FixedIds()
 
 
 def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bool:
@@ -173,26 +434,39 @@ def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bo
         log.warning("OTLP export is configured but not installed (agentruns[otel]): %s", exc)
         return False
     name = env.get("OTEL_SERVICE_NAME") or f"agentruns-{service}"
+    # the sampler is the SDK's, from OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    configure(provider)
+    configure(provider, env)
     atexit.register(provider.shutdown)
     log.info("tracing on: OTLP (%s) to %s", protocol, endpoint or "the default endpoint")
     return True
 
 
 __all__ = [
+    "CURRENT",
     "HEADER",
     "MAX_CHARS",
     "OUTGOING",
+    "capped_json",
     "configure",
     "configure_from_env",
+    "consumed",
+    "current",
     "enabled",
     "end",
+    "end_at",
     "from_headers",
     "headers_of",
+    "messages_on",
     "outgoing_headers",
     "parse",
+    "record_run",
+    "run_context",
+    "run_span_id",
+    "run_trace_id",
+    "sent",
+    "set_error",
     "start",
     "traceparent_of",
 ]

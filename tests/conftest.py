@@ -38,6 +38,7 @@ HEAVY = {
 #: (`-m "not slow"`), stays within about 5 minutes on two cores; `make test` runs them.
 SLOW = HEAVY | {
     "tests/e2e/test_monolith.py",
+    "tests/e2e/test_phoenix_traces.py",
     "tests/e2e/test_quickstart.py",
     "tests/e2e/test_sasl.py",
     "tests/integration/test_bench_restore.py",

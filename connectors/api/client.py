@@ -269,7 +269,12 @@ class RunsProducer:
         context = tracing.parse(traceparent)
         if not tracing.enabled():
             return self._submit(task, idempotency_key, at, trace_id, context)
-        span = tracing.start("submit", context)
+        if context is None:  # the run's span is the root of its trace (streams/tracing.py)
+            own = trace_id or task.get("trace_id")
+            context = tracing.run_context(
+                run_id_for_key(idempotency_key), own if isinstance(own, str) else None, None
+            )
+        span = tracing.start("submit", context, tracing.sent(self.topic), kind="PRODUCER")
         try:
             out = self._submit(task, idempotency_key, at, trace_id, tracing.traceparent_of(span))
         except BaseException as exc:

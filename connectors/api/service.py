@@ -239,7 +239,12 @@ class ApiService:
         context = tracing.parse(traceparent)
         if not tracing.enabled():
             return self._submit(key, body, trace_header, context)
-        span = tracing.start("submit", context)
+        span = tracing.start(
+            "submit",
+            context or self._run_context(key, body, trace_header),
+            tracing.sent(self.inbox.topic),
+            kind="PRODUCER",
+        )
         try:
             out = self._submit(key, body, trace_header, tracing.traceparent_of(span))
         except BaseException as exc:
@@ -248,6 +253,12 @@ class ApiService:
         span.set_attribute("agentruns.run_id", out["run_id"])
         tracing.end(span)
         return out
+
+    def _run_context(self, key: str, body: dict[str, Any], trace_header: str | None) -> str:
+        """The context of the run's span (streams/tracing.py) for a submission with none."""
+        run_id = run_id_for_key(key)
+        trace_id = trace_header or body.get("trace_id")
+        return tracing.run_context(run_id, trace_id if isinstance(trace_id, str) else None, None)
 
     def _submit(
         self, key: str, body: dict[str, Any], trace_header: str | None, traceparent: str | None

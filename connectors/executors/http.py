@@ -38,6 +38,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
+from agentruns.connectors.executors import spans
+from agentruns.streams import tracing
+
 # A tool answer's body is read up to this size; a larger one fails the call (it could not be
 # stored: an artifact holds at most MAX_ARTIFACT_BYTES, arguments and metadata included).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -573,7 +576,28 @@ class KeepAliveHTTP:
         conn: Connectivity = DIRECT,
     ) -> Answer:
         """One exchange, over by ``timeout_s`` after it starts (connect, send, the whole
-        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``."""
+        answer): a timeout is ``no_answer``; a body over ``max_body_bytes`` is ``too_large``.
+        With tracing on, a CLIENT span whose context the backend receives."""
+        if not tracing.enabled():
+            return await self._send(method, url, timeout_s, headers, body, conn)
+        span = spans.http_span(method, url, tracing.OUTGOING.get())
+        headers = {**(headers or {}), tracing.HEADER: tracing.traceparent_of(span)}
+        answer = Answer(failure="no_answer", detail="cancelled")
+        try:
+            answer = await self._send(method, url, timeout_s, headers, body, conn)
+            return answer
+        finally:
+            spans.http_done(span, answer.status, answer.failure)
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        headers: Mapping[str, str] | None,
+        body: bytes | None,
+        conn: Connectivity,
+    ) -> Answer:
         started = await self._start(method, url, timeout_s, math.inf, None, headers, body, conn)
         if isinstance(started, Answer):
             return started
@@ -611,7 +635,39 @@ class KeepAliveHTTP:
         """One exchange whose body is read as it arrives (:meth:`StreamedAnswer.pieces`):
         over by ``timeout_s`` after it starts, no read waiting longer than ``read_timeout_s``
         (nor past that deadline). The head's failures are those of :meth:`send`. The
-        connection is kept only when the body was read to its end inside the ``with``."""
+        connection is kept only when the body was read to its end inside the ``with``.
+        With tracing on, a CLIENT span whose context the backend receives."""
+        if not tracing.enabled():
+            async with self._stream(
+                method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
+            ) as answer:
+                yield answer
+            return
+        span = spans.http_span(method, url, tracing.OUTGOING.get())
+        headers = {**(headers or {}), tracing.HEADER: tracing.traceparent_of(span)}
+        status = 0
+        failure: str | None = "no_answer"  # cancelled before an answer's head
+        try:
+            async with self._stream(
+                method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
+            ) as answer:
+                status, failure = answer.status, answer.failure
+                yield answer
+        finally:
+            spans.http_done(span, status, failure)
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        read_timeout_s: float,
+        connect_timeout_s: float | None,
+        headers: Mapping[str, str] | None,
+        body: bytes | None,
+        conn: Connectivity,
+    ) -> AsyncIterator[StreamedAnswer]:
         started = await self._start(
             method, url, timeout_s, read_timeout_s, connect_timeout_s, headers, body, conn
         )

@@ -71,6 +71,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
 from agentruns.connectors.errors import AgentrunsError
+from agentruns.connectors.executors import spans
 from agentruns.connectors.executors.base import (
     NOTHING_AHEAD,
     ActionRecord,
@@ -1022,24 +1023,27 @@ class Executor:
         effect, context = held.effect, held.context
         span = None
         if tracing.enabled():
-            span = tracing.start(
-                f"execute {effect.type}",
-                context,
-                {"agentruns.run_id": effect.run_id, "agentruns.step": effect.step},
+            position = held.positions[0] if held.positions else None
+            span = spans.effect_span(
+                effect, context, self.effects_topic, position, self.config.group
             )
             context = held.context = tracing.traceparent_of(span)
         token = tracing.OUTGOING.set(context)
+        current = tracing.CURRENT.set(span)
         error = None
         try:
             completion = await self._answer(effect, previous, ahead)
             kind = str(completion.input["kind"])
             if kind.endswith("Failed"):  # the backend's failure, answered to the run
                 error = kind
+            if span is not None:
+                spans.describe_outcome(span, completion.input)
             return completion
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            tracing.CURRENT.reset(current)
             tracing.OUTGOING.reset(token)
             if span is not None:
                 tracing.end(span, error)

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from agentruns.connectors.executors import spans
 from agentruns.connectors.executors.base import (
     NOTHING_AHEAD,
     ActionRecord,
@@ -982,7 +983,7 @@ class ModelHandler:
         model = self.routes.model_of(effect.model_route)
         if route.provider == "anthropic":
             payload = anthropic_request(messages, tools, route, model, effect.run_id)
-            return self._outcome(effect, await self.stream(route, payload, effect.model_route))
+            return self._outcome(effect, await self._chat(effect, route, model, payload))
         if any("thinking" in m for m in messages):  # an answer of an Anthropic route before
             messages = [{k: v for k, v in m.items() if k != "thinking"} for m in messages]
         payload = {
@@ -998,8 +999,32 @@ class ModelHandler:
             payload["max_tokens"] = route.max_tokens
         if route.temperature is not None:
             payload["temperature"] = route.temperature
-        assembled = await self.stream(route, payload, effect.model_route)
+        assembled = await self._chat(effect, route, model, payload)
         return self._outcome(effect, assembled)
+
+    async def _chat(
+        self, effect: CallModel, route: RouteConfig, model: str, payload: Mapping[str, Any]
+    ) -> Assembled:
+        """`stream`, described on the effect's `chat` span when tracing is on."""
+        assembled = await self.stream(route, payload, effect.model_route)
+        span = tracing.current()
+        if span is not None:
+            usage = assembled.usage
+            spans.describe_chat(
+                span,
+                provider=route.provider,
+                model=model,
+                payload=payload,
+                outcome=assembled.outcome.value,
+                finish_reason=assembled.finish_reason,
+                response_model=assembled.model,
+                response_id=assembled.completion_id,
+                input_tokens=int(usage.get("prompt_tokens", 0)),
+                output_tokens=int(usage.get("completion_tokens", 0)),
+                content=assembled.content,
+                tool_calls=assembled.tool_calls,
+            )
+        return assembled
 
     def _conversation(
         self, effect: CallModel, load: Loader

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from agentruns.connectors.api.client import RunsProducer
 from agentruns.streams import tracing
@@ -76,35 +77,75 @@ def test_one_run_is_one_connected_trace(
         wait_for(projected, 60, "a projection span per event")
     assert any(e["type"] == "TimerFired" for e in events), [e["type"] for e in events]
 
+    def run_span() -> list[ReadableSpan] | None:
+        done = [s for s in spans.get_finished_spans() if s.name == "invoke_agent"]
+        return done or None
+
+    (run,) = wait_for(run_span, 30, "the run's span")
     finished = spans.get_finished_spans()
     by_id = {s.context.span_id: s for s in finished if s.context is not None}
     (submit,) = [s for s in finished if s.name == "submit"]
-    assert submit.parent is None and submit.context is not None
-    trace_id = submit.context.trace_id
+    # no caller's context: the run's span is the root of a trace whose id is the run's
+    assert run.parent is None and run.context is not None
+    assert f"{run.context.trace_id:032x}" == tracing.run_trace_id(run_id, None)
+    assert f"{run.context.span_id:016x}" == tracing.run_span_id(run_id)
+    assert submit.parent is not None and submit.parent.span_id == run.context.span_id
+    assert submit.kind is SpanKind.PRODUCER
+    trace_id = run.context.trace_id
     assert {s.context.trace_id for s in finished if s.context is not None} == {trace_id}
-    for span in finished:  # every span's parents lead back to the submit
+    for span in finished:  # every span's parents lead back to the run's
         chain = span
         while chain.parent is not None:
             assert chain.parent.span_id in by_id, f"{span.name}: parent not in the trace"
             chain = by_id[chain.parent.span_id]
-        assert chain is submit, span.name
+        assert chain is run, span.name
+    assert run.attributes is not None and run.attributes["agentruns.status"] == "SUCCEEDED"
+    assert run.attributes["gen_ai.operation.name"] == "invoke_agent"
 
-    names = [s.name for s in finished]
-    transitions = [n for n in names if n.startswith("transition ")]
+    processed = [
+        s for s in finished if s.name.startswith("process ") and s.kind is SpanKind.CONSUMER
+    ]
+    transitions = [s for s in processed if s.attributes and "agentruns.seq" in s.attributes]
     assert len(transitions) == len(events)  # one per input applied
-    assert sorted(n.removeprefix("transition ") for n in transitions) == sorted(
+    assert sorted(s.name.removeprefix("process ") for s in transitions) == sorted(
         e["type"] for e in events
     )
+    for span in transitions:
+        attributes = span.attributes or {}
+        assert attributes["messaging.system"] == "kafka"
+        assert attributes["messaging.destination.name"] == f"{pipe.prefix}.inbox" or str(
+            attributes["messaging.destination.name"]
+        ).endswith("inbox")
+        assert span.parent is not None and span.parent.span_id == run.context.span_id
+    # the submission's input is linked to the submit span that produced it
+    (first,) = [s for s in transitions if s.name == "process RunSubmitted"]
+    assert [link.context.span_id for link in first.links] == [submit.context.span_id]
+    names = [s.name for s in finished]
     assert names.count("project RunSubmitted") == 1
-    executed = {s.context.span_id for s in finished if s.name.startswith("execute ")}
-    assert {"execute CallModel", "execute CallTool"} <= set(names)
-    failed = [s for s in finished if s.name == "execute CallTool" and not s.status.is_ok]
+    chats = [s for s in finished if s.name.startswith("chat ")]
+    assert chats and all(s.kind is SpanKind.CLIENT for s in chats)
+    for chat in chats:
+        attributes = chat.attributes or {}
+        assert attributes["gen_ai.operation.name"] == "chat"
+        assert attributes["gen_ai.request.model"]
+        assert isinstance(attributes["gen_ai.usage.input_tokens"], int)
+        assert "gen_ai.input.messages" not in attributes  # off by default
+    tools = [s for s in finished if s.name.startswith("execute_tool ")]
+    assert {s.attributes["gen_ai.tool.name"] for s in tools if s.attributes} >= {"send_email"}
+    failed = [s for s in tools if not s.status.is_ok]
     assert len(failed) == 1  # the 429
-    # the HTTP calls to the model and the tools carried the span of the effect they serve
+    http = {
+        s.context.span_id: s for s in finished if s.kind is SpanKind.CLIENT and s.name == "POST"
+    }
+    # the HTTP calls to the model and the tools carried the span of their exchange
     for server in (pipe.models, pipe.tools):
         seen = list(server.traceparents)
         assert seen
         for value in seen:
             _, trace, span_id, _ = value.split("-")
             assert trace == _hex(trace_id, 32)
-            assert int(span_id, 16) in executed
+            exchange = http[int(span_id, 16)]
+            assert exchange.attributes and "url.full" in exchange.attributes
+            assert exchange.parent is not None and by_id[exchange.parent.span_id].name.startswith(
+                ("chat ", "execute_tool ")
+            )

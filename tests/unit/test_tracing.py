@@ -1,16 +1,29 @@
 """Trace context at the edges: parsing hostile traceparent values, the run's context in its
-snapshot (and snapshots written before it decode), spans only when tracing is on."""
+snapshot (and snapshots written before it decode), spans only when tracing is on; the span
+model (the run's span and its ids, HTTP spans without secrets, model messages opt-in and capped)
+and no tracing work at all with tracing off."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBasedTraceIdRatio
+from opentelemetry.trace import SpanKind
 
+from agentruns.connectors.executors import spans as executor_spans
+from agentruns.processors.ids import trace_id_for
+from agentruns.processors.state import RunStatus
 from agentruns.streams import tracing
 from agentruns.streams.codec import decode, encode
+from agentruns.streams.inputs import Batch
 from agentruns.streams.records import RunSlot
+from tests.unit.test_processor_inputs import AT, new_path, of_event, submit
 
 VALID = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -86,3 +99,152 @@ def test_export_is_off_unless_the_environment_asks_for_it() -> None:
     )
     assert not tracing.configure_from_env("test", {"OTEL_TRACES_EXPORTER": "none"})
     assert not tracing.enabled()
+
+
+# --------------------------------------------------------------------------- the span model
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider, {})
+    try:
+        yield exporter
+    finally:
+        tracing.configure(None)
+
+
+def test_a_runs_span_ids_come_from_the_run() -> None:
+    own = "4bf92f3577b34da6a3ce929d0e0e4736"
+    trace = tracing.run_trace_id("run-1", own)
+    assert tracing.parse(f"00-{trace}-{tracing.run_span_id('run-1')}-01") is not None
+    assert trace == tracing.run_trace_id("run-2", own) != tracing.run_trace_id("run-1", None)
+    assert tracing.run_trace_id("run-1", None) == tracing.run_trace_id(
+        "run-1", trace_id_for("run-1")
+    )
+    assert tracing.run_trace_id("run-1", "not hex") != tracing.run_trace_id("run-1", "other")
+    assert tracing.run_span_id("run-1") == tracing.run_span_id("run-1") != "0" * 16
+    assert tracing.run_span_id("run-1") != tracing.run_span_id("run-2")
+    # without a first context the run's span is in its own trace; with one, in that trace
+    assert tracing.run_context("run-1", own, None) == (
+        f"00-{trace}-{tracing.run_span_id('run-1')}-01"
+    )
+    assert tracing.run_context("run-1", own, VALID).split("-")[1] == VALID.split("-")[1]
+
+
+def test_the_runs_span_is_made_at_its_end_with_the_ids_its_children_name(
+    spans: InMemorySpanExporter,
+) -> None:
+    own = tracing.run_trace_id("run-1", None)
+    child = tracing.start("process RunSubmitted", tracing.run_context("run-1", None, None))
+    tracing.end(child)
+    tracing.record_run("run-1", None, None, AT, AT + 5000, {"agentruns.run_id": "run-1"})
+    tracing.record_run("run-2", None, VALID, AT, AT + 10, {}, error="FAILED")  # a caller's trace
+    first, run, other = spans.get_finished_spans()
+    assert run.context is not None and first.parent is not None
+    assert run.parent is None and f"{run.context.trace_id:032x}" == own
+    assert first.parent.span_id == run.context.span_id
+    assert run.start_time == AT * 1_000_000 and run.end_time == (AT + 5000) * 1_000_000
+    assert other.parent is not None and f"{other.parent.span_id:016x}" == VALID.split("-")[2]
+    assert other.context is not None and f"{other.context.span_id:016x}" == tracing.run_span_id(
+        "run-2"
+    )
+    assert not other.status.is_ok
+    # the next span takes the SDK's ids again
+    again = tracing.start("next", None)
+    tracing.end(again)
+    assert again.get_span_context().span_id != run.context.span_id
+
+
+def test_the_runs_trace_is_sampled_as_the_sampler_says() -> None:
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    tracing.configure(provider, {})
+    try:
+        assert tracing.run_context("run-1", None, None).endswith("-00")
+    finally:
+        tracing.configure(None)
+    # a ratio: about that share of the runs (the API's UUID trace ids included)
+    tracing.configure(TracerProvider(sampler=ParentBasedTraceIdRatio(0.1)), {})
+    try:
+        sampled = [tracing.run_context(f"run-{i}", None, None) for i in range(2000)]
+    finally:
+        tracing.configure(None)
+    assert 120 < sum(c.endswith("-01") for c in sampled) < 280
+
+
+def test_an_http_span_names_no_secret_of_the_url(spans: InMemorySpanExporter) -> None:
+    span = executor_spans.http_span(
+        "POST", "https://user:hunter2@api.example.com:8443/v1/chat?key=sk-secret#frag", VALID
+    )
+    executor_spans.http_done(span, 429, None)
+    (done,) = spans.get_finished_spans()
+    attributes = done.attributes or {}
+    assert attributes["url.full"] == "https://api.example.com:8443/v1/chat"
+    assert "hunter2" not in str(attributes) and "sk-secret" not in str(attributes)
+    assert attributes["http.response.status_code"] == 429 and not done.status.is_ok
+    assert done.kind is SpanKind.CLIENT
+
+
+def _chat(span: Any, content: str) -> None:
+    executor_spans.describe_chat(
+        span,
+        provider="openai",
+        model="gpt-x",
+        payload={"messages": [{"role": "user", "content": content}], "max_tokens": 10},
+        outcome="finished",
+        finish_reason="stop",
+        response_model="gpt-x-1",
+        response_id="c1",
+        input_tokens=3,
+        output_tokens=4,
+        content="answer",
+        tool_calls=[],
+    )
+
+
+def test_model_messages_are_off_by_default_and_capped_when_on(
+    spans: InMemorySpanExporter,
+) -> None:
+    span = tracing.start("chat route", None, kind="CLIENT")
+    _chat(span, "my card number is 4111")
+    tracing.end(span)
+    (off,) = spans.get_finished_spans()
+    assert off.name == "chat gpt-x" and off.attributes is not None
+    assert off.attributes["gen_ai.usage.input_tokens"] == 3
+    assert off.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert "4111" not in str(off.attributes)
+
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(
+        provider,
+        {"AGENTRUNS_TRACE_MESSAGES": "true", "AGENTRUNS_TRACE_MESSAGES_MAX_CHARS": "200"},
+    )
+    span = tracing.start("chat route", None, kind="CLIENT")
+    _chat(span, "x" * 10_000)
+    tracing.end(span)
+    (on,) = exporter.get_finished_spans()
+    assert on.attributes is not None
+    sent = str(on.attributes["gen_ai.input.messages"])
+    assert len(sent) <= 200  # still JSON: its long strings were shortened
+    assert json.loads(sent)[0]["parts"][0]["content"].endswith("...[truncated]")
+    assert json.loads(str(on.attributes["gen_ai.output.messages"]))[0]["role"] == "assistant"
+
+
+def test_with_tracing_off_the_processor_builds_no_span_nor_attribute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not tracing.enabled()
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("tracing work with tracing off")
+
+    for name in ("start", "consumed", "run_context", "record_run", "sent", "end"):
+        monkeypatch.setattr(tracing, name, refuse)
+    path, batch = new_path(), Batch()
+    path.handle(of_event(submit("r1")), batch)
+    state = path.slots[0]["r1"].state
+    assert state is not None and state.status is RunStatus.MODEL_RUNNING
