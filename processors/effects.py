@@ -105,6 +105,9 @@ class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True, 
     resolution: int
     result_ref: str
     summary: str
+    # The run's tenant (agentruns.processors.tenants): on the result record, so a consumer of
+    # the results topic can route it; UNSET (not written) for the default tenant.
+    tenant: str | msgspec.UnsetType = msgspec.UNSET
 
 
 Effect = (

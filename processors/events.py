@@ -26,6 +26,7 @@ from agentruns.processors.state import (
     Tools,
 )
 from agentruns.processors.state import Message as Message
+from agentruns.processors.tenants import Tenant
 
 # Every field an event brings from outside carries its bound (agentruns.processors.limits, R30): a
 # body
@@ -67,6 +68,10 @@ class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=
     # it checked the task against, and what it found (a producer's value is overwritten, and
     # removed when the processor has no catalog). UNSET: no catalog; the bytes are as before.
     catalog: CatalogCheck | msgspec.UnsetType = msgspec.UNSET
+    # The tenant the run belongs to (agentruns.processors.tenants), fixed here for its whole
+    # life: set by the API from the caller's credential, or by the processor for a task
+    # produced straight to Kafka. UNSET: the default tenant; the bytes are as before.
+    tenant: Tenant | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelOutcome(StrEnum):

@@ -508,6 +508,9 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     # The run this one was forked from (agentruns.processors.lineage); UNSET (not written) for
     # a submitted run, so the snapshots of every other run are the bytes they were.
     forked_from: Lineage | msgspec.UnsetType = msgspec.UNSET
+    # The tenant of the run (agentruns.processors.tenants), from its submission; a fork keeps
+    # its source's. UNSET (not written): the default tenant.
+    tenant: str | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def terminal(self) -> bool:

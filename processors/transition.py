@@ -331,6 +331,7 @@ def _terminate(
             resolution=s.resolution,
             result_ref=ref,
             summary=f"{status.value}: {reason}"[:300],
+            tenant=s.tenant,
             **out.ids(s),
         )
     )
@@ -1227,6 +1228,7 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         memory_ref=e.memory_ref,
         evidence_refs=e.evidence_refs,
         time=TimeAccount(started_at=e.at, last_at=e.at),
+        tenant=e.tenant,
     )
     out = _Out(s, e)
     out.store(frozen)

@@ -20,7 +20,7 @@ from agentruns.streams.clock import datetime_of
 RUN_FIELDS = (
     "run_id, status, step, attempt, version, resolution, trace_id, goal, last_seq, input_tokens,"
     " output_tokens, cost_micros, tool_calls, started_at, last_event_at, ended_at, system_ms,"
-    " tool_wait_ms, user_wait_ms, outcome, result_ref, state"
+    " tool_wait_ms, user_wait_ms, outcome, result_ref, state, tenant"
 )
 
 

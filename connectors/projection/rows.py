@@ -31,6 +31,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import SETTLED, Operation, OpStatus, Question, RunState
+from agentruns.processors.tenants import tenant_of
 from agentruns.processors.transition import Disposition
 from agentruns.streams.dlq import MAX_REASON_CHARS, text
 from agentruns.streams.records import parse_event_body
@@ -100,6 +101,7 @@ RUN_COLUMNS = (
     "state",
     "forked_from_run_id",
     "forked_from_seq",
+    "tenant",
 )
 EVENT_COLUMNS = (
     "run_id",
@@ -189,6 +191,7 @@ def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
         state.result_ref,
         state.model_dump_json(),
         *_lineage(state),
+        tenant_of(state.tenant),
     )
 
 
