@@ -32,3 +32,10 @@ def tenant_of(value: str | msgspec.UnsetType) -> str:
 def stored(name: str) -> str | msgspec.UnsetType:
     """What a submission or a state writes for tenant ``name`` (nothing for the default)."""
     return msgspec.UNSET if name == DEFAULT_TENANT else name
+
+
+def tenant_key(idempotency_key: str, tenant: str) -> str:
+    """What a tenant's Idempotency-Key derives its run id from: the key itself for the default
+    tenant (the run ids of before), else the key within the tenant, so two tenants that pick
+    the same key get two runs and neither learns of the other's."""
+    return idempotency_key if tenant == DEFAULT_TENANT else f"{tenant}\x1f{idempotency_key}"

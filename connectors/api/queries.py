@@ -65,6 +65,12 @@ def forks_of(conn: Conn, run_id: str, limit: int) -> list[dict[str, Any]]:
     )
 
 
+def run_tenant(conn: Conn, run_id: str) -> str | None:
+    """The tenant of a projected run; None: not projected."""
+    row = conn.execute("SELECT tenant FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def run_exists(conn: Conn, run_id: str) -> bool:
     return conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone() is not None
 
