@@ -510,7 +510,7 @@ class Console:
                 return _page("error.html", 401, message="log in first", csrf="")
             request.state.credential = credential
             if role is not None and not credential.may(role):
-                message = f"this page needs a credential with the {role} role"
+                message = f"insufficient_scope: this page needs a credential with the {role} role"
                 return _page("error.html", 403, message=message, csrf=csrf)
             try:
                 if request.method == "POST":

@@ -670,9 +670,10 @@ class ApiService:
         derives from the source and the seq), as input 1 of the API for the fork's run."""
         if key is not None and (not key or len(key) > MAX_KEY_CHARS):
             raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
-        parsed = forks.parse(action, body)
         with self.db.connection() as conn:
             self.check_tenant(conn, run_id, tenant)  # the fork is of the source's tenant
+        parsed = forks.parse(action, body)
+        with self.db.connection() as conn:
             records = queries.run_log(conn, run_id, forks.MAX_SOURCE_RECORDS)
         if not records:
             raise ApiError(404, "run_not_found", f"no run {run_id}")
