@@ -157,16 +157,17 @@ def test_wrong_tokens_are_limited_per_address_and_cookies_are_secure_over_https(
     # uvicorn takes the client address and scheme from X-Forwarded-* sent by 127.0.0.1 (its
     # default trusted proxy): the addresses here are other tests' neighbours, not 127.0.0.1
     address = f"203.0.113.{random.randrange(1, 255)}"
+    nope = uuid.uuid4().hex  # a guess of its own: wrong tokens count per prefix too
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         csrf = _login_form(client)
         for _ in range(5):
             wrong = client.post(
                 "/ui/login",
-                data={"token": "nope", "csrf": csrf},
+                data={"token": nope, "csrf": csrf},
                 headers={"X-Forwarded-For": address},
             )
             assert wrong.status_code == 401
-        for token in ("nope", TOKEN):  # refused before the token is compared
+        for token in (nope, TOKEN):  # refused before the token is compared
             limited = client.post(
                 "/ui/login",
                 data={"token": token, "csrf": csrf},
