@@ -149,6 +149,24 @@ def _versions(argv: list[str]) -> int:
     return main(argv)
 
 
+def _credentials_add(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_add
+
+    return main_add(argv)
+
+
+def _credentials_list(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_list
+
+    return main_list(argv)
+
+
+def _credentials_remove(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_remove
+
+    return main_remove(argv)
+
+
 COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("run",): (_run, "every layer in one process (development)"),
     ("processor",): (_processor, "run a processor process"),
@@ -171,6 +189,9 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("audit",): (_audit, "fold the log, compare with snapshots and Postgres"),
     ("revalidate",): (_revalidate, "re-run validators over candidates"),
     ("versions",): (_versions, "which rules versions the runs use, with counts"),
+    ("credentials", "add"): (_credentials_add, "mint an API credential (tenant, roles)"),
+    ("credentials", "list"): (_credentials_list, "the API credentials: id, tenant, roles"),
+    ("credentials", "remove"): (_credentials_remove, "remove an API credential"),
 }
 
 #: The first words of the development commands (`agentruns.connectors.dev.commands`).
@@ -289,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     executor_sub = executor.add_subparsers(dest="executor_kind", required=True)
     for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "executor"):
         executor_sub.add_parser(name, help=f"{text} (see its --help)")
+    credentials = sub.add_parser("credentials", help="the API's credentials file")
+    credentials_sub = credentials.add_subparsers(dest="credentials_command", required=True)
+    for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "credentials"):
+        credentials_sub.add_parser(name, help=f"{text} (see its --help)")
     from agentruns.connectors.dev import commands
 
     commands.add_parsers(sub)
