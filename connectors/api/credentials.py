@@ -51,6 +51,8 @@ CHECK_EVERY_MS = 1000
 #: The first characters of a presented token that wrong tokens are counted by (besides the
 #: client address): a guesser spread over many addresses still meets one budget.
 PREFIX_CHARS = 12
+#: The most tenants a metrics label names; any other tenant is counted as "other".
+MAX_TENANT_LABELS = 50
 #: The prefix of the tokens `agentruns credentials add` mints.
 TOKEN_PREFIX = "agr_"
 
@@ -203,6 +205,7 @@ class CredentialStore:
         self._by_digest: dict[str, Credential] = {}
         self._by_id: dict[str, Credential] = {}
         self._last_used: dict[str, int] = {}
+        self._tenants: frozenset[str] = frozenset()
         self._install(self._read() if path is not None else [])
 
     def _read(self) -> list[Credential]:
@@ -227,6 +230,7 @@ class CredentialStore:
             by_id[c.id] = c
             by_digest[c.digest] = c
         self._by_id, self._by_digest = by_id, by_digest
+        self._tenants = frozenset(sorted({c.tenant for c in every})[:MAX_TENANT_LABELS])
 
     def refresh(self) -> None:
         """Read the file again if it changed since it was last read (at most once per
@@ -272,6 +276,11 @@ class CredentialStore:
     def last_used(self, credential_id: str) -> int | None:
         """When this process last took a request with it (ms), None: not since it started."""
         return self._last_used.get(credential_id)
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as a metrics label: its name if a credential held names it (at most
+        MAX_TENANT_LABELS of them), else "other" (an admin may submit for any tenant)."""
+        return tenant if tenant in self._tenants else "other"
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -75,6 +75,11 @@ CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 
 
 INPUTS = Counter("agentruns_api_inputs_total", "Inputs produced to the inbox", ["kind"])
+SUBMISSIONS = Counter(
+    "agentruns_api_submissions_total",
+    "Tasks submitted through the API, by tenant (a tenant no credential names: other)",
+    ["tenant"],
+)
 REPLIES_REJECTED = Counter(
     "agentruns_api_replies_rejected_total", "Replies refused before reaching the core", ["error"]
 )
@@ -323,6 +328,8 @@ class ApiService:
             self._encoded(record),
             traceparent=traceparent,
         )
+        if created:
+            SUBMISSIONS.labels(self.credentials.tenant_label(tenant)).inc()
         run = self.run_row(run_id)
         return {
             "run_id": run_id,

@@ -219,6 +219,8 @@ def test_the_run_list_shows_the_callers_tenant_only(stack: Stack, runs: Runs) ->
         assert {runs.own, runs.other} <= listed
         only_b = admin.get("/runs", params={"tenant": TENANT_B}).json()["runs"]
         assert {r["tenant"] for r in only_b} == {TENANT_B}
+        metrics = admin.get("/metrics").text
+    assert f'agentruns_api_submissions_total{{tenant="{TENANT_A}"}}' in metrics
 
 
 def _console_expected(rule: str, who: str) -> str:

@@ -170,3 +170,12 @@ def test_the_run_list_is_narrowed_to_the_callers_tenant() -> None:
     assert RunFilter.of_query({"tenant": "billing"}, admin).tenant == "billing"
     with pytest.raises(ApiError):
         RunFilter.of_query({"tenant": "x y"}, admin)
+
+
+def test_a_tenant_is_a_metrics_label_only_if_a_credential_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "credentials"
+    path.write_text(_line("ci", "billing", "read", TOKEN))
+    store = CredentialStore(fixed_credentials(OTHER, {}), path, lambda: 0)
+    assert store.tenant_label("billing") == "billing"
+    assert store.tenant_label(DEFAULT_TENANT) == DEFAULT_TENANT
+    assert store.tenant_label("made-up-by-an-admin") == "other"
