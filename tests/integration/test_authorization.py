@@ -302,3 +302,34 @@ def _console_got(r: httpx.Response, name: str) -> str:
     if r.status_code == 404 and "no run" in r.text:
         return "404"
     return "ok" if r.status_code < 500 and r.status_code not in (401, 429) else str(r.status_code)
+
+
+def test_a_fork_is_of_its_sources_tenant(stack: Stack, runs: Runs) -> None:
+    with _bearer(stack, _token("a-submit")) as submitter:
+        r = submitter.post(f"/runs/{runs.own}/fork", json={"at": 1})
+        assert r.status_code == 201, r.text
+        fork = r.json()
+    assert fork["actor"] == "operator:a-submit"
+    with _bearer(stack, OPERATOR_TOKEN) as admin:
+
+        def projected() -> bool:
+            return admin.get(f"/runs/{fork['run_id']}").status_code == 200
+
+        wait_for(projected, timeout=60, what="the fork in the projection", every=0.2)
+        assert admin.get(f"/runs/{fork['run_id']}").json()["tenant"] == TENANT_A
+    with _bearer(stack, _token("b-all")) as other:
+        assert other.get(f"/runs/{fork['run_id']}").status_code == 404
+
+
+def test_the_console_shows_each_runs_tenant_and_the_callers(stack: Stack, runs: Runs) -> None:
+    with logged_in(stack, _token("a-read")) as reader:
+        page = reader.get("/ui/runs").text
+        assert 'id="caller"' in page and f"tenant <b>{TENANT_A}</b>" in page
+        assert "a-read" in page and runs.own in page and runs.other not in page
+        assert f'<td class="tenant">{TENANT_A}</td>' in page
+        run = reader.get(f"/ui/runs/{runs.own}").text
+        assert f'<b class="tenant">{TENANT_A}</b>' in run
+    with logged_in(stack, OPERATOR_TOKEN) as admin:
+        page = admin.get("/ui/runs").text
+        assert "tenant <b>all</b>" in page
+        assert runs.own in page and runs.other in page
