@@ -277,6 +277,21 @@ class CredentialStore:
         """When this process last took a request with it (ms), None: not since it started."""
         return self._last_used.get(credential_id)
 
+    def described(self) -> list[dict[str, object]]:
+        """Every credential held, for an admin: id, tenant, roles, where it was read and when
+        this process last took a request with it (never its hash)."""
+        self.refresh()
+        return [
+            {
+                "id": c.id,
+                "tenant": c.tenant,
+                "roles": [r for r in ROLES if r in c.roles],
+                "source": c.source,
+                "last_used_at": self._last_used.get(c.id),
+            }
+            for c in sorted(self._by_id.values(), key=lambda c: c.id)
+        ]
+
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` as a metrics label: its name if a credential held names it (at most
         MAX_TENANT_LABELS of them), else "other" (an admin may submit for any tenant)."""

@@ -436,6 +436,10 @@ async def _callback(s: ApiService, r: Request) -> Response:
     return JSONResponse(out, status_code=status)
 
 
+async def _credentials(s: ApiService, r: Request) -> Response:
+    return JSONResponse({"credentials": await run_in_threadpool(s.credentials.described)})
+
+
 async def _health(s: ApiService, r: Request) -> Response:
     ok, body = await run_in_threadpool(s.health)
     return JSONResponse(body, status_code=200 if ok else 503)
@@ -475,6 +479,7 @@ ROUTES: tuple[tuple[str, str, str, str, Endpoint], ...] = (
     ("POST", "/runs/{run_id}/fork", "fork", SUBMIT, _fork("fork")),
     ("POST", "/runs/{run_id}/resume", "resume", SUBMIT, _fork("resume")),
     ("POST", "/operations/{key}/callback", "callback", CALLBACK, _callback),
+    ("GET", "/credentials", "credentials", ADMIN, _credentials),
     ("GET", "/readyz", "readyz", PUBLIC, _health),
     ("GET", "/healthz", "healthz", PUBLIC, _health),
     ("GET", "/livez", "livez", PUBLIC, _live),

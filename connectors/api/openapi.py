@@ -356,6 +356,16 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": _resp("events"), "404": _resp("unknown run", _ERROR)},
             }
         },
+        "/credentials": {
+            "get": {
+                "summary": "The credentials the API holds (admin): id, tenant, roles, where"
+                " each was read and when this process last took a request with it",
+                "responses": {
+                    "200": _resp("the credentials, never their hashes"),
+                    "403": _resp("the credential has no admin role", _ERROR),
+                },
+            }
+        },
         "/runs/{run_id}/replies": {
             "post": {
                 "summary": "Answer the open question with its resume token (single use)",

@@ -25,6 +25,7 @@ from agentruns.connectors.api.credentials import ADMIN, ROLES
 from agentruns.connectors.api.http import CALLBACK, PUBLIC, ROUTES
 from tests.support.api import (
     CREDENTIALS,
+    OPERATOR,
     OPERATOR_TOKEN,
     SEARCH,
     TENANT_A,
@@ -51,6 +52,7 @@ API_CALLS: dict[str, tuple[dict[str, Any] | None, dict[str, str]]] = {
     "fork": ({"at": "nowhere"}, {}),
     "resume": ({}, {}),  # a run that did not fail: 409
     "callback": ({"status": "nonsense"}, {}),  # no such operation: 404 operation_not_found
+    "credentials": (None, {}),
     "readyz": (None, {}),
     "healthz": (None, {}),
     "livez": (None, {}),
@@ -81,7 +83,16 @@ CONSOLE_CALLS: dict[str, dict[str, str]] = {
     "style": {},
 }
 #: Routes that act on no run of a tenant: other tenants do not apply to them.
-UNSCOPED = {"submit", "list_runs", "callback", "runs", "dead_letters", "tools", "artifact"}
+UNSCOPED = {
+    "submit",
+    "list_runs",
+    "callback",
+    "credentials",
+    "runs",
+    "dead_letters",
+    "tools",
+    "artifact",
+}
 UNSCOPED |= {"logout", "index", "login_form", "login", "script", "style"}
 
 
@@ -333,3 +344,12 @@ def test_the_console_shows_each_runs_tenant_and_the_callers(stack: Stack, runs: 
         page = admin.get("/ui/runs").text
         assert "tenant <b>all</b>" in page
         assert runs.own in page and runs.other in page
+
+
+def test_an_admin_sees_each_credentials_last_use_never_its_hash(stack: Stack, runs: Runs) -> None:
+    with _bearer(stack, OPERATOR_TOKEN) as admin:
+        listed = {c["id"]: c for c in admin.get("/credentials").json()["credentials"]}
+    assert listed["a-submit"]["tenant"] == TENANT_A and listed["a-submit"]["roles"] == ["submit"]
+    assert isinstance(listed["a-submit"]["last_used_at"], int)  # it submitted a run
+    assert listed[OPERATOR]["source"] == "AGENTRUNS_API_OPERATOR_TOKENS"
+    assert "sha256" not in str(listed) and _token("a-submit") not in str(listed)
