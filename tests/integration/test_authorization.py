@@ -11,6 +11,7 @@ the matrix can run every cell against the same two runs.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from agentruns.connectors.api.console import CONSOLE_ROUTES, OPEN, SESSION, UI_PREFIX
-from agentruns.connectors.api.credentials import ADMIN, ROLES
+from agentruns.connectors.api.credentials import ADMIN, ROLES, token_digest
 from agentruns.connectors.api.http import CALLBACK, PUBLIC, ROUTES
 from tests.support.api import (
     CREDENTIALS,
@@ -353,3 +354,56 @@ def test_an_admin_sees_each_credentials_last_use_never_its_hash(stack: Stack, ru
     assert isinstance(listed["a-submit"]["last_used_at"], int)  # it submitted a run
     assert listed[OPERATOR]["source"] == "AGENTRUNS_API_OPERATOR_TOKENS"
     assert "sha256" not in str(listed) and _token("a-submit") not in str(listed)
+
+
+def test_a_credential_changed_in_the_file_takes_effect_without_a_restart(
+    stack: Stack, runs: Runs
+) -> None:
+    """Removing a credential ends its bearer use and its console sessions; a new one works;
+    a role added ends the sessions of the credential that had fewer: no restart."""
+    assert stack.api is not None and stack.api.credentials_file is not None
+    path = stack.api.credentials_file
+    original = path.read_text()
+    minted = "agr_minted_" + uuid.uuid4().hex
+
+    def rewrite(text: str, held: str) -> None:
+        """Write the file, then wait (asking as an admin: a wrong credential's polls would
+        spend its budget) until the API holds credential ``held``."""
+        path.write_text(text)
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        with _bearer(stack, OPERATOR_TOKEN) as admin:
+
+            def read_again() -> bool:
+                listed = admin.get("/credentials").json()["credentials"]
+                return any(c["id"] == held for c in listed)
+
+            wait_for(read_again, timeout=10, what=f"{held} to be read", every=0.2)
+
+    try:
+        with (
+            logged_in(stack, _token("a-read")) as reader,
+            logged_in(stack, _token("a-reply")) as replier,
+        ):
+            assert reader.get("/ui/runs").status_code == 200
+            assert replier.get("/ui/runs").status_code == 403  # reply only: not read
+            kept = [line for line in original.splitlines(keepends=True) if " a-" not in f" {line}"]
+            rewrite(
+                "".join(kept)
+                + f"a-reply {TENANT_A} reply,read {token_digest(_token('a-reply'))}\n"
+                + f"minted {TENANT_A} read {token_digest(minted)}\n",
+                "minted",
+            )
+            with _bearer(stack, minted) as fresh:
+                assert fresh.get("/runs").status_code == 200
+            with _bearer(stack, _token("a-read")) as removed:
+                assert removed.get("/runs").status_code == 401
+            gone = reader.get("/ui/runs")
+            assert gone.status_code == 303 and gone.headers["location"].endswith("/ui/login")
+            # a-reply's roles changed (read added): its session ends too
+            changed = replier.get("/ui/runs")
+            assert changed.status_code == 303 and changed.headers["location"].endswith("/ui/login")
+    finally:
+        rewrite(original, "a-read")
+    with _bearer(stack, _token("a-read")) as back:
+        assert back.get("/runs").status_code == 200
