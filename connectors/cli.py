@@ -161,6 +161,24 @@ def _versions(argv: list[str]) -> int:
     return main(argv)
 
 
+def _credentials_add(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_add
+
+    return main_add(argv)
+
+
+def _credentials_list(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_list
+
+    return main_list(argv)
+
+
+def _credentials_remove(argv: list[str]) -> int:
+    from agentruns.connectors.api.credentials_cli import main_remove
+
+    return main_remove(argv)
+
+
 COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("run",): (_run, "every layer in one process (development)"),
     ("processor",): (_processor, "run a processor process"),
@@ -185,6 +203,9 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("versions",): (_versions, "which rules versions the runs use, with counts"),
     ("kafka", "acls"): (_kafka_acls, "the Kafka ACLs a service's principal needs"),
     ("keys",): (_keys, "the callback key of AGENTRUNS_API_SECRET, for the tool executors"),
+    ("credentials", "add"): (_credentials_add, "mint an API credential (tenant, roles)"),
+    ("credentials", "list"): (_credentials_list, "the API credentials: id, tenant, roles"),
+    ("credentials", "remove"): (_credentials_remove, "remove an API credential"),
 }
 
 #: The first words of the development commands (`agentruns.connectors.dev.commands`).
@@ -307,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     kafka_sub = kafka.add_subparsers(dest="kafka_command", required=True)
     for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "kafka"):
         kafka_sub.add_parser(name, help=f"{text} (see its --help)")
+    credentials = sub.add_parser("credentials", help="the API's credentials file")
+    credentials_sub = credentials.add_subparsers(dest="credentials_command", required=True)
+    for (*_, name), (_, text) in ((k, v) for k, v in COMMANDS.items() if k[0] == "credentials"):
+        credentials_sub.add_parser(name, help=f"{text} (see its --help)")
     from agentruns.connectors.dev import commands
 
     commands.add_parsers(sub)

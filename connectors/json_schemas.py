@@ -94,6 +94,10 @@ _RESULT_FIELDS: dict[str, str] = {
         " (docs/contract.md, Canonical JSON), an artifact the API serves."
     ),
     "summary": "'<status>: <reason>', at most 300 characters (the envelope's summary).",
+    "tenant": (
+        "The tenant the run belongs to (docs/security.md, Tenants); absent for the default"
+        " tenant, 'default'."
+    ),
 }
 
 

@@ -85,6 +85,8 @@ class Monolith:
                 prefix=prefix,
                 store_dir=str(current().processor_store_dir()),
                 catalog=self.catalog,
+                default_tenant=current().default_tenant,
+                trust_tenant_header=current().trust_tenant_header,
             ),
             store.put_many,
         )

@@ -150,6 +150,24 @@ class Settings(BaseSettings):
         alias="AGENTRUNS_CALLBACK_URL",
         description="URL async tools call back (the API's /v1/callbacks)",
     )
+    api_credentials: Path | None = Field(
+        None,
+        alias="AGENTRUNS_API_CREDENTIALS",
+        description="the API credentials file (id, tenant, roles, token hash per line; see"
+        " docs/security.md), read again when it changes; unset: AGENTRUNS_API_TOKEN only",
+    )
+    default_tenant: str = Field(
+        "default",
+        alias="AGENTRUNS_DEFAULT_TENANT",
+        pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$",
+        description="the tenant of a task produced straight to Kafka (the processor's)",
+    )
+    trust_tenant_header: bool = Field(
+        False,
+        alias="AGENTRUNS_TRUST_TENANT_HEADER",
+        description="let a task produced straight to Kafka name its tenant in the"
+        " `agentruns-tenant` header (the processor's); only where every inbox producer is trusted",
+    )
 
     def processor_store_dir(self) -> Path:
         """`store_dir`, or the user's state directory (XDG) when unset."""

@@ -127,6 +127,7 @@ def child_call(s: RunState, at: int, ordinal: int, tool_calls: int) -> ChildCall
         tools=s.config.tools,
         policy=s.config.policy,
         model_route=s.config.model_route,
+        tenant=s.tenant,
     )
 
 
@@ -243,6 +244,7 @@ def child_submission(
         policy=call.policy,
         model_route=template.model_route or call.model_route,
         budgets=budgets,
+        tenant=call.tenant,
         parent=ParentLink(
             run_id=effect.run_id,
             trace_id=call.trace_id,

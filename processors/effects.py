@@ -20,6 +20,7 @@ from agentruns.processors.state import (
     Tools,
     Usage,
 )
+from agentruns.processors.tenants import Tenant
 
 # Values an effect copies from the run's input keep their bounds (ids, times the core caps at
 # MAX_TIME_MS); counters the core increments (step, attempt, dispatch, poll) stay unbounded.
@@ -59,6 +60,8 @@ class ChildCall(Frozen, frozen=True, kw_only=True, gc=False):
     tools: Tools  # the caller's tools: the child's are among them
     policy: Policy  # the caller's: the child keeps its approvals
     model_route: Id  # the caller's, unless the catalog entry names another
+    # the caller's tenant, which is the child's; UNSET (not written): the default tenant
+    tenant: Tenant | msgspec.UnsetType = msgspec.UNSET
 
 
 class OperationSpec(Frozen, frozen=True, kw_only=True, gc=False):
@@ -132,6 +135,9 @@ class PublishResult(EffectBase, tag="PublishResult", frozen=True, kw_only=True, 
     resolution: int
     result_ref: str
     summary: str
+    # The run's tenant (agentruns.processors.tenants): on the result record, so a consumer of
+    # the results topic can route it; UNSET (not written) for the default tenant.
+    tenant: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class NotifyParent(EffectBase, tag="NotifyParent", frozen=True, kw_only=True, gc=False):

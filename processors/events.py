@@ -27,6 +27,7 @@ from agentruns.processors.state import (
     Tools,
 )
 from agentruns.processors.state import Message as Message
+from agentruns.processors.tenants import Tenant
 
 # Every field an event brings from outside carries its bound (agentruns.processors.limits, R30): a
 # body
@@ -72,6 +73,10 @@ class RunSubmitted(EventBase, tag="RunSubmitted", frozen=True, kw_only=True, gc=
     # run (agentruns.processors.children), never by a task's submitter: the API and the client
     # derive no such field. UNSET: a run nobody started; the bytes are as before.
     parent: ParentLink | msgspec.UnsetType = msgspec.UNSET
+    # The tenant the run belongs to (agentruns.processors.tenants), fixed here for its whole
+    # life: set by the API from the caller's credential, or by the processor for a task
+    # produced straight to Kafka. UNSET: the default tenant; the bytes are as before.
+    tenant: Tenant | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelOutcome(StrEnum):

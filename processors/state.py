@@ -538,6 +538,9 @@ class RunState(Frozen, frozen=True, kw_only=True, gc=False):
     parent: ParentLink | msgspec.UnsetType = msgspec.UNSET
     # The child runs this run's calls started; UNSET (not written) until the first.
     children: int | msgspec.UnsetType = msgspec.UNSET
+    # The tenant of the run (agentruns.processors.tenants), from its submission; a fork keeps
+    # its source's. UNSET (not written): the default tenant.
+    tenant: str | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def terminal(self) -> bool:

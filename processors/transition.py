@@ -334,6 +334,7 @@ def _terminate(
             resolution=s.resolution,
             result_ref=ref,
             summary=f"{status.value}: {reason}"[:300],
+            tenant=s.tenant,
             **out.ids(s),
         )
     )
@@ -1298,6 +1299,7 @@ def _on_submitted(e: RunSubmitted) -> Transition:
         # a link that cannot be (a cycle) answers nobody; any other refused child answers
         # the call that started it with its failure
         parent=msgspec.UNSET if lineage is not None else e.parent,
+        tenant=e.tenant,
     )
     out = _Out(s, e)
     out.store(frozen)

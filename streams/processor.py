@@ -54,6 +54,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from agentruns.processors.catalog import Catalog
+from agentruns.processors.tenants import DEFAULT_TENANT
 from agentruns.processors.transition import Artifact
 from agentruns.streams import metrics
 from agentruns.streams.access import processor_group
@@ -151,6 +152,10 @@ class ProcessorConfig:
     rules_version: int | None = None
     # The operator's tool catalog new runs' tasks must keep within (docs/tools.md); None: none.
     catalog: Catalog | None = None
+    # The tenant of a task produced straight to Kafka that names none, and whether its
+    # `agentruns-tenant` header is trusted (streams.inputs.PathSettings).
+    default_tenant: str = DEFAULT_TENANT
+    trust_tenant_header: bool = False
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -227,6 +232,8 @@ class Processor:
                 rules_version=config.rules_version,
                 catalog=config.catalog,
                 group=config.group_id,
+                default_tenant=config.default_tenant,
+                trust_tenant_header=config.trust_tenant_header,
             ),
             self.stats,
             limits=self._record_limits(),

@@ -10,8 +10,14 @@ import secrets
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from agentruns.connectors.api.credentials import (
+    MIN_TOKEN_CHARS,
+    CredentialsError,
+    parse_credentials,
+)
 from agentruns.connectors.api.inputs import MAX_BODY_BYTES, MAX_RECORD_BYTES
 from agentruns.connectors.api.tokens import OperatorTokensError, parse_operator_tokens
 from agentruns.connectors.errors import AgentrunsError
@@ -23,10 +29,9 @@ from agentruns.streams.topics import DEFAULT_PREFIX
 
 log = logging.getLogger("agentruns.api")
 
-#: The shortest bearer token (API or operator) and signing secret a production API starts
-#: with: wrong tokens are throttled per address, but only length keeps guessing hopeless
-#: from many addresses, and a short secret can be found offline from any resume token.
-MIN_TOKEN_CHARS = 32
+#: MIN_TOKEN_CHARS (agentruns.connectors.api.credentials) is also the shortest signing secret
+#: a production API starts with: a short secret can be found offline from any resume token.
+__all__ = ["MIN_TOKEN_CHARS", "ApiConfig"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,6 +86,9 @@ class ApiConfig:
     extra_producer: dict[str, Any] = field(default_factory=dict)
     #: The operator's tool catalog tasks are held to (422 when one widens it); None: none.
     catalog: Catalog | None = None
+    #: The credentials file (`agentruns.connectors.api.credentials`); None: the API token
+    #: and the operator tokens only.
+    credentials_file: Path | None = None
 
     @property
     def keys(self) -> Keys:
@@ -116,10 +124,21 @@ class ApiConfig:
             settings = current()
             token, secret = settings.api_token, settings.api_secret
             operators_text = settings.api_operator_tokens
+            credentials_file = settings.api_credentials
         else:
             token = environ.get("AGENTRUNS_API_TOKEN", "")
             secret = environ.get("AGENTRUNS_API_SECRET", "")
             operators_text = environ.get("AGENTRUNS_API_OPERATOR_TOKENS", "")
+            named = environ.get("AGENTRUNS_API_CREDENTIALS", "")
+            credentials_file = Path(named) if named else None
+        if credentials_file is not None:
+            try:  # read once here so a file that does not parse stops the start
+                parse_credentials(credentials_file.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, CredentialsError) as exc:
+                raise AgentrunsError(
+                    f"AGENTRUNS_API_CREDENTIALS: {exc}",
+                    hint="one `id tenant roles sha256:<hex>` a line (docs/security.md)",
+                ) from None
         try:
             operators = parse_operator_tokens(operators_text)
         except OperatorTokensError as exc:
@@ -132,13 +151,14 @@ class ApiConfig:
                 "AGENTRUNS_API_OPERATOR_TOKENS holds the API token: an operator needs a token"
                 " of its own"
             )
-        if production and (not token or not secret):
+        if production and (not (token or credentials_file) or not secret):
             raise AgentrunsError(
-                "AGENTRUNS_API_TOKEN and AGENTRUNS_API_SECRET must be set in production",
+                "AGENTRUNS_API_SECRET and AGENTRUNS_API_TOKEN (or AGENTRUNS_API_CREDENTIALS)"
+                " must be set in production",
                 hint="set both to long random strings (e.g. `openssl rand -hex 32`)",
             )
         _check_lengths(token, secret, operators, production=production)
-        if not token:
+        if not token and credentials_file is None:
             token = secrets.token_urlsafe(32)
             log.warning(
                 "AGENTRUNS_API_TOKEN is not set: generated a development bearer token "
@@ -167,4 +187,5 @@ class ApiConfig:
             secure_cookies=secure_cookies,
             operator_tokens=operators,
             catalog=catalog,
+            credentials_file=credentials_file,
         )

@@ -28,7 +28,7 @@ import secrets
 import string
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,11 +42,20 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from agentruns.connectors.api import queries, transcript
+from agentruns.connectors.api.credentials import (
+    ADMIN,
+    CANCEL,
+    READ,
+    REPLY,
+    SUBMIT,
+    Credential,
+    CredentialStore,
+    token_prefix,
+)
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.operator import ACTIONS, allowed
 from agentruns.connectors.api.service import ApiService, _state_of
-from agentruns.connectors.api.tokens import operator_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.processors.diagram import edges
 from agentruns.processors.state import TERMINAL, RunState, RunStatus
@@ -113,54 +122,48 @@ def _mac(secret: bytes, purpose: str, value: str) -> str:
 
 
 class Sessions:
-    """Signed session cookies, each bound to the token that opened it, and the CSRF tokens
-    bound to them.
+    """Signed session cookies, each bound to the credential that opened it, and the CSRF
+    tokens bound to them.
 
-    A session id is ``<random>~<token fingerprint>[~<operator>]``: the fingerprint (an HMAC of
-    the token under the secret) ties the session to the token that opened it, so a session
-    opened with a token the process no longer holds (rotated) is refused; an operator's
-    session carries the operator's name (base64url), which its operator actions record. Both
-    are inside the signed part."""
+    A session id is ``<random>~<credential id, base64url>~<credential fingerprint>``, inside
+    the signed part: a session is valid only while the credentials hold a credential of that
+    id with that fingerprint, so removing the credential, changing its token, its tenant or
+    its roles ends its sessions at once (`Credential.fingerprint`)."""
 
     def __init__(
-        self, secret: bytes, clock: Callable[[], int], tokens: Mapping[str, str | None]
+        self, secret: bytes, clock: Callable[[], int], credentials: CredentialStore
     ) -> None:
-        """``tokens``: every token that may open a session, and its operator (None for the
-        API token)."""
         self.secret = secret
         self.clock = clock
-        self._holders = {self.fingerprint(t): operator for t, operator in tokens.items()}
+        self.credentials = credentials
 
-    def fingerprint(self, token: str) -> str:
-        return _mac(self.secret, "token", token)[:22]
-
-    def new(self, token: str) -> str:
-        """A session cookie opened with ``token`` (one of the tokens given)."""
-        fingerprint = self.fingerprint(token)
-        if fingerprint not in self._holders:
-            raise ValueError("a session is opened with a token this console holds")
-        nonce = f"{secrets.token_urlsafe(16)}~{fingerprint}"
-        operator = self._holders[fingerprint]
-        if operator is not None:
-            nonce += "~" + _b64(operator.encode())
+    def new(self, credential: Credential) -> str:
+        """A session cookie opened with ``credential``."""
+        nonce = "~".join(
+            (secrets.token_urlsafe(16), _b64(credential.id.encode()), credential.fingerprint)
+        )
         body = f"{self.clock() + SESSION_MS}.{nonce}"
         return f"{body}.{_mac(self.secret, 'session', body)}"
 
-    @staticmethod
-    def operator(session: str) -> str | None:
-        """The operator of a valid session (`valid`'s value), None for the API token's."""
+    def credential(self, session: str) -> Credential | None:
+        """The credential of a session (`valid`'s value) while it is held unchanged."""
         parts = session.split("~")
         if len(parts) != 3:
             return None
-        name = parts[2]
-        with contextlib.suppress(ValueError):
-            return base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
-        return None
+        try:
+            cid = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+        found = self.credentials.get(cid)
+        if found is None or not hmac.compare_digest(found.fingerprint, parts[2]):
+            return None  # removed, rotated, or its tenant or roles changed
+        return found
 
     def valid(self, cookie: str | None) -> str | None:
-        """The session id of a valid, unexpired cookie opened with a token still held; None
-        otherwise. (Whether it was logged out is the console's revocation store's to say.)"""
-        if not cookie or cookie.count(".") != 2:
+        """The session id of a valid, unexpired cookie whose credential is still held as it
+        was; None otherwise. (Whether it was logged out is the console's revocation store's
+        to say.)"""
+        if not cookie or cookie.count(".") != 2 or len(cookie) > 1024:
             return None
         expires, nonce, mac = cookie.split(".")
         body = f"{expires}.{nonce}"
@@ -168,10 +171,7 @@ class Sessions:
             return None
         if not expires.isdigit() or int(expires) <= self.clock():
             return None
-        parts = nonce.split("~")
-        if len(parts) < 2 or parts[1] not in self._holders:
-            return None  # opened with a token this process does not hold: rotated
-        if self._holders[parts[1]] != self.operator(nonce):
+        if self.credential(nonce) is None:
             return None
         return nonce
 
@@ -484,10 +484,11 @@ class Console:
     def __init__(self, service: ApiService) -> None:
         self.service = service
         config = service.config
-        self.sessions = Sessions(
-            config.keys.console, service.clock, {config.api_token: None, **config.operator_tokens}
-        )
+        self.sessions = Sessions(config.keys.console, service.clock, service.credentials)
+        # wrong credentials per client address and per their first characters, shared with
+        # the JSON API's check (agentruns.connectors.api.http._Auth)
         self.logins = LoginLimiter(service.clock)
+        self.prefixes = LoginLimiter(service.clock)
         self._charts_lock = threading.Lock()
         self._charts_made: tuple[int, dict[str, Any]] | None = None  # (when, charts)
 
@@ -520,12 +521,13 @@ class Console:
             )
 
     def guarded(
-        self, fn: Callable[[Request, str], Awaitable[Response]]
+        self, fn: Callable[[Request, str], Awaitable[Response]], role: str | None
     ) -> Callable[[Request], Awaitable[Response]]:
-        """A page that needs a session (and, for a POST, its CSRF token)."""
+        """A page that needs a session (and, for a POST, its CSRF token) whose credential
+        holds ``role`` (None: any session); the credential is `request.state.credential`."""
 
         async def handle(request: Request) -> Response:
-            session = self._session(request)
+            session = await run_in_threadpool(self._session, request)
             try:
                 if session is not None and await run_in_threadpool(self._revoked, session):
                     session = None  # logged out
@@ -538,6 +540,13 @@ class Console:
                     return RedirectResponse(f"{UI_PREFIX}/login", status_code=303)
                 return _page("error.html", 401, message="log in first", csrf="")
             csrf = self.sessions.csrf(session)
+            credential = self.sessions.credential(session)
+            if credential is None:  # dropped since the cookie was checked
+                return _page("error.html", 401, message="log in first", csrf="")
+            request.state.credential = credential
+            if role is not None and not credential.may(role):
+                message = f"insufficient_scope: this page needs a credential with the {role} role"
+                return _page("error.html", 403, message=message, csrf=csrf)
             try:
                 if request.method == "POST":
                     request.state.form = await _form(request)
@@ -578,16 +587,23 @@ class Console:
             refused = _page("login.html", 429, csrf=expected, error="too many wrong tokens")
             refused.headers["Retry-After"] = str(wait_s)
             return refused
-        wanted = self.service.config.api_token.encode()
-        if not isinstance(token, str) or (
-            operator_of(self.service.config.operator_tokens, token) is None
-            and not hmac.compare_digest(token.encode(), wanted)
-        ):
+        prefix = token_prefix(token) if isinstance(token, str) else ""
+        wait_s = self.prefixes.retry_after(prefix) if prefix else None
+        if wait_s is not None:
+            refused = _page("login.html", 429, csrf=expected, error="too many wrong tokens")
+            refused.headers["Retry-After"] = str(wait_s)
+            return refused
+        credential = None
+        if isinstance(token, str):
+            credential = await run_in_threadpool(self.service.credentials.lookup, token)
+        if credential is None:
             self.logins.failed(address)
+            if prefix:
+                self.prefixes.failed(prefix)
             return _page("login.html", 401, csrf=expected, error="wrong token")
         self.logins.succeeded(address)
         response = RedirectResponse(f"{UI_PREFIX}/runs", status_code=303)
-        session = self.sessions.new(token)
+        session = self.sessions.new(credential)
         self._cookie(request, response, SESSION_COOKIE, session, SESSION_MS // 1000)
         self._cookie(request, response, LOGIN_COOKIE, "", 0)
         return response
@@ -620,9 +636,13 @@ class Console:
 
     async def runs(self, request: Request, session: str) -> Response:
         query = dict(request.query_params)
-        f = RunFilter.of_query(query)
+        caller = _caller(request)
+        f = RunFilter.of_query(query, caller)
         page = await run_in_threadpool(self.service.list_runs, f)
-        charts = None if _fragment(request) else await run_in_threadpool(self._recent_charts)
+        # the charts count every tenant's runs: an admin's only
+        charts = None
+        if caller.admin and not _fragment(request):
+            charts = await run_in_threadpool(self._recent_charts)
         now = self.service.clock()
         for run in page["runs"]:
             run["age"] = _ago(run["started_at"], now)
@@ -643,6 +663,7 @@ class Console:
             "charts": charts,
             "version": version,
             "csrf": self.sessions.csrf(session),
+            "caller": caller,
         }
         if _fragment(request):
             return _page("_runs_live.html", **context)
@@ -712,9 +733,9 @@ class Console:
             "total": sum(sum(v.values()) for v in finished.values()),
         }
 
-    def _run_page(self, run_id: str) -> dict[str, Any]:
+    def _run_page(self, run_id: str, tenant: str | None) -> dict[str, Any]:
         service = self.service
-        view = service.get_run(run_id)
+        view = service.get_run(run_id, tenant)
         with service.db.connection() as conn:
             events = queries.run_events(conn, run_id, MAX_EVENTS)
         run = service.run_row(run_id)
@@ -825,9 +846,11 @@ class Console:
 
     async def run(self, request: Request, session: str, error: ApiError | None = None) -> Response:
         run_id = request.path_params["run_id"]
-        context = await run_in_threadpool(self._run_page, run_id)
+        caller = _caller(request)
+        context = await run_in_threadpool(self._run_page, run_id, caller.tenant_scope)
         context["csrf"] = self.sessions.csrf(session)
-        context["operator"] = self.sessions.operator(session)
+        context["operator"] = caller.id if caller.admin else None
+        context["caller"] = caller
         context["error"] = None if error is None else f"{error.code}: {error}"
         if _fragment(request):
             return _page("_run_live.html", **context)
@@ -836,12 +859,13 @@ class Console:
     async def reply(self, request: Request, session: str) -> Response:
         run_id = request.path_params["run_id"]
         form: dict[str, str] = request.state.form
+        tenant = _caller(request).tenant_scope
         try:
-            view = await run_in_threadpool(self.service.get_run, run_id)
+            view = await run_in_threadpool(self.service.get_run, run_id, tenant)
             question = view.get("question") or {}
             response = _form_response(question.get("response_schema") or {}, form)
             body = {"resume_token": form.get("resume_token", ""), "response": response}
-            await run_in_threadpool(self.service.reply, run_id, body)
+            await run_in_threadpool(self.service.reply, run_id, body, tenant)
         except ApiError as exc:
             return await self.run(request, session, exc)
         return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
@@ -851,23 +875,19 @@ class Console:
         reason = request.state.form.get("reason", "")
         body = {"reason": reason or "cancelled in console"}
         try:
-            await run_in_threadpool(self.service.cancel, run_id, body, None)
+            tenant = _caller(request).tenant_scope
+            await run_in_threadpool(self.service.cancel, run_id, body, None, tenant)
         except ApiError as exc:
             return await self.run(request, session, exc)
         return RedirectResponse(f"{UI_PREFIX}/runs/{run_id}", status_code=303)
 
     def operator_action(self, action: str) -> Callable[[Request, str], Awaitable[Response]]:
         """A form of the run page's operator section: the same code as
-        `POST /runs/{id}/<action>`, as the session's operator; a session opened with the API
-        token has no operator scope (403)."""
+        `POST /runs/{id}/<action>`, as the session's credential (an admin: `CONSOLE_ROUTES`)."""
 
         async def handle(request: Request, session: str) -> Response:
             run_id = request.path_params["run_id"]
-            operator = self.sessions.operator(session)
             form: dict[str, str] = request.state.form
-            if operator is None:
-                refused = ApiError(403, "insufficient_scope", "log in with an operator token")
-                return await self.run(request, session, refused)
             body: dict[str, Any] = {"reason": form.get("reason") or f"{action} in console"}
             if action == "resolve":
                 body["action"] = form.get("action", "")
@@ -883,7 +903,7 @@ class Console:
                     run_id,
                     body,
                     None,
-                    f"operator:{operator}",
+                    _caller(request).actor,
                 )
             except ApiError as exc:
                 return await self.run(request, session, exc)
@@ -893,15 +913,12 @@ class Console:
 
     def fork_action(self, action: str) -> Callable[[Request, str], Awaitable[Response]]:
         """The run page's fork and resume forms: the same code as `POST /runs/{id}/fork|resume`
-        as the session's operator; on success, the fork's page."""
+        as the session's credential, of its tenant; on success, the fork's page."""
 
         async def handle(request: Request, session: str) -> Response:
             run_id = request.path_params["run_id"]
-            operator = self.sessions.operator(session)
+            caller = _caller(request)
             form: dict[str, str] = request.state.form
-            if operator is None:
-                refused = ApiError(403, "insufficient_scope", "log in with an operator token")
-                return await self.run(request, session, refused)
             body: dict[str, Any] = {}
             if action == "fork":
                 at = form.get("at", "")
@@ -910,7 +927,13 @@ class Console:
                     body["model_route"] = form["model_route"]
             try:
                 out = await run_in_threadpool(
-                    self.service.fork, action, run_id, body, None, f"operator:{operator}"
+                    self.service.fork,
+                    action,
+                    run_id,
+                    body,
+                    None,
+                    caller.actor,
+                    caller.tenant_scope,
                 )
             except ApiError as exc:
                 return await self.run(request, session, exc)
@@ -942,11 +965,12 @@ class Console:
             size=size,
             text=text,
             csrf=self.sessions.csrf(session),
+            caller=_caller(request),
         )
 
-    def _transcript(self, run_id: str) -> dict[str, Any]:
+    def _transcript(self, run_id: str, tenant: str | None) -> dict[str, Any]:
         service = self.service
-        view = service.get_run(run_id)  # 404 for a run that does not exist
+        view = service.get_run(run_id, tenant)  # 404 for a run not there or not the tenant's
         run = service.run_row(run_id)
         state = None if run is None else _state_of(run)
         with service.db.connection() as conn:
@@ -975,8 +999,11 @@ class Console:
 
     async def transcript_page(self, request: Request, session: str) -> Response:
         """The run's conversation step by step (`agentruns.connectors.api.transcript`)."""
-        context = await run_in_threadpool(self._transcript, request.path_params["run_id"])
-        context["operator"] = self.sessions.operator(session)
+        caller = _caller(request)
+        run_id = request.path_params["run_id"]
+        context = await run_in_threadpool(self._transcript, run_id, caller.tenant_scope)
+        context["operator"] = caller.id if caller.admin else None
+        context["caller"] = caller
         return _page("transcript.html", csrf=self.sessions.csrf(session), **context)
 
     async def tools_page(self, request: Request, session: str) -> Response:
@@ -993,6 +1020,7 @@ class Console:
             version=None if catalog is None else catalog.version,
             tools=tools,
             csrf=self.sessions.csrf(session),
+            caller=_caller(request),
         )
 
     async def dead_letter_page(self, request: Request, session: str) -> Response:
@@ -1026,6 +1054,7 @@ class Console:
             classes=classes,
             next_url=next_url,
             csrf=self.sessions.csrf(session),
+            caller=_caller(request),
         )
 
     def _read_dead_letters(
@@ -1056,37 +1085,67 @@ class Console:
         return Response(_STYLE, media_type="text/css", headers=_SECURITY_HEADERS)
 
     def routes(self) -> list[Route]:
-        g = self.guarded
-        return [
-            Route(UI_PREFIX, self.index, methods=["GET"]),
-            Route(f"{UI_PREFIX}/", self.index, methods=["GET"]),
-            Route(f"{UI_PREFIX}/login", self.login_form, methods=["GET"]),
-            Route(f"{UI_PREFIX}/login", self.login, methods=["POST"]),
-            Route(f"{UI_PREFIX}/logout", g(self.logout), methods=["POST"]),
-            Route(f"{UI_PREFIX}/runs", g(self.runs), methods=["GET"]),
-            Route(f"{UI_PREFIX}/runs/{{run_id}}", g(self.run), methods=["GET"]),
-            Route(f"{UI_PREFIX}/runs/{{run_id}}/transcript", g(self.transcript_page)),
-            Route(f"{UI_PREFIX}/runs/{{run_id}}/reply", g(self.reply), methods=["POST"]),
-            Route(f"{UI_PREFIX}/runs/{{run_id}}/cancel", g(self.cancel), methods=["POST"]),
-            *(
-                Route(
-                    f"{UI_PREFIX}/runs/{{run_id}}/{action}",
-                    g(self.operator_action(action)),
-                    methods=["POST"],
-                )
-                for action in ACTIONS
-            ),
-            *(
-                Route(
-                    f"{UI_PREFIX}/runs/{{run_id}}/{action}",
-                    g(self.fork_action(action)),
-                    methods=["POST"],
-                )
-                for action in ("fork", "resume")
-            ),
-            Route(f"{UI_PREFIX}/artifacts/{{ref}}", g(self.artifact), methods=["GET"]),
-            Route(f"{UI_PREFIX}/dead-letters", g(self.dead_letter_page), methods=["GET"]),
-            Route(f"{UI_PREFIX}/tools", g(self.tools_page), methods=["GET"]),
-            Route(f"{UI_PREFIX}/static/console.js", self.script, methods=["GET"]),
-            Route(f"{UI_PREFIX}/static/console.css", self.style, methods=["GET"]),
-        ]
+        handlers: dict[str, Callable[[Request, str], Awaitable[Response]]] = {
+            "logout": self.logout,
+            "runs": self.runs,
+            "run": self.run,
+            "transcript": self.transcript_page,
+            "reply": self.reply,
+            "cancel": self.cancel,
+            **{action: self.operator_action(action) for action in ACTIONS},
+            "fork": self.fork_action("fork"),
+            "resume": self.fork_action("resume"),
+            "artifact": self.artifact,
+            "dead_letters": self.dead_letter_page,
+            "tools": self.tools_page,
+        }
+        open_pages: dict[str, Callable[[Request], Awaitable[Response]]] = {
+            "index": self.index,
+            "login_form": self.login_form,
+            "login": self.login,
+            "script": self.script,
+            "style": self.style,
+        }
+        routes = []
+        for method, path, name, rule in CONSOLE_ROUTES:
+            if rule == OPEN:
+                endpoint = open_pages[name]
+            else:
+                endpoint = self.guarded(handlers[name], None if rule == SESSION else rule)
+            routes.append(Route(UI_PREFIX + path, endpoint, methods=[method]))
+        return routes
+
+
+def _caller(request: Request) -> Credential:
+    """The session's credential (`Console.guarded` set it)."""
+    credential = request.state.credential
+    assert isinstance(credential, Credential)
+    return credential
+
+
+#: What a console page lets through: anyone (OPEN), any session (SESSION), or a session
+#: whose credential holds a role.
+OPEN, SESSION = "open", "session"
+#: (method, path under UI_PREFIX, name, rule) of every console page. A run of another tenant
+#: is a 404 to a credential that is not an admin. The dead letters are every tenant's, and
+#: the runs page's charts count every tenant's runs: an admin's only.
+CONSOLE_ROUTES: tuple[tuple[str, str, str, str], ...] = (
+    ("GET", "", "index", OPEN),
+    ("GET", "/", "index", OPEN),
+    ("GET", "/login", "login_form", OPEN),
+    ("POST", "/login", "login", OPEN),
+    ("POST", "/logout", "logout", SESSION),
+    ("GET", "/runs", "runs", READ),
+    ("GET", "/runs/{run_id}", "run", READ),
+    ("GET", "/runs/{run_id}/transcript", "transcript", READ),
+    ("POST", "/runs/{run_id}/reply", "reply", REPLY),
+    ("POST", "/runs/{run_id}/cancel", "cancel", CANCEL),
+    *(("POST", f"/runs/{{run_id}}/{action}", action, ADMIN) for action in ACTIONS),
+    ("POST", "/runs/{run_id}/fork", "fork", SUBMIT),
+    ("POST", "/runs/{run_id}/resume", "resume", SUBMIT),
+    ("GET", "/artifacts/{ref}", "artifact", READ),
+    ("GET", "/dead-letters", "dead_letters", ADMIN),
+    ("GET", "/tools", "tools", READ),
+    ("GET", "/static/console.js", "script", OPEN),
+    ("GET", "/static/console.css", "style", OPEN),
+)

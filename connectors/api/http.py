@@ -11,7 +11,6 @@ integer a bigint cannot hold, or a task the core would refuse (422 with the reas
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import threading
 import time
@@ -29,12 +28,21 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.console import UI_PREFIX, Console, LoginLimiter
+from agentruns.connectors.api.credentials import (
+    ADMIN,
+    CANCEL,
+    READ,
+    REPLY,
+    SUBMIT,
+    Credential,
+    CredentialStore,
+    token_prefix,
+)
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inputs import MAX_BODY_DEPTH
 from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
-from agentruns.connectors.api.tokens import OPERATOR_SCOPE, operator_of
 from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.health import metrics_text
 from agentruns.connectors.keys import CALLBACK_SIGNATURE_HEADER, CallbackRefused, verify_callback
@@ -167,17 +175,15 @@ def _console(path: str) -> bool:
     return path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
 
 
-#: The ASGI scope key `_Auth` sets to the operator's name when the bearer token was an
-#: operator token (the operator scope); absent otherwise.
-ACTOR_KEY = "agentruns.operator"
 #: The ASGI scope key `_Auth` sets to the dispatch a callback's signature was made for (the
 #: callback is then refused unless that dispatch is the operation's current one); absent
-#: when the callback came with the bearer token.
+#: when the callback came with a credential.
 CALLBACK_DISPATCH_KEY = "agentruns.callback_dispatch"
 _SIGNATURE_HEADER = CALLBACK_SIGNATURE_HEADER.lower().encode()
 
 
-#: The ASGI scope key `_Auth` sets when the request's credential was checked and valid.
+#: The ASGI scope key `_Auth` sets when the request's credential (or a callback's signature)
+#: was checked and valid.
 AUTHENTICATED_KEY = "agentruns.authenticated"
 #: Public paths that answer more to a caller with a credential (`/healthz`: its checks' error
 #: text names hosts, ports and user names); such a credential is checked, and counted when
@@ -194,31 +200,50 @@ def _public(scope: Scope) -> bool:
     )
 
 
+#: The ASGI scope key `_Auth` sets to the request's `Credential`; absent for a callback
+#: authenticated by its signature.
+CREDENTIAL_KEY = "agentruns.credential"
+
+
+def _throttled(wait_s: int, what: str) -> JSONResponse:
+    return JSONResponse(
+        {
+            "error": "too_many_wrong_tokens",
+            "detail": f"too many wrong tokens {what}: retry in {wait_s} s",
+        },
+        status_code=429,
+        headers={"Retry-After": str(wait_s)},
+    )
+
+
 class _Auth:
-    """Bearer-token check for every path but PUBLIC_PATHS and the console's; a callback may
-    instead carry its signature header (`keys.verify_callback`: the operation, the dispatch,
-    an expiry; `CALLBACK_DISPATCH_KEY`). An
-    operator token passes too and marks the request with its operator (`ACTOR_KEY`). Every
-    wrong credential counts against the client address in `limiter` (the console's login
-    limiter): an address over its budget gets 429 with Retry-After, before its credential is
-    compared. A request with no credential at all is refused without counting."""
+    """Bearer-credential check for every path but PUBLIC_PATHS and the console's
+    (`agentruns.connectors.api.credentials`); a callback may instead carry the operation's
+    signature header (`keys.verify_callback`: the operation, the dispatch, an expiry;
+    `CALLBACK_DISPATCH_KEY`). The credential goes into the scope
+    (`CREDENTIAL_KEY`); what it may do there is the route's rule (`ROUTES`, `_endpoint`).
+
+    Every wrong credential counts against the client address in ``limiter`` (the console's
+    login limiter) and against its first characters in ``prefixes``: an address or a prefix
+    over its budget gets 429 with Retry-After, before its credential is compared. A request
+    with no credential at all is refused without counting."""
 
     def __init__(
         self,
         app: ASGIApp,
-        token: str,
+        credentials: CredentialStore,
         secret: bytes,
         limiter: LoginLimiter,
-        operators: dict[str, str] | None = None,
+        prefixes: LoginLimiter,
         clock: Callable[[], int] = now_ms,
     ) -> None:
         """``secret``: the callback key (`keys.Keys.callback`)."""
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._credentials = credentials
         self._secret = secret
         self._clock = clock
         self._limiter = limiter
-        self._operators = operators or {}
+        self._prefixes = prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _console(scope["path"]) or _public(scope):
@@ -226,42 +251,35 @@ class _Auth:
             return
         client = scope.get("client")
         address = str(client[0]) if client else ""
-        wait_s = self._limiter.retry_after(address)
-        if wait_s is not None:  # refused before the credential is compared, right or wrong
-            throttled = JSONResponse(
-                {
-                    "error": "too_many_wrong_tokens",
-                    "detail": "too many wrong tokens from this address (or from all addresses):"
-                    f" retry in {wait_s} s",
-                },
-                status_code=429,
-                headers={"Retry-After": str(wait_s)},
-            )
-            REQUESTS.labels(_method_label(scope["method"]), "throttled", "429").inc()
-            await throttled(scope, receive, send)
-            return
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
-        scheme, _, credential = given.partition(b" ")
-        operator = None
-        if scheme == b"Bearer" and self._operators:
-            operator = operator_of(self._operators, credential.decode())
-        if operator is not None:
-            scope[ACTOR_KEY] = operator
-        if (
-            hmac.compare_digest(given, self._expected)
-            or operator is not None
-            or self._callback_signed(scope)
-        ):
+        scheme, _, presented = given.partition(b" ")
+        prefix = token_prefix(presented)
+        wait_s = self._limiter.retry_after(address)
+        what = "from this address (or from all addresses)"
+        if wait_s is None and presented:
+            wait_s, what = self._prefixes.retry_after(prefix), "with this prefix"
+        if wait_s is not None:  # refused before the credential is compared, right or wrong
+            REQUESTS.labels(_method_label(scope["method"]), "throttled", "429").inc()
+            await _throttled(wait_s, what)(scope, receive, send)
+            return
+        credential = None
+        if scheme == b"Bearer":
+            credential = await run_in_threadpool(self._credentials.lookup, presented)
+        if credential is not None:
+            scope[CREDENTIAL_KEY] = credential
+        if credential is not None or self._callback_signed(scope):
             scope[AUTHENTICATED_KEY] = True
             await self.app(scope, receive, send)
             return
         if given or _SIGNATURE_HEADER in headers:
             # a guess, not a request without any credential (a browser's /favicon.ico): only
-            # guesses spend the address's budget
+            # guesses spend the budgets
             self._limiter.failed(address)
+            if presented:
+                self._prefixes.failed(prefix)
         response = JSONResponse(
-            {"error": "unauthorized", "detail": "send Authorization: Bearer <AGENTRUNS_API_TOKEN>"},
+            {"error": "unauthorized", "detail": "send Authorization: Bearer <credential>"},
             status_code=401,
             headers={"WWW-Authenticate": 'Bearer realm="agentruns"'},
         )
@@ -284,14 +302,62 @@ class _Auth:
         return True
 
 
+class _ScopeError(ApiError):
+    """403 for a valid credential without the role a route needs (RFC 6750
+    `insufficient_scope`; the scope named is the role)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(
+            403,
+            "insufficient_scope",
+            f"this action needs a credential with the {role} role",
+            scope=role,
+        )
+        self.role = role
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["WWW-Authenticate"] = (
+            f'Bearer realm="agentruns", error="insufficient_scope", scope="{self.role}"'
+        )
+        return response
+
+
+def credential_of(r: Request) -> Credential | None:
+    found = r.scope.get(CREDENTIAL_KEY)
+    return found if isinstance(found, Credential) else None
+
+
+def _caller(r: Request) -> Credential:
+    """The request's credential (every route with a role has one: `_endpoint` checked it)."""
+    credential = credential_of(r)
+    assert credential is not None
+    return credential
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _endpoint(route: str, fn: Callable[[ApiService, Request], Awaitable[Response]]) -> Any:
+def _allowed(rule: str, request: Request) -> None:
+    """Refuse a request its route's rule does not let through: a role the credential does
+    not hold is a 403. PUBLIC routes and a callback carrying its signature were let through
+    by `_Auth`; a callback with a credential instead needs the admin role."""
+    credential = credential_of(request)
+    if rule == PUBLIC or (rule == CALLBACK and credential is None):
+        return
+    rule = ADMIN if rule == CALLBACK else rule
+    if credential is None or not credential.may(rule):
+        raise _ScopeError(rule)
+
+
+def _endpoint(
+    route: str, rule: str, fn: Callable[[ApiService, Request], Awaitable[Response]]
+) -> Any:
     def bind(service: ApiService) -> Handler:
         async def handle(request: Request) -> Response:
             started = time.perf_counter()
             try:
+                _allowed(rule, request)  # before the body is read: a refusal costs nothing
                 response = await fn(service, request)
             except ApiError as exc:
                 response = exc.response()
@@ -315,7 +381,9 @@ async def _submit(s: ApiService, r: Request) -> Response:
     traceparent = r.headers.get(tracing.HEADER)
     if traceparent is not None and len(traceparent) > tracing.MAX_CHARS:
         raise ApiError(400, "invalid_header", f"traceparent over {tracing.MAX_CHARS} chars")
-    out = await run_in_threadpool(s.submit, key, body, r.headers.get("x-trace-id"), traceparent)
+    out = await run_in_threadpool(
+        s.submit, key, body, r.headers.get("x-trace-id"), traceparent, _caller(r)
+    )
     return JSONResponse(
         out,
         status_code=202 if out["created"] else 200,
@@ -324,12 +392,13 @@ async def _submit(s: ApiService, r: Request) -> Response:
 
 
 async def _list_runs(s: ApiService, r: Request) -> Response:
-    f = RunFilter.of_query(dict(r.query_params))
+    f = RunFilter.of_query(dict(r.query_params), _caller(r))
     return JSONResponse(await run_in_threadpool(s.list_runs, f))
 
 
 async def _get_run(s: ApiService, r: Request) -> Response:
-    return JSONResponse(await run_in_threadpool(s.get_run, r.path_params["run_id"]))
+    tenant = _caller(r).tenant_scope
+    return JSONResponse(await run_in_threadpool(s.get_run, r.path_params["run_id"], tenant))
 
 
 def _int_param(r: Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -346,59 +415,35 @@ def _int_param(r: Request, name: str, default: int, lo: int, hi: int) -> int:
 async def _events(s: ApiService, r: Request) -> Response:
     after = _int_param(r, "after_seq", 0, 0, 2**62)
     limit = _int_param(r, "limit", 500, 1, 1000)
-    out = await run_in_threadpool(s.events, r.path_params["run_id"], after, limit)
+    out = await run_in_threadpool(
+        s.events, r.path_params["run_id"], after, limit, _caller(r).tenant_scope
+    )
     return JSONResponse(out)
 
 
 async def _reply(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
-    out = await run_in_threadpool(s.reply, r.path_params["run_id"], body)
+    out = await run_in_threadpool(s.reply, r.path_params["run_id"], body, _caller(r).tenant_scope)
     return JSONResponse(out, status_code=202)
 
 
 async def _cancel(s: ApiService, r: Request) -> Response:
     body = _json_object(await _body(r, s.config.max_body_bytes))
     key = r.headers.get("idempotency-key")
-    out = await run_in_threadpool(s.cancel, r.path_params["run_id"], body, key)
+    out = await run_in_threadpool(
+        s.cancel, r.path_params["run_id"], body, key, _caller(r).tenant_scope
+    )
     return JSONResponse(out, status_code=202)
-
-
-class _ScopeError(ApiError):
-    """403 for a valid token without the operator scope (RFC 6750 `insufficient_scope`)."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            403,
-            "insufficient_scope",
-            "this action needs an operator token (AGENTRUNS_API_OPERATOR_TOKENS)",
-            scope=OPERATOR_SCOPE,
-        )
-
-    def response(self) -> JSONResponse:
-        response = super().response()
-        response.headers["WWW-Authenticate"] = (
-            f'Bearer realm="agentruns", error="insufficient_scope", scope="{OPERATOR_SCOPE}"'
-        )
-        return response
-
-
-def _actor(r: Request) -> str:
-    """The operator the request's token names; a token without the operator scope is a 403."""
-    name = r.scope.get(ACTOR_KEY)
-    if not isinstance(name, str):
-        raise _ScopeError()
-    return f"operator:{name}"
 
 
 def _operator_action(
     action: str,
 ) -> Callable[[ApiService, Request], Awaitable[Response]]:
     async def handle(s: ApiService, r: Request) -> Response:
-        actor = _actor(r)  # before the body is read: an unauthorized request costs nothing
         body = _json_object(await _body(r, s.config.max_body_bytes))
         key = r.headers.get("idempotency-key")
         out = await run_in_threadpool(
-            s.operator_action, action, r.path_params["run_id"], body, key, actor
+            s.operator_action, action, r.path_params["run_id"], body, key, _caller(r).actor
         )
         return JSONResponse(out, status_code=202 if out["created"] else 200)
 
@@ -407,10 +452,12 @@ def _operator_action(
 
 def _fork(action: str) -> Callable[[ApiService, Request], Awaitable[Response]]:
     async def handle(s: ApiService, r: Request) -> Response:
-        actor = _actor(r)  # before the body is read: an unauthorized request costs nothing
+        caller = _caller(r)
         body = _json_object(await _body(r, s.config.max_body_bytes))
         key = r.headers.get("idempotency-key")
-        out = await run_in_threadpool(s.fork, action, r.path_params["run_id"], body, key, actor)
+        out = await run_in_threadpool(
+            s.fork, action, r.path_params["run_id"], body, key, caller.actor, caller.tenant_scope
+        )
         return JSONResponse(out, status_code=201 if out["created"] else 200)
 
     return handle
@@ -421,6 +468,10 @@ async def _callback(s: ApiService, r: Request) -> Response:
     dispatch = r.scope.get(CALLBACK_DISPATCH_KEY)
     status, out = await run_in_threadpool(s.callback, r.path_params["key"], body, dispatch)
     return JSONResponse(out, status_code=status)
+
+
+async def _credentials(s: ApiService, r: Request) -> Response:
+    return JSONResponse({"credentials": await run_in_threadpool(s.credentials.described)})
 
 
 async def _health(s: ApiService, r: Request) -> Response:
@@ -445,24 +496,33 @@ async def _openapi(s: ApiService, r: Request) -> Response:
     return JSONResponse(OPENAPI)
 
 
-ROUTES: tuple[tuple[str, str, str, Callable[[ApiService, Request], Awaitable[Response]]], ...] = (
-    ("POST", "/runs", "submit", _submit),
-    ("GET", "/runs", "list_runs", _list_runs),
-    ("GET", "/runs/{run_id}", "get_run", _get_run),
-    ("GET", "/runs/{run_id}/events", "events", _events),
-    ("POST", "/runs/{run_id}/replies", "reply", _reply),
-    ("POST", "/runs/{run_id}/cancel", "cancel", _cancel),
-    ("POST", "/runs/{run_id}/resolve", "resolve", _operator_action("resolve")),
-    ("POST", "/runs/{run_id}/reopen", "reopen", _operator_action("reopen")),
-    ("POST", "/runs/{run_id}/redrive", "redrive", _operator_action("redrive")),
-    ("POST", "/runs/{run_id}/fork", "fork", _fork("fork")),
-    ("POST", "/runs/{run_id}/resume", "resume", _fork("resume")),
-    ("POST", "/operations/{key}/callback", "callback", _callback),
-    ("GET", "/readyz", "readyz", _health),
-    ("GET", "/healthz", "healthz", _health),
-    ("GET", "/livez", "livez", _live),
-    ("GET", "/metrics", "metrics", _metrics),
-    ("GET", "/openapi.json", "openapi", _openapi),
+#: What a route lets through besides a role: anyone (PUBLIC), or a credential with the admin
+#: role or the operation's callback signature (CALLBACK).
+PUBLIC, CALLBACK = "public", "callback"
+Endpoint = Callable[[ApiService, Request], Awaitable[Response]]
+
+#: (method, path, name, rule, handler). The rule is the role a credential needs (ROLES of
+#: `agentruns.connectors.api.credentials`), PUBLIC or CALLBACK. A run of another tenant is a
+#: 404 to a credential that is not an admin, whatever the route (its id does not leak).
+ROUTES: tuple[tuple[str, str, str, str, Endpoint], ...] = (
+    ("POST", "/runs", "submit", SUBMIT, _submit),
+    ("GET", "/runs", "list_runs", READ, _list_runs),
+    ("GET", "/runs/{run_id}", "get_run", READ, _get_run),
+    ("GET", "/runs/{run_id}/events", "events", READ, _events),
+    ("POST", "/runs/{run_id}/replies", "reply", REPLY, _reply),
+    ("POST", "/runs/{run_id}/cancel", "cancel", CANCEL, _cancel),
+    ("POST", "/runs/{run_id}/resolve", "resolve", ADMIN, _operator_action("resolve")),
+    ("POST", "/runs/{run_id}/reopen", "reopen", ADMIN, _operator_action("reopen")),
+    ("POST", "/runs/{run_id}/redrive", "redrive", ADMIN, _operator_action("redrive")),
+    ("POST", "/runs/{run_id}/fork", "fork", SUBMIT, _fork("fork")),
+    ("POST", "/runs/{run_id}/resume", "resume", SUBMIT, _fork("resume")),
+    ("POST", "/operations/{key}/callback", "callback", CALLBACK, _callback),
+    ("GET", "/credentials", "credentials", ADMIN, _credentials),
+    ("GET", "/readyz", "readyz", PUBLIC, _health),
+    ("GET", "/healthz", "healthz", PUBLIC, _health),
+    ("GET", "/livez", "livez", PUBLIC, _live),
+    ("GET", "/metrics", "metrics", PUBLIC, _metrics),
+    ("GET", "/openapi.json", "openapi", PUBLIC, _openapi),
 )
 
 
@@ -482,8 +542,8 @@ def create_app(config: ApiConfig) -> Starlette:
             await run_in_threadpool(service.close)
 
     routes = [
-        Route(path, _endpoint(name, fn)(service), methods=[method], name=name)
-        for method, path, name, fn in ROUTES
+        Route(path, _endpoint(name, rule, fn)(service), methods=[method], name=name)
+        for method, path, name, rule, fn in ROUTES
     ]
     console = Console(service)
     routes += console.routes()
@@ -492,10 +552,10 @@ def create_app(config: ApiConfig) -> Starlette:
     # console's login form: neither door is a way round the other's limit.
     app.add_middleware(
         _Auth,
-        token=config.api_token,
+        credentials=service.credentials,
         secret=config.keys.callback,
         limiter=console.logins,
-        operators=config.operator_tokens,
+        prefixes=console.prefixes,
         clock=config.clock,
     )
     app.add_middleware(_Guard)  # added last: runs first

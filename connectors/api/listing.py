@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from agentruns.connectors.api.credentials import Credential
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.pool import Conn
 from agentruns.connectors.projection.stuck import stuck_condition
 from agentruns.processors.ids import run_id_for_key
 from agentruns.processors.state import RunStatus
+from agentruns.processors.tenants import DEFAULT_TENANT, tenant_key, valid_tenant
 from agentruns.streams.clock import datetime_of, ms_of
 
 #: Statuses in which a run waits for a person or for a tool (the core's TimeAccount split).
@@ -41,10 +43,15 @@ class RunFilter:
     search: str | None = None  # run id, idempotency key or trace id
     limit: int = 50
     cursor: str | None = None
+    #: Only this tenant's runs; None: every tenant's (an admin's list, unless it names one).
+    tenant: str | None = None
+    #: The tenant an idempotency key searched for is taken within (`tenant_key`).
+    key_tenant: str = DEFAULT_TENANT
 
     @classmethod
-    def of_query(cls, query: dict[str, str]) -> RunFilter:
-        """The filter of a query string; a malformed value is a 400 `ApiError`."""
+    def of_query(cls, query: dict[str, str], caller: Credential | None = None) -> RunFilter:
+        """The filter of a query string, narrowed to ``caller``'s tenant unless it is an
+        admin (who may name one: ``tenant``); a malformed value is a 400 `ApiError`."""
 
         def number(name: str, lo: float, hi: float) -> float | None:
             raw = query.get(name, "").strip()
@@ -69,7 +76,17 @@ class RunFilter:
         since, until = number("since", 0, 2**53), number("until", 0, 2**53)
         limit = number("limit", 1, MAX_LIMIT)
         search = (query.get("q") or "").strip()[:400] or None
+        tenant = None if caller is None else caller.tenant_scope
+        named = query.get("tenant") or None
+        if named is not None and not valid_tenant(named):
+            raise ApiError(400, "invalid_parameter", "tenant is not a tenant name")
+        if tenant is None:
+            tenant = named
+        elif named is not None and named != tenant:
+            tenant = "-"  # another tenant's: no runs (no tenant name starts with -)
         return cls(
+            tenant=tenant,
+            key_tenant=DEFAULT_TENANT if caller is None else caller.tenant,
             statuses=statuses,
             waiting=waiting,
             stuck_minutes=number("stuck_minutes", 0, 10**6),
@@ -114,7 +131,10 @@ def _conditions(f: RunFilter, now_ms: int) -> tuple[list[str], list[Any]]:
         params.append(datetime_of(f.until_ms))
     if f.search is not None:
         where.append("(run_id = %s OR run_id = %s OR trace_id = %s)")
-        params.extend([f.search, run_id_for_key(f.search), f.search])
+        params.extend([f.search, run_id_for_key(tenant_key(f.search, f.key_tenant)), f.search])
+    if f.tenant is not None:
+        where.append("tenant = %s")
+        params.append(f.tenant)
     return where, params
 
 
@@ -139,7 +159,7 @@ def list_runs(conn: Conn, f: RunFilter, now_ms: int) -> dict[str, Any]:
     cur = conn.execute(
         "SELECT r.run_id, r.status, left(r.goal, %s) AS goal, r.step, r.attempt, r.trace_id,"
         " r.started_at, r.last_event_at, r.ended_at, r.system_ms, r.tool_wait_ms,"
-        " r.user_wait_ms, r.last_seq,"
+        " r.user_wait_ms, r.last_seq, r.tenant,"
         " (SELECT e.type FROM events e WHERE e.run_id = r.run_id AND e.seq = r.last_seq)"
         " AS last_event"
         f" FROM runs r WHERE {' AND '.join(page_where) or 'true'}"
@@ -166,6 +186,7 @@ def list_runs(conn: Conn, f: RunFilter, now_ms: int) -> dict[str, Any]:
             "ended_at": ms_of(r["ended_at"]),
             "last_seq": r["last_seq"],
             "last_event": r["last_event"],
+            "tenant": r["tenant"],
             "waits": {
                 "system_ms": r["system_ms"],
                 "tool_wait_ms": r["tool_wait_ms"],

@@ -55,14 +55,14 @@ def _operator(summary: str, description: str, body: dict[str, Any]) -> dict[str,
     return {
         "post": {
             "summary": summary,
-            "description": description + " Needs an operator token (scope `operator`); the "
-            "operator is recorded as the input's `actor` in the run's log.",
+            "description": description + " Needs the `admin` role; the credential is "
+            "recorded as the input's `actor` in the run's log.",
             "parameters": [_RUN_ID, _IDEMPOTENCY_KEY],
             "requestBody": {"content": {"application/json": {"schema": body}}},
             "responses": {
                 "202": _resp("the action's input was produced", {"$ref": _ACTED}),
                 "200": _resp("a repeat: the first outcome", {"$ref": _ACTED}),
-                "403": _resp("the token has no operator scope", _ERROR),
+                "403": _resp("the credential has no admin role", _ERROR),
                 "404": _resp("unknown run", _ERROR),
                 "409": _resp(
                     "the run's status does not allow it (`run_status`), or another action was"
@@ -96,15 +96,15 @@ _RAISED_BUDGETS: dict[str, Any] = {
 def _fork(summary: str, description: str, body: dict[str, Any]) -> dict[str, Any]:
     return {
         "post": {
-            "summary": summary + " (operator token)",
+            "summary": summary + " (role submit)",
             "description": description,
             "parameters": [_RUN_ID, _IDEMPOTENCY_KEY],
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "responses": {
                 "201": _resp("the fork's first record was produced", {"$ref": _FORKED}),
                 "200": _resp("a repeat: the same fork", {"$ref": _FORKED}),
-                "403": _resp("the token has no operator scope", _ERROR),
-                "404": _resp("unknown run", _ERROR),
+                "403": _resp("the credential has no submit role", _ERROR),
+                "404": _resp("unknown run, or a run of another tenant", _ERROR),
                 "409": _resp("the fork cannot be made (a seq outside the log...)", _ERROR),
                 "422": _resp("invalid body", _ERROR),
                 **_TOO_LARGE,
@@ -126,7 +126,9 @@ OPENAPI: dict[str, Any] = {
         "description": "Durable LLM-agent runs on Kafka: submit, read, reply, cancel, and "
         "the operator actions resolve, reopen and re-drive. "
         "Every endpoint but /readyz, /healthz, /livez, /metrics and /openapi.json needs "
-        "`Authorization: Bearer <AGENTRUNS_API_TOKEN>`.",
+        "`Authorization: Bearer <credential>`; a credential has a tenant, whose runs alone it"
+        " sees (another tenant's run is a 404), and roles (submit, read, reply, cancel,"
+        " admin): a route without its role is a 403 (docs/security.md).",
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -192,6 +194,11 @@ OPENAPI: dict[str, Any] = {
                 "not projected yet is PENDING, with `dead_letters`: its refused inputs.",
                 "properties": {
                     "run_id": {"type": "string"},
+                    "tenant": {
+                        "type": ["string", "null"],
+                        "description": "the tenant the run belongs to (null: a refused"
+                        " submission that named none)",
+                    },
                     "status": {"type": "string"},
                     "terminal": {"type": "boolean"},
                     "waits": {
@@ -233,6 +240,7 @@ OPENAPI: dict[str, Any] = {
                             "type": "object",
                             "properties": {
                                 "run_id": {"type": "string"},
+                                "tenant": {"type": "string"},
                                 "status": {"type": "string"},
                                 "goal": {"type": "string", "description": "first 200 chars"},
                                 "step": {"type": "integer"},
@@ -291,6 +299,10 @@ OPENAPI: dict[str, Any] = {
                     _query("since", "started at or after (ms since epoch)", kind="integer"),
                     _query("until", "started before (ms since epoch)", kind="integer"),
                     _query("q", "a run id, an idempotency key or a trace id"),
+                    _query(
+                        "tenant",
+                        "this tenant's runs (an admin's; anyone else sees its own tenant's)",
+                    ),
                     _query("limit", "1 to 200, default 50", kind="integer"),
                     _query("cursor", "next_cursor of the previous page"),
                 ],
@@ -354,6 +366,16 @@ OPENAPI: dict[str, Any] = {
                     {"name": "limit", "in": "query", "schema": {"type": "integer"}},
                 ],
                 "responses": {"200": _resp("events"), "404": _resp("unknown run", _ERROR)},
+            }
+        },
+        "/credentials": {
+            "get": {
+                "summary": "The credentials the API holds (admin): id, tenant, roles, where"
+                " each was read and when this process last took a request with it",
+                "responses": {
+                    "200": _resp("the credentials, never their hashes"),
+                    "403": _resp("the credential has no admin role", _ERROR),
+                },
             }
         },
         "/runs/{run_id}/replies": {

@@ -20,7 +20,7 @@ from agentruns.streams.clock import datetime_of
 RUN_FIELDS = (
     "run_id, status, step, attempt, version, resolution, trace_id, goal, last_seq, input_tokens,"
     " output_tokens, cost_micros, tool_calls, started_at, last_event_at, ended_at, system_ms,"
-    " tool_wait_ms, user_wait_ms, outcome, result_ref, state"
+    " tool_wait_ms, user_wait_ms, outcome, result_ref, state, tenant"
 )
 
 
@@ -74,6 +74,12 @@ def children_of(conn: Conn, run_ids: list[str], limit: int) -> list[dict[str, An
             (run_ids, limit),
         )
     )
+
+
+def run_tenant(conn: Conn, run_id: str) -> str | None:
+    """The tenant of a projected run; None: not projected."""
+    row = conn.execute("SELECT tenant FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+    return None if row is None else str(row[0])
 
 
 def run_exists(conn: Conn, run_id: str) -> bool:

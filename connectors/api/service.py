@@ -27,6 +27,7 @@ from prometheus_client import Counter
 
 from agentruns.connectors.api import forks, queries
 from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.credentials import Credential, CredentialStore, fixed_credentials
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
 from agentruns.connectors.api.inputs import (
@@ -58,6 +59,7 @@ from agentruns.processors.ids import (
 )
 from agentruns.processors.limits import MAX_DURATION_MS, MAX_JSON_DEPTH, json_depth
 from agentruns.processors.state import SETTLED, TERMINAL, ErrorClass, RunState, RunStatus
+from agentruns.processors.tenants import DEFAULT_TENANT, stored, tenant_key, valid_tenant
 from agentruns.processors.validation import schema_problem
 from agentruns.streams import tracing
 from agentruns.streams.clock import ms_of
@@ -76,6 +78,11 @@ CALLBACK_MEDIA_TYPE = "application/vnd.agentruns.tool-result+json"
 
 
 INPUTS = Counter("agentruns_api_inputs_total", "Inputs produced to the inbox", ["kind"])
+SUBMISSIONS = Counter(
+    "agentruns_api_submissions_total",
+    "Tasks submitted through the API, by tenant (a tenant no credential names: other)",
+    ["tenant"],
+)
 REPLIES_REJECTED = Counter(
     "agentruns_api_replies_rejected_total", "Replies refused before reaching the core", ["error"]
 )
@@ -125,6 +132,33 @@ def _submitted_record(conn: Conn, run_id: str) -> dict[str, Any] | None:
 MAX_RUN_DEAD_LETTERS = 10
 
 
+def _tenant_of_input(record: dict[str, Any]) -> str:
+    """The tenant a submission input (`_submitted_record`) names."""
+    try:
+        named = json.loads(record["body"]).get("tenant")
+    except (ValueError, AttributeError):
+        named = None
+    return named if isinstance(named, str) else DEFAULT_TENANT
+
+
+def _submit_tenant(body: dict[str, Any], caller: Credential | None) -> str:
+    """The tenant a submission is for: the caller's; an admin may name another in the body's
+    ``tenant``, anyone else only its own."""
+    own = DEFAULT_TENANT if caller is None else caller.tenant
+    named = body.get("tenant")
+    if named is None:
+        return own
+    if not isinstance(named, str) or not valid_tenant(named):
+        raise invalid_input(422, "invalid_task", "invalid_input:tenant: not a tenant name")
+    if named != own and caller is not None and not caller.admin:
+        raise invalid_input(
+            422,
+            "invalid_task",
+            f"invalid_input:tenant: a credential of tenant {own} submits to {own} only",
+        )
+    return named
+
+
 def _dead_letters_of(conn: Conn, run_id: str) -> list[dict[str, Any]]:
     """The refused inputs of `run_id` the sink projected (newest first, at most
     MAX_RUN_DEAD_LETTERS): why a run that was submitted has not started."""
@@ -164,6 +198,11 @@ class ApiService:
         self.db = ConnectionPool(config.database_url, config.db_pool_size)
         self.inbox = Inbox(config)
         self.status = Health("api", bootstrap=config.bootstrap, database_url=config.database_url)
+        self.credentials = CredentialStore(
+            fixed_credentials(config.api_token, config.operator_tokens),
+            config.credentials_file,
+            config.clock,
+        )
 
     def close(self) -> None:
         self.inbox.close()
@@ -233,20 +272,23 @@ class ApiService:
         body: dict[str, Any],
         trace_header: str | None,
         traceparent: str | None = None,
+        caller: Credential | None = None,
     ) -> dict[str, Any]:
-        """Submit a task; `traceparent` (W3C, the caller's span) is the parent of the run's
-        trace, else it starts one (a malformed one is ignored: a new trace)."""
+        """Submit a task for ``caller``'s tenant (None: the default tenant's); `traceparent`
+        (W3C, the caller's span) is the parent of the run's trace, else it starts one (a
+        malformed one is ignored: a new trace)."""
         context = tracing.parse(traceparent)
+        tenant = _submit_tenant(body, caller)
         if not tracing.enabled():
-            return self._submit(key, body, trace_header, context)
+            return self._submit(key, body, trace_header, context, tenant)
         span = tracing.start(
             "submit",
-            context or self._run_context(key, body, trace_header),
+            context or self._run_context(tenant_key(key, tenant), body, trace_header),
             tracing.sent(self.inbox.topic),
             kind="PRODUCER",
         )
         try:
-            out = self._submit(key, body, trace_header, tracing.traceparent_of(span))
+            out = self._submit(key, body, trace_header, tracing.traceparent_of(span), tenant)
         except BaseException as exc:
             tracing.end(span, f"{type(exc).__name__}: {exc}")
             raise
@@ -261,14 +303,20 @@ class ApiService:
         return tracing.run_context(run_id, trace_id if isinstance(trace_id, str) else None, None)
 
     def _submit(
-        self, key: str, body: dict[str, Any], trace_header: str | None, traceparent: str | None
+        self,
+        key: str,
+        body: dict[str, Any],
+        trace_header: str | None,
+        traceparent: str | None,
+        tenant: str,
     ) -> dict[str, Any]:
         if not key or len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "idempotency_key_required", "send an Idempotency-Key header")
-        run_id = run_id_for_key(key)
+        run_id = run_id_for_key(tenant_key(key, tenant))
         # a trace_id that is not a string is refused below, as the task schema says
         trace_id = trace_header or body.get("trace_id") or trace_id_for(run_id)
-        fields = {k: v for k, v in body.items() if k != "trace_id"}
+        fields = {k: v for k, v in body.items() if k not in ("trace_id", "tenant")}
+        named = stored(tenant)
         at = self.clock()
         try:
             event = submitted_task(
@@ -278,6 +326,7 @@ class ApiService:
                 event_id=submit_event_id(run_id),
                 at=at,
                 trace_id=trace_id,
+                **({} if isinstance(named, msgspec.UnsetType) else {"tenant": named}),
             )
         except InvalidInputError as exc:
             extra = {"errors": exc.errors} if exc.errors else {}
@@ -293,6 +342,8 @@ class ApiService:
             self._encoded(record),
             traceparent=traceparent,
         )
+        if created:
+            SUBMISSIONS.labels(self.credentials.tenant_label(tenant)).inc()
         run = self.run_row(run_id)
         return {
             "run_id": run_id,
@@ -311,11 +362,25 @@ class ApiService:
         with self.db.connection() as conn:
             return queries.run_row(conn, run_id)
 
-    def get_run(self, run_id: str) -> dict[str, Any]:
-        """The run as committed. All of it is read in ONE snapshot: the sink commits a run's
-        rows (runs, operations, results) together, so they agree with each other."""
+    def check_tenant(self, conn: Conn, run_id: str, tenant: str | None) -> None:
+        """Refuse (404, as for a run that does not exist: its id does not leak) a run of
+        another tenant than ``tenant``; None: every tenant's runs are the caller's."""
+        if tenant is None:
+            return
+        found = queries.run_tenant(conn, run_id)
+        if found is None:
+            submitted = _submitted_record(conn, run_id)
+            found = None if submitted is None else _tenant_of_input(submitted)
+        if found != tenant:
+            raise ApiError(404, "run_not_found", f"no run {run_id}")
+
+    def get_run(self, run_id: str, tenant: str | None = None) -> dict[str, Any]:
+        """The run as committed (of ``tenant``: `check_tenant`). All of it is read in ONE
+        snapshot: the sink commits a run's rows (runs, operations, results) together, so they
+        agree with each other."""
         with self.db.connection() as conn, conn.transaction():
             queries.read_only_snapshot(conn)
+            self.check_tenant(conn, run_id, tenant)
             run = queries.run_row(conn, run_id)
             if run is None:
                 # Submitted through this API, or refused with its run named (the submission
@@ -323,10 +388,12 @@ class ApiService:
                 # with the refusals. A submission still on its way from another producer is
                 # known to no table yet: 404.
                 dead = _dead_letters_of(conn, run_id)
-                if not dead and _submitted_record(conn, run_id) is None:
+                submitted = _submitted_record(conn, run_id)
+                if not dead and submitted is None:
                     raise ApiError(404, "run_not_found", f"no run {run_id}")
                 return {
                     "run_id": run_id,
+                    "tenant": None if submitted is None else _tenant_of_input(submitted),
                     "status": "PENDING",
                     "terminal": False,
                     "operations": [],
@@ -355,6 +422,7 @@ class ApiService:
             }
         out: dict[str, Any] = {
             "run_id": run_id,
+            "tenant": run["tenant"],
             "status": status.value,
             "terminal": terminal,
             "trace_id": run["trace_id"],
@@ -417,8 +485,11 @@ class ApiService:
             "resume_token": sign_token(self.config.keys.resume, token),
         }
 
-    def events(self, run_id: str, after_seq: int, limit: int) -> dict[str, Any]:
+    def events(
+        self, run_id: str, after_seq: int, limit: int, tenant: str | None = None
+    ) -> dict[str, Any]:
         with self.db.connection() as conn:
+            self.check_tenant(conn, run_id, tenant)
             rows = queries.events_after(conn, run_id, after_seq, limit)
             if not rows and after_seq == 0 and not queries.run_exists(conn, run_id):
                 raise ApiError(404, "run_not_found", f"no events for run {run_id}")
@@ -429,8 +500,10 @@ class ApiService:
 
     # ------------------------------------------------------------------ replies
 
-    def reply(self, run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    def reply(self, run_id: str, body: dict[str, Any], tenant: str | None = None) -> dict[str, Any]:
         try:
+            with self.db.connection() as conn:
+                self.check_tenant(conn, run_id, tenant)
             return self._reply(run_id, body)
         except ApiError as exc:
             REPLIES_REJECTED.labels(exc.code).inc()
@@ -515,14 +588,18 @@ class ApiService:
 
     # ------------------------------------------------------------------ cancel, callbacks
 
-    def cancel(self, run_id: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
-        """CancelRequested for the run (R24: the core handles it at the next transition).
+    def cancel(
+        self, run_id: str, body: dict[str, Any], key: str | None, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """CancelRequested for the run (R24: the core handles it at the next transition), of
+        ``tenant`` (`check_tenant`).
 
         Without an Idempotency-Key, one cancel per run resolution: a repeat is answered as
         already requested (the core would record it as a DUPLICATE anyway)."""
         if key is not None and len(key) > MAX_KEY_CHARS:
             raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
         with self.db.connection() as conn:
+            self.check_tenant(conn, run_id, tenant)
             run = queries.run_row(conn, run_id)
             submitted = _submitted_record(conn, run_id) if run is None else None
         if run is None and submitted is None:
@@ -605,7 +682,13 @@ class ApiService:
         return self._acted(action, run_id, input_id, created, actor, state)
 
     def fork(
-        self, action: str, run_id: str, body: dict[str, Any], key: str | None, actor: str
+        self,
+        action: str,
+        run_id: str,
+        body: dict[str, Any],
+        key: str | None,
+        actor: str,
+        tenant: str | None = None,
     ) -> dict[str, Any]:
         """Fork the run (``action`` ``fork``: at the seq the body names, with its edits) or
         resume it (``resume``: a fork before the failure that ended it), as ``actor``. The
@@ -613,6 +696,8 @@ class ApiService:
         derives from the source and the seq), as input 1 of the API for the fork's run."""
         if key is not None and (not key or len(key) > MAX_KEY_CHARS):
             raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
+        with self.db.connection() as conn:
+            self.check_tenant(conn, run_id, tenant)  # the fork is of the source's tenant
         parsed = forks.parse(action, body)
         with self.db.connection() as conn:
             records = queries.run_log(conn, run_id, forks.MAX_SOURCE_RECORDS)

@@ -1,8 +1,8 @@
 """Resume tokens and operator tokens (R15); callback signatures are `agentruns.connectors.keys`'.
 
-Operator tokens are bearer tokens with the operator scope: besides what the API token may do,
-they resolve, reopen and re-drive runs, and the operator's name goes into the run's log as the
-actor of each such action.
+Operator tokens (AGENTRUNS_API_OPERATOR_TOKENS) are admin credentials of the default tenant
+(`agentruns.connectors.api.credentials`): the operator's name goes into the run's log as the
+actor of what it does.
 
 A resume token ``art1.<claims>.<HMAC>`` binds run, question, token id, state version and
 expiry; the API signs it (with the resume-token key, `keys.Keys.resume`) when it shows a
@@ -25,8 +25,6 @@ TOKEN_PREFIX = "art1"
 #: Longer than any token `sign_token` makes (three ids of at most 512 characters, base64url);
 #: a longer one is refused before anything is decoded.
 MAX_TOKEN_CHARS = 4096
-#: The operator scope: what a bearer token needs to resolve, reopen or re-drive a run.
-OPERATOR_SCOPE = "operator"
 #: Bounds of the operator token list (AGENTRUNS_API_OPERATOR_TOKENS).
 MAX_OPERATORS = 64
 MIN_OPERATOR_TOKEN_CHARS = 16
@@ -139,13 +137,3 @@ def parse_operator_tokens(text: str) -> dict[str, str]:
             raise OperatorTokensError(f"operator {name} or its token is listed twice")
         out[token] = name
     return out
-
-
-def operator_of(tokens: dict[str, str], given: str) -> str | None:
-    """The operator whose token ``given`` is, or None: every token is compared, each in
-    constant time, so the time taken does not tell which one nearly matched."""
-    found = None
-    for token, name in tokens.items():
-        if hmac.compare_digest(token.encode(), given.encode()):
-            found = name
-    return found

@@ -31,6 +31,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import SETTLED, Operation, OpStatus, Question, RunState
+from agentruns.processors.tenants import tenant_of
 from agentruns.processors.transition import Disposition
 from agentruns.streams.dlq import MAX_REASON_CHARS, text
 from agentruns.streams.records import parse_event_body
@@ -101,6 +102,7 @@ RUN_COLUMNS = (
     "forked_from_run_id",
     "forked_from_seq",
     "parent_run_id",
+    "tenant",
 )
 EVENT_COLUMNS = (
     "run_id",
@@ -191,6 +193,7 @@ def run_values(state: RunState, last_seq: int) -> tuple[Any, ...]:
         state.model_dump_json(),
         *_lineage(state),
         None if isinstance(state.parent, msgspec.UnsetType) else state.parent.run_id,
+        tenant_of(state.tenant),
     )
 
 

@@ -133,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             store_dir=args.store_dir or str(current().processor_store_dir()),
             rules_version=args.rules_version,
             catalog=catalog,
+            default_tenant=current().default_tenant,
+            trust_tenant_header=current().trust_tenant_header,
         )
         tune_gc()
         tune_switch_interval()

@@ -27,6 +27,7 @@ from agentruns.streams.records import input_record
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
 from tests.support.api import (
     GUARDED,
+    OPERATOR_TOKEN,
     PARTITIONS,
     REPORT,
     SECRET,
@@ -221,6 +222,10 @@ def test_replies_with_a_forged_or_reused_token_are_rejected_a_valid_one_is_consu
         r = reply(tok, {"approved": True})
         assert r.status_code == 409 and r.json()["error"] == "token_forged", r.text
     other_run = reply(token, {"approved": True}, run="run-someone-else")
+    assert other_run.status_code == 404  # not a run of the caller's tenant: nothing more said
+    with stack.client(OPERATOR_TOKEN) as admin:  # an admin's, for every tenant's runs
+        body = {"resume_token": token, "response": {"approved": True}}
+        other_run = admin.post("/runs/run-someone-else/replies", json=body)
     assert other_run.status_code == 409 and other_run.json()["error"] == "token_forged"
     invalid = reply(token, {"approved": "yes"})
     assert invalid.status_code == 422 and invalid.json()["error"] == "response_invalid"
@@ -293,7 +298,11 @@ def test_an_async_tool_callback_completes_the_operation(stack: Stack) -> None:
         assert run["operations"][0]["status"] == "SUCCEEDED"
         repeat = backend.post(url, json=payload, headers=signed)
         assert repeat.status_code == 200 and repeat.json()["accepted"] is False
-    missing = stack.http.post("/operations/no-such-op/callback", json={"status": "succeeded"})
+    # without its signature a callback needs an admin's credential
+    refused = stack.http.post("/operations/no-such-op/callback", json={"status": "succeeded"})
+    assert refused.status_code == 403
+    with stack.client(OPERATOR_TOKEN) as admin:
+        missing = admin.post("/operations/no-such-op/callback", json={"status": "succeeded"})
     assert missing.status_code == 404
 
 
@@ -585,7 +594,9 @@ def test_a_submission_refused_on_kafka_answers_pending_with_its_dead_letter(stac
     seen: dict[str, Any] = {}
 
     def refused() -> bool:
-        answer = stack.http.get(f"/runs/{run_id}")
+        # a submission refused before it named its tenant is an admin's to see
+        with stack.client(OPERATOR_TOKEN) as admin:
+            answer = admin.get(f"/runs/{run_id}")
         if answer.status_code == 404:  # the sink has not projected the dead letter yet
             return False
         assert answer.status_code == 200, answer.text
@@ -599,5 +610,6 @@ def test_a_submission_refused_on_kafka_answers_pending_with_its_dead_letter(stac
     assert dead["source_topic"] == topic_name(INBOX, stack.prefix)
     assert dead["source_partition"] == partition_for(run_id, PARTITIONS)
     assert isinstance(dead["at"], int) and dead["at"] >= event.at
+    assert stack.http.get(f"/runs/{run_id}").status_code == 404  # not the tenant's own
     never = stack.http.get(f"/runs/{run_id_for_key(uuid.uuid4().hex)}")
     assert never.status_code == 404 and never.json()["error"] == "run_not_found"

@@ -17,7 +17,7 @@ from agentruns.connectors.api.client import ApiClient, ClientError
 from agentruns.connectors.dev.servers.hostile import Doors, cases, check, inject, positions
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.topics import topic_name
-from tests.support.api import OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
+from tests.support.api import CREDENTIALS, OPERATOR, OPERATOR_TOKEN, PARTITIONS, TOKEN, Stack
 from tests.support.console import csrf_of, logged_in
 from tests.support.pipeline import read_all
 from tests.support.waiting import wait_for
@@ -145,8 +145,9 @@ def test_hostile_forks_are_refused_and_nothing_is_produced(
     refused(422, "invalid_body", lambda: operator.fork(run_id, 1, budgets={"max_tokens": 10**30}))
     refused(409, "fork_refused", lambda: operator.fork(run_id, 1, budgets={"deadline_at": 1}))
     refused(409, "SUCCEEDED", lambda: operator.resume(run_id, cancelled=True))
-    # a token without the operator scope cannot fork
-    r = stack.http.post(f"/runs/{run_id}/fork", json={"at": 1})
+    # a credential without the submit role cannot fork
+    with stack.client(CREDENTIALS["a-read"][2]) as reader:
+        r = reader.post(f"/runs/{run_id}/fork", json={"at": 1})
     assert r.status_code == 403, r.text
     assert stack.run(run_id)["forks"] == []
     # a fork of a fork of a fork names its direct source
@@ -201,10 +202,12 @@ def test_the_hostile_fork_cases_end_as_they_must(stack: Stack) -> None:
 
 def test_the_console_shows_the_lineage_and_forks_for_an_operator(stack: Stack) -> None:
     run_id, _ = ended(stack, f"console-fork-{uuid.uuid4().hex}")
-    with logged_in(stack) as viewer:
+    with logged_in(stack) as viewer:  # submit and read, not an admin
         page = viewer.get(f"/ui/runs/{run_id}")
         assert page.status_code == 200 and 'id="fork"' not in page.text
-        refused = viewer.post(f"/ui/runs/{run_id}/fork", data={"csrf": csrf_of(page.text)})
+    with logged_in(stack, CREDENTIALS["a-read"][2]) as reader:  # no submit role
+        page = reader.get("/ui/runs")
+        refused = reader.post(f"/ui/runs/{run_id}/fork", data={"csrf": csrf_of(page.text)})
         assert refused.status_code == 403
     with logged_in(stack, OPERATOR_TOKEN) as operator:
         page = operator.get(f"/ui/runs/{run_id}")

@@ -27,7 +27,7 @@ from agentruns.streams.clock import ms_of
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import client_settings
 from agentruns.streams.topics import DLQ, INBOX, topic_name
-from tests.support.api import TOKEN, Stack
+from tests.support.api import OPERATOR_TOKEN, TOKEN, Stack
 from tests.support.console import csrf_of, logged_in
 from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for
@@ -125,7 +125,7 @@ def test_goals_tool_results_and_dead_letters_render_as_text(stack: Stack) -> Non
     producer = Producer({"bootstrap.servers": stack.bootstrap, **client_settings()})
     producer.produce(topic_name(INBOX, stack.prefix), key=b"<b>key</b>", value=bad, partition=0)
     assert producer.flush(30) == 0
-    with logged_in(stack) as console:
+    with logged_in(stack, OPERATOR_TOKEN) as console:
         pages = [
             console.get("/ui/runs", params={"q": run_id}).text,
             console.get(f"/ui/runs/{run_id}").text,
@@ -157,16 +157,17 @@ def test_wrong_tokens_are_limited_per_address_and_cookies_are_secure_over_https(
     # uvicorn takes the client address and scheme from X-Forwarded-* sent by 127.0.0.1 (its
     # default trusted proxy): the addresses here are other tests' neighbours, not 127.0.0.1
     address = f"203.0.113.{random.randrange(1, 255)}"
+    nope = uuid.uuid4().hex  # a guess of its own: wrong tokens count per prefix too
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         csrf = _login_form(client)
         for _ in range(5):
             wrong = client.post(
                 "/ui/login",
-                data={"token": "nope", "csrf": csrf},
+                data={"token": nope, "csrf": csrf},
                 headers={"X-Forwarded-For": address},
             )
             assert wrong.status_code == 401
-        for token in ("nope", TOKEN):  # refused before the token is compared
+        for token in (nope, TOKEN):  # refused before the token is compared
             limited = client.post(
                 "/ui/login",
                 data={"token": token, "csrf": csrf},
@@ -275,7 +276,7 @@ def test_dead_letters_are_projected_once_bounded_and_paged_newest_first(
     undecodable = [r for r in found if str(r[1]).startswith(UNDECODABLE)]
     assert len(undecodable) == 1 and undecodable[0][6] == garbage
 
-    with logged_in(stack) as console:
+    with logged_in(stack, OPERATOR_TOKEN) as console:
         html = console.get("/ui/dead-letters", params={"reason": f"marker-{tag}"}).text
         assert html.count("<tr>") == 2  # the header and the one dead letter
         assert "<script>alert" not in html and "<b>key" not in html and "<i>run" not in html
@@ -439,7 +440,7 @@ def test_step_latency_is_per_minute_from_the_events_of_each_step(
     assert [(slot, n) for slot, _, _, n in per_minute] == [(29, 3)]
     _, p50, p95, _ = per_minute[0]
     assert (round(p50, 3), round(p95, 3)) == (3000, 5700)  # of 1 s, 3 s and 6 s
-    with logged_in(stack) as console:
+    with logged_in(stack, OPERATOR_TOKEN) as console:
         stack.wait_status(stack.submit(f"console-latency-{uuid.uuid4().hex}"), "SUCCEEDED")
         deadline = time.monotonic() + CHARTS_TTL_MS / 1000 + 10  # charts made a moment ago
         while True:

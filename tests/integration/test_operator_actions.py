@@ -90,10 +90,10 @@ def test_operator_actions_need_an_operator_token(stack: Stack) -> None:
             assert anon.post(path, json={"action": "fail"}).status_code == 401
             forged = {"Authorization": f"Bearer {OPERATOR_TOKEN}x"}
             assert anon.post(path, json={"action": "fail"}, headers=forged).status_code == 401
-        # the API token is valid but has no operator scope
+        # the stack's credential is valid but not an admin
         r = stack.http.post(path, json={"action": "fail"})
         assert r.status_code == 403, r.text
-        assert r.json()["error"] == "insufficient_scope" and r.json()["scope"] == "operator"
+        assert r.json()["error"] == "insufficient_scope" and r.json()["scope"] == "admin"
         assert 'error="insufficient_scope"' in r.headers["www-authenticate"]
     assert _stored(stack, run_id) == 0
     # the operator token also reads, as the API token does

@@ -4,16 +4,19 @@ in-process processor, the sink and a scripted executor double, on one topic pref
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.credentials import ROLES, token_digest
 from agentruns.connectors.api.serve import serving
 from agentruns.connectors.keys import Keys, sign_callback
 from agentruns.processors.catalog import Catalog
@@ -46,6 +49,34 @@ from tests.support.waiting import wait_for
 
 PARTITIONS = 3
 TOKEN = "test-bearer-" + uuid.uuid4().hex
+TENANT_A, TENANT_B = "team-a", "team-b"
+
+
+def _minted(name: str) -> str:
+    return f"agr_{name}_{uuid.uuid4().hex}"
+
+
+#: The credentials file of the test stack: id -> (tenant, roles, token). The stack's own
+#: client sends TOKEN: every role but admin, in the default tenant (the API's own token is an
+#: admin; OPERATOR_TOKEN is one too). Tenant A has one credential per role, tenant B one with
+#: every role but admin.
+CREDENTIALS: dict[str, tuple[str, str, str]] = {
+    "stack": ("default", "submit,read,reply,cancel", TOKEN),
+    **{f"a-{role}": (TENANT_A, role, _minted(f"a-{role}")) for role in ROLES},
+    "b-all": (TENANT_B, "submit,read,reply,cancel", _minted("b-all")),
+}
+
+
+def write_credentials(path: Path, credentials: dict[str, tuple[str, str, str]]) -> Path:
+    path.write_text(
+        "".join(
+            f"{cid} {t} {roles} {token_digest(tok)}\n"
+            for cid, (t, roles, tok) in credentials.items()
+        )
+    )
+    return path
+
+
 SECRET = b"test-secret-" + uuid.uuid4().hex.encode()
 OPERATOR = "alice"
 OPERATOR_TOKEN = "test-operator-" + uuid.uuid4().hex
@@ -184,6 +215,13 @@ class Stack:
         self.processor.set_catalog(catalog)
         self.api.set_catalog(catalog)
 
+    @contextmanager
+    def client(self, token: str) -> Iterator[httpx.Client]:
+        """A client of the API that sends ``token`` (OPERATOR_TOKEN: an admin's)."""
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=self.url, headers=headers, timeout=30) as http:
+            yield http
+
     def submit(self, key: str, **task: Any) -> str:
         body = {"goal": "find three documents", "tools": [SEARCH.model_dump()], **task}
         r = self.http.post("/runs", json=body, headers={"Idempotency-Key": key})
@@ -229,11 +267,14 @@ def pipeline(
     api = ApiConfig(
         bootstrap=bootstrap,
         database_url=database_url,
-        api_token=TOKEN,
+        api_token="",
         secret=SECRET,
         prefix=prefix,
         operator_tokens={OPERATOR_TOKEN: OPERATOR},
         catalog=catalog,
+        credentials_file=write_credentials(
+            Path(tempfile.mkdtemp(prefix="agentruns-credentials-")) / "credentials", CREDENTIALS
+        ),
     )
     with running_processor(config, database_url) as processor:
         double.start()

@@ -140,6 +140,15 @@ def test_a_submission_is_deterministic_and_names_its_parent() -> None:
         ancestors=("parent",),
     )
     assert parent_problem(first) is None
+    assert isinstance(first.tenant, msgspec.UnsetType)  # the default tenant's caller
+
+
+def test_a_child_belongs_to_its_callers_tenant() -> None:
+    args = {"goal": "find the policy"}
+    made = child_submission(effect(args, tenant="shop"), args, ChildTemplate())
+    assert isinstance(made, RunSubmitted) and made.tenant == "shop"
+    state = transition(None, made).state
+    assert state is not None and state.tenant == "shop"
 
 
 # --------------------------------------------------------------------------- budgets

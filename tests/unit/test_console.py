@@ -4,6 +4,10 @@ makes of dead letters."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from agentruns.connectors.api.console import (
@@ -13,6 +17,7 @@ from agentruns.connectors.api.console import (
     _of_dead_letter_cursor,
     preview,
 )
+from agentruns.connectors.api.credentials import CredentialStore, fixed_credentials, token_digest
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.projection.rows import (
     DEAD_LETTER_COLUMNS,
@@ -24,10 +29,19 @@ from agentruns.connectors.projection.rows import (
 from agentruns.streams import dlq
 
 
-def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_key() -> None:
+def _store(tmp: Path, lines: str, clock: Callable[[], int]) -> CredentialStore:
+    path = tmp / "credentials"
+    path.write_text(lines)
+    return CredentialStore(fixed_credentials("api-token" * 4, {}), path, clock, check_every_ms=0)
+
+
+def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_key(
+    tmp_path: Path,
+) -> None:
     now = [1_000_000]
-    sessions = Sessions(b"k" * 32, lambda: now[0], {"api-token": None})
-    cookie = sessions.new("api-token")
+    store = _store(tmp_path, "", lambda: now[0])
+    sessions = Sessions(b"k" * 32, lambda: now[0], store)
+    cookie = sessions.new(store.lookup("api-token" * 4))  # type: ignore[arg-type]
     session = sessions.valid(cookie)
     assert session is not None
     assert sessions.csrf_ok(session, sessions.csrf(session))
@@ -35,24 +49,35 @@ def test_a_session_cookie_is_refused_when_forged_expired_or_signed_with_another_
     expires, nonce, mac = cookie.split(".")
     assert sessions.valid(f"{int(expires) + 1}.{nonce}.{mac}") is None  # extended by hand
     assert sessions.valid(f"{expires}.{nonce}x.{mac}") is None
-    assert Sessions(b"o" * 32, lambda: now[0], {"api-token": None}).valid(cookie) is None
+    assert Sessions(b"o" * 32, lambda: now[0], store).valid(cookie) is None
     assert sessions.valid("") is None and sessions.valid(None) is None
+    assert sessions.valid("x" * 1_000_000) is None  # a 1 MB cookie: refused unread
     now[0] = int(expires)
     assert sessions.valid(cookie) is None
 
 
-def test_a_session_ends_when_the_token_that_opened_it_is_rotated() -> None:
-    secret, clock = b"k" * 32, lambda: 1_000
-    before = Sessions(secret, clock, {"old-token": None, "op-token": "alice"})
-    api, operator = before.new("old-token"), before.new("op-token")
-    after = Sessions(secret, clock, {"new-token": None, "op-token": "alice"})
-    assert after.valid(api) is None  # the API token changed
-    session = after.valid(operator)
-    assert session is not None and Sessions.operator(session) == "alice"
-    demoted = Sessions(secret, clock, {"new-token": None, "op-token": "bob"})
-    assert demoted.valid(operator) is None  # the token now names another operator
-    with pytest.raises(ValueError):
-        after.new("old-token")
+def test_a_session_ends_when_its_credential_is_rotated_removed_or_its_roles_change(
+    tmp_path: Path,
+) -> None:
+    token = "agr_" + "x" * 40
+    line = f"alice team-a submit,read {token_digest(token)}\n"
+    store = _store(tmp_path, line, lambda: 1_000)
+    sessions = Sessions(b"k" * 32, lambda: 1_000, store)
+    cookie = sessions.new(store.lookup(token))  # type: ignore[arg-type]
+    assert sessions.valid(cookie) is not None
+    path = tmp_path / "credentials"
+    for changed in (
+        line.replace("submit,read", "submit,read,cancel"),  # a role added
+        line.replace("team-a", "team-b"),  # moved to another tenant
+        f"alice team-a submit,read {token_digest(token + 'x')}\n",  # rotated
+        "",  # removed
+    ):
+        path.write_text(changed)
+        os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 1_000_000))
+        assert sessions.valid(cookie) is None, changed
+        path.write_text(line)
+        os.utime(path, ns=(1, os.stat(path).st_mtime_ns + 2_000_000))
+        assert sessions.valid(cookie) is not None  # the very same credential again
 
 
 def test_the_preview_shows_bytes_as_hex_and_printable_text_only() -> None:

@@ -10,12 +10,12 @@ import pytest
 
 from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.console import Sessions
+from agentruns.connectors.api.credentials import CredentialStore, fixed_credentials
 from agentruns.connectors.api.errors import ApiError
 from agentruns.connectors.api.operator import allowed, parse_body, plan
 from agentruns.connectors.api.tokens import (
     MAX_OPERATORS,
     OperatorTokensError,
-    operator_of,
     parse_operator_tokens,
 )
 from agentruns.connectors.errors import AgentrunsError
@@ -31,14 +31,17 @@ from agentruns.processors.events import (
 from agentruns.processors.state import RunStatus
 from tests.unit._core_support import Driver, search
 
+
+def now() -> int:
+    return 1_000
+
+
 LONG = "t" * 32
 
 
 def test_operator_tokens_are_name_token_pairs_within_bounds() -> None:
     tokens = parse_operator_tokens(f" alice:{LONG}a , bob@example.org:{LONG}b ")
     assert tokens == {f"{LONG}a": "alice", f"{LONG}b": "bob@example.org"}
-    assert operator_of(tokens, f"{LONG}b") == "bob@example.org"
-    assert operator_of(tokens, f"{LONG}c") is None and operator_of(tokens, "") is None
     assert parse_operator_tokens("") == {}
 
 
@@ -184,13 +187,15 @@ def test_a_waiting_run_is_redriven_only_without_a_driving_timer() -> None:
     assert caught.value.status == 409 and caught.value.extra["timers"] == ["MODEL_BACKOFF"]
 
 
-def test_a_console_session_carries_its_operator_inside_the_signature() -> None:
-    sessions = Sessions(b"k" * 32, lambda: 1_000, {"api": None, "bob-token": "bob@example.org"})
-    plain = sessions.valid(sessions.new("api"))
-    assert plain is not None and Sessions.operator(plain) is None
-    cookie = sessions.new("bob-token")
+def test_a_console_session_carries_its_credential_inside_the_signature() -> None:
+    store = CredentialStore(fixed_credentials("a" * 32, {"b" * 32: "bob@example.org"}), None, now)
+    sessions = Sessions(b"k" * 32, now, store)
+    plain = sessions.valid(sessions.new(store.lookup("a" * 32)))  # type: ignore[arg-type]
+    assert plain is not None and sessions.credential(plain).id == "api"  # type: ignore[union-attr]
+    cookie = sessions.new(store.lookup("b" * 32))  # type: ignore[arg-type]
     session = sessions.valid(cookie)
-    assert session is not None and Sessions.operator(session) == "bob@example.org"
+    assert session is not None
+    assert sessions.credential(session).actor == "operator:bob@example.org"  # type: ignore[union-attr]
     expires, nonce, mac = cookie.split(".")
-    forged = f"{expires}.{nonce.split('~')[0]}~{'bWFsbG9yeQ'}.{mac}"
+    forged = f"{expires}.{nonce.split('~')[0]}~YXBp~{nonce.split('~')[2]}.{mac}"
     assert sessions.valid(forged) is None

@@ -471,3 +471,44 @@ def test_a_repeated_answer_to_an_effect_changes_nothing_however_it_comes_back() 
     events = [e for e in records_to(batch, TOPICS.events) if e["seq"] > seq]
     assert [e["disposition"] for e in events] == ["DUPLICATE", "LATE"]
     assert path.stats.duplicates == 2
+
+
+def _tenant_path(trust: bool) -> InputPath:
+    return InputPath(
+        TOPICS,
+        PathSettings(default_tenant="upstream", trust_tenant_header=trust),
+        ProcessorStats(),
+        clock=lambda: AT / 1000,
+    )
+
+
+def test_a_task_produced_straight_to_kafka_gets_the_default_tenant_or_its_trusted_header() -> None:
+    def applied(path: InputPath, event: RunSubmitted, header: bytes | None) -> Batch:
+        batch = Batch()
+        record = encode("Input", input_record(event))
+        headers: list[tuple[str, str | bytes | None]] = []
+        if header is not None:
+            headers.append(("agentruns-tenant", header))
+        path.handle(inbound(record, key=event.run_id.encode(), headers=headers), batch)
+        return batch
+
+    untrusted = _tenant_path(trust=False)
+    applied(untrusted, submit("t1"), b"billing")  # the header is not trusted: ignored
+    assert untrusted.slots[0]["t1"].state.tenant == "upstream"  # type: ignore[union-attr]
+    trusted = _tenant_path(trust=True)
+    batch = applied(trusted, submit("t2"), b"billing")
+    assert trusted.slots[0]["t2"].state.tenant == "billing"  # type: ignore[union-attr]
+    (first, *_) = records_to(batch, TOPICS.events)
+    assert json.loads(first["body"])["tenant"] == "billing"  # in the run's log
+    # a tenant the submission names itself (the API's) is kept, whatever the header says
+    applied(trusted, replace(submit("t3"), tenant="ops"), b"billing")
+    assert trusted.slots[0]["t3"].state.tenant == "ops"  # type: ignore[union-attr]
+    # a trusted header that is no tenant name refuses the input
+    batch = applied(trusted, submit("t4"), b"Not A Tenant\xff")
+    (dead,) = records_to(batch, TOPICS.dlq)
+    assert "tenant" in dead["reason"] and "t4" not in trusted.slots.get(0, {})
+    # the default tenant is not written: a run's log is the bytes it was before tenants
+    plain = InputPath(TOPICS, PathSettings(), ProcessorStats(), clock=lambda: AT / 1000)
+    batch = applied(plain, submit("t5"), None)
+    (first, *_) = records_to(batch, TOPICS.events)
+    assert "tenant" not in json.loads(first["body"])
