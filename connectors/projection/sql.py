@@ -44,7 +44,7 @@ RUNS_TABLE = Table(
     "runs",
     RUN_COLUMNS,
     "text bigint text integer integer bigint integer text text bigint bigint bigint integer"
-    " bigint bigint bigint bigint bigint bigint text text text text bigint text",
+    " bigint bigint bigint bigint bigint bigint text text text text bigint text text",
     "(run_id)",
     "DO UPDATE SET "
     + _set(RUN_COLUMNS, skip=("run_id",))
