@@ -188,14 +188,14 @@ AUTHENTICATED_KEY = "agentruns.authenticated"
 #: Public paths that answer more to a caller with a credential (`/healthz`: its checks' error
 #: text names hosts, ports and user names); such a credential is checked, and counted when
 #: wrong, like any other.
-_DETAILED_WITH_CREDENTIAL = frozenset({"/healthz"})
+DETAILED_WITH_CREDENTIAL = frozenset({"/healthz"})
 
 
 def _public(scope: Scope) -> bool:
     path = scope["path"]
     if path not in PUBLIC_PATHS:
         return False
-    return path not in _DETAILED_WITH_CREDENTIAL or not any(
+    return path not in DETAILED_WITH_CREDENTIAL or not any(
         name == b"authorization" for name, _ in scope["headers"]
     )
 

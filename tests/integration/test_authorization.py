@@ -23,7 +23,7 @@ import pytest
 
 from agentruns.connectors.api.console import CONSOLE_ROUTES, OPEN, SESSION, UI_PREFIX
 from agentruns.connectors.api.credentials import ADMIN, ROLES, token_digest
-from agentruns.connectors.api.http import CALLBACK, PUBLIC, ROUTES
+from agentruns.connectors.api.http import CALLBACK, DETAILED_WITH_CREDENTIAL, PUBLIC, ROUTES
 from tests.support.api import (
     CREDENTIALS,
     OPERATOR,
@@ -151,11 +151,12 @@ def _path(template: str, run_id: str, runs: Runs) -> str:
     return template.format(run_id=run_id, key="op-that-is-not-there", ref=runs.artifact)
 
 
-def _api_expected(rule: str, who: str, name: str) -> str:
+def _api_expected(rule: str, who: str, name: str, template: str) -> str:
     """What a JSON route answers ``who``: 'ok' (let through: the route's own answer),
-    '401', '403' or '404' (another tenant's run)."""
+    '401', '403' or '404' (another tenant's run). A public route that answers more to a
+    credential checks one that is given (a wrong one is a 401)."""
     if rule == PUBLIC:
-        return "ok"
+        return "401" if who == "wrong" and template in DETAILED_WITH_CREDENTIAL else "ok"
     if who in ("none", "wrong"):
         return "401"
     holds = ADMIN if who == "admin" else CREDENTIALS[who][1]
@@ -206,7 +207,7 @@ def test_the_json_api_matrix(stack: Stack, runs: Runs, who: str) -> None:
                 elif token is not None:
                     sent["Authorization"] = f"Bearer {token}"
                 r = client.request(method, _path(template, run_id, runs), json=body, headers=sent)
-            expected = _api_expected(rule, who, name)
+            expected = _api_expected(rule, who, name, template)
             if expected == "ok" and whose == "other" and not _admin(who) and rule != PUBLIC:
                 expected = "404"
             got = "ok" if _let_through(r) else str(r.status_code)
