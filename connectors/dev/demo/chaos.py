@@ -43,6 +43,15 @@ from typing import Any
 import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
+from agentruns.connectors.api.credentials import (
+    CANCEL,
+    READ,
+    REPLY,
+    SUBMIT,
+    Credential,
+    credential_line,
+    token_digest,
+)
 from agentruns.connectors.dev.demo.cluster_faults import (
     PARTITION_FAULTS,
     ClusterFaults,
@@ -67,6 +76,7 @@ from agentruns.connectors.projection.audit import AuditReport, audit
 from agentruns.connectors.projection.reading import read_topic
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import Budgets, Policy, ToolSpec
+from agentruns.processors.tenants import DEFAULT_TENANT
 from agentruns.streams.admin import ensure_topics
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import encode
@@ -362,12 +372,25 @@ class ChaosRun:
 
     def _add_api(self) -> None:
         """The API, for the hostile cases that come in through it."""
-        self.api_url = self.api_token = self.operator_token = None
+        self.api_url = self.api_token = self.operator_token = self.scoped_token = None
         if not self.plan.hostile:
             return
         api_port = free_port_block(1, start=29500)
         self.api_url = f"http://127.0.0.1:{api_port}"
-        self.sup.env["AGENTRUNS_API_TOKEN"] = self.api_token = uuid.uuid4().hex
+        self.sup.env["AGENTRUNS_API_TOKEN"] = self.api_token = uuid.uuid4().hex * 2
+        # an upstream system's credential: of the default tenant, without the admin role (the
+        # operator routes refuse it)
+        self.scoped_token = uuid.uuid4().hex * 2
+        scoped = Credential(
+            id="chaos-upstream",
+            tenant=DEFAULT_TENANT,
+            roles=frozenset({SUBMIT, READ, REPLY, CANCEL}),
+            digest=token_digest(self.scoped_token),
+        )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        credentials = self.log_dir / "credentials"
+        credentials.write_text(credential_line(scoped))
+        self.sup.env["AGENTRUNS_API_CREDENTIALS"] = str(credentials)
         self.sup.env["AGENTRUNS_API_SECRET"] = uuid.uuid4().hex
         self.operator_token = uuid.uuid4().hex
         self.sup.env["AGENTRUNS_API_OPERATOR_TOKENS"] = f"chaos:{self.operator_token}"
@@ -426,6 +449,7 @@ class ChaosRun:
             api_url=self.api_url,
             api_token=self.api_token,
             operator_token=self.operator_token,
+            scoped_token=self.scoped_token,
         )
         cleanup.callback(self.doors.close)
         self.bad_inputs = (

@@ -85,6 +85,7 @@ class Doors:
     api_url: str | None = None
     api_token: str | None = None
     operator_token: str | None = None  # for the operator routes (resolve, reopen, redrive)
+    scoped_token: str | None = None  # a credential without the admin role (else api_token's)
     _producer: Producer | None = field(default=None, repr=False)
     _placed: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -538,14 +539,14 @@ def _api_reply_without_question(doors: Doors, run_id: str) -> Injected:
 
 def _api_operator(action: str, body: bytes, *, scope: bool = True) -> Inject:
     """A request to an operator route (``POST /runs/{id}/<action>``) with ``body``, sent with
-    the operator's token, or with the API's token (no operator scope) when ``scope`` is False."""
+    the operator's token, or with a credential without the admin role when ``scope`` is False."""
 
     def inject(doors: Doors, run_id: str) -> Injected:
         assert doors.operator_token is not None
         status = doors.api(
             "POST",
             f"/runs/{run_id}/{action}",
-            token=doors.operator_token if scope else doors.api_token,
+            token=doors.operator_token if scope else (doors.scoped_token or doors.api_token),
             content=body,
             headers={"Content-Type": "application/json"},
         )
