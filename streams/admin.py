@@ -120,13 +120,16 @@ def _ensure_topics(
         # not retried: the services wait for Kafka before (ServiceStack), commands fail fast
         raise KafkaUnreachableError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
     existing = metadata.topics
+    inbox_name = topic_name(INBOX, prefix)
+    replicas = min(3, len(metadata.brokers))
+    # No count asked for: an existing inbox decides, so every process of a deployment agrees
+    # with the first one that created the topics.
+    derived = specs is None and partitions is None
     if specs is None:
         if partitions is None:
-            # No count asked for: an existing inbox decides, so every process of a deployment
-            # agrees with the first one that created the topics.
-            inbox = existing.get(topic_name(INBOX, prefix))
+            inbox = existing.get(inbox_name)
             partitions = len(inbox.partitions) if inbox is not None else DEFAULT_PARTITIONS
-        specs = topic_specs(prefix, partitions, min(3, len(metadata.brokers)))
+        specs = topic_specs(prefix, partitions, replicas)
     outcome: dict[str, str] = {}
     missing = [s for s in specs if s.name(prefix) not in existing]
     if missing:
@@ -153,6 +156,11 @@ def _ensure_topics(
         raced = [s.name(prefix) for s in missing if s.name(prefix) not in outcome]
         if raced:
             existing = _wait_listed(admin, raced)
+            listed = existing.get(inbox_name)
+            if derived and inbox_name in raced and listed is not None and listed.partitions:
+                # the first listing missed an inbox that existed (metadata from a broker that
+                # had not caught up): its count decides, not the default
+                specs = topic_specs(prefix, len(listed.partitions), replicas)
     for spec in specs:
         name = spec.name(prefix)
         if name in outcome:
