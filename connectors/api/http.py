@@ -436,14 +436,26 @@ async def _cancel(s: ApiService, r: Request) -> Response:
     return JSONResponse(out, status_code=202)
 
 
+def _if_match_version(value: str | None) -> int | None:
+    """The run version an ``If-Match`` header names (``7`` or the ETag form ``"7"``); a 400
+    for anything else."""
+    if value is None:
+        return None
+    text = value.strip().removeprefix("W/").strip('"')
+    if not text.isdigit() or len(text) > 18:
+        raise ApiError(400, "invalid_header", 'If-Match takes the run\'s version, e.g. "7"')
+    return int(text)
+
+
 def _operator_action(
     action: str,
 ) -> Callable[[ApiService, Request], Awaitable[Response]]:
     async def handle(s: ApiService, r: Request) -> Response:
         body = _json_object(await _body(r, s.config.max_body_bytes))
         key = r.headers.get("idempotency-key")
+        seen = _if_match_version(r.headers.get("if-match"))
         out = await run_in_threadpool(
-            s.operator_action, action, r.path_params["run_id"], body, key, _caller(r).actor
+            s.operator_action, action, r.path_params["run_id"], body, key, _caller(r).actor, seen
         )
         return JSONResponse(out, status_code=202 if out["created"] else 200)
 

@@ -49,6 +49,13 @@ _IDEMPOTENCY_KEY = {
     "description": "at most 200 chars; without it, one operator action per run version",
     "schema": {"type": "string", "maxLength": 200},
 }
+_IF_MATCH = {
+    "name": "If-Match",
+    "in": "header",
+    "description": 'the run version the action was decided on (`7` or `"7"`); the run at '
+    "another version is a 412",
+    "schema": {"type": "string", "maxLength": 20},
+}
 
 
 def _operator(summary: str, description: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -57,10 +64,12 @@ def _operator(summary: str, description: str, body: dict[str, Any]) -> dict[str,
             "summary": summary,
             "description": description + " Needs the `admin` role; the credential is "
             "recorded as the input's `actor` in the run's log.",
-            "parameters": [_RUN_ID, _IDEMPOTENCY_KEY],
+            "parameters": [_RUN_ID, _IDEMPOTENCY_KEY, _IF_MATCH],
             "requestBody": {"content": {"application/json": {"schema": body}}},
             "responses": {
                 "202": _resp("the action's input was produced", {"$ref": _ACTED}),
+                "400": _resp("an If-Match that is not a version", _ERROR),
+                "412": _resp("the run is at another version than If-Match (`version`)", _ERROR),
                 "200": _resp("a repeat: the first outcome", {"$ref": _ACTED}),
                 "403": _resp("the credential has no admin role", _ERROR),
                 "404": _resp("unknown run", _ERROR),

@@ -623,7 +623,13 @@ class ApiService:
     # ------------------------------------------------------------------ operator actions
 
     def operator_action(
-        self, action: str, run_id: str, body: dict[str, Any], key: str | None, actor: str
+        self,
+        action: str,
+        run_id: str,
+        body: dict[str, Any],
+        key: str | None,
+        actor: str,
+        seen_version: int | None = None,
     ) -> dict[str, Any]:
         """Resolve, reopen or re-drive the run (`agentruns.connectors.api.operator`), as
         ``actor``, who is recorded in the input and so in the run's log.
@@ -631,7 +637,8 @@ class ApiService:
         Produced once per Idempotency-Key; without one, once per run state the operator saw
         (its version): a repeat gets the first outcome, another action on the same state a
         409 ``action_conflict``, and the core refuses anything that arrives after the state
-        moved on (compare-and-set)."""
+        moved on (compare-and-set). ``seen_version`` (``If-Match``) is the version the operator
+        acted on: a run projected at another one is a 412 ``version_mismatch``."""
         if key is not None and (not key or len(key) > MAX_KEY_CHARS):
             raise ApiError(400, "invalid_header", f"Idempotency-Key over {MAX_KEY_CHARS} chars")
         parsed = parse_body(action, body)
@@ -646,15 +653,16 @@ class ApiService:
                 409, "action_not_allowed", "the run is not projected yet", run_status="PENDING"
             )
         state = _state_of(run)
+        version = state.version if seen_version is None else seen_version
         if key is not None:
             input_id = f"operator:{run_id}:key:{key}"
             conflict = None
         else:
-            input_id = f"operator:{run_id}:v{state.version}"
+            input_id = f"operator:{run_id}:v{version}"
             conflict = ApiError(
                 409,
                 "action_conflict",
-                f"another operator action was sent for this run at version {state.version}",
+                f"another operator action was sent for this run at version {version}",
                 run_status=state.status.value,
             )
         with self.db.connection() as conn:
@@ -663,6 +671,14 @@ class ApiService:
             # a repeat: the first outcome, whatever the state is now (nothing new is built)
             created = self._produce_once(input_id, run_id, stored, req_hash, b"", conflict=conflict)
             return self._acted(action, run_id, input_id, created, actor, state)
+        if version != state.version:
+            raise ApiError(
+                412,
+                "version_mismatch",
+                f"the run is at version {state.version}, not {version}",
+                run_status=state.status.value,
+                version=state.version,
+            )
         ids = {
             "run_id": run_id,
             "event_id": input_id,

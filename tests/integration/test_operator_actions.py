@@ -256,10 +256,13 @@ def test_redrive_moves_a_run_whose_model_or_tool_answer_never_comes(stack: Stack
     stack.wait_status(silent_tool, "TOOL_RUNNING")
     with _operator(stack) as op:
         for run_id in (silent, silent_tool):
+            seen = op.get(f"/runs/{run_id}").json()["version"]
             r = op.post(f"/runs/{run_id}/redrive", json={"reason": "the answer never came"})
             assert r.status_code == 202, r.text
-            # a second operator who saw the same state does not drive it twice
-            assert op.post(f"/runs/{run_id}/redrive", json={}).status_code in (200, 409)
+            # a second operator who saw the same state does not drive it twice: the same version
+            # is a conflict, or the run already moved on from it
+            again = op.post(f"/runs/{run_id}/redrive", json={}, headers={"If-Match": str(seen)})
+            assert again.status_code in (409, 412), again.text
     for run_id in (silent, silent_tool):
         stack.wait_status(run_id, "SUCCEEDED")
         (redriven,) = _acted(stack, run_id, "RedriveRequested")
@@ -341,14 +344,23 @@ def waiting_run(stack: Stack) -> Iterator[str]:
     known=st.booleans(),
     body=BODIES,
     keyed=st.booleans(),
+    if_match=st.none() | st.from_regex(r"[ -~]{0,30}", fullmatch=True),
 )
 def test_any_body_on_the_operator_routes_is_refused_with_a_json_error_and_nothing_stored(
-    stack: Stack, waiting_run: str, action: str, known: bool, body: bytes, keyed: bool
+    stack: Stack,
+    waiting_run: str,
+    action: str,
+    known: bool,
+    body: bytes,
+    keyed: bool,
+    if_match: str | None,
 ) -> None:
     run_id = waiting_run if known else "run-does-not-exist"
     headers = {"Content-Type": "application/json"}
     if keyed:
         headers["Idempotency-Key"] = f"any-body-{uuid.uuid4().hex}"
+    if if_match is not None:
+        headers["If-Match"] = if_match
     with _operator(stack) as op:
         r = op.post(f"/runs/{run_id}/{action}", content=body, headers=headers)
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
