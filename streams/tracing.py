@@ -23,11 +23,11 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("agentruns.tracing")
 
@@ -56,12 +56,12 @@ CURRENT: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
 #: each attribute cut at `AGENTRUNS_TRACE_MESSAGES_MAX_CHARS` (default 16 KiB).
 MESSAGES_DEFAULT_MAX_CHARS = 16 * 1024
 
-_tracer: Tracer | None = None
+_tracer: Any = None  # the SDK's Tracer: its sampler, ids, resource and span processors
 _provider: TracerProvider | None = None
 # opentelemetry.trace, imported once tracing is configured (never with tracing off)
 _otel: Any = None
 _messages_max_chars = 0  # 0: messages are not recorded
-# The ids the next span takes (`_FixedIds`): the run's span is made at the run's end with the
+# The ids the next span takes (`start`): the run's span is made at the run's end with the
 # id its children already name.
 _NEXT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "agentruns_next_ids", default=None
@@ -134,18 +134,43 @@ def start(
 
     `kind` names an OpenTelemetry SpanKind (INTERNAL, CLIENT, PRODUCER, CONSUMER); `links`
     are the contexts of the spans that produced what this one consumes (None ones skipped);
-    `start_ms` backdates the start (a wait measured once it is over)."""
+    `start_ms` backdates the start (a wait measured once it is over). The provider's sampler
+    decides; a span it keeps is a `_Recording` handed to the provider's span processors when
+    it ends, one it drops records nothing."""
     assert _tracer is not None and _otel is not None, "tracing is off"
-    linked = [
-        _otel.Link(_context_of(link)) for link in links if link is not None and link != parent
-    ]
-    return _tracer.start_span(
-        name,
-        context=_parent(parent),
-        kind=_otel.SpanKind[kind],
-        attributes=dict(attributes or {}),
-        links=linked,
-        start_time=None if start_ms is None else start_ms * 1_000_000,
+    otel, tracer = _otel, _tracer
+    context = None if parent is None else _context_of(parent)
+    fixed = _NEXT_IDS.get()
+    if fixed is not None:
+        trace_id, span_id = fixed
+    else:
+        span_id = tracer.id_generator.generate_span_id()
+        trace_id = tracer.id_generator.generate_trace_id() if context is None else context.trace_id
+    span_kind = otel.SpanKind[kind]
+    linked = [otel.Link(_context_of(link)) for link in links if link is not None and link != parent]
+    sampled = tracer.sampler.should_sample(
+        _parent(parent), trace_id, name, span_kind, attributes, linked
+    )
+    trace_state = sampled.trace_state
+    if not sampled.decision.is_sampled():
+        return otel.NonRecordingSpan(  # type: ignore[no-any-return]
+            otel.SpanContext(trace_id, span_id, False, _UNSAMPLED, trace_state)
+        )
+    values = dict(attributes or ())
+    if sampled.attributes:
+        values.update(sampled.attributes)
+    # a _Recording answers every Span call agentruns makes (tests/unit/test_tracing.py)
+    return cast(
+        "Span",
+        _Recording(
+            name,
+            otel.SpanContext(trace_id, span_id, False, _SAMPLED, trace_state),
+            context,
+            span_kind,
+            values,
+            linked,
+            _time_ns() if start_ms is None else start_ms * 1_000_000,
+        ),
     )
 
 
@@ -160,11 +185,198 @@ def _context_of(traceparent: str) -> Any:
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def _parent(parent: str | None) -> Any:
+    """The OpenTelemetry Context holding `parent` as the current span, for the sampler (a
+    Context is immutable)."""
     if parent is None:
         return None
     assert _otel is not None
     return _otel.set_span_in_context(_otel.NonRecordingSpan(_context_of(parent)))
+
+
+#: Attribute values OpenTelemetry takes as they are (sequences of them are kept as tuples).
+_PRIMITIVES = (str, bool, int, float)
+
+
+class _Recording:
+    """A sampled span, recorded in plain fields and handed to the provider's span processors
+    as the SDK's `ReadableSpan` when it ends.
+
+    The SDK's own span guards every call with a lock and checks every attribute value as it
+    is set; ours is made, described and ended by one thread, and its values are checked once,
+    at the end, against the same limits (`SpanLimits`: the number of attributes, events and
+    links, the length of a value). That is the larger part of what a span costs the pipeline
+    (docs/benchmarks.md, Tracing on and off)."""
+
+    __slots__ = (
+        "_attributes",
+        "_context",
+        "_end_ns",
+        "_events",
+        "_kind",
+        "_links",
+        "_name",
+        "_parent",
+        "_start_ns",
+        "_status",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        context: Any,
+        parent: Any,
+        kind: Any,
+        attributes: dict[str, Any],
+        links: list[Any],
+        start_ns: int,
+    ) -> None:
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._attributes = attributes
+        self._links = links
+        self._start_ns = start_ns
+        self._events: list[Any] = []
+        self._status: Any = None
+        self._end_ns: int | None = None
+
+    def get_span_context(self) -> Any:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return self._end_ns is None
+
+    def update_name(self, name: str) -> None:
+        self._name = name
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+    def add_event(
+        self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
+    ) -> None:
+        self._events.append((name, dict(attributes or ()), timestamp or _time_ns()))
+
+    def set_status(self, status: Any, description: str | None = None) -> None:
+        assert _otel is not None
+        if not isinstance(status, _otel.Status):
+            status = _otel.Status(status, description)
+        self._status = status
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._end_ns is not None:
+            return
+        self._end_ns = _time_ns() if end_time is None else end_time
+        if _tracer is not None:  # None: tracing was turned off since the span began
+            _tracer.span_processor.on_end(_ended(self))
+
+    def __enter__(self) -> _Recording:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.end()
+
+
+_SAMPLED: Any = None
+_UNSAMPLED: Any = None
+
+
+def _time_ns() -> int:
+    import time
+
+    return time.time_ns()
+
+
+def _limited(values: Mapping[str, Any], limits: Any, what: str) -> tuple[dict[str, Any], int]:
+    """``values`` within `limits` (`SpanLimits`): at most ``max_span_attributes`` of them
+    (``max_event_attributes`` / ``max_link_attributes`` for ``what``), strings cut at
+    ``max_attribute_length``, sequences kept as tuples of primitives; a value of another type
+    is dropped (logged), as the SDK drops it. Returns them and how many were dropped."""
+    most = getattr(limits, f"max_{what}_attributes")
+    length = limits.max_span_attribute_length if what == "span" else limits.max_attribute_length
+    out: dict[str, Any] = {}
+    dropped = 0
+    for key, value in values.items():
+        if most is not None and len(out) >= most:
+            dropped += 1
+            continue
+        if isinstance(value, _PRIMITIVES):
+            if length is not None and isinstance(value, str):
+                value = value[:length]
+            out[key] = value
+        elif isinstance(value, list | tuple) and all(isinstance(v, _PRIMITIVES) for v in value):
+            if length is not None:
+                value = [v[:length] if isinstance(v, str) else v for v in value]
+            out[key] = tuple(value)
+        elif value is not None:
+            log.warning("span attribute %s of type %s dropped", key, type(value).__name__)
+    return out, dropped
+
+
+def _ended(span: _Recording) -> Any:
+    """The SDK's `ReadableSpan` of an ended `_Recording`, within the tracer's span limits."""
+    from opentelemetry.sdk.trace import Event
+
+    assert _tracer is not None and _otel is not None
+    limits = _span_limits
+    attributes, dropped = _limited(span._attributes, limits, "span")
+    events = [
+        Event(name, _limited(values, limits, "event")[0], at)
+        for name, values, at in span._events[: limits.max_events]
+    ]
+    links = span._links[: limits.max_links]
+    return _Ended(
+        name=span._name,
+        context=span._context,
+        parent=span._parent,
+        resource=_tracer.resource,
+        attributes=attributes,
+        events=events,
+        links=links,
+        kind=span._kind,
+        status=span._status or _otel.Status(_otel.StatusCode.UNSET),
+        start_time=span._start_ns,
+        end_time=span._end_ns,
+        instrumentation_scope=_scope,
+        dropped=(dropped, len(span._events) - len(events), len(span._links) - len(links)),
+    )
+
+
+_span_limits: Any = None
+_scope: Any = None
+_Ended: Any = None
+
+
+def _readable_type() -> Any:
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    class Ended(ReadableSpan):
+        """A ReadableSpan that tells what the limits dropped (the SDK reads it off its bounded
+        containers, which ours are not)."""
+
+        def __init__(self, *, dropped: tuple[int, int, int], **fields: Any) -> None:
+            super().__init__(**fields)
+            self._dropped = dropped
+
+        @property
+        def dropped_attributes(self) -> int:
+            return self._dropped[0]
+
+        @property
+        def dropped_events(self) -> int:
+            return self._dropped[1]
+
+        @property
+        def dropped_links(self) -> int:
+            return self._dropped[2]
+
+    return Ended
 
 
 def current() -> Span | None:
@@ -355,16 +567,19 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
     _messages_max_chars = 0
     if provider is None:
         return
-    global _otel
+    global _otel, _SAMPLED, _UNSAMPLED, _span_limits, _scope, _Ended
     import opentelemetry.trace
+    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     _otel = opentelemetry.trace
+    _SAMPLED, _UNSAMPLED = _otel.TraceFlags(1), _otel.TraceFlags(0)
     _context_of.cache_clear()
-    tracer = provider.get_tracer("agentruns")
-    ids = getattr(tracer, "id_generator", None)
-    if ids is not None:  # the SDK's tracer: the run's span takes the ids its children name
-        tracer.id_generator = _fixed_ids(ids)  # type: ignore[attr-defined]
-    _tracer = tracer
+    _parent.cache_clear()
+    _span_limits = getattr(provider, "_span_limits", None) or SpanLimits()
+    _scope = InstrumentationScope("agentruns")
+    _Ended = _readable_type()
+    _tracer = provider.get_tracer("agentruns")
     if env.get("AGENTRUNS_TRACE_MESSAGES", "").strip().lower() in ("1", "true", "yes"):
         try:
             limit = int(env.get("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS", MESSAGES_DEFAULT_MAX_CHARS))
@@ -372,23 +587,6 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
             log.warning("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS is not a number: the default")
             limit = MESSAGES_DEFAULT_MAX_CHARS
         _messages_max_chars = max(0, min(limit, 1 << 20))
-
-
-def _fixed_ids(inner: Any) -> Any:
-    from opentelemetry.sdk.trace.id_generator import IdGenerator
-
-    class FixedIds(IdGenerator):
-        """The SDK's ids, except for the span `record_run` makes."""
-
-        def generate_span_id(self) -> int:
-            fixed = _NEXT_IDS.get()
-            return inner.generate_span_id() if fixed is None else fixed[1]
-
-        def generate_trace_id(self) -> int:
-            fixed = _NEXT_IDS.get()
-            return inner.generate_trace_id() if fixed is None else fixed[0]
-
-    return FixedIds()
 
 
 def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bool:
@@ -425,11 +623,7 @@ def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bo
 
             exporter = OTLPSpanExporter()
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                OTLPSpanExporter as OTLPHttpSpanExporter,
-            )
-
-            exporter = OTLPHttpSpanExporter()
+            exporter = _http_exporter()
     except ImportError as exc:
         log.warning("OTLP export is configured but not installed (agentruns[otel]): %s", exc)
         return False
@@ -441,6 +635,32 @@ def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bo
     atexit.register(provider.shutdown)
     log.info("tracing on: OTLP (%s) to %s", protocol, endpoint or "the default endpoint")
     return True
+
+
+def _http_exporter() -> Any:
+    """The OTLP/HTTP exporter of the OpenTelemetry SDK (its endpoint, headers, compression,
+    timeouts and retries from the OTEL_* variables), with the request body written by
+    `otlp_encoding`, a quarter of the exporter's own encoding's cost."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from agentruns.streams import otlp_encoding
+
+    class Exporter(OTLPSpanExporter):
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            client = getattr(self, "_client", None)
+            if client is None or getattr(self, "_shutdown", True):
+                return super().export(spans)  # another SDK's exporter: its own encoding
+            data = otlp_encoding.encode(spans)
+            most = getattr(self, "_max_request_size", None)
+            if most is not None and len(data) > most:
+                log.warning("%d spans dropped: %d bytes, over %d", len(spans), len(data), most)
+                return SpanExportResult.FAILURE
+            if client.export(data).success:
+                return SpanExportResult.SUCCESS
+            return SpanExportResult.FAILURE
+
+    return Exporter()
 
 
 __all__ = [

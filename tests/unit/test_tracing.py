@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBasedTraceIdRatio
@@ -248,3 +248,43 @@ def test_with_tracing_off_the_processor_builds_no_span_nor_attribute(
     path.handle(of_event(submit("r1")), batch)
     state = path.slots[0]["r1"].state
     assert state is not None and state.status is RunStatus.MODEL_RUNNING
+
+
+def test_a_span_keeps_to_the_providers_limits_and_drops_what_otlp_cannot_carry() -> None:
+    exporter = InMemorySpanExporter()
+    limits = SpanLimits(max_span_attributes=3, max_span_attribute_length=5, max_events=1)
+    provider = TracerProvider(span_limits=limits)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        span = tracing.start("s", VALID, {"a": "abcdefgh", "b": ["long value", 1]})
+        span.set_attribute("c", object())  # no OTLP value: dropped, as the SDK drops it
+        span.set_attribute("d", ("xyzxyzxyz",))
+        span.set_attribute("e", 1)
+        span.set_attribute("f", 2)  # the fourth kept value: over the limit of three
+        span.add_event("first", {"n": 1})
+        span.add_event("second")
+        span.end()
+        span.end()  # a second end is nothing
+    finally:
+        tracing.configure(None)
+    (finished,) = exporter.get_finished_spans()
+    assert dict(finished.attributes or {}) == {"a": "abcde", "b": ("long ", 1), "d": ("xyzxy",)}
+    assert finished.dropped_attributes == 2
+    assert [e.name for e in finished.events] == ["first"] and finished.dropped_events == 1
+
+
+def test_a_span_the_sampler_drops_records_nothing_and_passes_on_an_unsampled_context() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        span = tracing.start("s", None, {"a": 1}, kind="CLIENT")
+        span.set_attribute("b", 2)
+        context = tracing.traceparent_of(span)
+        tracing.end(span, "failed")
+    finally:
+        tracing.configure(None)
+    assert not span.is_recording() and context.endswith("-00")
+    assert exporter.get_finished_spans() == ()
