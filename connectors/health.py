@@ -411,7 +411,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         credential = credentials.lookup(presented)  # by the token's hash: no early exit
         if credential is None:
-            log.info("health: wrong credential from %s", self.address_string())
+            log.debug("health: wrong credential from %s", self.address_string())
             return None
         return credential.admin
 

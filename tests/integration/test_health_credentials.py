@@ -80,7 +80,7 @@ def _raw(base: str, data: bytes) -> bytes:
 
 @pytest.mark.usefixtures("credentials")
 def test_details_of_unreachable_kafka_and_postgres_go_to_an_admin_only(
-    database_url: str,
+    database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     kafka_port = _closed_port()
     wrong = _wrong_user(database_url)
@@ -119,6 +119,10 @@ def test_details_of_unreachable_kafka_and_postgres_go_to_an_admin_only(
             assert refused.json()["error"] == "unauthorized" and USER not in refused.text
         basic = httpx.get(base + "/healthz", auth=("ops", ADMIN), timeout=15)
         assert basic.status_code == 401
+    # the details are in the service's log (each time the reason changes)
+    logged = [r.getMessage() for r in caplog.records if r.name == "agentruns.health"]
+    assert any("not ready" in m for m in logged), logged
+    assert any(USER in m for m in logged) and not any(PASSWORD in m for m in logged)
 
 
 def test_with_no_credential_configured_no_details_are_served(
