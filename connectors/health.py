@@ -115,17 +115,19 @@ def address_of(args: argparse.Namespace) -> tuple[str, int] | None:
 # --------------------------------------------------------------------------- the checks
 
 
+#: The code of a check that passes (one that passes with a remark has its own:
+#: ``no_partitions``).
+OK = "ok"
+
+
 @dataclass(frozen=True)
 class Check:
     ok: bool
     #: What an admin reads: error text that may name hosts, ports and user names.
     detail: str
-    #: What anyone reads: a fixed word (`OK`, ``kafka_unreachable``, ...), nothing of the
-    #: deployment.
-    code: str = "ok"
-
-
-OK = "ok"
+    #: What anyone reads: a fixed word (`OK`, ``kafka_unreachable``, ...) that names nothing
+    #: of the deployment.
+    code: str = OK
 
 
 def kafka_check(admin: AdminClient, timeout: float = CHECK_TIMEOUT_S) -> Check:
