@@ -15,6 +15,10 @@ mints a token, prints it once and appends its line.
 The single AGENTRUNS_API_TOKEN and the operator tokens (AGENTRUNS_API_OPERATOR_TOKENS) keep
 working: each is an admin credential of the default tenant (``api``, and the operator's name).
 
+The health servers of the other services (`agentruns.connectors.health`) hold the same
+credentials (`configured_store`, from the same settings): their admins see the readiness
+checks' details there.
+
 What each role opens is the route table's to say (`agentruns.connectors.api.http.ROUTES`,
 the console's `CONSOLE_ROUTES`); `admin` opens every route and every tenant's runs.
 """
@@ -30,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentruns.connectors.api.tokens import parse_operator_tokens
+from agentruns.connectors.settings import Settings
 from agentruns.processors.tenants import DEFAULT_TENANT, valid_tenant
 
 log = logging.getLogger("agentruns.api")
@@ -181,6 +187,18 @@ def fixed_credentials(api_token: str, operators: Mapping[str, str]) -> list[Cred
             )
         )
     return out
+
+
+def configured_store(settings: Settings, clock: Callable[[], int]) -> CredentialStore | None:
+    """The credentials ``settings`` configure, as the API reads them (AGENTRUNS_API_TOKEN,
+    AGENTRUNS_API_OPERATOR_TOKENS, AGENTRUNS_API_CREDENTIALS) but without the API's
+    development defaults: None when none is configured. Raises `CredentialsError`
+    (`OperatorTokensError`) for a setting or a file that does not parse."""
+    operators = parse_operator_tokens(settings.api_operator_tokens)
+    fixed = fixed_credentials(settings.api_token, operators)
+    if not fixed and settings.api_credentials is None:
+        return None
+    return CredentialStore(fixed, settings.api_credentials, clock)
 
 
 class CredentialStore:

@@ -44,7 +44,7 @@ from agentruns.connectors.api.listing import RunFilter
 from agentruns.connectors.api.openapi import OPENAPI
 from agentruns.connectors.api.service import ApiService
 from agentruns.connectors.errors import AgentrunsError
-from agentruns.connectors.health import metrics_text
+from agentruns.connectors.health import DETAILED_WITH_CREDENTIAL, metrics_text, public_report
 from agentruns.connectors.keys import CALLBACK_SIGNATURE_HEADER, CallbackRefused, verify_callback
 from agentruns.processors.limits import json_depth
 from agentruns.streams import tracing
@@ -185,13 +185,12 @@ _SIGNATURE_HEADER = CALLBACK_SIGNATURE_HEADER.lower().encode()
 #: The ASGI scope key `_Auth` sets when the request's credential (or a callback's signature)
 #: was checked and valid.
 AUTHENTICATED_KEY = "agentruns.authenticated"
-#: Public paths that answer more to a caller with a credential (`/healthz`: its checks' error
-#: text names hosts, ports and user names); such a credential is checked, and counted when
-#: wrong, like any other.
-DETAILED_WITH_CREDENTIAL = frozenset({"/healthz"})
 
 
 def _public(scope: Scope) -> bool:
+    """A public path, but DETAILED_WITH_CREDENTIAL with an Authorization header: one that
+    answers more to an admin credential (`/healthz`: its checks' error text names hosts, ports
+    and user names) has the credential checked, and counted when wrong, like any other."""
     path = scope["path"]
     if path not in PUBLIC_PATHS:
         return False
@@ -487,11 +486,13 @@ async def _credentials(s: ApiService, r: Request) -> Response:
 
 
 async def _health(s: ApiService, r: Request) -> Response:
-    """Readiness. Without a credential only the status: the checks' details (a broker's or
-    Postgres's error text: hosts, ports, user names) go to a caller with the bearer token."""
+    """Readiness. Without an admin credential the status and each check's code
+    (`health.public_report`): the checks' details (a broker's or Postgres's error text: hosts,
+    ports, user names) go to an admin credential, as on every service's health server."""
     ok, body = await run_in_threadpool(s.health)
-    if not r.scope.get(AUTHENTICATED_KEY):
-        body = {"status": body.get("status", "ready" if ok else "not ready")}
+    credential = credential_of(r)
+    if credential is None or not credential.admin:
+        body = public_report(body)
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

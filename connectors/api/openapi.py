@@ -517,16 +517,17 @@ OPENAPI: dict[str, Any] = {
         },
         "/readyz": {
             "get": {
-                "summary": "Readiness: Kafka and Postgres answer",
+                "summary": "Readiness: Kafka and Postgres answer (the status, each check's code)",
                 "security": [],
                 "responses": {"200": {}, "503": {}},
             }
         },
         "/healthz": {
             "get": {
-                "summary": "Readiness, the same as /readyz",
-                "security": [],
-                "responses": {"200": {}, "503": {}},
+                "summary": "Readiness, the same as /readyz; with an admin credential, each"
+                " check's detail too",
+                "security": [{}, {"bearer": []}],
+                "responses": {"200": {}, "401": _resp("not a credential", _ERROR), "503": {}},
             }
         },
         "/livez": {

@@ -66,11 +66,20 @@ def test_every_endpoint_but_health_metrics_and_openapi_needs_the_bearer_token(
             assert r.headers["www-authenticate"].startswith("Bearer")
         wrong = anon.get("/runs/x", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        # readiness for anyone; its checks' details (error text naming hosts, ports, users)
-        # only with a credential, and a wrong one is a 401 like anywhere else
-        assert anon.get("/healthz").json() == {"status": "ready"}
-        detailed = anon.get("/healthz", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        # readiness and each check's code for anyone; its checks' details (error text naming
+        # hosts, ports, users) only with an admin credential, and a wrong one is a 401 like
+        # anywhere else
+        assert anon.get("/healthz").json() == {
+            "component": "api",
+            "status": "ready",
+            "checks": {"kafka": "ok", "postgres": "ok"},
+        }
+        not_admin = anon.get("/healthz", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert not_admin.json() == anon.get("/healthz").json()
+        as_operator = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+        detailed = anon.get("/healthz", headers=as_operator).json()
         assert detailed["status"] == "ready" and set(detailed["checks"]) >= {"kafka", "postgres"}
+        assert detailed["checks"]["postgres"]["detail"] == "answers"
         guessed = anon.get("/healthz", headers={"Authorization": "Bearer " + "g" * 40})
         assert guessed.status_code == 401
         assert "agentruns_api_requests_total" in anon.get("/metrics").text

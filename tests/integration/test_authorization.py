@@ -23,7 +23,8 @@ import pytest
 
 from agentruns.connectors.api.console import CONSOLE_ROUTES, OPEN, SESSION, UI_PREFIX
 from agentruns.connectors.api.credentials import ADMIN, ROLES, token_digest
-from agentruns.connectors.api.http import CALLBACK, DETAILED_WITH_CREDENTIAL, PUBLIC, ROUTES
+from agentruns.connectors.api.http import CALLBACK, PUBLIC, ROUTES
+from agentruns.connectors.health import DETAILED_WITH_CREDENTIAL
 from tests.support.api import (
     CREDENTIALS,
     OPERATOR,

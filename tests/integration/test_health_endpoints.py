@@ -2,13 +2,15 @@
 
 A consumer of the test's own holds every partition of the service's group and stops polling,
 so the group cannot finish the rebalance the service's arrival starts: the service is not ready
-(503, waiting for partitions) until that consumer leaves, then ready (200).
+(503, waiting for partitions) until that consumer leaves, then ready (200). Anyone reads each
+check's code; the details only the operator token the service is given (a wrong one: 401).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +33,8 @@ from agentruns.streams.topics import (
 from tests.support.waiting import wait_for
 
 PARTITIONS = 2
+OPERATOR = "ops_" + secrets.token_urlsafe(32)
+AS_OPERATOR = {"Authorization": f"Bearer {OPERATOR}"}
 LOG_INFO = ("--log-level", "INFO")
 
 # service -> (module, the topics its group consumes, the metrics its scrape must carry)
@@ -81,9 +85,9 @@ def _hold(bootstrap: str, group: str, topics: list[str]) -> Consumer:
     return consumer
 
 
-def _get(url: str) -> httpx.Response | None:
+def _get(url: str, headers: dict[str, str] | None = None) -> httpx.Response | None:
     try:
-        return httpx.get(url, timeout=10)
+        return httpx.get(url, headers=headers, timeout=10)
     except httpx.TransportError:
         return None  # not serving yet
 
@@ -101,6 +105,9 @@ def test_readiness_goes_from_503_to_200_once_partitions_are_assigned(
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap, "DATABASE_URL": database_url}
     env["AGENTRUNS_METRICS_ADDRESS"] = f"127.0.0.1:{port}"
+    env["AGENTRUNS_API_OPERATOR_TOKENS"] = f"ops:{OPERATOR}"
+    for name in ("AGENTRUNS_API_TOKEN", "AGENTRUNS_API_CREDENTIALS"):
+        env.pop(name, None)
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-{service}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -114,16 +121,23 @@ def test_readiness_goes_from_503_to_200_once_partitions_are_assigned(
             lambda: (
                 (r := _get(f"{base}/healthz")) is not None
                 and r.status_code == 503
-                and "waiting for partitions" in r.json()["reason"]
+                and r.json()["reason"] == "waiting_for_partitions"
                 and r
             ),
             timeout=90,
             what=f"{service} waiting for its partitions",
         )
-        body = waiting.json()
-        assert body["component"] == service
-        assert body["checks"]["kafka"]["ok"] and body["checks"]["postgres"]["ok"]
-        assert not body["checks"]["consumer"]["ok"]
+        assert waiting.json() == {
+            "component": service,
+            "status": "not ready",
+            "checks": {"kafka": "ok", "postgres": "ok", "consumer": "waiting_for_partitions"},
+            "reason": "waiting_for_partitions",
+        }
+        detailed = httpx.get(f"{base}/healthz", headers=AS_OPERATOR, timeout=10).json()
+        assert detailed["checks"]["consumer"]["detail"].startswith("waiting for partitions")
+        assert group in detailed["checks"]["consumer"]["detail"] and group not in waiting.text
+        wrong = {"Authorization": "Bearer " + secrets.token_urlsafe(32)}
+        assert httpx.get(f"{base}/healthz", headers=wrong, timeout=10).status_code == 401
         assert httpx.get(f"{base}/livez", timeout=10).json()["status"] == "running"
 
         held.close()  # leaves the group: the rebalance completes without it
@@ -132,8 +146,9 @@ def test_readiness_goes_from_503_to_200_once_partitions_are_assigned(
             timeout=90,
             what=f"{service} ready",
         )
-        assert ready.json()["status"] == "ready"
-        assert ready.json()["checks"]["consumer"]["detail"].endswith("partitions assigned")
+        assert ready.json()["status"] == "ready" and ready.json()["checks"]["consumer"] == "ok"
+        detailed = httpx.get(f"{base}/healthz", headers=AS_OPERATOR, timeout=10).json()
+        assert detailed["checks"]["consumer"]["detail"].endswith("partitions assigned")
 
         scrape = httpx.get(f"{base}/metrics", timeout=10)
         assert scrape.status_code == 200

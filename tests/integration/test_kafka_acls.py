@@ -1,20 +1,27 @@
 """Least privilege on Kafka: a broker with the KRaft authorizer on, one SCRAM user per service
 holding only the ACLs `agentruns kafka acls --service NAME` prints, and the pipeline (processor,
 both executors, timer, sink, each a process of its own with its own credentials) carries a run
-from its submission to its result and its projection. A service refused one of its ACLs ends
-with one line naming what was refused."""
+from its submission (by an upstream producer, and through the API) to its result and its
+projection; the scanner finds a run whose model executor is gone by the executor group's lag;
+the admin creates the topics, the auditor replays a run. Every service of
+`agentruns.streams.access.SERVICES` runs with its own user. A service refused one of its ACLs
+ends with one line naming what was refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from confluent_kafka import Producer
@@ -26,11 +33,19 @@ from agentruns.connectors.dev.stack.procs import free_port_block
 from agentruns.connectors.kafka_acls import apply, bindings
 from agentruns.processors.events import Message, RunSubmitted
 from agentruns.processors.state import ToolSpec
-from agentruns.streams.access import Acl, acls, executor_group, transactional_id_prefix
+from agentruns.streams.access import (
+    SERVICES as ACL_SERVICES,
+)
+from agentruns.streams.access import (
+    Acl,
+    acls,
+    executor_group,
+    transactional_id_prefix,
+)
 from agentruns.streams.codec import encode
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
-from agentruns.streams.topics import INBOX, TopicNames, topic_name
+from agentruns.streams.topics import INBOX, TopicNames, effect_suffix, topic_name
 from tests.support.executors import fast_registry
 from tests.support.pipeline import read_all
 from tests.support.waiting import wait_for
@@ -46,6 +61,8 @@ SERVICES = (
     "sink",
     "submitter",
     "audit",
+    "api",
+    "scanner",
 )
 USERS = {s: ScramUser(f"agentruns-{s}", f"password-of-{s}-0123456789") for s in SERVICES}
 MODULES = {
@@ -55,7 +72,10 @@ MODULES = {
     "timer": "agentruns.connectors.runtime.timers",
     "sink": "agentruns.connectors.projection.sink",
     "admin": "agentruns.connectors.cli",
+    "api": "agentruns.connectors.api.serve",
+    "scanner": "agentruns.connectors.runtime.scanner",
 }
+API_TOKEN = "api_" + secrets.token_urlsafe(32)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +108,12 @@ def properties_file(directory: Path, user: ScramUser) -> Path:
 
 
 def start(
-    service: str, kafka: LocalKafka, database_url: str, tmp: Path, *args: str
+    service: str,
+    kafka: LocalKafka,
+    database_url: str,
+    tmp: Path,
+    *args: str,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRUNS_")}
     env.update(
@@ -96,6 +121,7 @@ def start(
         DATABASE_URL=database_url,
         AGENTRUNS_KAFKA_CONFIG=str(properties_file(tmp, USERS[service])),
         AGENTRUNS_LOG_LEVEL="WARNING",
+        **(env_extra or {}),
     )
     return subprocess.Popen(
         [sys.executable, "-m", MODULES[service], "--prefix", PREFIX, *args],
@@ -146,6 +172,10 @@ def stop(procs: dict[str, subprocess.Popen[str]]) -> dict[str, str]:
     return {name: proc.communicate(timeout=60)[1] for name, proc in procs.items()}
 
 
+def test_every_service_with_acls_runs_as_its_own_user_here() -> None:
+    assert set(SERVICES) == set(ACL_SERVICES)
+
+
 def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
     secured_kafka: LocalKafka, database_url: str, tmp_path: Path
 ) -> None:
@@ -180,7 +210,11 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
 
     registry = fast_registry(tmp_path, "http://127.0.0.1:9")
     procs: dict[str, subprocess.Popen[str]] = {}
-    with model_server.serve("127.0.0.1", 0) as models, tool_server.serve("127.0.0.1", 0) as tools:
+    with (
+        model_server.serve("127.0.0.1", 0) as models,
+        tool_server.serve("127.0.0.1", 0) as tools,
+        ExitStack() as cleanup,
+    ):
         data = json.loads(registry.read_text())
         data["base_url"] = tools.url
         registry.write_text(json.dumps(data))
@@ -230,15 +264,66 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
 
             outcome = wait_for(result, 60, "the run's result")
             assert outcome["status"] == "SUCCEEDED", outcome
+            assert wait_for(projected(database_url, run_id), 30, "the projection") == "SUCCEEDED"
 
-            def projected() -> str | None:
-                with psycopg.connect(database_url) as conn:
-                    row = conn.execute(
-                        "SELECT status FROM runs WHERE run_id = %s", (run_id,)
-                    ).fetchone()
-                return str(row[0]) if row and row[0] == "SUCCEEDED" else None
+            # the API produces a task with its own user (Write on the inbox only)
+            api_port = free_port_block(1, start=29300)
+            procs["api"] = start(
+                "api",
+                secured_kafka,
+                database_url,
+                tmp_path,
+                *("--port", str(api_port)),
+                env_extra={"AGENTRUNS_API_TOKEN": API_TOKEN},
+            )
+            api = httpx.Client(
+                base_url=f"http://127.0.0.1:{api_port}",
+                headers={"Authorization": f"Bearer {API_TOKEN}"},
+                timeout=15,
+            )
+            cleanup.callback(api.close)
+            wait_for(lambda: api_ready(api), 60, "the API ready")
+            submitted = api.post(
+                "/runs",
+                json={
+                    "goal": "The printer on floor 3 is offline: open a ticket.",
+                    "tools": [s.model_dump() for s in specs],
+                    "model_route": "scenario:multi_tool",
+                },
+                headers={"Idempotency-Key": f"acl-{uuid.uuid4().hex}"},
+            )
+            assert submitted.status_code == 202, submitted.text
+            run_id = submitted.json()["run_id"]
+            outcome = wait_for(result, 60, "the API's run's result")
+            assert outcome["status"] == "SUCCEEDED", outcome
 
-            assert wait_for(projected, 30, "the sink's projection") == "SUCCEEDED"
+            # no model executor: a run waits on it, and the scanner, with its own user, finds
+            # the effect in the executor group's lag (Describe on the group and the topic)
+            gone = procs.pop("model-executor")
+            gone.terminate()
+            assert "Traceback" not in gone.communicate(timeout=60)[1]
+            run_id = f"run-acl-{uuid.uuid4().hex[:12]}"
+            submit(secured_kafka, tmp_path, run_id, specs)
+            status = wait_for(
+                lambda: (s := projected_status(database_url, run_id)) in WAITING_ON_MODEL and s,
+                30,
+                "the run waiting on the model executor",
+            )
+            scanned = start(
+                "scanner",
+                secured_kafka,
+                database_url,
+                tmp_path,
+                *("--stale-after", "0", "--json"),
+            )
+            out, err = scanned.communicate(timeout=60)
+            assert scanned.returncode == 0, err
+            (found,) = [d for d in map(json.loads, out.splitlines()) if d["run_id"] == run_id]
+            model_topic = topic_name(effect_suffix("model"), PREFIX)
+            assert (found["status"], found["waiting_on"]) == (status, "model executor")
+            # the lag counts the transactions' commit markers too: at least the one effect
+            waiting = re.fullmatch(rf"(\d+) effects waiting in {model_topic}: .*", found["detail"])
+            assert waiting is not None and int(waiting[1]) >= 1, found
             # an auditor reads the run's log back with its own principal
             env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRUNS_")}
             replayed = subprocess.run(
@@ -273,6 +358,27 @@ def test_the_pipeline_runs_on_its_acls_and_a_missing_one_is_one_line(
     sink = start("sink", secured_kafka, database_url, tmp_path, "--log-level", "WARNING")
     line = refused_line(sink)
     assert f"Read on topic {results}" in line and "TOPIC_AUTHORIZATION_FAILED" in line, line
+
+
+WAITING_ON_MODEL = ("READY", "MODEL_RUNNING")
+
+
+def projected_status(database_url: str, run_id: str) -> str | None:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT status FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+    return str(row[0]) if row else None
+
+
+def projected(database_url: str, run_id: str) -> Callable[[], str | None]:
+    """The run's projected status once it is SUCCEEDED (for `wait_for`)."""
+    return lambda: "SUCCEEDED" if projected_status(database_url, run_id) == "SUCCEEDED" else None
+
+
+def api_ready(api: httpx.Client) -> bool:
+    try:
+        return api.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def revoke(admin: str, acl: Acl, service: str) -> None:

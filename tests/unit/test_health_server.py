@@ -72,7 +72,12 @@ def test_readiness_waits_for_the_consumer_and_liveness_ends_with_the_loop() -> N
         starting = httpx.get(_url(served, "/healthz"))
         assert starting.status_code == 503
         assert httpx.get(_url(served, "/readyz")).json() == starting.json()
-        assert starting.json()["reason"] == "consumer: starting: no consumer yet"
+        assert starting.json() == {
+            "checks": {"consumer": "starting"},
+            "component": "test",
+            "reason": "starting",
+            "status": "not ready",
+        }
         stop = threading.Event()
         status.watch_loop(stop, threading.current_thread())
         assert httpx.get(_url(served, "/livez")).json()["status"] == "running"
@@ -80,7 +85,8 @@ def test_readiness_waits_for_the_consumer_and_liveness_ends_with_the_loop() -> N
         stopped = httpx.get(_url(served, "/livez"))
         assert (stopped.status_code, stopped.json()["status"]) == (503, "stopping")
         time.sleep(health.REPORT_TTL_S)  # the cached report expires
-        assert httpx.get(_url(served, "/healthz")).json()["reason"] == "loop: stopping"
+        assert httpx.get(_url(served, "/healthz")).json()["reason"] == "stopping"
+        assert status.ready()[1]["reason"] == "loop: stopping"  # the details, for the log
     finally:
         served.close()
 
