@@ -12,15 +12,24 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from agentruns.connectors.api.client import RunsProducer, task_input
+from agentruns.connectors.api.client import RunsProducer, main_submit, task_input
 from agentruns.connectors.api.inputs import MAX_RECORD_BYTES, encoded_input
+from agentruns.connectors.errors import AgentrunsError
 from agentruns.connectors.keys import processor_tenant_keys, tenant_header_root, tenant_kafka_key
 from agentruns.streams import dlq
 from agentruns.streams.kafka_defaults import release
 from agentruns.streams.processor import ProcessorConfig
 from agentruns.streams.tenant_headers import SIGNATURE_HEADER, TENANT_HEADER
 from agentruns.streams.topics import DLQ, EVENTS, INBOX, topic_name
-from tests.support.api import CREDENTIALS, OPERATOR_TOKEN, SECRET, TENANT_A, Stack, pipeline
+from tests.support.api import (
+    CREDENTIALS,
+    OPERATOR_TOKEN,
+    SECRET,
+    TENANT_A,
+    TENANT_B,
+    Stack,
+    pipeline,
+)
 from tests.support.pipeline import read_all, read_raw, running_processor
 from tests.support.waiting import wait_for
 
@@ -133,3 +142,25 @@ def test_the_api_signs_the_tenant_of_its_submissions(signed_stack: Stack) -> Non
     inbox = topic_name(INBOX, signed_stack.prefix)
     (record,) = [r for r in read_raw(signed_stack.bootstrap, inbox) if r.key == run_id.encode()]
     assert (TENANT_HEADER, TENANT_A.encode()) in record.headers
+
+
+def test_agentruns_submit_signs_for_its_tenant_with_the_kafka_key(
+    signed_stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", signed_stack.bootstrap)
+    monkeypatch.delenv("AGENTRUNS_API_URL", raising=False)
+    monkeypatch.delenv("AGENTRUNS_TENANT_KAFKA_KEY", raising=False)
+    argv = ["--key", "cli-signed", "--goal", "g", "--prefix", signed_stack.prefix]
+    with pytest.raises(AgentrunsError, match="AGENTRUNS_TENANT_KAFKA_KEY"):
+        main_submit([*argv, "--tenant", TENANT_B])
+    root = tenant_header_root(SECRET)
+    monkeypatch.setenv("AGENTRUNS_TENANT_KAFKA_KEY", tenant_kafka_key(root, TENANT_B).hex())
+    assert main_submit([*argv, "--tenant", TENANT_B]) == 0
+    run_id = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_id"]
+    with signed_stack.client(OPERATOR_TOKEN) as admin:
+        wait_for(
+            lambda: admin.get(f"/runs/{run_id}").status_code == 200,
+            timeout=60,
+            what="the run projected",
+        )
+        assert admin.get(f"/runs/{run_id}").json()["tenant"] == TENANT_B
