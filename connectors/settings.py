@@ -87,8 +87,8 @@ class Settings(BaseSettings):
     api_secret: str = Field(
         "",
         alias="AGENTRUNS_API_SECRET",
-        description="root secret: the console, resume-token and callback keys are derived "
-        "from it (security.md); unset: random (dev)",
+        description="root secret: the console, resume-token, callback and tenant-header keys are"
+        " derived from it (security.md); unset: random (dev)",
     )
     api_operator_tokens: str = Field(
         "",
