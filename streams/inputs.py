@@ -276,6 +276,9 @@ class InputPath:
         self._incoming: str | None = None  # the trace context of the input in hand
         self._inbound: Inbound | None = None  # the input in hand (its span's attributes)
         self._before: RunState | None = None  # the state before the transition being traced
+        # the record whose tenant headers a submission being applied is read with: the input
+        # in hand; None for a held input (its headers are not kept, as its trace context)
+        self._tenant_source: Inbound | None = None
         # partition -> why it stopped (PartitionStopped, or a snapshot this build cannot read
         # at restore): its inputs are left where they are, for a build that can apply them
         self.stopped: dict[int, str] = {}
@@ -294,6 +297,7 @@ class InputPath:
             return  # left unconsumed: its offset is not committed past the stop
         self._incoming = tracing.from_headers(inbound.headers)
         self._inbound = inbound
+        self._tenant_source = inbound
         if inbound.offset >= 0:
             batch.positions[inbound.partition] = inbound.offset + 1
         batch.inputs += 1
@@ -611,17 +615,18 @@ class InputPath:
         """Apply the next input of a producer. Its seq is used up already, so a refusal of it
         (to the DLQ) never blocks the ones behind it."""
         record = step.record
-        incoming = self._incoming
+        incoming, source = self._incoming, self._tenant_source
         if step.held:
             original = Inbound.of_record(self.topics.inbox, partition, record)
             self._incoming = None  # a held input's headers are not kept: the run's context
+            self._tenant_source = None  # nor its tenant header: never another record's
         self._touch(partition, slot)
         try:
             self._apply(partition, slot, self._parse(record), record["input_id"])
         except _Reject as exc:
             self._dead_letter(original, exc.reason, exc.error_class, run_id=slot.run_id)
         finally:
-            self._incoming = incoming
+            self._incoming, self._tenant_source = incoming, source
 
     def _parse(self, record: dict[str, Any]) -> Event:
         try:
@@ -639,8 +644,9 @@ class InputPath:
     def _tenant_stamped(self, event: RunSubmitted) -> RunSubmitted:
         """A new run's submission with its tenant: the one its body names, its producer's
         tenant header as the settings take it, else the configured default
-        (`tenant_headers.tenant_of_submission`); a header refused there refuses the input."""
-        inbound = self._inbound
+        (`tenant_headers.tenant_of_submission`); a header refused there refuses the input. A
+        held submission has no headers: of the default tenant unless its body names one."""
+        inbound = self._tenant_source
         named = None if isinstance(event.tenant, msgspec.UnsetType) else event.tenant
         try:
             tenant = tenant_headers.tenant_of_submission(

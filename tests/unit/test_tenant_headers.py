@@ -22,7 +22,7 @@ from agentruns.connectors.keys import (
     tenant_kafka_key,
 )
 from agentruns.connectors.settings import Settings
-from agentruns.processors.events import RunSubmitted
+from agentruns.processors.events import CancelRequested, RunSubmitted
 from agentruns.streams import dlq
 from agentruns.streams.codec import decode, encode
 from agentruns.streams.inputs import Batch, Inbound, InputPath, PathSettings
@@ -271,3 +271,28 @@ def test_the_processor_applies_signed_tasks_and_dead_letters_each_forged_one() -
     plain = _record(replace(_submit("plain"), goal="g2"), offset + 1, None)
     path.handle(plain, Batch())
     assert path.slots[0]["plain"].state.tenant == "upstream"  # type: ignore[union-attr]
+
+
+def test_a_held_submission_never_takes_the_tenant_header_of_the_record_that_releases_it() -> None:
+    """A submission that waits for its producer's earlier input has no headers of its own
+    kept; the signed header of the input that fills the gap is that input's, not its."""
+    path = InputPath(
+        TOPICS,
+        PathSettings(default_tenant="upstream", tenant_header="signed", tenant_key=key_of),
+        ProcessorStats(),
+        clock=lambda: AT / 1000,
+    )
+
+    def numbered(event: Any, seq: int, offset: int) -> Inbound:
+        value = encode("Input", input_record(event, producer_id="p", producer_seq=seq))
+        key = event.run_id.encode()
+        headers = signed_headers(key_of("ops"), "ops", key, value)  # valid, for this record
+        return Inbound("t.inbox", 0, offset, key, value, headers, AT)
+
+    held = numbered(_submit("h1"), 2, 0)
+    first = numbered(CancelRequested(run_id="h1", event_id="c1", at=AT, trace_id="t"), 1, 1)
+    path.handle(held, Batch())
+    assert path.slots[0]["h1"].state is None  # held for input 1
+    path.handle(first, Batch())
+    state = path.slots[0]["h1"].state
+    assert state is not None and state.tenant == "upstream"
