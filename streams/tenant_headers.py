@@ -67,7 +67,7 @@ def sign(key: bytes, tenant: str, record_key: bytes | None, value: bytes | None)
 
 def signed_headers(
     key: bytes, tenant: str, record_key: bytes | None, value: bytes | None
-) -> list[Header]:
+) -> list[tuple[str, bytes]]:
     """The two headers a producer adds to a task's record to submit it for ``tenant``.
 
     Example (a producer that does not use `agentruns.RunsProducer`)::
