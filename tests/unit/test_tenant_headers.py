@@ -296,3 +296,13 @@ def test_a_held_submission_never_takes_the_tenant_header_of_the_record_that_rele
     path.handle(first, Batch())
     state = path.slots[0]["h1"].state
     assert state is not None and state.tenant == "upstream"
+
+
+def test_a_producer_takes_a_tenant_only_with_its_key() -> None:
+    from agentruns.connectors.api.client import RunsProducer
+
+    for tenant, key in (("shop", None), (None, SHOP), ("shop", b""), ("Not A Tenant", SHOP)):
+        with pytest.raises(ValueError):
+            RunsProducer(
+                "127.0.0.1:9", producer_id="p", partitions=1, tenant=tenant, tenant_key=key
+            )
