@@ -179,6 +179,12 @@ def _credentials_remove(argv: list[str]) -> int:
     return main_remove(argv)
 
 
+def _credentials_kafka_key(argv: list[str]) -> int:
+    from agentruns.connectors.keys import main_kafka_key
+
+    return main_kafka_key(argv)
+
+
 COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("run",): (_run, "every layer in one process (development)"),
     ("processor",): (_processor, "run a processor process"),
@@ -202,10 +208,14 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("revalidate",): (_revalidate, "re-run validators over candidates"),
     ("versions",): (_versions, "which rules versions the runs use, with counts"),
     ("kafka", "acls"): (_kafka_acls, "the Kafka ACLs a service's principal needs"),
-    ("keys",): (_keys, "the callback key of AGENTRUNS_API_SECRET, for the tool executors"),
+    ("keys",): (_keys, "a key of AGENTRUNS_API_SECRET: callback (tool executors), tenant-header"),
     ("credentials", "add"): (_credentials_add, "mint an API credential (tenant, roles)"),
     ("credentials", "list"): (_credentials_list, "the API credentials: id, tenant, roles"),
     ("credentials", "remove"): (_credentials_remove, "remove an API credential"),
+    ("credentials", "kafka-key"): (
+        _credentials_kafka_key,
+        "a tenant's Kafka key: its producers sign their tenant header with it",
+    ),
 }
 
 #: The first words of the development commands (`agentruns.connectors.dev.commands`).

@@ -32,6 +32,7 @@ except ImportError:  # the extra is optional; agentruns itself never imports thi
 from agentruns.connectors.api.client import Submission, task_input
 from agentruns.connectors.api.inputs import MAX_RECORD_BYTES, encoded_input
 from agentruns.streams.codec import decode, encode
+from agentruns.streams.tenant_headers import signed_headers
 from agentruns.streams.topics import INBOX, RESULTS, default_prefix, topic_name
 
 __all__ = [
@@ -116,8 +117,12 @@ async def submit_task(
     producer_id: str,
     at: int | None = None,
     trace_id: str | None = None,
+    tenant: str | None = None,
+    tenant_key: bytes | None = None,
 ) -> Submission:
-    """Produce a task to the inbox and wait for the broker's acknowledgement.
+    """Produce a task to the inbox and wait for the broker's acknowledgement; with ``tenant``
+    and its Kafka key ``tenant_key`` (`agentruns credentials kafka-key`), for that tenant, in a
+    signed `agentruns-tenant` header (`agentruns.streams.tenant_headers`, docs/security.md).
 
     The record is `RunsProducer.submit`'s (same run id, same numbering), so a task submitted
     again, by this app or any other path, still runs once. It goes through the app's own
@@ -125,14 +130,18 @@ async def submit_task(
     partition the worker consumes, and this app consumes results, not the inbox. The partition
     is the key's under aiokafka's default partitioner, which is Kafka's murmur2 (as
     `agentruns.streams.partitioning.partition_for`)."""
+    if (tenant is None) != (tenant_key is None) or tenant_key == b"":
+        raise ValueError("give tenant and tenant_key together (a tenant's signed header)")
     submission, record = task_input(
         task, idempotency_key=idempotency_key, producer_id=producer_id, at=at, trace_id=trace_id
     )
     value = InputCodec().dumps(record)
+    key = submission.run_id.encode()
+    headers = None
+    if tenant is not None and tenant_key is not None:
+        headers = signed_headers(tenant_key, tenant, key, value)
     producer = inbox.app.producer
     await producer.maybe_start()
-    pending = await producer.send(
-        inbox.get_topic_name(), submission.run_id.encode(), value, None, None, None
-    )
+    pending = await producer.send(inbox.get_topic_name(), key, value, None, None, headers)
     await pending
     return submission

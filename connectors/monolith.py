@@ -29,6 +29,7 @@ from agentruns.connectors.executors.tool import (
     ToolRegistry,
     registry_from_args,
 )
+from agentruns.connectors.keys import processor_tenant_header
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.logs import setup_logging
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
@@ -79,6 +80,9 @@ class Monolith:
         tools = self.tool_executor.tools()
         self.catalog = catalog_of(registry, tools)
         log.info("tool catalog %s (%d tools)", self.catalog.version, len(self.catalog.tools))
+        tenant_header, tenant_key = processor_tenant_header(
+            current().tenant_header_mode(), current().tenant_header_key, current().api_secret
+        )
         self.processor = Processor(
             ProcessorConfig(
                 bootstrap=bootstrap,
@@ -86,7 +90,8 @@ class Monolith:
                 store_dir=str(current().processor_store_dir()),
                 catalog=self.catalog,
                 default_tenant=current().default_tenant,
-                trust_tenant_header=current().trust_tenant_header,
+                tenant_header=tenant_header,
+                tenant_key=tenant_key,
             ),
             store.put_many,
         )

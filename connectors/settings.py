@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentruns.connectors.kafka_properties import check_with_librdkafka, read_properties_file
 from agentruns.streams.kafka_defaults import client_properties, use_client_properties
+from agentruns.streams.tenant_headers import MODES, Mode
 from agentruns.streams.topics import DEFAULT_PREFIX
 
 KAFKA_CONFIG_ENV = "AGENTRUNS_KAFKA_CONFIG"
@@ -86,8 +87,8 @@ class Settings(BaseSettings):
     api_secret: str = Field(
         "",
         alias="AGENTRUNS_API_SECRET",
-        description="root secret: the console, resume-token and callback keys are derived "
-        "from it (security.md); unset: random (dev)",
+        description="root secret: the console, resume-token, callback and tenant-header keys are"
+        " derived from it (security.md); unset: random (dev)",
     )
     api_operator_tokens: str = Field(
         "",
@@ -166,8 +167,30 @@ class Settings(BaseSettings):
         False,
         alias="AGENTRUNS_TRUST_TENANT_HEADER",
         description="let a task produced straight to Kafka name its tenant in the"
-        " `agentruns-tenant` header (the processor's); only where every inbox producer is trusted",
+        " `agentruns-tenant` header (the processor's); only where every inbox producer is trusted;"
+        " the same as AGENTRUNS_TENANT_HEADER=trusted, which wins when set",
     )
+    tenant_header: str = Field(
+        "",
+        alias="AGENTRUNS_TENANT_HEADER",
+        pattern=r"^(default|trusted|signed)?$",
+        description="how the processor takes the `agentruns-tenant` header of a task produced"
+        " straight to Kafka: `default` (ignored), `trusted` (believed), `signed` (believed with a"
+        " valid `agentruns-tenant-signature` only; security.md); unset: from"
+        " AGENTRUNS_TRUST_TENANT_HEADER",
+    )
+    tenant_header_key: str = Field(
+        "",
+        alias="AGENTRUNS_TENANT_HEADER_KEY",
+        description="the root of the tenants' Kafka keys, hex (`agentruns keys tenant-header`),"
+        " the processor's in `signed` mode; unset: derived from AGENTRUNS_API_SECRET (dev)",
+    )
+
+    def tenant_header_mode(self) -> Mode:
+        """AGENTRUNS_TENANT_HEADER, else what the older AGENTRUNS_TRUST_TENANT_HEADER says."""
+        if self.tenant_header in MODES:
+            return self.tenant_header
+        return "trusted" if self.trust_tenant_header else "default"
 
     def processor_store_dir(self) -> Path:
         """`store_dir`, or the user's state directory (XDG) when unset."""

@@ -9,7 +9,9 @@ runs twice. Its agent prints every terminal result on `<prefix>.results`, one li
 `result <run_id> <status> v<version> <summary>`. Kafka comes from KAFKA_BOOTSTRAP_SERVERS
 (default: the local stack of `agentruns dev up`, 127.0.0.1:19092); topics from
 AGENTRUNS_TOPIC_PREFIX (default `agentruns`); the consumer group is the app id,
-AGENTRUNS_FAUST_APP_ID (default `agentruns-faust-example`).
+AGENTRUNS_FAUST_APP_ID (default `agentruns-faust-example`). With AGENTRUNS_FAUST_TENANT and that
+tenant's Kafka key in AGENTRUNS_TENANT_KAFKA_KEY (`agentruns credentials kafka-key --tenant T`),
+the tasks are submitted for that tenant, in a signed tenant header (docs/security.md).
 
 The app is made with processing_guarantee="exactly_once" (`agentruns.connectors.faust.app`):
 without it Faust reads read_uncommitted, and would see the records of transactions the
@@ -27,11 +29,14 @@ from typing import Any
 
 from agentruns.connectors.faust import app as faust_app
 from agentruns.connectors.faust import inbox_topic, results_topic, submit_task
+from agentruns.connectors.keys import producer_tenant_key
 
 BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:19092")
 PREFIX = os.environ.get("AGENTRUNS_TOPIC_PREFIX", "agentruns")
 APP_ID = os.environ.get("AGENTRUNS_FAUST_APP_ID", "agentruns-faust-example")
 TASKS = Path(os.environ.get("AGENTRUNS_FAUST_TASKS", Path(__file__).parent / "tasks"))
+TENANT = os.environ.get("AGENTRUNS_FAUST_TENANT") or None
+TENANT_KEY = producer_tenant_key() if TENANT else None
 
 app = faust_app(
     APP_ID,
@@ -50,7 +55,12 @@ async def submit_tasks() -> None:
     for path in sorted(TASKS.glob("*.json")):
         task = json.loads(path.read_text())
         submission = await submit_task(
-            inbox, task, idempotency_key=path.stem, producer_id="faust-example"
+            inbox,
+            task,
+            idempotency_key=path.stem,
+            producer_id="faust-example",
+            tenant=TENANT,
+            tenant_key=TENANT_KEY,
         )
         print(f"submitted {path.stem} {submission.run_id}", flush=True)
 

@@ -37,9 +37,9 @@ from agentruns.processors.events import Event, GapTimedOut, InputRefused, RunSub
 from agentruns.processors.ids import derive_key
 from agentruns.processors.limits import MAX_ID_CHARS
 from agentruns.processors.state import RunState, RunStatus, TimerPurpose
-from agentruns.processors.tenants import DEFAULT_TENANT, stored, valid_tenant
+from agentruns.processors.tenants import DEFAULT_TENANT, stored
 from agentruns.processors.transition import Artifact, Disposition, Transition
-from agentruns.streams import dlq, dlq_metrics, metrics, tracing
+from agentruns.streams import dlq, dlq_metrics, metrics, tenant_headers, tracing
 from agentruns.streams.codec import CodecError, decode, decode_fields, encode
 from agentruns.streams.partitioning import event_key
 from agentruns.streams.records import (
@@ -180,23 +180,18 @@ class PathSettings:
     catalog: Catalog | None = None
     # The processor's consumer group (the spans' messaging.consumer.group.name)
     group: str = ""
-    # The tenant of a submission that names none (a task produced straight to Kafka), and
-    # whether its producer may name one in the TENANT_HEADER header instead
-    # (agentruns.processors.tenants; docs/security.md).
+    # The tenant of a submission that names none (a task produced straight to Kafka), how
+    # its TENANT_HEADER header is taken (ignored, trusted, or signed), and, when signed, each
+    # tenant's Kafka key (agentruns.streams.tenant_headers; docs/security.md).
     default_tenant: str = DEFAULT_TENANT
-    trust_tenant_header: bool = False
+    tenant_header: tenant_headers.Mode = "default"
+    tenant_key: Callable[[str], bytes] | None = None
 
-
-#: The header a producer straight to Kafka names its task's tenant in (honoured only with
-#: `PathSettings.trust_tenant_header`).
-TENANT_HEADER = "agentruns-tenant"
-
-
-def _header_tenant(headers: Any) -> bytes | str | None:
-    for name, value in headers or ():
-        if name == TENANT_HEADER:
-            return value  # type: ignore[no-any-return]
-    return None
+    def __post_init__(self) -> None:
+        if self.tenant_header not in tenant_headers.MODES:
+            raise ValueError(f"tenant header mode {self.tenant_header!r} is not one of MODES")
+        if self.tenant_header == "signed" and self.tenant_key is None:
+            raise ValueError("signed tenant headers need the tenant keys")
 
 
 def record_size(record: Record) -> int:
@@ -281,7 +276,9 @@ class InputPath:
         self._incoming: str | None = None  # the trace context of the input in hand
         self._inbound: Inbound | None = None  # the input in hand (its span's attributes)
         self._before: RunState | None = None  # the state before the transition being traced
-        self._incoming_tenant: bytes | str | None = None  # its tenant header, if any
+        # the record whose tenant headers a submission being applied is read with: the input
+        # in hand; None for a held input (its headers are not kept, as its trace context)
+        self._tenant_source: Inbound | None = None
         # partition -> why it stopped (PartitionStopped, or a snapshot this build cannot read
         # at restore): its inputs are left where they are, for a build that can apply them
         self.stopped: dict[int, str] = {}
@@ -300,7 +297,7 @@ class InputPath:
             return  # left unconsumed: its offset is not committed past the stop
         self._incoming = tracing.from_headers(inbound.headers)
         self._inbound = inbound
-        self._incoming_tenant = _header_tenant(inbound.headers)
+        self._tenant_source = inbound
         if inbound.offset >= 0:
             batch.positions[inbound.partition] = inbound.offset + 1
         batch.inputs += 1
@@ -618,17 +615,18 @@ class InputPath:
         """Apply the next input of a producer. Its seq is used up already, so a refusal of it
         (to the DLQ) never blocks the ones behind it."""
         record = step.record
-        incoming = self._incoming
+        incoming, source = self._incoming, self._tenant_source
         if step.held:
             original = Inbound.of_record(self.topics.inbox, partition, record)
             self._incoming = None  # a held input's headers are not kept: the run's context
+            self._tenant_source = None  # nor its tenant header: never another record's
         self._touch(partition, slot)
         try:
             self._apply(partition, slot, self._parse(record), record["input_id"])
         except _Reject as exc:
             self._dead_letter(original, exc.reason, exc.error_class, run_id=slot.run_id)
         finally:
-            self._incoming = incoming
+            self._incoming, self._tenant_source = incoming, source
 
     def _parse(self, record: dict[str, Any]) -> Event:
         try:
@@ -644,24 +642,30 @@ class InputPath:
         return event
 
     def _tenant_stamped(self, event: RunSubmitted) -> RunSubmitted:
-        """A submission that names no tenant gets the one its producer's trusted header
-        names, else the configured default (a header not trusted is ignored; a trusted one
-        that is not a tenant's name refuses the input)."""
-        tenant = self.settings.default_tenant
-        given = self._incoming_tenant if self.settings.trust_tenant_header else None
-        if given is not None:
-            text = given.decode("utf-8", "replace") if isinstance(given, bytes) else given
-            if not valid_tenant(text):
-                raise _Reject(
-                    f"invalid_input:tenant: the {TENANT_HEADER} header {text[:80]!r} is not a"
-                    " tenant name",
-                    dlq.INVALID_EVENT,
-                )
-            tenant = text
-        named = stored(tenant)
-        if isinstance(named, msgspec.UnsetType):
+        """A new run's submission with its tenant: the one its body names, its producer's
+        tenant header as the settings take it, else the configured default
+        (`tenant_headers.tenant_of_submission`); a header refused there refuses the input. A
+        held submission has no headers: of the default tenant unless its body names one."""
+        inbound = self._tenant_source
+        named = None if isinstance(event.tenant, msgspec.UnsetType) else event.tenant
+        try:
+            tenant = tenant_headers.tenant_of_submission(
+                self.settings.tenant_header,
+                inbound.headers or () if inbound is not None else (),
+                inbound.key if inbound is not None else None,
+                inbound.value if inbound is not None else None,
+                named=named,
+                default=self.settings.default_tenant,
+                key_of=self.settings.tenant_key,
+            )
+        except tenant_headers.TenantHeaderRefused as exc:
+            raise _Reject(f"invalid_input:tenant: {exc}", dlq.INVALID_EVENT) from None
+        if tenant == named:
             return event
-        return msgspec.structs.replace(event, tenant=named)
+        stamped = stored(tenant)
+        if isinstance(stamped, msgspec.UnsetType):
+            return event
+        return msgspec.structs.replace(event, tenant=stamped)
 
     def _arm_gap_timer(self, partition: int, slot: RunSlot, step: ArmGapTimer) -> None:
         state = slot.state
@@ -706,8 +710,7 @@ class InputPath:
             event = catalog.stamped(
                 versions.stamped(event, self.rules_version), self.settings.catalog
             )
-            if isinstance(event.tenant, msgspec.UnsetType):
-                event = self._tenant_stamped(event)
+            event = self._tenant_stamped(event)
         span = None
         context = self._incoming or slot.traceparent
         if tracing.enabled():

@@ -79,6 +79,7 @@ from agentruns.streams.rebalance import Rebalancer
 from agentruns.streams.records import Parked, RunSlot
 from agentruns.streams.restore import Restorer, has_ended, stored_runs
 from agentruns.streams.run_store import RunStore
+from agentruns.streams.tenant_headers import Mode
 from agentruns.streams.topics import TopicNames
 from agentruns.streams.transaction import (
     Backoff,
@@ -152,10 +153,12 @@ class ProcessorConfig:
     rules_version: int | None = None
     # The operator's tool catalog new runs' tasks must keep within (docs/tools.md); None: none.
     catalog: Catalog | None = None
-    # The tenant of a task produced straight to Kafka that names none, and whether its
-    # `agentruns-tenant` header is trusted (streams.inputs.PathSettings).
+    # The tenant of a task produced straight to Kafka that names none, how its
+    # `agentruns-tenant` header is taken, and each tenant's Kafka key when it must be signed
+    # (streams.inputs.PathSettings, streams.tenant_headers).
     default_tenant: str = DEFAULT_TENANT
-    trust_tenant_header: bool = False
+    tenant_header: Mode = "default"
+    tenant_key: Callable[[str], bytes] | None = None
     extra_consumer: dict[str, Any] = field(default_factory=dict)
     extra_producer: dict[str, Any] = field(default_factory=dict)
 
@@ -233,7 +236,8 @@ class Processor:
                 catalog=config.catalog,
                 group=config.group_id,
                 default_tenant=config.default_tenant,
-                trust_tenant_header=config.trust_tenant_header,
+                tenant_header=config.tenant_header,
+                tenant_key=config.tenant_key,
             ),
             self.stats,
             limits=self._record_limits(),

@@ -1,6 +1,8 @@
 """The users' Python API and the `agentruns submit | results | reply | cancel` commands.
 
-Upstream (`RunsProducer`): idempotent task submission straight to `<prefix>.inbox`.
+Upstream (`RunsProducer`): idempotent task submission straight to `<prefix>.inbox`, for the
+processor's default tenant or, with a tenant's Kafka key, for that tenant (a signed
+`agentruns-tenant` header; docs/security.md).
 Downstream (`ResultsConsumer`): terminal results from `<prefix>.results`, read_committed, with
 committed consumer-group offsets. Over HTTP (`ApiClient`): submit, read, reply, cancel through
 `agentruns api` (replies always go through the API: it verifies the signed resume token).
@@ -49,12 +51,14 @@ from agentruns.connectors.api.inputs import (
     submitted_task,
 )
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError, NotConfiguredError
+from agentruns.connectors.keys import TENANT_KAFKA_KEY_ENV, producer_tenant_key
 from agentruns.connectors.lifecycle import stop_on_signals
 from agentruns.connectors.settings import current
 from agentruns.processors.catalog import Catalog
 from agentruns.processors.events import CancelRequested, ForkedFrom
 from agentruns.processors.ids import run_id_for_key, submit_event_id, trace_id_for
 from agentruns.processors.state import TERMINAL, RunStatus
+from agentruns.processors.tenants import valid_tenant
 from agentruns.streams import tracing
 from agentruns.streams.clock import now_ms
 from agentruns.streams.codec import CodecError, decode
@@ -68,6 +72,7 @@ from agentruns.streams.kafka_defaults import (
 )
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.records import input_record
+from agentruns.streams.tenant_headers import signed_headers
 from agentruns.streams.topics import DEFAULT_PREFIX, INBOX, RESULTS, default_prefix, topic_name
 
 log = logging.getLogger("agentruns.client")
@@ -182,9 +187,17 @@ class RunsProducer:
         catalog: The operator's tool catalog (`agentruns.connectors.catalog.catalog_of`); a
             task that widens it is refused. None: no catalog check here (the processor still
             makes it when it holds one).
+        tenant: The tenant this producer submits for, named in each task's signed
+            `agentruns-tenant` header (docs/security.md, "Tenants"); None: no header (the
+            processor's default tenant).
+        tenant_key: That tenant's Kafka key (32 bytes; `agentruns credentials kafka-key
+            --tenant T` prints it in hex, `agentruns.connectors.keys.producer_tenant_key`
+            reads it from `AGENTRUNS_TENANT_KAFKA_KEY`): each task's record is signed with it
+            (`agentruns.streams.tenant_headers.signed_headers`).
 
     Raises:
-        ValueError: `producer_id` is empty.
+        ValueError: `producer_id` is empty, or `tenant` and `tenant_key` are not given
+            together (or `tenant` is no tenant name).
         AgentrunsKafkaError: the inbox's partition count could not be read.
 
     Example:
@@ -213,9 +226,17 @@ class RunsProducer:
         max_record_bytes: int = MAX_RECORD_BYTES,
         extra: Mapping[str, Any] | None = None,
         catalog: Catalog | None = None,
+        tenant: str | None = None,
+        tenant_key: bytes | None = None,
     ) -> None:
         if not producer_id:
             raise ValueError("producer_id must be a stable, non-empty name")
+        if (tenant is None) != (tenant_key is None) or tenant_key == b"":
+            raise ValueError("give tenant and tenant_key together (a tenant's signed header)")
+        if tenant is not None and not valid_tenant(tenant):
+            raise ValueError(f"{tenant!r} is not a tenant name")
+        self.tenant = tenant
+        self._tenant_key = tenant_key
         self.producer_id = producer_id
         # the operator's tool catalog (agentruns.connectors.catalog.catalog_of): a task that
         # widens it is refused here, as the processor would fail its run
@@ -300,7 +321,7 @@ class RunsProducer:
             trace_id=trace_id,
             catalog=self.catalog,
         )
-        self._send(record, tracing.headers_of(traceparent))
+        self._send(record, tracing.headers_of(traceparent), signed=True)
         return submission
 
     def cancel(
@@ -358,7 +379,11 @@ class RunsProducer:
         return Submission(record.run_id, record.trace_id, record.event_id)
 
     def _send(
-        self, record: dict[str, Any], headers: list[tuple[str, str | bytes | None]] | None = None
+        self,
+        record: dict[str, Any],
+        headers: list[tuple[str, str | bytes | None]] | None = None,
+        *,
+        signed: bool = False,
     ) -> None:
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             if err is not None:
@@ -366,6 +391,12 @@ class RunsProducer:
 
         run_id = record["run_id"]
         value = encoded_input(record, self.max_record_bytes)
+        if signed and self.tenant is not None and self._tenant_key is not None:
+            # the task's tenant, bound to this record by its tenant's key
+            headers = [
+                *(headers or ()),
+                *signed_headers(self._tenant_key, self.tenant, run_id.encode(), value),
+            ]
         try:
             self._producer.produce(
                 self.topic,
@@ -918,6 +949,12 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--goal", help="the task's goal (or give --task)")
     parser.add_argument("--task", help="a JSON file with the task (RunSubmitted fields); - = stdin")
     parser.add_argument("--producer-id", default=current().producer_id)
+    parser.add_argument(
+        "--tenant",
+        help="the tenant to submit for: straight to Kafka, signed with the tenant's key in"
+        " $AGENTRUNS_TENANT_KAFKA_KEY (`agentruns credentials kafka-key`); through the API, the"
+        " task's `tenant` (an admin's credential may name another)",
+    )
     _common(parser, api=True)
     args = parser.parse_args(list(argv) if argv is not None else None)
     task: dict[str, Any] = {}
@@ -927,8 +964,12 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
         task["goal"] = args.goal
     if "goal" not in task:
         parser.error("give --goal or a --task with a goal")
+    if args.tenant is not None and not valid_tenant(args.tenant):
+        parser.error(f"--tenant {args.tenant!r} is not a tenant name")
     client = _api_client(args)
     if client is not None:
+        if args.tenant is not None:
+            task["tenant"] = args.tenant
         try:
             _print(client.submit(task, idempotency_key=args.key))
         finally:
@@ -942,8 +983,19 @@ def main_submit(argv: Sequence[str] | None = None) -> int:
         from agentruns.connectors.executors.tool import ToolRegistry
 
         catalog = catalog_of(ToolRegistry.load(registry))
+    tenant_key = producer_tenant_key()
+    if args.tenant is not None and tenant_key is None:
+        raise AgentrunsError(
+            f"--tenant {args.tenant} straight to Kafka needs {TENANT_KAFKA_KEY_ENV}",
+            hint=f"agentruns credentials kafka-key --tenant {args.tenant} (where the secret is)",
+        )
     with RunsProducer(
-        _bootstrap(), producer_id=args.producer_id, prefix=args.prefix, catalog=catalog
+        _bootstrap(),
+        producer_id=args.producer_id,
+        prefix=args.prefix,
+        catalog=catalog,
+        tenant=args.tenant,
+        tenant_key=tenant_key if args.tenant is not None else None,
     ) as p:
         sub = p.submit(task, idempotency_key=args.key)
     _print({"run_id": sub.run_id, "trace_id": sub.trace_id, "input_id": sub.input_id})

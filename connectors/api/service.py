@@ -41,6 +41,7 @@ from agentruns.connectors.api.operator import parse_body, plan
 from agentruns.connectors.api.pool import Conn, ConnectionPool
 from agentruns.connectors.api.tokens import ResumeToken, TokenError, sign_token, verify_token
 from agentruns.connectors.health import Health
+from agentruns.connectors.keys import tenant_kafka_key
 from agentruns.connectors.postgres.artifacts import StoredArtifact
 from agentruns.processors import tool_results
 from agentruns.processors.events import (
@@ -65,6 +66,7 @@ from agentruns.streams import tracing
 from agentruns.streams.clock import ms_of
 from agentruns.streams.codec import decode
 from agentruns.streams.records import input_record, parse_state
+from agentruns.streams.tenant_headers import signed_headers
 
 API_PRODUCER_ID = "api"
 #: The most forks of a run its view lists.
@@ -231,6 +233,7 @@ class ApiService:
         single_use: bool = False,
         claim: Callable[[Conn], None] | None = None,
         traceparent: str | None = None,
+        tenant: str | None = None,
     ) -> bool:
         """Produce the input `input_id` once; True if THIS call produced it.
 
@@ -243,6 +246,10 @@ class ApiService:
         as does any repeat of a `single_use` input (a resume token) once it was produced. A
         repeat of an input that never reached Kafka re-produces the byte-identical record,
         which the processor drops as an exact duplicate if it did arrive after all.
+
+        A submission for a ``tenant`` the body names carries that tenant's signed header
+        (`agentruns.streams.tenant_headers`), so a processor that takes signed tenant headers
+        only believes the API's tenant as it believes any producer's.
         """
         conflict = conflict or ApiError(
             422, "idempotency_key_reused", "this idempotency key was used with another request"
@@ -259,7 +266,11 @@ class ApiService:
                     raise conflict
                 if stored[2]:
                     return False
-                self.inbox.produce(run_id, stored[1], tracing.headers_of(traceparent))
+                headers = tracing.headers_of(traceparent)
+                if tenant is not None:
+                    key = tenant_kafka_key(self.config.keys.tenant_headers, tenant)
+                    headers += signed_headers(key, tenant, run_id.encode(), stored[1])
+                self.inbox.produce(run_id, stored[1], headers)
                 queries.mark_produced(conn, input_id)
         INPUTS.labels(kind).inc()
         return True
@@ -341,6 +352,7 @@ class ApiService:
             request_hash(body),
             self._encoded(record),
             traceparent=traceparent,
+            tenant=None if isinstance(named, msgspec.UnsetType) else named,
         )
         if created:
             SUBMISSIONS.labels(self.credentials.tenant_label(tenant)).inc()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from agentruns.connectors import health
 from agentruns.connectors.catalog import configured_catalog, refreshing
+from agentruns.connectors.keys import processor_tenant_header
 from agentruns.connectors.postgres.artifacts import PostgresArtifactStore
 from agentruns.connectors.service import run_service
 from agentruns.connectors.settings import current
@@ -116,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_topics(ep.kafka_bootstrap, prefix=args.prefix, partitions=args.partitions)
         catalog = configured_catalog(args.registry, component="processor", routes=args.routes)
         store = PostgresArtifactStore(ep.database_url)
+        tenant_header, tenant_key = processor_tenant_header(
+            current().tenant_header_mode(), current().tenant_header_key, current().api_secret
+        )
         config = ProcessorConfig(
             bootstrap=ep.kafka_bootstrap,
             prefix=args.prefix,
@@ -134,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rules_version=args.rules_version,
             catalog=catalog,
             default_tenant=current().default_tenant,
-            trust_tenant_header=current().trust_tenant_header,
+            tenant_header=tenant_header,
+            tenant_key=tenant_key,
         )
         tune_gc()
         tune_switch_interval()

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
+from agentruns.connectors.keys import processor_tenant_keys, tenant_header_root, tenant_kafka_key
 from agentruns.processors.ids import run_id_for_key
 from agentruns.streams.codec import encode
 from agentruns.streams.kafka_defaults import partition_count
 from agentruns.streams.partitioning import partition_for
 from agentruns.streams.topics import INBOX, RESULTS, topic_name
-from tests.support.api import Stack
+from tests.support.api import OPERATOR_TOKEN, SECRET, TENANT_B, Stack, pipeline
 from tests.support.pipeline import SEARCH, now_ms, read_all
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "faust_app.py"
@@ -71,10 +72,17 @@ def _port() -> int:
 
 
 @contextmanager
-def faust_worker(tmp_path: Path, bootstrap: str, prefix: str, tasks: Path) -> Iterator[Worker]:
+def faust_worker(
+    tmp_path: Path,
+    bootstrap: str,
+    prefix: str,
+    tasks: Path,
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[Worker]:
     output = tmp_path / "worker.out"
     env = {
         **os.environ,
+        **(extra_env or {}),
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "AGENTRUNS_TOPIC_PREFIX": prefix,
         "AGENTRUNS_FAUST_APP_ID": f"{prefix}-faust",
@@ -130,6 +138,28 @@ def test_tasks_submitted_through_faust_end_with_results_the_faust_agent_consumes
         assert record.value["input_id"] == f"{run_id}:submit"
         assert (record.value["producer_id"], record.value["producer_seq"]) == ("faust-example", 1)
     assert len([line for line in lines if line.startswith("result ")]) == len(runs)
+
+
+def test_a_faust_app_submits_for_its_tenant_in_a_signed_header(
+    kafka_bootstrap: str, database_url: str, tmp_path: Path
+) -> None:
+    """With a tenant and its Kafka key, `submit_task` signs the tenant header, and a processor
+    that believes signed headers only puts the run in that tenant."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    key = f"faust-signed-{uuid.uuid4().hex[:12]}"
+    (tasks / f"{key}.json").write_text(json.dumps(TASK))
+    run_id = run_id_for_key(key)
+    signed = {"tenant_header": "signed", "tenant_key": processor_tenant_keys("", SECRET.decode())}
+    env = {
+        "AGENTRUNS_FAUST_TENANT": TENANT_B,
+        "AGENTRUNS_TENANT_KAFKA_KEY": tenant_kafka_key(tenant_header_root(SECRET), TENANT_B).hex(),
+    }
+    with pipeline(kafka_bootstrap, database_url, processor_options=signed) as stack:
+        with faust_worker(tmp_path, stack.bootstrap, stack.prefix, tasks, env) as worker:
+            worker.wait_for({f"result {run_id} SUCCEEDED"})
+        with stack.client(OPERATOR_TOKEN) as admin:
+            assert admin.get(f"/runs/{run_id}").json()["tenant"] == TENANT_B
 
 
 def result_value(run_id: str, summary: str) -> bytes:

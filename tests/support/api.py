@@ -7,7 +7,7 @@ import random
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,13 +255,19 @@ def pipeline(
     *,
     catalog: Catalog | None = None,
     make_double: Callable[[str, str], ScriptedDouble] = ScriptedDouble,
+    processor_options: Mapping[str, Any] | None = None,
 ) -> Iterator[Stack]:
     """Processor + sink + executor double + API for one topic prefix; with `catalog`, the
-    processor and the API hold tasks to it. `make_double(bootstrap, prefix)`: the double."""
+    processor and the API hold tasks to it. `make_double(bootstrap, prefix)`: the double;
+    `processor_options`: more of the processor's `ProcessorConfig`."""
     prefix = f"t-api-{uuid.uuid4().hex[:10]}"
     ensure_topics(bootstrap, prefix=prefix, partitions=PARTITIONS)
     config = ProcessorConfig(
-        bootstrap=bootstrap, prefix=prefix, group_id=f"{prefix}-proc", catalog=catalog
+        bootstrap=bootstrap,
+        prefix=prefix,
+        group_id=f"{prefix}-proc",
+        catalog=catalog,
+        **(processor_options or {}),
     )
     double = make_double(bootstrap, prefix)
     api = ApiConfig(

@@ -476,7 +476,7 @@ def test_a_repeated_answer_to_an_effect_changes_nothing_however_it_comes_back() 
 def _tenant_path(trust: bool) -> InputPath:
     return InputPath(
         TOPICS,
-        PathSettings(default_tenant="upstream", trust_tenant_header=trust),
+        PathSettings(default_tenant="upstream", tenant_header="trusted" if trust else "default"),
         ProcessorStats(),
         clock=lambda: AT / 1000,
     )
