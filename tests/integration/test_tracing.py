@@ -9,6 +9,8 @@ headers and in the run's snapshot.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from agentruns.connectors.api.client import RunsProducer
+from agentruns.connectors.executors.tool import ToolExecutor
+from agentruns.processors.effects import CallTool
+from agentruns.processors.events import ToolCallFailed, ToolCallSucceeded
 from agentruns.streams import tracing
+from tests.integration.test_mcp_tools import ServerProcess
+from tests.support.executors import ids_for, make_harness
 from tests.support.pipeline import running_pipeline
 from tests.support.runlog import running_sink
 from tests.support.waiting import wait_for
@@ -149,3 +156,88 @@ def test_one_run_is_one_connected_trace(
             assert exchange.parent is not None and by_id[exchange.parent.span_id].name.startswith(
                 ("chat ", "execute_tool ")
             )
+
+
+def _context_of(span: ReadableSpan) -> str:
+    """The traceparent naming a finished span."""
+    ctx = span.get_span_context()
+    assert ctx is not None
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def test_an_mcp_request_is_a_client_span_whose_context_the_server_receives(
+    spans: InMemorySpanExporter,
+    kafka_bootstrap: str,
+    database_url: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    server = ServerProcess(tmp_path)
+    server.start()
+    prefix = f"t-trace-mcp-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    harness = make_harness(kafka_bootstrap, database_url, prefix, "tool")
+    registry = tmp_path / "mcp-tools.json"
+    entry = {"name": "shop", "url": f"{server.url}/mcp", "timeout_ms": 5000}
+    registry.write_text(json.dumps({"version": "mcp-trace", "mcp_servers": [entry]}))
+    harness.start(ToolExecutor(harness.config("tool"), registry))
+    try:
+        ids = ids_for(request)
+        call = ids.call("shop__lookup_order", {"order_id": "o-1"})
+        harness.effects.send(call)
+        harness.inbox.typed(call, ToolCallSucceeded)
+        server.fault(target="lookup_order", kind="error")
+        failed = ids.call("shop__lookup_order", {"order_id": "o-2"})
+        harness.effects.send(failed)
+        harness.inbox.typed(failed, ToolCallFailed)
+        received = server.stats()["traceparents"]
+    finally:
+        harness.close()
+        server.stop()
+        server.http.close()
+    finished = spans.get_finished_spans()
+
+    def mcp_call_of(effect: CallTool) -> ReadableSpan:
+        (tool,) = [
+            s
+            for s in finished
+            if s.name == "execute_tool shop__lookup_order"
+            and (s.attributes or {}).get("gen_ai.tool.call.id") == effect.operation.key
+        ]
+        assert tool.context is not None
+        children = [
+            s for s in finished if s.parent is not None and s.parent.span_id == tool.context.span_id
+        ]
+        (mcp,) = [s for s in children if s.name.startswith("tools/call")]
+        return mcp
+
+    mcp = mcp_call_of(call)
+    assert mcp.name == "tools/call lookup_order" and mcp.kind is SpanKind.CLIENT
+    attributes = dict(mcp.attributes or {})
+    assert attributes["mcp.method.name"] == "tools/call"
+    assert attributes["gen_ai.operation.name"] == "execute_tool"
+    assert attributes["gen_ai.tool.name"] == "lookup_order"
+    assert int(str(attributes["jsonrpc.request.id"])) > 0
+    assert attributes["mcp.session.id"] and attributes["mcp.protocol.version"]
+    assert attributes["network.transport"] == "tcp"
+    assert attributes["network.protocol.name"] == "http"
+    assert (attributes["server.address"], attributes["server.port"]) == ("127.0.0.1", server.port)
+    assert mcp.status.is_ok and "error.type" not in attributes
+    # its HTTP exchange is its child; the server received its context in params._meta
+    assert mcp.context is not None
+    (post,) = [
+        s for s in finished if s.parent is not None and s.parent.span_id == mcp.context.span_id
+    ]
+    assert post.name == "POST" and post.kind is SpanKind.CLIENT
+    assert _context_of(mcp) in received
+    # an isError result: the span is an error of type tool_error
+    errored = mcp_call_of(failed)
+    assert (errored.attributes or {})["error.type"] == "tool_error"
+    assert not errored.status.is_ok
+    assert _context_of(errored) in received
+    # the session was opened by an initialize span that names it (under the call that
+    # opened it, or under no effect's when the executor listed the tools at its start)
+    opened = [s for s in finished if s.name == "initialize"]
+    assert opened and all(s.kind is SpanKind.CLIENT for s in opened)
+    assert {(s.attributes or {}).get("mcp.session.id") for s in opened} >= {
+        attributes["mcp.session.id"]
+    }
