@@ -9,25 +9,32 @@ headers and in the run's snapshot.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from agentruns.bench.otlp_sink import OtlpSink
 from agentruns.connectors.api.client import RunsProducer
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.processors.effects import CallTool
 from agentruns.processors.events import ToolCallFailed, ToolCallSucceeded
 from agentruns.streams import tracing
-from tests.integration.test_mcp_tools import ServerProcess
+from tests.integration.test_mcp_tools import REPO, ServerProcess
 from tests.support.executors import ids_for, make_harness
 from tests.support.pipeline import running_pipeline
 from tests.support.runlog import running_sink
@@ -241,3 +248,118 @@ def test_an_mcp_request_is_a_client_span_whose_context_the_server_receives(
     assert {(s.attributes or {}).get("mcp.session.id") for s in opened} >= {
         attributes["mcp.session.id"]
     }
+
+
+def _exported(bodies: list[bytes]) -> list[dict[str, Any]]:
+    """The spans of OTLP/HTTP export requests: name, ids (hex), start (ns) and attributes."""
+    out: list[dict[str, Any]] = []
+    for body in bodies:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    attributes = {
+                        a.key: getattr(a.value, a.value.WhichOneof("value") or "string_value")
+                        for a in span.attributes
+                    }
+                    out.append(
+                        {
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex() or None,
+                            "start_ns": span.start_time_unix_nano,
+                            "attributes": attributes,
+                        }
+                    )
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
+    spans: InMemorySpanExporter, kafka_bootstrap: str, database_url: str, tmp_path: Path
+) -> None:
+    """The model executor is a process exporting over OTLP to a receiver of the test's; it is
+    killed with SIGKILL while a model call is in flight and started again: the call it makes
+    again continues the run's trace from the effect record's context (the span of the
+    processor's transition that asked for it, under the run's span)."""
+    run_id = f"traced-kill-{time.monotonic_ns() % 10**9}"
+    with (
+        OtlpSink(keep=True) as sink,
+        running_pipeline(kafka_bootstrap, database_url, tmp_path, model_executor=False) as pipe,
+    ):
+        command = [
+            sys.executable, "-m", "agentruns.connectors.executors.model",
+            "--bootstrap", kafka_bootstrap, "--database-url", database_url,
+            "--prefix", pipe.prefix, "--base-url", pipe.models.url + "/v1",
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "none",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans leave before the kill
+            "OTEL_SERVICE_NAME": "agentruns-executor-model",
+        }
+        executor = subprocess.Popen(command, cwd=REPO, env=env)
+        try:
+            # the second model call (after the first tool call) is slow: ~20 s
+            pipe.model_fault(kind="slow", scenario="multi_tool", turn=1, delay_ms=3000, times=1)
+            pipe.submit(run_id)
+            models: Any = pipe.models.app
+
+            def in_flight() -> bool:
+                return bool(models.stats()["faults"].get("slow"))
+
+            wait_for(in_flight, 90, "the slow model call in flight")
+
+            def first_call_exported() -> bool:
+                return any(s["name"].startswith("chat ") for s in _exported(list(sink.bodies)))
+
+            wait_for(first_call_exported, 10, "the first model call's span exported")
+            executor.send_signal(signal.SIGKILL)
+            executor.wait(10)
+            killed_ns = time.time_ns()
+            executor = subprocess.Popen(command, cwd=REPO, env=env)
+            assert pipe.result(run_id, timeout=180)["status"] == "SUCCEEDED"
+        finally:
+            executor.send_signal(signal.SIGTERM)  # its spans are flushed at its exit
+            executor.wait(30)
+        effects = sorted(pipe.effects("model", run_id), key=lambda e: e["step"])
+
+    def run_span() -> list[ReadableSpan] | None:
+        return [s for s in spans.get_finished_spans() if s.name == "invoke_agent"] or None
+
+    (run,) = wait_for(run_span, 30, "the run's span")
+    assert run.context is not None
+    trace = _hex(run.context.trace_id, 32)
+    exported = _exported(sink.bodies)
+    # every span of both model executors is in the run's trace
+    assert exported and {s["trace_id"] for s in exported} == {trace}
+    parents = {_hex(s.context.span_id, 16): s for s in spans.get_finished_spans() if s.context}
+    slowed = effects[1]["step"]
+    chats = [
+        s
+        for s in exported
+        if s["name"].startswith("chat ") and s["attributes"].get("agentruns.step") == slowed
+    ]
+    # the killed attempt's span never ended (not exported); the call made again after the
+    # restart is the one chat span of that step
+    (again,) = chats
+    assert again["start_ns"] > killed_ns
+    (first,) = [
+        s
+        for s in exported
+        if s["name"].startswith("chat ")
+        and s["attributes"].get("agentruns.step") == effects[0]["step"]
+    ]
+    assert first["start_ns"] < killed_ns  # the killed executor's, in the same trace
+    # its parent is the effect record's context: the processor's transition, under the run's
+    transition = parents[again["parent"]]
+    assert transition.name.startswith("process ") and transition.parent is not None
+    assert transition.parent.span_id == run.context.span_id
+    # its HTTP exchange is its child and reached the model server with that context
+    exchanges = [s for s in exported if s["parent"] == again["span_id"]]
+    assert [s["name"] for s in exchanges] == ["POST"]
+    assert any(tp.split("-")[2] == exchanges[0]["span_id"] for tp in pipe.models.traceparents)
