@@ -1,8 +1,7 @@
 """An OTLP/HTTP trace receiver that keeps nothing: what `agentruns bench loop --tracing` exports
 to, so that the benchmark measures what tracing costs the pipeline's processes (making,
 batching, encoding and sending spans) and nothing of a trace store. It counts the requests and
-bytes it was sent, to show that spans did arrive; with ``keep`` it also keeps each request's
-body (a test reads back what processes of its own exported)."""
+bytes it was sent, to show that spans did arrive."""
 
 from __future__ import annotations
 
@@ -19,11 +18,9 @@ class OtlpSink:
     """`with OtlpSink() as sink:` serves `sink.url` (OTEL_EXPORTER_OTLP_ENDPOINT) until the end
     of the block."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: bool = False) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.requests = 0
         self.bytes = 0
-        #: the export requests' bodies (protobuf, as sent), when ``keep``
-        self.bodies: list[bytes] = []
         self._lock = threading.Lock()
         sink = self
 
@@ -33,12 +30,10 @@ class OtlpSink:
                 if not 0 <= size <= MAX_REQUEST_BYTES:
                     self.send_error(413)
                     return
-                body = self.rfile.read(size)
+                self.rfile.read(size)
                 with sink._lock:
                     sink.requests += 1
                     sink.bytes += size
-                    if keep:
-                        sink.bodies.append(body)
                 # an empty ExportTraceServiceResponse: everything accepted
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")

@@ -9,7 +9,6 @@ headers and in the run's snapshot.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import signal
@@ -22,19 +21,18 @@ from typing import Any
 
 import msgspec
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from agentruns.bench.otlp_sink import OtlpSink
 from agentruns.connectors.api.client import RunsProducer
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.processors.effects import CallTool
 from agentruns.processors.events import ToolCallFailed, ToolCallSucceeded
 from agentruns.streams import tracing
 from tests.integration.test_mcp_tools import REPO, ServerProcess
+from tests.support import otlp
 from tests.support.executors import ids_for, make_harness
 from tests.support.pipeline import running_pipeline
 from tests.support.runlog import running_sink
@@ -250,32 +248,6 @@ def test_an_mcp_request_is_a_client_span_whose_context_the_server_receives(
     }
 
 
-def _exported(bodies: list[bytes]) -> list[dict[str, Any]]:
-    """The spans of OTLP/HTTP export requests: name, ids (hex), start (ns) and attributes."""
-    out: list[dict[str, Any]] = []
-    for body in bodies:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
-        for resource in request.resource_spans:
-            for scope in resource.scope_spans:
-                for span in scope.spans:
-                    attributes = {
-                        a.key: getattr(a.value, a.value.WhichOneof("value") or "string_value")
-                        for a in span.attributes
-                    }
-                    out.append(
-                        {
-                            "name": span.name,
-                            "trace_id": span.trace_id.hex(),
-                            "span_id": span.span_id.hex(),
-                            "parent": span.parent_span_id.hex() or None,
-                            "start_ns": span.start_time_unix_nano,
-                            "attributes": attributes,
-                        }
-                    )
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
     spans: InMemorySpanExporter, kafka_bootstrap: str, database_url: str, tmp_path: Path
@@ -286,7 +258,7 @@ def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
     processor's transition that asked for it, under the run's span)."""
     run_id = f"traced-kill-{time.monotonic_ns() % 10**9}"
     with (
-        OtlpSink(keep=True) as sink,
+        otlp.receiving() as receiver,
         running_pipeline(kafka_bootstrap, database_url, tmp_path, model_executor=False) as pipe,
     ):
         command = [
@@ -296,7 +268,7 @@ def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
         ]  # fmt: skip
         env = {
             **os.environ,
-            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             "OTEL_EXPORTER_OTLP_COMPRESSION": "none",
             "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans leave before the kill
@@ -315,7 +287,7 @@ def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
             wait_for(in_flight, 90, "the slow model call in flight")
 
             def first_call_exported() -> bool:
-                return any(s["name"].startswith("chat ") for s in _exported(list(sink.bodies)))
+                return any(s["name"].startswith("chat ") for s in receiver.spans())
 
             wait_for(first_call_exported, 10, "the first model call's span exported")
             executor.send_signal(signal.SIGKILL)
@@ -334,7 +306,7 @@ def test_a_run_keeps_its_trace_across_a_model_executor_killed_mid_call(
     (run,) = wait_for(run_span, 30, "the run's span")
     assert run.context is not None
     trace = _hex(run.context.trace_id, 32)
-    exported = _exported(sink.bodies)
+    exported = receiver.spans()
     # every span of both model executors is in the run's trace
     assert exported and {s["trace_id"] for s in exported} == {trace}
     parents = {_hex(s.context.span_id, 16): s for s in spans.get_finished_spans() if s.context}
