@@ -33,6 +33,7 @@ from mcp_types import CallToolResult, InitializeResult, ListToolsResult
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 from pydantic import ValidationError
 
+from agentruns.connectors.executors import spans
 from agentruns.connectors.executors.base import decode_json
 from agentruns.connectors.executors.http import Answer, KeepAliveHTTP
 from agentruns.connectors.executors.mcp_rules import MCPServerSpec
@@ -289,6 +290,8 @@ class MCPSession:
     #: the server's ``capabilities`` as its last ``initialize`` answer gave them
     capabilities: Any = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
+    #: the protocol version the server chose at its last ``initialize``
+    protocol: str | None = None
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _lock: asyncio.Lock | None = None
 
@@ -306,7 +309,7 @@ class MCPSession:
                 "clientInfo": CLIENT_INFO,
             },
         }
-        reply = await self.wire.exchange(request, deadline - time.monotonic(), opening=True)
+        reply = await self._exchange(request, deadline - time.monotonic(), opening=True)
         if reply.kind == "result":
             try:
                 result = InitializeResult.model_validate(reply.value, by_name=False)
@@ -317,9 +320,10 @@ class MCPSession:
                     "invalid", detail=f"protocol {result.protocol_version[:40]}", sent=False
                 )
             self.wire.opened(result.protocol_version)
+            self.protocol = result.protocol_version
             self.capabilities = reply.value.get("capabilities")
             note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-            failed = await self.wire.exchange(note, deadline - time.monotonic())
+            failed = await self._exchange(note, deadline - time.monotonic())
             if failed.kind not in ("accepted", "status"):
                 return Reply(failed.kind, detail=f"initialized: {failed.detail}", sent=False)
             self.opened = True
@@ -327,6 +331,41 @@ class MCPSession:
         return Reply(
             reply.kind, reply.value, reply.status, f"initialize: {reply.detail}", sent=False
         )
+
+    async def _exchange(
+        self, message: Mapping[str, Any], timeout_s: float, *, opening: bool = False
+    ) -> Reply:
+        """One message on the wire, carrying the effect's trace context in ``params._meta``
+        (``traceparent``, as OpenTelemetry's MCP conventions and the SDK's servers read it);
+        with tracing on, in a CLIENT span of its own (the child of the effect's span, the
+        parent of its HTTP exchange) whose context the server receives."""
+        if not tracing.enabled():
+            context = tracing.OUTGOING.get()
+            sent = message if context is None else _with_context(message, context)
+            return await self.wire.exchange(sent, timeout_s, opening=opening)
+        session = None if opening else self.wire.session
+        span = spans.mcp_span(
+            message,
+            tracing.OUTGOING.get(),
+            url=self.spec.url,  # empty for a stdio server
+            session_id=session if isinstance(session, str) else None,
+            protocol=None if opening else self.protocol,
+        )
+        context = tracing.traceparent_of(span)
+        token = tracing.OUTGOING.set(context)
+        reply = Reply("cancelled", detail="cancelled while in flight")
+        try:
+            reply = await self.wire.exchange(
+                _with_context(message, context), timeout_s, opening=opening
+            )
+            return reply
+        finally:
+            tracing.OUTGOING.reset(token)
+            if opening and reply.kind == "result":  # what the server chose
+                spans.mcp_opened(span, self.wire.session, reply.value.get("protocolVersion"))
+            spans.mcp_done(
+                span, reply.kind, reply.value, reply.status, reply.detail, self.spec.conn.redact
+            )
 
     async def ensure_open(self, deadline: float) -> Reply | None:
         if self.opened and self.wire.alive():
@@ -372,7 +411,7 @@ class MCPSession:
                     flight.request_id = request_id
                 message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
                 session = self.wire.session
-                answered = await self.wire.exchange(message, deadline - time.monotonic())
+                answered = await self._exchange(message, deadline - time.monotonic())
                 if answered.kind == "session_lost":
                     self._forget(session)
                     reply = answered
@@ -397,7 +436,7 @@ class MCPSession:
             "method": "notifications/cancelled",
             "params": {"requestId": flight.request_id, "reason": "the run cancelled the call"},
         }
-        await self.wire.exchange(note, timeout_s)
+        await self._exchange(note, timeout_s)
         return "notified"
 
     async def list_tools(self, timeout_s: float) -> tuple[list[dict[str, Any]] | None, str]:
@@ -423,6 +462,16 @@ class MCPSession:
         """End the session at the server, best effort."""
         await self.wire.close(timeout_s)
         self.opened = False
+
+
+def _with_context(message: Mapping[str, Any], traceparent: str) -> dict[str, Any]:
+    """``message`` with ``traceparent`` in its ``params._meta`` (unprefixed, as SEP-414 has
+    it for W3C trace context), the caller's ``_meta`` kept."""
+    params = message.get("params")
+    params = dict(params) if isinstance(params, Mapping) else {}
+    meta = params.get("_meta")
+    params["_meta"] = {**(meta if isinstance(meta, Mapping) else {}), tracing.HEADER: traceparent}
+    return {**message, "params": params}
 
 
 __all__ = [

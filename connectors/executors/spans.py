@@ -5,14 +5,16 @@ An effect is one span, made by the executor loop around its handler (`effect_spa
 call is `chat {model}` (CLIENT), a tool call `execute_tool {tool}`, any other effect
 `process {effect type}` (CONSUMER), each with the messaging attributes of the effect's record and
 a link to the span that produced it. The handler adds what only it knows (`describe_chat`,
-`describe_outcome`); the HTTP calls it makes are CLIENT spans of their own (`http_span`).
+`describe_outcome`); the HTTP calls it makes are CLIENT spans of their own (`http_span`), and
+so are the messages it sends to an MCP server (`mcp_span`: OpenTelemetry's MCP conventions),
+whose HTTP exchanges are their children.
 
 Nothing here is called with tracing off (callers check `tracing.enabled()` or `current()`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -186,3 +188,74 @@ def http_done(span: Any, status: int, failure: str | None) -> None:
         error = str(status)
         span.set_attribute("error.type", str(status))
     tracing.end(span, error)
+
+
+def mcp_span(
+    message: Mapping[str, Any],
+    parent: str | None,
+    *,
+    url: str,
+    session_id: str | None,
+    protocol: str | None,
+) -> Any:
+    """A CLIENT span of one MCP request or notification (OpenTelemetry's MCP conventions):
+    named ``{mcp.method.name} {tool}`` for a tool call, else ``{mcp.method.name}``; ``url``
+    is the server's (streamable HTTP), empty for a stdio server."""
+    method = str(message.get("method", ""))
+    params = message.get("params")
+    tool = params.get("name") if method == "tools/call" and isinstance(params, Mapping) else None
+    attributes: dict[str, Any] = {"mcp.method.name": method}
+    request_id = message.get("id")
+    if request_id is not None:
+        attributes["jsonrpc.request.id"] = str(request_id)
+    if isinstance(tool, str):
+        attributes["gen_ai.operation.name"] = "execute_tool"
+        attributes["gen_ai.tool.name"] = tool
+    if session_id is not None:
+        attributes["mcp.session.id"] = session_id
+    if protocol is not None:
+        attributes["mcp.protocol.version"] = protocol
+    if url:
+        parts = urlsplit(url)
+        attributes["network.transport"] = "tcp"
+        attributes["network.protocol.name"] = "http"
+        attributes["network.protocol.version"] = "1.1"  # KeepAliveHTTP speaks HTTP/1.1
+        attributes["server.address"] = parts.hostname or ""
+        attributes["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)
+    else:
+        attributes["network.transport"] = "pipe"  # stdio
+    name = method if not isinstance(tool, str) else f"{method} {tool}"
+    return tracing.start(name, parent, attributes, kind="CLIENT")
+
+
+def mcp_opened(span: Any, session: object, protocol: Any) -> None:
+    """The session and protocol version an ``initialize`` answer opened, on its span."""
+    if isinstance(session, str):
+        span.set_attribute("mcp.session.id", session)
+    if isinstance(protocol, str):
+        span.set_attribute("mcp.protocol.version", protocol)
+
+
+def mcp_done(
+    span: Any, kind: str, value: Any, status: int, detail: str, redact: Callable[[str], str]
+) -> None:
+    """End an MCP span by what came of its message (an ``mcp_client.Reply``'s fields): a
+    JSON-RPC error is ``error.type`` and ``rpc.response.status_code`` its code, the status
+    its message; an ``isError`` tool result ``tool_error``; a message that got no answer the
+    reply's kind (``unknown``, ``not_sent``, ``session_lost``, ...) or its HTTP status. The
+    texts pass through ``redact`` (the server's secrets)."""
+    error: str | None = None
+    if kind == "error" and isinstance(value, Mapping):
+        code = str(value.get("code"))
+        span.set_attribute("rpc.response.status_code", code)
+        span.set_attribute("error.type", code)
+        error = str(value.get("message", "")) or code
+    elif kind == "result":
+        if isinstance(value, Mapping) and value.get("isError") is True:
+            span.set_attribute("error.type", "tool_error")
+            error = "tool_error"
+    elif kind != "accepted":
+        error_type = str(status) if kind == "status" and status else kind
+        span.set_attribute("error.type", error_type)
+        error = f"{error_type}: {detail}" if detail else error_type
+    tracing.end(span, None if error is None else redact(error))

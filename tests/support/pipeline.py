@@ -399,10 +399,12 @@ def running_pipeline(
     *,
     timers: bool = False,
     extra_tools: Sequence[dict[str, Any]] = (),
+    model_executor: bool = True,
 ) -> Iterator[Pipeline]:
     """Processor, both executors (threads of this process), both servers in threads, and the
     timer service when ``timers`` (back-off and user-expiry timers fire); ``extra_tools``:
-    registry entries added to the example registry's (tools of kind run)."""
+    registry entries added to the example registry's (tools of kind run); without
+    ``model_executor`` the test runs the model executor itself (as a process it can kill)."""
     prefix = f"t-e2e-exec-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     ensure_topics(kafka_bootstrap, prefix=prefix, partitions=2)
     models = model_server.serve("127.0.0.1", 0)
@@ -422,9 +424,10 @@ def running_pipeline(
     processor_config = ProcessorConfig(kafka_bootstrap, prefix=prefix, group_id=f"{prefix}-p")
     workers: list[Any] = [
         Processor(processor_config, store.put_many),
-        ModelExecutor(config("model"), routes, registry),
         ToolExecutor(config("tool"), registry),
     ]
+    if model_executor:
+        workers.append(ModelExecutor(config("model"), routes, registry))
     if timers:
         workers.append(TimerService(kafka_bootstrap, database_url, prefix=prefix))
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]

@@ -1,22 +1,27 @@
 """Trace context at the edges: parsing hostile traceparent values, the run's context in its
 snapshot (and snapshots written before it decode), spans only when tracing is on; the span
-model (the run's span and its ids, HTTP spans without secrets, model messages opt-in and capped)
-and no tracing work at all with tracing off."""
+model (the run's span and its ids, HTTP spans without secrets, model messages opt-in and capped,
+MCP requests' spans and their context in ``params._meta``) and no tracing work at all with
+tracing off."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from mcp_types.version import LATEST_HANDSHAKE_VERSION
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBasedTraceIdRatio
 from opentelemetry.trace import SpanKind
 
 from agentruns.connectors.executors import spans as executor_spans
+from agentruns.connectors.executors.mcp_client import MCPSession, Reply
+from agentruns.connectors.executors.mcp_rules import MCPServerSpec, StdioCommand
 from agentruns.processors.ids import trace_id_for
 from agentruns.processors.state import RunStatus
 from agentruns.streams import tracing
@@ -288,3 +293,121 @@ def test_a_span_the_sampler_drops_records_nothing_and_passes_on_an_unsampled_con
         tracing.configure(None)
     assert not span.is_recording() and context.endswith("-00")
     assert exporter.get_finished_spans() == ()
+
+
+def _context_of(span: ReadableSpan) -> str:
+    """The traceparent naming a finished span."""
+    ctx = span.get_span_context()
+    assert ctx is not None
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+class ScriptedWire:
+    """A wire that answers as told and keeps the messages sent (the session logic under test,
+    no server)."""
+
+    def __init__(self, answers: dict[str, Reply]) -> None:
+        self.answers = answers
+        self.sent: list[dict[str, Any]] = []
+
+    @property
+    def session(self) -> object:
+        return 1  # a stdio wire's process generation: no MCP session id
+
+    def alive(self) -> bool:
+        return True
+
+    def opened(self, protocol: str) -> None:
+        pass
+
+    def forget(self) -> None:
+        pass
+
+    async def close(self, timeout_s: float) -> None:
+        pass
+
+    async def exchange(
+        self, message: Mapping[str, Any], timeout_s: float, *, opening: bool = False
+    ) -> Reply:
+        self.sent.append(dict(message))
+        return self.answers.get(str(message.get("method")), Reply("accepted"))
+
+
+INITIALIZED = Reply(
+    "result",
+    {
+        "protocolVersion": LATEST_HANDSHAKE_VERSION,
+        "capabilities": {},
+        "serverInfo": {"name": "s", "version": "1"},
+    },
+)
+
+
+def _stdio_session(answers: dict[str, Reply]) -> tuple[MCPSession, ScriptedWire]:
+    wire = ScriptedWire({"initialize": INITIALIZED, **answers})
+    spec = MCPServerSpec(name="files", stdio=StdioCommand(command="files-server"))
+    return MCPSession(spec, wire), wire
+
+
+def test_an_mcp_request_is_a_client_span_and_its_context_rides_in_meta(
+    spans: InMemorySpanExporter,
+) -> None:
+    error = {"code": -32602, "message": "unknown order o-9"}
+    session, wire = _stdio_session({"tools/call": Reply("error", error)})
+    token = tracing.OUTGOING.set(VALID)  # the effect's span
+    try:
+        params = {"name": "lookup", "arguments": {}, "_meta": {"agentruns/run_id": "r1"}}
+        reply = asyncio.run(session.request("tools/call", params, 5.0))
+    finally:
+        tracing.OUTGOING.reset(token)
+    assert reply.kind == "error"
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    assert set(finished) == {"initialize", "notifications/initialized", "tools/call lookup"}
+    call = finished["tools/call lookup"]
+    assert call.kind is SpanKind.CLIENT and call.parent is not None
+    assert f"{call.parent.span_id:016x}" == VALID.split("-")[2]
+    attributes = dict(call.attributes or {})
+    assert attributes["mcp.method.name"] == "tools/call"
+    assert attributes["gen_ai.tool.name"] == "lookup"
+    assert attributes["network.transport"] == "pipe" and "server.address" not in attributes
+    assert attributes["mcp.protocol.version"] == LATEST_HANDSHAKE_VERSION
+    assert "mcp.session.id" not in attributes  # stdio has none
+    assert attributes["rpc.response.status_code"] == attributes["error.type"] == "-32602"
+    assert call.status.description == "unknown order o-9"
+    assert "jsonrpc.request.id" not in dict(finished["notifications/initialized"].attributes or {})
+    # every message carries its own span's context; the caller's _meta is kept
+    (sent,) = [m for m in wire.sent if m["method"] == "tools/call"]
+    assert sent["params"]["_meta"] == {
+        "agentruns/run_id": "r1",
+        "traceparent": _context_of(call),
+    }
+    assert params["_meta"] == {"agentruns/run_id": "r1"}  # not changed in place
+    notified = [m for m in wire.sent if m["method"] == "notifications/initialized"]
+    assert notified[0]["params"]["_meta"]["traceparent"] == _context_of(
+        finished["notifications/initialized"]
+    )
+
+
+def test_an_mcp_request_that_got_no_answer_is_an_error_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    lost = Reply("unknown", detail="the server process ended")
+    session, _ = _stdio_session({"tools/list": lost})
+    assert asyncio.run(session.request("tools/list", {}, 5.0)).kind == "unknown"
+    (listed,) = [s for s in spans.get_finished_spans() if s.name == "tools/list"]
+    assert (listed.attributes or {})["error.type"] == "unknown"
+    assert not listed.status.is_ok and "gen_ai.tool.name" not in (listed.attributes or {})
+    assert listed.parent is None  # no effect's context: a trace of its own
+
+
+def test_with_tracing_off_an_mcp_request_passes_the_effects_context_on() -> None:
+    session, wire = _stdio_session({"tools/call": Reply("result", {"content": []})})
+    token = tracing.OUTGOING.set(VALID)
+    try:
+        asyncio.run(session.request("tools/call", {"name": "lookup", "arguments": {}}, 5.0))
+    finally:
+        tracing.OUTGOING.reset(token)
+    assert [m["params"]["_meta"] for m in wire.sent] == [{"traceparent": VALID}] * 3
+    session, wire = _stdio_session({})
+    asyncio.run(session.request("tools/list", {}, 5.0))  # no effect: the messages unchanged
+    assert all("_meta" not in m.get("params", {}) for m in wire.sent)

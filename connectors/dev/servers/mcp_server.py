@@ -17,7 +17,8 @@ Tools (names as the server lists them; the executor names them ``<server>__<tool
 Admin routes (plain HTTP beside the MCP endpoint ``/mcp``): ``GET /stats`` (calls and
 executions per key, fault counts, tasks by status), ``POST /faults`` with ``{"target": tool
 or "*", "kind": ..., "times": n or null, "delay_ms": ..., "size": ..., "run": ...}``,
-``DELETE /faults``.
+``DELETE /faults``; ``/stats`` also lists the trace contexts the calls carried
+(``_meta["traceparent"]``).
 Fault kinds: ``slow`` (sleep ``delay_ms`` before executing), ``crash`` (the process exits in
 the middle of the call, after counting the call and before answering), ``error`` (an
 ``isError`` result, nothing executed), ``huge`` (a text block of ``size`` bytes),
@@ -47,7 +48,7 @@ import os
 import socket
 import sys
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,8 @@ class ServerState:
     faults: list[Fault] = field(default_factory=list)
     injected: Counter[str] = field(default_factory=Counter)
     notes: dict[str, str] = field(default_factory=dict)
+    #: the trace context (``_meta["traceparent"]``) of the latest tool calls that had one
+    traceparents: deque[str] = field(default_factory=lambda: deque(maxlen=1000))
     lock: threading.Lock = field(default_factory=threading.Lock)
     tasks: TaskBoard = field(init=False)
 
@@ -154,6 +157,7 @@ class ServerState:
                 "executions": dict(self.executions),
                 "faults_injected": dict(self.injected),
                 "tasks": dict(Counter(run.status for run in self.tasks.tasks.values())),
+                "traceparents": list(self.traceparents),
             }
 
 
@@ -196,6 +200,9 @@ def build(state: ServerState, *, tasks: bool = True) -> MCPServer:
         """Count the call and apply a fault (ToolError: an ``isError`` result, nothing
         executed); a huge text the tool answers instead of its own."""
         state.count("call", _key(ctx))
+        if traceparent := _meta(ctx, "traceparent"):
+            with state.lock:
+                state.traceparents.append(traceparent)
         fault = state.take_fault(tool, _meta(ctx, RUN_META) or None)
         if fault is None:
             return None
