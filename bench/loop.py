@@ -291,11 +291,6 @@ def _wait_for(url: str, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def _metrics_ports(count: int, start: int) -> list[int]:
-    first = free_port_block(count, start=start)
-    return list(range(first, first + count))
-
-
 def _scenarios_dir(root: Path) -> Path:
     """A scenario directory with ``SCENARIO_ALONE``: ``SCENARIO`` under another name, and
     ``SCENARIO_MCP``: its steps as calls of the MCP server's ``set_order_note``."""
@@ -522,10 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ep.kafka_bootstrap, levels, args.floor_hops, args.partitions, labels=services
             )
         )
-        model_port = free_port_block(1, start=30000)
-        tool_port = free_port_block(1, start=model_port + 1)
-        mcp_port = free_port_block(1, start=tool_port + 1)
-        metrics = _metrics_ports(2 * args.executors + args.processors, mcp_port + 1)
+        # one block of free ports: the servers', then each pipeline process's metrics port
+        first = free_port_block(3 + 2 * args.executors + args.processors, start=30000)
+        model_port, tool_port, mcp_port = first, first + 1, first + 2
+        metrics = list(range(first + 3, first + 3 + 2 * args.executors + args.processors))
         mcp_url = f"http://127.0.0.1:{mcp_port}"
         registry = tool_server.DEFAULT_REGISTRY
         if args.tool_path != "http":

@@ -102,6 +102,8 @@ def free_port_block(count: int, start: int = 20000, end: int | None = None) -> i
     end = end if end is not None else _ephemeral_start()
     # Start from a pid-dependent offset so parallel test runs rarely race for one block.
     span = end - start
+    if span < count:
+        raise PortInUseError(f"no block of {count} ports in {start}-{end}", hint="a lower start")
     base = start + (os.getpid() * 7 * count) % span
     for i in range(0, span, count):
         p = start + (base - start + i) % span
