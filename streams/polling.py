@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from confluent_kafka import Consumer, KafkaError, Message
 
 from agentruns.streams.authorization import REFUSALS, refused
@@ -41,3 +43,32 @@ def poll_batch(
     if limit <= 1:
         return check_fatal([first], group)
     return check_fatal([first, *consumer.consume(limit - 1, gather)], group)
+
+
+class Linger:
+    """Whether a poll should linger for company (`poll_batch`'s ``gather``): only while records
+    come fast enough that the window is expected to bring another, at least one per window
+    over the last `HORIZON_S`. A lone record of a quiet or trickling stream (the one call that
+    is the whole of a run's step, beside slow calls that answer seconds apart) is on its run's
+    critical path and nothing would join it; under load, records gather as before."""
+
+    HORIZON_S = 1.0
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._seen: deque[tuple[float, int]] = deque()
+        self._count = 0
+
+    def observe(self, records: int, now: float) -> None:
+        """``records`` polled at ``now`` (monotonic seconds)."""
+        if records:
+            self._seen.append((now, records))
+            self._count += records
+        while self._seen and self._seen[0][0] < now - self.HORIZON_S:
+            self._count -= self._seen.popleft()[1]
+
+    def window(self, now: float) -> float:
+        """How long the next poll gathers: the window, or 0 when it would bring no one."""
+        self.observe(0, now)
+        expected = self._count / self.HORIZON_S * self.window_s
+        return self.window_s if self.window_s > 0 and expected >= 1.0 else 0.0

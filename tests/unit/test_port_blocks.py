@@ -10,7 +10,7 @@ from agentruns.connectors.dev.stack.procs import PortInUseError, free_port_block
 
 def test_a_block_is_found_and_lies_within_the_range() -> None:
     first = free_port_block(3, start=30000, end=30100)
-    assert 30000 <= first and first + 3 <= 30100
+    assert first >= 30000 and first + 3 <= 30100
 
 
 @pytest.mark.parametrize(("start", "end"), [(32767, 32768), (32768, 32768), (32800, 32768)])
