@@ -6,7 +6,8 @@ a thread of its own (`CredentialUse`) writes the noted uses, each credential at 
 WRITE_EVERY_MS, with GREATEST so that a process holding an older use never moves the time
 back. Postgres down or slow never fails nor holds up a request: a failed write is logged at
 most once per interval, its uses are tried again at the next turn, and the times in memory
-stay what `GET /credentials` shows.
+stay what `GET /credentials` shows (the one request that reads the table, within
+CONNECT_TIMEOUT_S and STATEMENT_TIMEOUT_MS).
 
 The table holds credential ids and times, never a token or its hash. A process that sees a
 credential removed from the file (read again) deletes its row: an id removed and later added
@@ -183,17 +184,22 @@ class CredentialUse:
             return
         self.throttle.written(uses)
 
-    def stored(self) -> dict[str, int]:
-        """Every stored use: credential id -> last_used_at (ms). Raises `psycopg.Error`."""
+    def stored(self, ids: Iterable[str]) -> dict[str, int]:
+        """The stored uses of ``ids``: credential id -> last_used_at (ms). Raises
+        `psycopg.Error`."""
         with self._connect() as conn:
-            rows = conn.execute("SELECT credential_id, last_used_at FROM credential_use")
+            rows = conn.execute(
+                "SELECT credential_id, last_used_at FROM credential_use"
+                " WHERE credential_id = ANY(%s)",
+                (sorted(ids),),
+            )
             return {str(cid): int(at) for cid, at in rows}
 
-    def read(self) -> dict[str, int]:
+    def read(self, ids: Iterable[str]) -> dict[str, int]:
         """`stored`; empty, with a warning in the log (at most once per interval), when
         Postgres cannot be read."""
         try:
-            return self.stored()
+            return self.stored(ids)
         except (psycopg.Error, OSError) as exc:
             self._failed("read", exc)
             return {}

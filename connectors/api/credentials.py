@@ -218,7 +218,7 @@ class UseRecord(Protocol):
 
     def held(self, ids: Iterable[str]) -> None: ...
 
-    def read(self) -> dict[str, int]: ...
+    def read(self, ids: Iterable[str]) -> dict[str, int]: ...
 
 
 class CredentialStore:
@@ -328,7 +328,7 @@ class CredentialStore:
         it was last used: the later of this process's time and the stored one (never its
         hash)."""
         self.refresh()
-        stored = self.uses.read() if self.uses is not None else {}
+        stored = self.uses.read(self._by_id) if self.uses is not None else {}
         return [
             {
                 "id": c.id,

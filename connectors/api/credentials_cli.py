@@ -102,11 +102,11 @@ def main_add(argv: list[str]) -> int:
     return 0
 
 
-def _stored_uses(database_url: str) -> dict[str, int] | None:
+def _stored_uses(database_url: str, held: list[Credential]) -> dict[str, int] | None:
     """When each credential was last used, as the API processes wrote it; None (and why, on
     stderr) when Postgres cannot be read."""
     try:
-        return CredentialUse(database_url, now_ms).stored()
+        return CredentialUse(database_url, now_ms).stored(c.id for c in held)
     except (psycopg.Error, OSError) as exc:
         first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
         print(
@@ -125,7 +125,7 @@ def main_list(argv: list[str]) -> int:
     ).parse_args(argv)
     _, held = _read(_file(args.file))
     database_url = current().database_url
-    uses = _stored_uses(database_url) if database_url else None
+    uses = _stored_uses(database_url, held) if database_url else None
     for c in held:
         line = f"{c.id}\t{c.tenant}\t{','.join(r for r in ROLES if r in c.roles)}"
         if uses is not None:

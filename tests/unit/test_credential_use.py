@@ -85,8 +85,8 @@ class _Record:
     def held(self, ids: Iterable[str]) -> None:
         self.held_ids.append(sorted(ids))
 
-    def read(self) -> dict[str, int]:
-        return dict(self.stored)
+    def read(self, ids: Iterable[str]) -> dict[str, int]:
+        return {k: v for k, v in self.stored.items() if k in set(ids)}
 
 
 def test_the_list_shows_the_later_of_this_process_and_the_stored_use(tmp_path: Path) -> None:
