@@ -37,8 +37,8 @@ WRITE_EVERY_MS = 60_000
 #: How often the writer wakes to write the uses that are due: a credential's first use reaches
 #: the table (and the other processes' lists) within this.
 FLUSH_EVERY_S = 5.0
-#: Postgres is given this long to connect and each statement this long to run (the writer's
-#: own connection, never one of the request pool's).
+#: Postgres is given this long to connect and each statement this long to run (a connection
+#: of its own per write or read, never one of the request pool's: a turn is seconds apart).
 CONNECT_TIMEOUT_S = 3
 STATEMENT_TIMEOUT_MS = 5000
 
@@ -174,7 +174,7 @@ class CredentialUse:
                         "INSERT INTO credential_use (credential_id, last_used_at) VALUES (%s, %s)"
                         " ON CONFLICT (credential_id) DO UPDATE SET last_used_at ="
                         " GREATEST(credential_use.last_used_at, EXCLUDED.last_used_at)",
-                        sorted(uses.items()),
+                        sorted(uses.items()),  # one order in every process: no deadlock
                     )
         except (psycopg.Error, OSError) as exc:
             self.throttle.failed(uses)
@@ -211,7 +211,10 @@ class CredentialUse:
 
     def _run(self) -> None:
         while not self._stop.wait(self._flush_every_s):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a bug must not end the writer: the next turn tries again
+                log.exception("credential uses not written")
 
     def close(self) -> None:
         """Stop the writer, after one last write of every use noted."""
