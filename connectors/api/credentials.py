@@ -21,6 +21,10 @@ checks' details there.
 
 What each role opens is the route table's to say (`agentruns.connectors.api.http.ROUTES`,
 the console's `CONSOLE_ROUTES`); `admin` opens every route and every tenant's runs.
+
+The API's store writes when each credential was last used to Postgres
+(`agentruns.connectors.api.credential_use`), off the request path: its list shows the later of
+this process's time and the one every API process wrote.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from agentruns.connectors.api.tokens import parse_operator_tokens
 from agentruns.connectors.settings import Settings
@@ -201,9 +206,25 @@ def configured_store(settings: Settings, clock: Callable[[], int]) -> Credential
     return CredentialStore(fixed, settings.api_credentials, clock)
 
 
+def _later(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+class UseRecord(Protocol):
+    """Where uses are kept beyond this process (`credential_use.CredentialUse`): noted and
+    told the ids held without I/O, read for a list."""
+
+    def note(self, credential_id: str, at: int) -> None: ...
+
+    def held(self, ids: Iterable[str]) -> None: ...
+
+    def read(self, ids: Iterable[str]) -> dict[str, int]: ...
+
+
 class CredentialStore:
     """The credentials the API holds: those of the environment and those of the file, the
-    file's read again when it changes; and when each was last used (in memory)."""
+    file's read again when it changes; and when each was last used (in memory, and in
+    ``uses`` when given)."""
 
     def __init__(
         self,
@@ -212,7 +233,9 @@ class CredentialStore:
         clock: Callable[[], int],
         *,
         check_every_ms: int = CHECK_EVERY_MS,
+        uses: UseRecord | None = None,
     ) -> None:
+        self.uses = uses
         self._fixed = list(fixed)
         self.path = path
         self.clock = clock
@@ -249,6 +272,8 @@ class CredentialStore:
             by_digest[c.digest] = c
         self._by_id, self._by_digest = by_id, by_digest
         self._tenants = frozenset(sorted({c.tenant for c in every})[:MAX_TENANT_LABELS])
+        if self.uses is not None:
+            self.uses.held(by_id)
 
     def refresh(self) -> None:
         """Read the file again if it changed since it was last read (at most once per
@@ -283,7 +308,10 @@ class CredentialStore:
         found = self._by_digest.get(token_digest(text))
         if found is None or (found.source == "file" and len(text) < MIN_TOKEN_CHARS):
             return None
-        self._last_used[found.id] = self.clock()
+        now = self.clock()
+        self._last_used[found.id] = now
+        if self.uses is not None:
+            self.uses.note(found.id, now)
         return found
 
     def get(self, credential_id: str) -> Credential | None:
@@ -297,15 +325,17 @@ class CredentialStore:
 
     def described(self) -> list[dict[str, object]]:
         """Every credential held, for an admin: id, tenant, roles, where it was read and when
-        this process last took a request with it (never its hash)."""
+        it was last used: the later of this process's time and the stored one (never its
+        hash)."""
         self.refresh()
+        stored = self.uses.read(self._by_id) if self.uses is not None else {}
         return [
             {
                 "id": c.id,
                 "tenant": c.tenant,
                 "roles": [r for r in ROLES if r in c.roles],
                 "source": c.source,
-                "last_used_at": self._last_used.get(c.id),
+                "last_used_at": _later(self._last_used.get(c.id), stored.get(c.id)),
             }
             for c in sorted(self._by_id.values(), key=lambda c: c.id)
         ]

@@ -3,7 +3,9 @@
 ``add`` mints a token, prints it once on stdout and appends only its hash to the file; the
 API reads the file again within a second (`agentruns.connectors.api.credentials`), so a new
 credential works, and a removed one stops working, without a restart. The file is written
-through a temporary file and a rename, so the API never reads half of it.
+through a temporary file and a rename, so the API never reads half of it. ``list`` shows, with
+DATABASE_URL set, when each credential was last used at any API process (the table
+`agentruns.connectors.api.credential_use` keeps).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psycopg
+
+from agentruns.connectors.api.credential_use import CredentialUse
 from agentruns.connectors.api.credentials import (
     ROLES,
     TOKEN_PREFIX,
@@ -25,7 +30,9 @@ from agentruns.connectors.api.credentials import (
     token_digest,
 )
 from agentruns.connectors.errors import AgentrunsError, InvalidArgumentError
+from agentruns.connectors.postgres.dsn import scrub_dsn
 from agentruns.connectors.settings import current
+from agentruns.streams.clock import datetime_of, now_ms
 
 
 def _file(given: str | None) -> Path:
@@ -95,11 +102,36 @@ def main_add(argv: list[str]) -> int:
     return 0
 
 
+def _stored_uses(database_url: str, held: list[Credential]) -> dict[str, int] | None:
+    """When each credential was last used, as the API processes wrote it; None (and why, on
+    stderr) when Postgres cannot be read."""
+    try:
+        return CredentialUse(database_url, now_ms).stored(c.id for c in held)
+    except (psycopg.Error, OSError) as exc:
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        print(
+            "agentruns credentials: last use not shown, Postgres not read"
+            f" ({scrub_dsn(first, database_url)})",
+            file=sys.stderr,
+        )
+        return None
+
+
 def main_list(argv: list[str]) -> int:
-    args = _parser("list", "the credentials of the file: id, tenant, roles").parse_args(argv)
+    args = _parser(
+        "list",
+        "the credentials of the file: id, tenant, roles; with DATABASE_URL set, when each was"
+        " last used at any API process (UTC, - never)",
+    ).parse_args(argv)
     _, held = _read(_file(args.file))
+    database_url = current().database_url
+    uses = _stored_uses(database_url, held) if database_url else None
     for c in held:
-        print(f"{c.id}\t{c.tenant}\t{','.join(r for r in ROLES if r in c.roles)}")
+        line = f"{c.id}\t{c.tenant}\t{','.join(r for r in ROLES if r in c.roles)}"
+        if uses is not None:
+            at = uses.get(c.id)
+            line += "\t" + ("-" if at is None else f"{datetime_of(at):%Y-%m-%dT%H:%M:%SZ}")
+        print(line)
     return 0
 
 

@@ -27,6 +27,7 @@ from prometheus_client import Counter
 
 from agentruns.connectors.api import forks, queries
 from agentruns.connectors.api.config import ApiConfig
+from agentruns.connectors.api.credential_use import CredentialUse
 from agentruns.connectors.api.credentials import Credential, CredentialStore, fixed_credentials
 from agentruns.connectors.api.errors import ApiError, invalid_input
 from agentruns.connectors.api.inbox import Inbox
@@ -200,13 +201,17 @@ class ApiService:
         self.db = ConnectionPool(config.database_url, config.db_pool_size)
         self.inbox = Inbox(config)
         self.status = Health("api", bootstrap=config.bootstrap, database_url=config.database_url)
+        self.uses = CredentialUse(config.database_url, config.clock)
         self.credentials = CredentialStore(
             fixed_credentials(config.api_token, config.operator_tokens),
             config.credentials_file,
             config.clock,
+            uses=self.uses,
         )
+        self.uses.start()
 
     def close(self) -> None:
+        self.uses.close()
         self.inbox.close()
         self.db.close()
 

@@ -3,6 +3,7 @@ bad role or a taken id refused in one line, and the API's store sees each change
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ def _agentruns(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "DATABASE_URL"},  # the file only
     )
 
 
