@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -140,6 +141,10 @@ def start(
     assert _tracer is not None and _otel is not None, "tracing is off"
     otel, tracer = _otel, _tracer
     context = None if parent is None else _context_of(parent)
+    if _parent_decides and context is not None and not context.trace_flags.sampled:
+        # the parent was dropped, and the sampler follows it: nothing to decide nor record,
+        # and the parent's context, unsampled, is what the children continue
+        return _dropped(parent)  # type: ignore[no-any-return]
     fixed = _NEXT_IDS.get()
     if fixed is not None:
         trace_id, span_id = fixed
@@ -195,8 +200,25 @@ def _parent(parent: str | None) -> Any:
     return _otel.set_span_in_context(_otel.NonRecordingSpan(_context_of(parent)))
 
 
+@functools.lru_cache(maxsize=4096)
+def _dropped(parent: str) -> Any:
+    """The span of a dropped parent's child: the parent's context, recording nothing."""
+    assert _otel is not None
+    return _otel.NonRecordingSpan(_context_of(parent))
+
+
+def _follows_parent(sampler: Any) -> bool:
+    """Whether `sampler` drops every child of a dropped remote parent: the SDK's parent-based
+    samplers as the OTEL_TRACES_SAMPLER variable makes them (``parentbased_*``)."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    dropped = getattr(sampler, "_remote_parent_not_sampled", None)
+    return isinstance(sampler, ParentBased) and dropped is ALWAYS_OFF
+
+
 #: Attribute values OpenTelemetry takes as they are (sequences of them are kept as tuples).
 _PRIMITIVES = (str, bool, int, float)
+_FAST = frozenset(_PRIMITIVES)
 
 
 class _Recording:
@@ -287,10 +309,7 @@ _SAMPLED: Any = None
 _UNSAMPLED: Any = None
 
 
-def _time_ns() -> int:
-    import time
-
-    return time.time_ns()
+_time_ns = time.time_ns
 
 
 def _limited(values: Mapping[str, Any], limits: Any, what: str) -> tuple[dict[str, Any], int]:
@@ -300,6 +319,12 @@ def _limited(values: Mapping[str, Any], limits: Any, what: str) -> tuple[dict[st
     is dropped (logged), as the SDK drops it. Returns them and how many were dropped."""
     most = getattr(limits, f"max_{what}_attributes")
     length = limits.max_span_attribute_length if what == "span" else limits.max_attribute_length
+    if (
+        length is None
+        and (most is None or len(values) <= most)
+        and all(type(v) in _FAST for v in values.values())
+    ):
+        return dict(values), 0  # the common case: a few numbers and strings, no length limit
     out: dict[str, Any] = {}
     dropped = 0
     for key, value in values.items():
@@ -350,6 +375,7 @@ def _ended(span: _Recording) -> Any:
 
 _span_limits: Any = None
 _scope: Any = None
+_parent_decides = False  # the sampler drops every child of a dropped parent (`_follows_parent`)
 _Ended: Any = None
 
 
@@ -567,7 +593,7 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
     _messages_max_chars = 0
     if provider is None:
         return
-    global _otel, _SAMPLED, _UNSAMPLED, _span_limits, _scope, _Ended
+    global _otel, _SAMPLED, _UNSAMPLED, _span_limits, _scope, _Ended, _parent_decides
     import opentelemetry.trace
     from opentelemetry.sdk.trace import SpanLimits
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -580,6 +606,8 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
     _scope = InstrumentationScope("agentruns")
     _Ended = _readable_type()
     _tracer = provider.get_tracer("agentruns")
+    _dropped.cache_clear()
+    _parent_decides = _follows_parent(getattr(_tracer, "sampler", None))
     if env.get("AGENTRUNS_TRACE_MESSAGES", "").strip().lower() in ("1", "true", "yes"):
         try:
             limit = int(env.get("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS", MESSAGES_DEFAULT_MAX_CHARS))

@@ -411,3 +411,29 @@ def test_with_tracing_off_an_mcp_request_passes_the_effects_context_on() -> None
     session, wire = _stdio_session({})
     asyncio.run(session.request("tools/list", {}, 5.0))  # no effect: the messages unchanged
     assert all("_meta" not in m.get("params", {}) for m in wire.sent)
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_child_of_a_dropped_parent_is_dropped_only_when_the_sampler_follows_the_parent(
+    follows: bool,
+) -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    exporter = InMemorySpanExporter()
+    sampler = ParentBased(ALWAYS_ON) if follows else ParentBased(ALWAYS_ON, ALWAYS_ON, ALWAYS_ON)
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    dropped = VALID[:-2] + "00"
+    try:
+        span = tracing.start("child", dropped, {"a": 1}, kind="CONSUMER", links=[VALID])
+        context = tracing.traceparent_of(span)
+        tracing.end(span)
+    finally:
+        tracing.configure(None)
+    if follows:  # the parent's own context passes on, unsampled, and nothing is recorded
+        assert context == dropped and exporter.get_finished_spans() == ()
+    else:
+        (finished,) = exporter.get_finished_spans()
+        assert context.split("-")[1] == VALID.split("-")[1] and context.endswith("-01")
+        assert finished.parent is not None and finished.parent.span_id == int(VALID[36:52], 16)
