@@ -31,10 +31,10 @@ class ExecutorConfig:
     max_batch: int = 256  # records taken by one poll
     poll_timeout_s: float = 0.1
     # After the first effect of a batch, wait this long for more (a producer's linger on the
-    # consuming side), within GATHER_AFTER_S of a batch that held more than one: effects
-    # trickling in share one records statement, while a lone effect of an idle pipeline is not
-    # held (docs/design.md, "Fetching"). Unlike a fetch window (fetch.min.bytes) it costs an
-    # idle executor no extra fetches.
+    # consuming side), while effects come at least one a window (`Linger`): effects coming
+    # fast share one records statement, while a lone effect of an idle or trickling stream is
+    # not held (docs/design.md, "Fetching"). Unlike a fetch window (fetch.min.bytes) it costs
+    # an idle executor no extra fetches.
     gather_ms: int = 10
     # The guard around each effect's handler (one place, Executor._answer): an exception that
     # looks transient (OSError) is retried for that effect alone, up to `handler_attempts` in

@@ -110,7 +110,7 @@ from agentruns.streams.inflight import OffsetTracker, answered_note, parse_answe
 from agentruns.streams.kafka_defaults import close_consumer, partition_count
 from agentruns.streams.membership import Membership
 from agentruns.streams.partitioning import partition_for, run_key
-from agentruns.streams.polling import poll_batch
+from agentruns.streams.polling import Linger, poll_batch
 from agentruns.streams.records import parse_effect_body
 from agentruns.streams.topics import DLQ, INBOX, effect_suffix, topic_name
 from agentruns.streams.transaction import (
@@ -124,10 +124,6 @@ from agentruns.streams.transaction import (
 
 log = logging.getLogger("agentruns.executor")
 
-#: How long after a batch of more than one effect an executor keeps gathering (`gather_ms`):
-#: a trickle keeps it going, each gathered batch renewing it; an idle pipeline's lone effects,
-#: one per batch, are never held.
-GATHER_AFTER_S = 1.0
 #: Held effects under this share of ``max_held`` (and their bytes of ``max_held_bytes``)
 #: resume paused partitions: a margin, so that one batch does not pause them again at once.
 RESUME_BELOW = 0.9
@@ -141,6 +137,7 @@ MAX_START_GROUP = 256
 @dataclass
 class ExecutorStats:
     batches: int = 0  # poll batches admitted
+    lingered: int = 0  # polls that waited `gather_ms` for company (`Linger`)
     starts: int = 0  # groups of effects started (one records statement each)
     transactions: int = 0  # committed transactions (each carries every hand-over ready)
     effects: int = 0  # distinct effect keys answered
@@ -178,6 +175,7 @@ class ExecutorStats:
         txns = max(1, self.transactions)
         return {
             "batches": self.batches,
+            "lingered": self.lingered,
             "starts": self.starts,
             "transactions": self.transactions,
             "effects": self.effects,
@@ -471,22 +469,22 @@ class Executor:
         self._dispatcher.start()
         self._answerer.start()
         c = self.config
-        gathering_until = 0.0  # monotonic: effects came more than one to a batch until then
+        linger = Linger(c.gather_ms / 1000)
         try:
             while not stop.is_set():
                 if self._failed is not None:
                     raise ExecutorError(f"an executor thread failed: {self._failed}")
                 self._flow()
-                # Gather only within GATHER_AFTER_S of a batch of more than one effect: a lone
-                # effect of an idle pipeline is on its run's critical path, and nothing would
-                # join it.
-                now = time.monotonic()
-                gather = c.gather_ms / 1000 if now < gathering_until else 0.0
+                # Gather only while effects come at least one a window (`Linger`): a lone
+                # effect of a quiet or trickling stream is on its run's critical path, and
+                # nothing would join it.
+                gather = linger.window(time.monotonic())
+                if gather:
+                    self.stats.lingered += 1
                 batch = poll_batch(
                     self._consumer, c.max_batch, c.poll_timeout_s, gather=gather, group=c.group
                 )
-                if len(batch) > 1:
-                    gathering_until = time.monotonic() + GATHER_AFTER_S
+                linger.observe(len(batch), time.monotonic())
                 if batch:
                     self._admit(batch)
             self._finish()

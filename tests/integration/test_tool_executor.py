@@ -39,6 +39,7 @@ from agentruns.processors.events import (
 )
 from agentruns.processors.ids import canonical_json
 from agentruns.processors.state import ErrorClass
+from agentruns.streams.polling import Linger
 from tests.support.executors import (
     TICKET,
     Harness,
@@ -410,21 +411,23 @@ def test_a_second_executor_joining_mid_stream_executes_nothing_twice(
 
 
 BURST = 10
+PAIRS = 120
 
 
-def test_effects_trickling_in_are_gathered_into_shared_batches(
+def test_effects_coming_fast_are_gathered_into_shared_batches(
     env: ToolEnv, request: pytest.FixtureRequest
 ) -> None:
-    """Pairs of effects 3 ms apart, 40 ms between pairs, each effect on the wire on its own,
-    after a burst: within `GATHER_AFTER_S` of a batch that held more than one effect (the
-    burst's, then each gathered pair's), the executor waits `gather_ms` (10) after a batch's
-    first effect, so a pair shares a batch. Without gathering the second of a pair lands while
-    the first executes: its own batch. (An idle pipeline's lone effects are not held.)"""
+    """Pairs of effects 3 ms apart, 5 ms between pairs, each effect on the wire on its own,
+    after a burst: once effects have come faster than one per `gather_ms` (10) for a second,
+    the executor waits that long after a batch's first effect (`Linger`), and a pair shares a
+    batch. Without gathering the second of a pair lands while the first executes: its own
+    batch."""
     executor = env.harness.executor
     assert executor is not None and executor.config.gather_ms >= 10
     ids = ids_for(request)
     pairs = [
-        [ids.call("create_ticket", {"title": f"pair {i} {j}"}) for j in range(2)] for i in range(30)
+        [ids.call("create_ticket", {"title": f"pair {i} {j}"}) for j in range(2)]
+        for i in range(PAIRS)
     ]
     # The executor is shared by the module's tests: leftovers of an earlier one (an effect
     # redelivered after its rebalance) are let through before counting (a clean-clone run
@@ -442,20 +445,42 @@ def test_effects_trickling_in_are_gathered_into_shared_batches(
     # the burst lands while its first effect executes: a batch of more than one
     env.harness.effects.send(*burst)
     time.sleep(0.04)
+    lingered = executor.stats.lingered
     for first, second in pairs:
         env.harness.effects.send(first)  # flushed: one record per produce request
         time.sleep(0.003)
         env.harness.effects.send(second)
-        time.sleep(0.04)
+        time.sleep(0.005)
     for call in [*burst, *(call for pair in pairs for call in pair)]:
         env.harness.inbox.event(call, timeout=60)
     # a leftover that still slips in counts at most one batch of its own
-    leftovers = executor.stats.effects - effects - BURST - 60
+    leftovers = executor.stats.effects - effects - BURST - 2 * PAIRS
     assert leftovers >= 0
-    # the burst's batches (at most one each), then 30 when every pair is gathered; room for
-    # pairs a busy host pulls apart (without gathering: close to 60)
+    # the burst's batches (at most one each), then a batch an effect until a second's worth of
+    # effects says a window brings company (`Linger`), then a batch a pair; room for pairs a
+    # busy host pulls apart (without gathering: close to one batch an effect)
     ours = executor.stats.batches - batches - leftovers
-    assert ours <= BURST + 45, (ours, leftovers)
+    assert ours <= BURST + 1.7 * PAIRS, (ours, leftovers)
+    assert executor.stats.lingered > lingered
+
+
+def test_a_trickle_of_lone_effects_is_never_held_for_company(
+    env: ToolEnv, request: pytest.FixtureRequest
+) -> None:
+    """Effects one every 60 ms, under one per `gather_ms`: a gathering window would bring none
+    of them company, and each is on its run's critical path, so no poll lingers."""
+    executor = env.harness.executor
+    assert executor is not None
+    ids = ids_for(request)
+    time.sleep(Linger.HORIZON_S)  # what came before is out of the linger's horizon
+    lingered = executor.stats.lingered
+    calls = [ids.call("create_ticket", {"title": f"trickle {i}"}) for i in range(15)]
+    for call in calls:
+        env.harness.effects.send(call)
+        time.sleep(0.06)
+    for call in calls:
+        env.harness.inbox.event(call, timeout=60)
+    assert executor.stats.lingered == lingered
 
 
 def test_callback_headers_are_per_dispatch_signed_with_the_callback_key_and_expire() -> None:
