@@ -228,7 +228,7 @@ class _Recording:
     The SDK's own span guards every call with a lock and checks every attribute value as it
     is set; ours is made, described and ended by one thread, and its values are checked once,
     at the end, against the same limits (`SpanLimits`: the number of attributes, events and
-    links, the length of a value). That is the larger part of what a span costs the pipeline
+    links, the length of a value). Making the SDK's span was about half of what a span cost
     (docs/benchmarks.md, Tracing on and off)."""
 
     __slots__ = (
