@@ -1,12 +1,12 @@
 """Spans as an OTLP `ExportTraceServiceRequest` in protobuf bytes, written directly.
 
 The OpenTelemetry exporter builds a protobuf message object per span, attribute and value, and
-hashes each span's resource (a JSON dump of its attributes) to group them: about 40 µs a span,
-more than making the span. This writes the same bytes from the spans' fields, with the encoded
-attributes that repeat (the messaging system, a topic, a consumer group, a route) kept, in
-about a fifth of that (docs/benchmarks.md, Tracing on and off). `tests/unit/test_otlp_encoding.py`
-decodes what it writes with the official message classes and compares it with the exporter's
-own encoding of the same spans.
+hashes each span's resource (a JSON dump of its attributes) to group them, which costs more than
+making the span. This writes the same bytes from the spans' fields, keeping the encoded
+attributes that repeat (the messaging system, a topic, a consumer group, a route), at a
+fraction of that cost (docs/benchmarks.md, Tracing on and off).
+`tests/unit/test_otlp_encoding.py` decodes what it writes with the official message classes and
+compares it with the exporter's own encoding of the same spans.
 
 Only the wire format of `opentelemetry/proto/trace/v1/trace.proto` and `common.proto` is
 written here; which spans, their limits and their transport are the SDK's.

@@ -668,7 +668,7 @@ def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bo
 def _http_exporter() -> Any:
     """The OTLP/HTTP exporter of the OpenTelemetry SDK (its endpoint, headers, compression,
     timeouts and retries from the OTEL_* variables), with the request body written by
-    `otlp_encoding`, a quarter of the exporter's own encoding's cost."""
+    `otlp_encoding` at a fraction of the exporter's own encoding's cost."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import SpanExportResult
 
