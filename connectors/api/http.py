@@ -441,7 +441,7 @@ def _if_match_version(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip().removeprefix("W/").strip('"')
-    if not text.isdigit() or len(text) > 18:
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:  # "²" is a digit to Python
         raise ApiError(400, "invalid_header", 'If-Match takes the run\'s version, e.g. "7"')
     return int(text)
 

@@ -12,6 +12,7 @@ from agentruns.connectors.api.config import ApiConfig
 from agentruns.connectors.api.console import Sessions
 from agentruns.connectors.api.credentials import CredentialStore, fixed_credentials
 from agentruns.connectors.api.errors import ApiError
+from agentruns.connectors.api.http import _if_match_version
 from agentruns.connectors.api.operator import allowed, parse_body, plan
 from agentruns.connectors.api.tokens import (
     MAX_OPERATORS,
@@ -199,3 +200,17 @@ def test_a_console_session_carries_its_credential_inside_the_signature() -> None
     expires, nonce, mac = cookie.split(".")
     forged = f"{expires}.{nonce.split('~')[0]}~YXBp~{nonce.split('~')[2]}.{mac}"
     assert sessions.valid(forged) is None
+
+
+@pytest.mark.parametrize(("value", "version"), [(None, None), ("7", 7), ('"7"', 7), ('W/"12"', 12)])
+def test_if_match_names_the_version_the_operator_saw(
+    value: str | None, version: int | None
+) -> None:
+    assert _if_match_version(value) == version
+
+
+@pytest.mark.parametrize("value", ["", "abc", "-1", "7.0", "\u00b2", "\u0661\u0662", "9" * 19, "*"])
+def test_an_if_match_that_is_no_version_is_a_400(value: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        _if_match_version(value)
+    assert refused.value.status == 400 and refused.value.code == "invalid_header"
