@@ -277,9 +277,6 @@ class _Recording:
     def set_attribute(self, key: str, value: Any) -> None:
         self._attributes[key] = value
 
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self._attributes.update(attributes)
-
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
     ) -> None:
@@ -297,12 +294,6 @@ class _Recording:
         self._end_ns = _time_ns() if end_time is None else end_time
         if _tracer is not None:  # None: tracing was turned off since the span began
             _tracer.span_processor.on_end(_ended(self))
-
-    def __enter__(self) -> _Recording:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.end()
 
 
 _SAMPLED: Any = None

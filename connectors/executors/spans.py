@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from agentruns.processors.effects import CallModel, CallTool, Effect, PollTool, Reconcile
 from agentruns.streams import tracing
@@ -166,15 +166,21 @@ def http_span(method: str, url: str, parent: str | None) -> Any:
     key may be passed in either)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     attributes = {
         "http.request.method": method,
         "url.full": urlunsplit((parts.scheme, netloc, parts.path, "", "")),
-        "server.address": host,
-        "server.port": port,
+        **_server(parts),
     }
     return tracing.start(method, parent, attributes, kind="CLIENT")
+
+
+def _server(parts: SplitResult) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of a URL (its scheme's port when it names none)."""
+    return {
+        "server.address": parts.hostname or "",
+        "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+    }
 
 
 def http_done(span: Any, status: int, failure: str | None) -> None:
@@ -216,12 +222,10 @@ def mcp_span(
     if protocol is not None:
         attributes["mcp.protocol.version"] = protocol
     if url:
-        parts = urlsplit(url)
         attributes["network.transport"] = "tcp"
         attributes["network.protocol.name"] = "http"
         attributes["network.protocol.version"] = "1.1"  # KeepAliveHTTP speaks HTTP/1.1
-        attributes["server.address"] = parts.hostname or ""
-        attributes["server.port"] = parts.port or (443 if parts.scheme == "https" else 80)
+        attributes.update(_server(urlsplit(url)))
     else:
         attributes["network.transport"] = "pipe"  # stdio
     name = method if not isinstance(tool, str) else f"{method} {tool}"
