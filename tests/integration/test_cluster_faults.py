@@ -171,7 +171,6 @@ def test_an_abort_that_timed_out_is_resumed_and_the_next_transaction_commits(
     committer: Committer[_Unit] = Committer(
         lambda slot: clients.producer(slot, {}), inbox, on_commit
     )
-    coordinator = transaction_coordinator(bootstrap, f"{clients.member}-a")
     monkeypatch.setattr(transaction, "TIMEOUT_S", SHORT_TIMEOUT_S)
     try:
         assert committer.submit(_Unit(inbox, metadata, 1))
@@ -188,6 +187,9 @@ def test_an_abort_that_timed_out_is_resumed_and_the_next_transaction_commits(
         committer.wait()
         failure = committer.take_failure()
         assert failure is not None and failure.units == [failing]
+        # asked now, not before the first transaction: leadership moves back to a broker an
+        # earlier test restarted (the preferred-leader check), and the coordinator with it
+        coordinator = transaction_coordinator(bootstrap, f"{clients.member}-a")
         thread = _paused_for(cluster, coordinator, 2 * SHORT_TIMEOUT_S)
         try:
             with caplog.at_level(logging.WARNING, logger=transaction.log.name):
