@@ -24,7 +24,8 @@ exactly its backends' time, over the time it took). The Kafka floor is not measu
 ``--mixed SLOW:INSTANT`` ends with INSTANT runs (the same scenario under another name, its model
 and tool calls instant) one after the other alone, then beside SLOW runs whose model calls take
 ``--model-latency`` (2000:0.5 by default): ``instant_beside_over_alone`` is 1.0 when the slow
-runs hold the instant ones back not at all.
+runs hold the instant ones back not at all; ``instant_hops_ms_p50`` splits their time into the
+processor's, the model executor's and the tool executor's hops (`agentruns.bench.hops`).
 
 ``--tool-path mcp`` makes every tool call of the runs a call of the example MCP server's
 ``set_order_note`` (through the tool executor's MCP client) instead of the example HTTP tool
@@ -67,6 +68,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
+from agentruns.bench.hops import hop_split
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
 from agentruns.bench.otlp_sink import OtlpSink
@@ -133,6 +135,7 @@ class Driver:
     """Keeps `concurrency` runs in flight and measures them from the committed topics."""
 
     def __init__(self, bootstrap: str, prefix: str, partitions: int) -> None:
+        self.bootstrap = bootstrap
         self.prefix = prefix
         self.partitions = partitions
         self.producer = Producer(
@@ -379,10 +382,12 @@ def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str,
     ``slow`` runs started together (their model calls slowed): the instant runs' latency
     beside them over alone (1.0: the slow runs hold them back not at all)."""
     alone = driver.level(1, instant, timeout, scenario=SCENARIO_ALONE)
+    alone_ids = driver.last_runs
     slow_ids = [driver.submit("mixed-slow", i) for i in range(slow)]
     driver.producer.flush(10)
     time.sleep(1.0)  # the slow runs' first calls are under way
     beside = driver.level(1, instant, timeout, scenario=SCENARIO_ALONE)
+    beside_ids = driver.last_runs
     slow_done = [r for r in slow_ids if r in driver.done]
     deadline = time.monotonic() + timeout
     while len(slow_done) < len(slow_ids) and time.monotonic() < deadline:
@@ -396,6 +401,11 @@ def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str,
         "instant_alone_ms_p50": alone_ms,
         "instant_beside_ms_p50": beside_ms,
         "instant_beside_over_alone": round(beside_ms / alone_ms, 3) if alone_ms else None,
+        # where the instant runs' time went, per hop (`agentruns.bench.hops`)
+        "instant_hops_ms_p50": {
+            "alone": hop_split(driver.bootstrap, driver.prefix, driver.partitions, alone_ids),
+            "beside": hop_split(driver.bootstrap, driver.prefix, driver.partitions, beside_ids),
+        },
         "slow_completed": len(slow_done),
         "slow_run_latency_p50_ms": round(percentile(slow_latency, 0.5) * 1000, 1),
     }
