@@ -77,8 +77,8 @@ def hop_split(
 
 def median_split(runs: Iterable[Sequence[tuple[int, str]]]) -> dict[str, float]:
     """Per hop, the median over ``runs`` (each its records' (timestamp ms, hop it opens), in
-    order) of the milliseconds the run spent in that hop; a hop no run passed through is left
-    out."""
+    order) of the milliseconds the run spent in that hop (0 for a run that never entered it);
+    no figures without runs."""
     per_run: dict[str, list[float]] = {hop: [] for hop in HOPS}
     for records in runs:
         spent = dict.fromkeys(HOPS, 0.0)
