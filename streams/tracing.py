@@ -151,19 +151,24 @@ def start(
     else:
         span_id = tracer.id_generator.generate_span_id()
         trace_id = tracer.id_generator.generate_trace_id() if context is None else context.trace_id
-    span_kind = otel.SpanKind[kind]
+    span_kind = _KINDS[kind]
     linked = [otel.Link(_context_of(link)) for link in links if link is not None and link != parent]
-    sampled = tracer.sampler.should_sample(
-        _parent(parent), trace_id, name, span_kind, attributes, linked
-    )
-    trace_state = sampled.trace_state
-    if not sampled.decision.is_sampled():
-        return otel.NonRecordingSpan(  # type: ignore[no-any-return]
-            otel.SpanContext(trace_id, span_id, False, _UNSAMPLED, trace_state)
-        )
     values = dict(attributes or ())
-    if sampled.attributes:
-        values.update(sampled.attributes)
+    if _parent_kept and context is not None and context.trace_flags.sampled:
+        # what the sampler answers a sampled parent: kept, with the parent's trace state and
+        # the span's own attributes
+        trace_state = context.trace_state
+    else:
+        sampled = tracer.sampler.should_sample(
+            _parent(parent), trace_id, name, span_kind, attributes, linked
+        )
+        trace_state = sampled.trace_state
+        if not sampled.decision.is_sampled():
+            return otel.NonRecordingSpan(  # type: ignore[no-any-return]
+                otel.SpanContext(trace_id, span_id, False, _UNSAMPLED, trace_state)
+            )
+        if sampled.attributes:
+            values.update(sampled.attributes)
     # a _Recording answers every Span call agentruns makes (tests/unit/test_tracing.py)
     return cast(
         "Span",
@@ -216,20 +221,32 @@ def _follows_parent(sampler: Any) -> bool:
     return isinstance(sampler, ParentBased) and dropped is ALWAYS_OFF
 
 
+def _keeps_parent(sampler: Any) -> bool:
+    """Whether `sampler` keeps every child of a sampled remote parent, adding no attribute:
+    the SDK's parent-based samplers as the OTEL_TRACES_SAMPLER variable makes them."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    kept = getattr(sampler, "_remote_parent_sampled", None)
+    return isinstance(sampler, ParentBased) and kept is ALWAYS_ON
+
+
 #: Attribute values OpenTelemetry takes as they are (sequences of them are kept as tuples).
 _PRIMITIVES = (str, bool, int, float)
 _FAST = frozenset(_PRIMITIVES)
 
 
 class _Recording:
-    """A sampled span, recorded in plain fields and handed to the provider's span processors
-    as the SDK's `ReadableSpan` when it ends.
+    """A sampled span, recorded in plain fields. When it ends it goes to the provider's span
+    processors as the SDK's `ReadableSpan`; with the OTLP/HTTP export `configure_from_env`
+    sets up, it is queued as it is instead (`_direct`), and its export reads the fields a
+    ReadableSpan has (`name`, `attributes`, ...) off it.
 
     The SDK's own span guards every call with a lock and checks every attribute value as it
     is set; ours is made, described and ended by one thread, and its values are checked once,
-    at the end, against the same limits (`SpanLimits`: the number of attributes, events and
-    links, the length of a value). Making the SDK's span was about half of what a span cost
-    (docs/benchmarks.md, Tracing on and off)."""
+    after its end, against the same limits (`SpanLimits`: the number of attributes, events and
+    links, the length of a value). Making the SDK's span was about half of what a span cost,
+    and a ReadableSpan of each a quarter of what was left (docs/benchmarks.md, Tracing on and
+    off)."""
 
     __slots__ = (
         "_attributes",
@@ -240,6 +257,8 @@ class _Recording:
         "_links",
         "_name",
         "_parent",
+        "_resource",
+        "_sealed",
         "_start_ns",
         "_status",
     )
@@ -264,6 +283,8 @@ class _Recording:
         self._events: list[Any] = []
         self._status: Any = None
         self._end_ns: int | None = None
+        self._resource: Any = None
+        self._sealed: tuple[dict[str, Any], int, list[Any], list[Any]] | None = None
 
     def get_span_context(self) -> Any:
         return self._context
@@ -271,19 +292,26 @@ class _Recording:
     def is_recording(self) -> bool:
         return self._end_ns is None
 
+    # An ended span changes no more, as the SDK's does not: the export thread reads it.
+
     def update_name(self, name: str) -> None:
-        self._name = name
+        if self._end_ns is None:
+            self._name = name
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        if self._end_ns is None:
+            self._attributes[key] = value
 
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
     ) -> None:
-        self._events.append((name, dict(attributes or ()), timestamp or _time_ns()))
+        if self._end_ns is None:
+            self._events.append((name, dict(attributes or ()), timestamp or _time_ns()))
 
     def set_status(self, status: Any, description: str | None = None) -> None:
         assert _otel is not None
+        if self._end_ns is not None:
+            return
         if not isinstance(status, _otel.Status):
             status = _otel.Status(status, description)
         self._status = status
@@ -292,8 +320,89 @@ class _Recording:
         if self._end_ns is not None:
             return
         self._end_ns = _time_ns() if end_time is None else end_time
-        if _tracer is not None:  # None: tracing was turned off since the span began
+        if _tracer is None:  # tracing was turned off since the span began
+            return
+        self._resource = _tracer.resource
+        if _direct is not None:
+            _direct.on_end(self)
+        else:
             _tracer.span_processor.on_end(_ended(self))
+
+    # An ended span, as the SDK's ReadableSpan names what the OTLP encoding reads
+    # (`otlp_encoding.encode`): the direct path's processor exports it as it is.
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def context(self) -> Any:
+        return self._context
+
+    @property
+    def parent(self) -> Any:
+        return self._parent
+
+    @property
+    def kind(self) -> Any:
+        return self._kind
+
+    @property
+    def start_time(self) -> int:
+        return self._start_ns
+
+    @property
+    def end_time(self) -> int | None:
+        return self._end_ns
+
+    @property
+    def status(self) -> Any:
+        return self._status or _UNSET
+
+    @property
+    def resource(self) -> Any:
+        return self._resource
+
+    @property
+    def instrumentation_scope(self) -> Any:
+        return _scope
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return self._seal()[0]
+
+    @property
+    def dropped_attributes(self) -> int:
+        return self._seal()[1]
+
+    @property
+    def events(self) -> list[Any]:
+        return self._seal()[2]
+
+    @property
+    def dropped_events(self) -> int:
+        return len(self._events) - len(self._seal()[2])
+
+    @property
+    def links(self) -> list[Any]:
+        return self._seal()[3]
+
+    @property
+    def dropped_links(self) -> int:
+        return len(self._links) - len(self._seal()[3])
+
+    def _seal(self) -> tuple[dict[str, Any], int, list[Any], list[Any]]:
+        """Its attributes within the span limits and how many were dropped, its events and
+        links within them (once: an ended span changes no more)."""
+        if self._sealed is None:
+            limits = _span_limits
+            attributes, dropped = _limited(self._attributes, limits, "span")
+            events = [
+                _Event(name, _limited(values, limits, "event")[0], at)
+                for name, values, at in self._events[: limits.max_events]
+            ]
+            self._sealed = (attributes, dropped, events, self._links[: limits.max_links])
+        return self._sealed
 
 
 _SAMPLED: Any = None
@@ -337,37 +446,41 @@ def _limited(values: Mapping[str, Any], limits: Any, what: str) -> tuple[dict[st
 
 def _ended(span: _Recording) -> Any:
     """The SDK's `ReadableSpan` of an ended `_Recording`, within the tracer's span limits."""
-    from opentelemetry.sdk.trace import Event
-
-    assert _tracer is not None and _otel is not None
-    limits = _span_limits
-    attributes, dropped = _limited(span._attributes, limits, "span")
-    events = [
-        Event(name, _limited(values, limits, "event")[0], at)
-        for name, values, at in span._events[: limits.max_events]
-    ]
-    links = span._links[: limits.max_links]
+    attributes, dropped, events, links = span._seal()
     return _Ended(
-        name=span._name,
-        context=span._context,
-        parent=span._parent,
-        resource=_tracer.resource,
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
         attributes=attributes,
         events=events,
         links=links,
-        kind=span._kind,
-        status=span._status or _otel.Status(_otel.StatusCode.UNSET),
-        start_time=span._start_ns,
-        end_time=span._end_ns,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
         instrumentation_scope=_scope,
-        dropped=(dropped, len(span._events) - len(events), len(span._links) - len(links)),
+        dropped=(dropped, span.dropped_events, span.dropped_links),
     )
+
+
+def _readable(spans: Sequence[Any]) -> list[Any]:
+    """``spans`` as the SDK's ReadableSpans (a recorded one made into one), for an encoding
+    other than `otlp_encoding`'s."""
+    return [_ended(s) if isinstance(s, _Recording) else s for s in spans]
 
 
 _span_limits: Any = None
 _scope: Any = None
 _parent_decides = False  # the sampler drops every child of a dropped parent (`_follows_parent`)
+_parent_kept = False  # the sampler keeps every child of a sampled parent (`_keeps_parent`)
 _Ended: Any = None
+_UNSET: Any = None  # the status of a span nothing set one on
+_Event: Any = None  # the SDK's span event
+_KINDS: dict[str, Any] = {}  # SpanKind by name
+# The provider's only span processor, when it queues a recorded span as it is for an exporter
+# that encodes with `otlp_encoding` (`configure_from_env`): no ReadableSpan is made per span.
+_direct: Any = None
 
 
 def _readable_type() -> Any:
@@ -577,20 +690,25 @@ def end(span: Span, error: str | None = None) -> None:
 def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = None) -> None:
     """Make spans with `provider` (None: tracing off); `env` (default: the process's) says
     whether model spans carry messages (`AGENTRUNS_TRACE_MESSAGES`)."""
-    global _tracer, _provider, _messages_max_chars
+    global _tracer, _provider, _messages_max_chars, _direct
     env = os.environ if env is None else env
     _provider = provider
     _tracer = None
+    _direct = None
     _messages_max_chars = 0
     if provider is None:
         return
     global _otel, _SAMPLED, _UNSAMPLED, _span_limits, _scope, _Ended, _parent_decides
+    global _parent_kept, _UNSET, _KINDS, _Event
     import opentelemetry.trace
-    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.sdk.trace import Event, SpanLimits
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     _otel = opentelemetry.trace
     _SAMPLED, _UNSAMPLED = _otel.TraceFlags(1), _otel.TraceFlags(0)
+    _UNSET = _otel.Status(_otel.StatusCode.UNSET)
+    _KINDS = {kind.name: kind for kind in _otel.SpanKind}
+    _Event = Event
     _context_of.cache_clear()
     _parent.cache_clear()
     _span_limits = getattr(provider, "_span_limits", None) or SpanLimits()
@@ -598,7 +716,9 @@ def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = N
     _Ended = _readable_type()
     _tracer = provider.get_tracer("agentruns")
     _dropped.cache_clear()
-    _parent_decides = _follows_parent(getattr(_tracer, "sampler", None))
+    sampler = getattr(_tracer, "sampler", None)
+    _parent_decides = _follows_parent(sampler)
+    _parent_kept = _keeps_parent(sampler)
     if env.get("AGENTRUNS_TRACE_MESSAGES", "").strip().lower() in ("1", "true", "yes"):
         try:
             limit = int(env.get("AGENTRUNS_TRACE_MESSAGES_MAX_CHARS", MESSAGES_DEFAULT_MAX_CHARS))
@@ -649,8 +769,12 @@ def configure_from_env(service: str, env: Mapping[str, str] | None = None) -> bo
     name = env.get("OTEL_SERVICE_NAME") or f"agentruns-{service}"
     # the sampler is the SDK's, from OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    processor = BatchSpanProcessor(exporter)
+    provider.add_span_processor(processor)
     configure(provider, env)
+    if protocol != "grpc":  # ours: it encodes a recorded span as it is
+        global _direct
+        _direct = processor
     atexit.register(provider.shutdown)
     log.info("tracing on: OTLP (%s) to %s", protocol, endpoint or "the default endpoint")
     return True
@@ -669,7 +793,7 @@ def _http_exporter() -> Any:
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
             client = getattr(self, "_client", None)
             if client is None or getattr(self, "_shutdown", True):
-                return super().export(spans)  # another SDK's exporter: its own encoding
+                return super().export(_readable(spans))  # another SDK's: its own encoding
             data = otlp_encoding.encode(spans)
             most = getattr(self, "_max_request_size", None)
             if most is not None and len(data) > most:

@@ -437,3 +437,86 @@ def test_a_child_of_a_dropped_parent_is_dropped_only_when_the_sampler_follows_th
         (finished,) = exporter.get_finished_spans()
         assert context.split("-")[1] == VALID.split("-")[1] and context.endswith("-01")
         assert finished.parent is not None and finished.parent.span_id == int(VALID[36:52], 16)
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_a_child_of_a_sampled_parent_is_kept_without_the_sampler_only_when_it_keeps_the_parent(
+    keeps: bool,
+) -> None:
+    from opentelemetry.sdk.trace.sampling import ParentBased
+
+    exporter = InMemorySpanExporter()
+    # the shortcut answers for a parent-based sampler that keeps a sampled parent's children;
+    # any other is asked (this one drops them)
+    sampler = ParentBased(ALWAYS_OFF) if keeps else ParentBased(ALWAYS_OFF, ALWAYS_OFF)
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        child = tracing.start("child", VALID, {"a": 1}, kind="CONSUMER")  # VALID is sampled
+        root = tracing.start("root", None, {"a": 1})  # the root sampler: ALWAYS_OFF
+        tracing.end(child)
+        tracing.end(root)
+    finally:
+        tracing.configure(None)
+    assert not root.is_recording() and tracing.traceparent_of(root).endswith("-00")
+    if keeps:
+        (finished,) = exporter.get_finished_spans()
+        assert finished.name == "child" and dict(finished.attributes or {}) == {"a": 1}
+        assert finished.kind is SpanKind.CONSUMER
+        assert finished.parent is not None and finished.parent.span_id == int(VALID[36:52], 16)
+    else:
+        assert exporter.get_finished_spans() == ()
+
+
+def test_an_exported_span_is_encoded_as_it_was_recorded_as_the_sdk_encodes_its_readable_span(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With OTLP/HTTP configured, a recorded span goes to the batch processor as it is (no
+    ReadableSpan made per span); its OTLP bytes equal the SDK encoder's of the ReadableSpan
+    made of it, within the span limits the environment sets."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from agentruns.streams import otlp_encoding
+
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",  # nothing is sent here
+        "OTEL_BSP_SCHEDULE_DELAY": "3600000",
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4",
+        "OTEL_SPAN_EVENT_COUNT_LIMIT": "1",
+        "OTEL_SPAN_LINK_COUNT_LIMIT": "1",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert tracing.configure_from_env("test", env)
+    try:
+        processor = tracing._direct
+        assert processor is not None
+        linked = VALID[:36] + "00f067aa0ba902b7-01"
+        span = tracing.start(
+            "process X", VALID, {"a": "x", "b": 2, "c": 1.5}, kind="CONSUMER", links=[linked]
+        )
+        span.set_attribute("d", ("p", "q"))
+        span.set_attribute("e", True)  # over the limit of four
+        span.add_event("wait", {"n": 1})
+        span.add_event("dropped")
+        tracing.end(span, "failed")
+        span.set_attribute("late", 1)  # an ended span changes no more: it waits for export
+        span.add_event("late")
+        queued = list(processor._batch_processor._queue)
+        assert queued == [span]  # the recorded span itself
+        ours = ExportTraceServiceRequest.FromString(otlp_encoding.encode(queued))
+        assert ours == encode_spans(tracing._readable(queued))
+        (written,) = ours.resource_spans[0].scope_spans[0].spans
+        assert [a.key for a in written.attributes] == ["a", "b", "c", "d"]
+        assert written.dropped_attributes_count == 1 and written.dropped_events_count == 1
+        assert written.status.message == "failed" and len(written.links) == 1
+        processor._batch_processor._queue.clear()
+    finally:
+        assert tracing._provider is not None
+        tracing._provider.shutdown()
+        tracing.configure(None)
+    assert tracing._direct is None
