@@ -79,7 +79,7 @@ def _any_value(value: Any) -> bytes:
     raise ValueError(f"no AnyValue for a {type(value).__name__}")
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=8192, typed=True)  # typed: True == 1, yet a flag is no number
 def _constant(key: str, value: str | bool | int | float) -> bytes:
     return _field(1, key.encode("utf-8", "surrogatepass")) + _field(2, _any_value(value))
 

@@ -101,3 +101,24 @@ def test_a_value_of_no_otlp_type_is_left_out_as_the_exporter_leaves_it_out() -> 
 def test_no_span_is_an_empty_request() -> None:
     assert otlp_encoding.encode([]) == b""
     assert ExportTraceServiceRequest.FromString(b"") == encode_spans([])
+
+
+def test_a_number_and_a_flag_that_compare_equal_keep_their_own_types() -> None:
+    # True == 1 and False == 0: the encoded attributes kept from span to span are told apart by
+    # type, or a count of 1 after a flag of True would be written as a flag
+    def written(value: object) -> Any:
+        span = ReadableSpan(
+            name="s",
+            context=SpanContext(1, 2, False, TraceFlags(1)),
+            resource=RESOURCE,
+            attributes={"k": value},  # type: ignore[dict-item]
+            instrumentation_scope=SCOPES[0],
+            start_time=1,
+            end_time=2,
+        )
+        decoded = ExportTraceServiceRequest.FromString(otlp_encoding.encode([span]))
+        return decoded.resource_spans[0].scope_spans[0].spans[0].attributes[0].value
+
+    for first, second in ((True, 1), (1, True), (False, 0), (0, False)):
+        assert written(first).WhichOneof("value") == type(first).__name__ + "_value"
+        assert written(second).WhichOneof("value") == type(second).__name__ + "_value"
