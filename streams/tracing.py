@@ -250,17 +250,17 @@ class _Recording:
 
     __slots__ = (
         "_attributes",
-        "_context",
-        "_end_ns",
         "_events",
-        "_kind",
         "_links",
-        "_name",
-        "_parent",
-        "_resource",
         "_sealed",
-        "_start_ns",
         "_status",
+        "context",
+        "end_time",
+        "kind",
+        "name",
+        "parent",
+        "resource",
+        "start_time",
     )
 
     def __init__(
@@ -273,95 +273,67 @@ class _Recording:
         links: list[Any],
         start_ns: int,
     ) -> None:
-        self._name = name
-        self._context = context
-        self._parent = parent
-        self._kind = kind
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
         self._attributes = attributes
         self._links = links
-        self._start_ns = start_ns
+        self.start_time = start_ns
         self._events: list[Any] = []
         self._status: Any = None
-        self._end_ns: int | None = None
-        self._resource: Any = None
+        self.end_time: int | None = None
+        self.resource: Any = None
         self._sealed: tuple[dict[str, Any], int, list[Any], list[Any]] | None = None
 
     def get_span_context(self) -> Any:
-        return self._context
+        return self.context
 
     def is_recording(self) -> bool:
-        return self._end_ns is None
+        return self.end_time is None
 
     # An ended span changes no more, as the SDK's does not: the export thread reads it.
 
     def update_name(self, name: str) -> None:
-        if self._end_ns is None:
-            self._name = name
+        if self.end_time is None:
+            self.name = name
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self._end_ns is None:
+        if self.end_time is None:
             self._attributes[key] = value
 
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
     ) -> None:
-        if self._end_ns is None:
+        if self.end_time is None:
             self._events.append((name, dict(attributes or ()), timestamp or _time_ns()))
 
     def set_status(self, status: Any, description: str | None = None) -> None:
         assert _otel is not None
-        if self._end_ns is not None:
+        if self.end_time is not None:
             return
         if not isinstance(status, _otel.Status):
             status = _otel.Status(status, description)
         self._status = status
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end_ns is not None:
+        if self.end_time is not None:
             return
-        self._end_ns = _time_ns() if end_time is None else end_time
+        self.end_time = _time_ns() if end_time is None else end_time
         if _tracer is None:  # tracing was turned off since the span began
             return
-        self._resource = _tracer.resource
+        self.resource = _tracer.resource
         if _direct is not None:
             _direct.on_end(self)
         else:
             _tracer.span_processor.on_end(_ended(self))
 
-    # An ended span, as the SDK's ReadableSpan names what the OTLP encoding reads
-    # (`otlp_encoding.encode`): the direct path's processor exports it as it is.
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def context(self) -> Any:
-        return self._context
-
-    @property
-    def parent(self) -> Any:
-        return self._parent
-
-    @property
-    def kind(self) -> Any:
-        return self._kind
-
-    @property
-    def start_time(self) -> int:
-        return self._start_ns
-
-    @property
-    def end_time(self) -> int | None:
-        return self._end_ns
+    # What the OTLP encoding reads (`otlp_encoding.encode`) beyond the plain fields, named as
+    # the SDK's ReadableSpan names it (so are the fields): the direct path exports it as it is.
 
     @property
     def status(self) -> Any:
         return self._status or _UNSET
-
-    @property
-    def resource(self) -> Any:
-        return self._resource
 
     @property
     def instrumentation_scope(self) -> Any:
