@@ -67,12 +67,15 @@ def _stamped(
     return out
 
 
-def hop_split(
-    bootstrap: str, prefix: str, partitions: int, run_ids: Collection[str]
-) -> dict[str, float]:
-    """Per hop (processor, model, tool): the median over ``run_ids`` of the milliseconds each
-    run spent in it, from its first record to its last."""
-    return median_split(_stamped(bootstrap, prefix, partitions, run_ids).values())
+def hop_splits(
+    bootstrap: str, prefix: str, partitions: int, groups: Mapping[str, Collection[str]]
+) -> dict[str, dict[str, float]]:
+    """Per group of runs (name -> run ids), per hop (processor, model, tool): the median over
+    the group's runs of the milliseconds each spent in it. The topics are read once for all."""
+    stamped = _stamped(bootstrap, prefix, partitions, {r for ids in groups.values() for r in ids})
+    return {
+        name: median_split(stamped[r] for r in ids if r in stamped) for name, ids in groups.items()
+    }
 
 
 def median_split(runs: Iterable[Sequence[tuple[int, str]]]) -> dict[str, float]:

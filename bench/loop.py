@@ -68,7 +68,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
-from agentruns.bench.hops import hop_split
+from agentruns.bench.hops import hop_splits
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
 from agentruns.bench.otlp_sink import OtlpSink
@@ -402,10 +402,12 @@ def _mixed(driver: Driver, slow: int, instant: int, timeout: float) -> dict[str,
         "instant_beside_ms_p50": beside_ms,
         "instant_beside_over_alone": round(beside_ms / alone_ms, 3) if alone_ms else None,
         # where the instant runs' time went, per hop (`agentruns.bench.hops`)
-        "instant_hops_ms_p50": {
-            "alone": hop_split(driver.bootstrap, driver.prefix, driver.partitions, alone_ids),
-            "beside": hop_split(driver.bootstrap, driver.prefix, driver.partitions, beside_ids),
-        },
+        "instant_hops_ms_p50": hop_splits(
+            driver.bootstrap,
+            driver.prefix,
+            driver.partitions,
+            {"alone": alone_ids, "beside": beside_ids},
+        ),
         "slow_completed": len(slow_done),
         "slow_run_latency_p50_ms": round(percentile(slow_latency, 0.5) * 1000, 1),
     }
