@@ -78,15 +78,50 @@ def hop_splits(
     }
 
 
+def hop_overheads(
+    bootstrap: str,
+    prefix: str,
+    partitions: int,
+    runs: Collection[str],
+    backends: Mapping[str, Mapping[str, float]],
+) -> dict[str, float]:
+    """Per hop, the median over ``runs`` of the milliseconds each spent in it beyond its own
+    backends' time there (`median_overhead`)."""
+    stamped = _stamped(bootstrap, prefix, partitions, runs)
+    return median_overhead({r: stamped[r] for r in runs if r in stamped}, backends)
+
+
+def spent(records: Sequence[tuple[int, str]]) -> dict[str, float]:
+    """Per hop, the milliseconds a run spent in it, from its records' (timestamp ms, hop that
+    record opens), in order (0 for a hop it never entered)."""
+    out = dict.fromkeys(HOPS, 0.0)
+    for (at, opens), (after, _) in pairwise(records):
+        out[opens] += after - at
+    return out
+
+
 def median_split(runs: Iterable[Sequence[tuple[int, str]]]) -> dict[str, float]:
     """Per hop, the median over ``runs`` (each its records' (timestamp ms, hop it opens), in
-    order) of the milliseconds the run spent in that hop (0 for a run that never entered it);
-    no figures without runs."""
+    order) of the milliseconds the run spent in that hop; no figures without runs."""
     per_run: dict[str, list[float]] = {hop: [] for hop in HOPS}
     for records in runs:
-        spent = dict.fromkeys(HOPS, 0.0)
-        for (at, opens), (after, _) in pairwise(records):
-            spent[opens] += after - at
-        for hop, ms in spent.items():
+        for hop, ms in spent(records).items():
             per_run[hop].append(ms)
+    return {hop: round(percentile(ms, 0.5), 1) for hop, ms in per_run.items() if ms}
+
+
+def median_overhead(
+    runs: Mapping[str, Sequence[tuple[int, str]]], backends: Mapping[str, Mapping[str, float]]
+) -> dict[str, float]:
+    """Per hop, the median over ``runs`` (run id -> its records, as `spent` takes them) of the
+    milliseconds the run spent in that hop less what its backends took there (``backends``:
+    hop -> run id -> ms, the model server's and the tool server's own accounts): what each
+    stage adds to a run whose calls take time. Runs without an account of each backend hop
+    are left out; no figures without runs."""
+    per_run: dict[str, list[float]] = {hop: [] for hop in HOPS}
+    for run_id, records in runs.items():
+        if any(run_id not in backends.get(hop, {}) for hop in EFFECT_HOPS.values()):
+            continue
+        for hop, ms in spent(records).items():
+            per_run[hop].append(ms - backends.get(hop, {}).get(run_id, 0.0))
     return {hop: round(percentile(ms, 0.5), 1) for hop, ms in per_run.items() if ms}

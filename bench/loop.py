@@ -68,16 +68,18 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from agentruns.bench.executors import executor_stats
 from agentruns.bench.floor import floor_level, measure, per_item_us, ratios_to_floor
-from agentruns.bench.hops import hop_splits
+from agentruns.bench.hops import hop_overheads, hop_splits
 from agentruns.bench.latency import percentile
 from agentruns.bench.machine import MachineCpu, stack_labels
 from agentruns.bench.otlp_sink import OtlpSink
 from agentruns.bench.overhead import (
     InFlightSampler,
     backend_ms,
+    backend_ms_by_kind,
     get_json,
     model_latency_rule,
     overhead_figures,
+    planned_call_ms_mean,
     post_json,
     served_over_planned,
     tool_latency_rule,
@@ -654,7 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         level["ratio_to_floor"] = ratios_to_floor(level, floor_at)
                     if with_latency:
                         model_latency = get_json(model_url + "/latency")
-                        backends = backend_ms(model_latency, get_json(tool_url + "/latency"))
+                        tool_latency = get_json(tool_url + "/latency")
+                        backends = backend_ms(model_latency, tool_latency)
                         level["model_served_over_planned"] = served_over_planned(
                             model_latency, driver.last_runs
                         )
@@ -666,6 +669,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 concurrency,
                                 level["seconds"],
                             )
+                        )
+                        level["planned_call_ms_mean"] = {
+                            "model": planned_call_ms_mean(model_latency, driver.last_runs),
+                            "tool": planned_call_ms_mean(tool_latency, driver.last_runs),
+                        }
+                        # what each stage added to a run beyond its own calls' time
+                        level["overhead_ms_p50"] = hop_overheads(
+                            driver.bootstrap,
+                            driver.prefix,
+                            driver.partitions,
+                            driver.last_runs,
+                            backend_ms_by_kind(model_latency, tool_latency),
                         )
                     measured.append(level)
                     print(json.dumps(measured[-1]), file=sys.stderr, flush=True)

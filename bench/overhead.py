@@ -65,14 +65,42 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(answer.read())
 
 
+def backend_ms_by_kind(
+    model: Mapping[str, Any], tool: Mapping[str, Any]
+) -> dict[str, dict[str, float]]:
+    """``model`` and ``tool``: run id -> the milliseconds its calls of that backend were
+    planned to take, from the model server's ``/latency`` answer (``conversations``) and the
+    tool server's (``runs``)."""
+    return {
+        kind: {run_id: float(figures.get("ms", 0.0)) for run_id, figures in section.items()}
+        for kind, section in (
+            ("model", model.get("conversations") or {}),
+            ("tool", tool.get("runs") or {}),
+        )
+    }
+
+
 def backend_ms(model: Mapping[str, Any], tool: Mapping[str, Any]) -> dict[str, float]:
-    """Run id -> the milliseconds its backends took: the model server's ``/latency`` answer
-    (``conversations``) plus the tool server's (``runs``)."""
+    """Run id -> the milliseconds its backends were planned to take, both kinds together
+    (`backend_ms_by_kind`)."""
     out: dict[str, float] = {}
-    for section in (model.get("conversations") or {}, tool.get("runs") or {}):
-        for run_id, figures in section.items():
-            out[run_id] = out.get(run_id, 0.0) + float(figures.get("ms", 0.0))
+    for runs in backend_ms_by_kind(model, tool).values():
+        for run_id, ms in runs.items():
+            out[run_id] = out.get(run_id, 0.0) + ms
     return out
+
+
+def planned_call_ms_mean(latency: Mapping[str, Any], runs: Iterable[str]) -> float | None:
+    """The mean time a scripted server planned for one call of ``runs``, from its
+    ``/latency`` answer (the model server's ``conversations``, the tool server's ``runs``):
+    against the executor's ``call_ms_mean``, what the client side adds to a call."""
+    section = latency.get("conversations") or latency.get("runs") or {}
+    calls = ms = 0.0
+    for run_id in runs:
+        figures = section.get(run_id) or {}
+        calls += float(figures.get("calls", 0))
+        ms += float(figures.get("ms", 0.0))
+    return round(ms / calls, 1) if calls else None
 
 
 def served_over_planned(model: Mapping[str, Any], runs: Iterable[str]) -> float | None:

@@ -6,11 +6,13 @@ import pytest
 
 from agentruns.bench.overhead import (
     backend_ms,
+    backend_ms_by_kind,
     calls_of,
     ideal_elapsed_s,
     in_flight_of,
     model_latency_rule,
     overhead_figures,
+    planned_call_ms_mean,
     served_over_planned,
     tool_latency_rule,
 )
@@ -31,11 +33,22 @@ def test_each_run_is_measured_against_its_own_backends() -> None:
         {"runs": {"a": {"calls": 1, "ms": 500.0}, "b": {"calls": 1, "ms": 1000.0}}},
     )
     assert backends == {"a": 2000.0, "b": 2000.0}
+    assert backend_ms_by_kind(
+        {"conversations": {"a": {"calls": 2, "ms": 1500.0}}}, {"runs": {"a": {"ms": 500.0}}}
+    ) == {"model": {"a": 1500.0}, "tool": {"a": 500.0}}
     figures = overhead_figures(["a", "b"], {"a": 2.2, "b": 2.0}, backends, 2, 2.2)
     assert figures["run_over_backend_p50"] in (1.0, 1.1)
     assert figures["run_over_backend_p99"] == 1.1
     assert figures["run_backend_ms_p50"] == 2000.0
     assert figures["throughput_vs_ideal"] == pytest.approx(2.0 / 2.2, abs=0.001)
+
+
+def test_the_planned_time_of_a_call_is_a_mean_over_the_runs_given() -> None:
+    model = {"conversations": {"a": {"calls": 2, "ms": 3000.0}, "b": {"calls": 1, "ms": 90.0}}}
+    assert planned_call_ms_mean(model, ["a"]) == 1500.0
+    assert planned_call_ms_mean(model, ["a", "b"]) == 1030.0
+    assert planned_call_ms_mean({"runs": {"a": {"calls": 4, "ms": 100.0}}}, ["a"]) == 25.0
+    assert planned_call_ms_mean(model, ["nobody"]) is None
 
 
 def test_a_server_falling_behind_its_own_schedule_shows() -> None:
