@@ -35,10 +35,14 @@ microseconds per step on each path, and the MCP path's over the HTTP path's.
 
 ``--tracing on`` runs the pipeline's processes with tracing on, exporting over OTLP/HTTP to a
 receiver in the bench that keeps nothing (`agentruns.bench.otlp_sink`; every span sampled: the
-SDK's default sampler); ``--tracing both`` runs the levels with tracing off, then restarts the
-processor and the executors with it on and runs them again, in the same run, and reports
-``tracing``: per level, each process's CPU microseconds per step with tracing off and on, and the
-pipeline's (processors and executors) on over off.
+SDK's default sampler); ``--tracing both`` runs the levels in phases that alternate tracing off
+and on, off first and last (``--tracing-rounds`` on phases; the processor and the executors
+restarted at each switch; each phase an equal share of the runs), and reports ``tracing``: per
+level, each process's CPU microseconds per step with tracing on and off, the pipeline's
+(processors and executors) on over off, and that ratio for each on phase against the off
+phases on either side of it. A machine that speeds up or slows down over the run weighs on both
+sides alike: two halves of a run with tracing off, one after the other, read 0.97-1.11 of each
+other.
 
 Without latencies, first, on the same broker, the Kafka floor at the same concurrencies
 (`agentruns.bench.floor`: two bare transactional consume -> produce loops, four of whose hops
@@ -60,7 +64,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -356,26 +360,60 @@ def _tool_paths(
 
 
 def _tracing_overhead(
-    off: Sequence[Mapping[str, Any]], on: Sequence[Mapping[str, Any]]
+    off: Sequence[Sequence[Mapping[str, Any]]], on: Sequence[Sequence[Mapping[str, Any]]]
 ) -> dict[str, Any]:
-    """Per level: each process's CPU per step with tracing off and on, and the pipeline's
-    (processors and executors: what makes spans) on over off."""
+    """Per level, from phases that alternate off, on, off, ... (``off`` one longer than ``on``,
+    each phase the levels measured on an equal share of the runs): each process's CPU per step
+    with tracing on (the mean over the on phases) and off (over each on phase's two neighbours,
+    so that a machine speeding up or slowing down weighs on both sides alike), the pipeline's
+    (processors and executors: what makes spans) on over off, and that ratio for each on
+    phase against its neighbours."""
     out: dict[str, Any] = {}
-    for o, t in zip(off, on, strict=True):
-        off_cpu, on_cpu = o.get("cpu_us_per_step") or {}, t.get("cpu_us_per_step") or {}
+    for at, first in enumerate(off[0]):
+        ons = [phase[at] for phase in on]
+        offs = [_cpu_of(phase[at]) for phase in off]
+        neighbours = [_mean_cpu(offs[i : i + 2]) for i in range(len(on))]
+        off_cpu = _mean_cpu(neighbours)
+        on_cpu = _mean_cpu([_cpu_of(level) for level in ons])
         pipeline = [n for n in off_cpu if n.startswith(("processor", "model-executor", "tool-"))]
         pipeline = [n for n in pipeline if n != "tool-server"]
-        off_sum = sum(off_cpu.get(n) or 0 for n in pipeline)
-        on_sum = sum(on_cpu.get(n) or 0 for n in pipeline)
-        out[str(o["concurrency"])] = {
+        off_sum = sum(off_cpu.get(n, 0.0) for n in pipeline)
+        on_sum = sum(on_cpu.get(n, 0.0) for n in pipeline)
+        by_phase = []
+        for around, level in zip(neighbours, ons, strict=True):
+            before = sum(around.get(n, 0.0) for n in pipeline)
+            after = sum(_cpu_of(level).get(n) or 0 for n in pipeline)
+            by_phase.append(round(after / before, 3) if before else None)
+        out[str(first["concurrency"])] = {
             "off_cpu_us_per_step": {n: off_cpu.get(n) for n in pipeline},
             "on_cpu_us_per_step": {n: on_cpu.get(n) for n in pipeline},
             "pipeline_off_cpu_us_per_step": round(off_sum, 1),
             "pipeline_on_cpu_us_per_step": round(on_sum, 1),
             "pipeline_on_over_off": round(on_sum / off_sum, 3) if off_sum else None,
-            "off_durable_steps_per_s": o.get("durable_steps_per_s"),
-            "on_durable_steps_per_s": t.get("durable_steps_per_s"),
+            "pipeline_on_over_off_by_phase": by_phase,
+            "off_durable_steps_per_s": _mean(p[at].get("durable_steps_per_s") for p in off),
+            "on_durable_steps_per_s": _mean(t.get("durable_steps_per_s") for t in ons),
         }
+    return out
+
+
+def _cpu_of(level: Mapping[str, Any]) -> dict[str, float | None]:
+    return dict(level.get("cpu_us_per_step") or {})
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(sum(present) / len(present), 1) if present else None
+
+
+def _mean_cpu(tables: Sequence[Mapping[str, float | None]]) -> dict[str, float]:
+    """Each process's CPU microseconds per step, the mean over ``tables`` (process -> figure,
+    each over an equal share of the runs)."""
+    out: dict[str, float] = {}
+    for name in {n for table in tables for n in table}:
+        mean = _mean(table.get(name) for table in tables)
+        if mean is not None:
+            out[name] = mean
     return out
 
 
@@ -477,7 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("off", "on", "both"),
         default="off",
         help="the pipeline's tracing: off, on (OTLP to a receiver that keeps nothing), or the"
-        " levels once each way (off first) to compare their CPU per step",
+        " levels in alternating phases, off first and last, to compare their CPU per step",
+    )
+    parser.add_argument(
+        "--tracing-rounds",
+        type=int,
+        default=2,
+        help="with --tracing both: the phases with tracing on, each between two with it off",
     )
     parser.add_argument(
         "--no-floor", action="store_true", help="skip the Kafka floor (skipped with latencies)"
@@ -511,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--tool-path mcp|both measures instant backends: no latencies, no --mixed")
     if args.tracing == "both" and (args.tool_path == "both" or mixed):
         parser.error("--tracing both compares one path: not with --tool-path both nor --mixed")
+    if not 1 <= args.tracing_rounds <= 10:
+        parser.error("--tracing-rounds is 1 to 10")
     max_in_flight = args.max_in_flight or max(ExecutorConfig.max_in_flight, *levels)
     prefix = f"loop-{uuid.uuid4().hex[:8]}"
     with (
@@ -622,6 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results: list[dict[str, Any]] = []
         mcp_results: list[dict[str, Any]] | None = None
         traced_results: list[dict[str, Any]] | None = None
+        off_phases: list[list[dict[str, Any]]] = []
+        on_phases: list[list[dict[str, Any]]] = []
         exported: dict[str, int] | None = None
         mixed_figures = None
         try:
@@ -631,14 +679,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tool_rule is not None:
                 post_json(tool_url + "/faults", tool_rule)
 
-            def measure_levels(scenario: str) -> list[dict[str, Any]]:
+            def measure_levels(scenario: str, share: float = 1.0) -> list[dict[str, Any]]:
                 measured: list[dict[str, Any]] = []
                 components = {  # again each time: `--tracing both` restarts the pipeline
                     c.process.pid: name
                     for name, c in sup.components.items()
                     if c.process is not None
                 }
-                for concurrency, count in zip(levels, runs, strict=True):
+                for concurrency, whole in zip(levels, runs, strict=True):
+                    count = max(1, round(whole * share))
                     print(f"level {concurrency}: {count} runs", file=sys.stderr, flush=True)
                     machine = MachineCpu.start({**services, **components})
                     sampler = InFlightSampler(sampled, watched).start()
@@ -690,20 +739,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _wait_for(mcp_url + "/stats", 60)
                 driver.tools_of[SCENARIO_MCP] = _mcp_tools(registry)
                 driver.level(1, 1, 120, SCENARIO_MCP)  # warm-up: the MCP session is open
-            results = measure_levels(SCENARIO_MCP if args.tool_path == "mcp" else SCENARIO)
-            if args.tool_path == "both":
-                print("the same levels through the MCP server", file=sys.stderr, flush=True)
-                mcp_results = measure_levels(SCENARIO_MCP)
-            if args.tracing == "both":
-                print("the same levels with tracing on", file=sys.stderr, flush=True)
-                sup.env = traced_env
+
+            def restart_pipeline(with_env: dict[str, str]) -> None:
+                sup.env = with_env
                 pipeline = [n for n in sup.components if n in watched or n in sampled]
                 for name in pipeline:  # stopped cleanly: their groups hand over at once
                     sup.stop(name)
                 for name in pipeline:
                     sup.start(name)
                 driver.level(1, 1, 120)  # warm-up again: every process connected and joined
-                traced_results = measure_levels(SCENARIO)
+
+            scenario = SCENARIO_MCP if args.tool_path == "mcp" else SCENARIO
+            if args.tracing == "both":
+                share = 1 / (2 * args.tracing_rounds + 1)
+                results = measure_levels(scenario, share)
+                off_phases, on_phases = [results], []
+                for i in range(args.tracing_rounds):
+                    print(f"phase {2 * i + 2}: tracing on", file=sys.stderr, flush=True)
+                    restart_pipeline(traced_env)
+                    on_phases.append(measure_levels(scenario, share))
+                    print(f"phase {2 * i + 3}: tracing off", file=sys.stderr, flush=True)
+                    restart_pipeline(env)
+                    off_phases.append(measure_levels(scenario, share))
+                traced_results = on_phases[0]
+            else:
+                results = measure_levels(scenario)
+            if args.tool_path == "both":
+                print("the same levels through the MCP server", file=sys.stderr, flush=True)
+                mcp_results = measure_levels(SCENARIO_MCP)
             if args.tracing != "off":
                 exported = sink.counts()
             if mixed is not None:
@@ -749,7 +812,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures["otlp_exported"] = exported
     if traced_results is not None:
         figures["traced_levels"] = traced_results
-        figures["tracing"] = _tracing_overhead(results, traced_results)
+        figures["tracing"] = _tracing_overhead(off_phases, on_phases)
     if mcp_results is not None:
         figures["mcp_levels"] = mcp_results
         figures["tool_paths"] = _tool_paths(results, mcp_results)
