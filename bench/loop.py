@@ -359,42 +359,69 @@ def _tool_paths(
     return out
 
 
+#: Processes whose work tracing does not change (the records are the same, a traceparent header
+#: aside): how their CPU per step moves between phases is the machine's, not tracing's.
+TRACING_CONTROL = ("broker", "postgres", "bench")
+
+
 def _tracing_overhead(
     off: Sequence[Sequence[Mapping[str, Any]]], on: Sequence[Sequence[Mapping[str, Any]]]
 ) -> dict[str, Any]:
     """Per level, from phases that alternate off, on, off, ... (``off`` one longer than ``on``,
     each phase the levels measured on an equal share of the runs): each process's CPU per step
     with tracing on (the mean over the on phases) and off (over each on phase's two neighbours,
-    so that a machine speeding up or slowing down weighs on both sides alike), the pipeline's
-    (processors and executors: what makes spans) on over off, and that ratio for each on
-    phase against its neighbours."""
+    so that a machine speeding up or slowing down steadily weighs on both sides alike), the
+    pipeline's (processors and executors: what makes spans) on over off, and that ratio for
+    each on phase against its neighbours. A phase the machine slowed down alone still weighs on
+    one side, so the same is given for the control processes (`TRACING_CONTROL`), and for the
+    pipeline's CPU over theirs, which divides the machine's speed out."""
     out: dict[str, Any] = {}
     for at, first in enumerate(off[0]):
-        ons = [phase[at] for phase in on]
+        ons = [_cpu_of(phase[at]) for phase in on]
         offs = [_cpu_of(phase[at]) for phase in off]
-        neighbours = [_mean_cpu(offs[i : i + 2]) for i in range(len(on))]
-        off_cpu = _mean_cpu(neighbours)
-        on_cpu = _mean_cpu([_cpu_of(level) for level in ons])
-        pipeline = [n for n in off_cpu if n.startswith(("processor", "model-executor", "tool-"))]
+        pipeline = [n for n in offs[0] if n.startswith(("processor", "model-executor", "tool-"))]
         pipeline = [n for n in pipeline if n != "tool-server"]
-        off_sum = sum(off_cpu.get(n, 0.0) for n in pipeline)
-        on_sum = sum(on_cpu.get(n, 0.0) for n in pipeline)
-        by_phase = []
-        for around, level in zip(neighbours, ons, strict=True):
-            before = sum(around.get(n, 0.0) for n in pipeline)
-            after = sum(_cpu_of(level).get(n) or 0 for n in pipeline)
-            by_phase.append(round(after / before, 3) if before else None)
+        off_cpu = _mean_cpu([_mean_cpu(offs[i : i + 2]) for i in range(len(on))])
+        on_cpu = _mean_cpu(ons)
+
+        def total(cpu: Mapping[str, float | None], names: Sequence[str]) -> float:
+            return sum(cpu.get(n) or 0.0 for n in names)
+
+        pipe_off, pipe_on = [total(c, pipeline) for c in offs], [total(c, pipeline) for c in ons]
+        ctl_off = [total(c, TRACING_CONTROL) for c in offs]
+        ctl_on = [total(c, TRACING_CONTROL) for c in ons]
+        pipeline_ratio, by_phase = _neighbour_ratios(pipe_off, pipe_on)
+        control_ratio, control_by_phase = _neighbour_ratios(ctl_off, ctl_on)
+        adjusted, adjusted_by_phase = _neighbour_ratios(
+            [p / c if c else 0.0 for p, c in zip(pipe_off, ctl_off, strict=True)],
+            [p / c if c else 0.0 for p, c in zip(pipe_on, ctl_on, strict=True)],
+        )
         out[str(first["concurrency"])] = {
             "off_cpu_us_per_step": {n: off_cpu.get(n) for n in pipeline},
             "on_cpu_us_per_step": {n: on_cpu.get(n) for n in pipeline},
-            "pipeline_off_cpu_us_per_step": round(off_sum, 1),
-            "pipeline_on_cpu_us_per_step": round(on_sum, 1),
-            "pipeline_on_over_off": round(on_sum / off_sum, 3) if off_sum else None,
+            "pipeline_off_cpu_us_per_step": round(total(off_cpu, pipeline), 1),
+            "pipeline_on_cpu_us_per_step": round(total(on_cpu, pipeline), 1),
+            "pipeline_on_over_off": pipeline_ratio,
             "pipeline_on_over_off_by_phase": by_phase,
+            "control_on_over_off_by_phase": control_by_phase,
+            "control_on_over_off": control_ratio,
+            "pipeline_over_control_on_over_off": adjusted,
+            "pipeline_over_control_on_over_off_by_phase": adjusted_by_phase,
             "off_durable_steps_per_s": _mean(p[at].get("durable_steps_per_s") for p in off),
-            "on_durable_steps_per_s": _mean(t.get("durable_steps_per_s") for t in ons),
+            "on_durable_steps_per_s": _mean(p[at].get("durable_steps_per_s") for p in on),
         }
     return out
+
+
+def _neighbour_ratios(
+    off: Sequence[float], on: Sequence[float]
+) -> tuple[float | None, list[float | None]]:
+    """A figure measured in phases off, on, off, ... (``off`` one longer): the mean of the on
+    phases over the mean of their neighbours' means, and each on phase over its neighbours'."""
+    around = [(off[i] + off[i + 1]) / 2 for i in range(len(on))]
+    by_phase = [round(o / a, 3) if a else None for o, a in zip(on, around, strict=True)]
+    whole = sum(around)
+    return (round(sum(on) / whole, 3) if whole else None), by_phase
 
 
 def _cpu_of(level: Mapping[str, Any]) -> dict[str, float | None]:

@@ -7,13 +7,18 @@ from typing import Any
 from agentruns.bench.loop import _tracing_overhead
 
 
-def _level(pipeline: float, steps_per_s: float = 100.0) -> list[dict[str, Any]]:
+def _level(
+    pipeline: float, steps_per_s: float = 100.0, control: float = 5000.0
+) -> list[dict[str, Any]]:
     return [
         {
             "concurrency": 16,
             "durable_steps_per_s": steps_per_s,
             "cpu_us_per_step": {
-                "broker": 5000.0,  # not the pipeline's: left out of the ratio
+                # not the pipeline's: left out of its ratio, the control of the machine's speed
+                "broker": control * 0.8,
+                "postgres": control * 0.1,
+                "bench": control * 0.1,
                 "processor": pipeline / 2,
                 "model-executor": pipeline / 4,
                 "tool-executor": pipeline / 4,
@@ -47,3 +52,15 @@ def test_one_on_phase_between_two_off_phases() -> None:
     figures = _tracing_overhead([_level(100), _level(100)], [_level(110)])["16"]
     assert figures["pipeline_on_over_off"] == 1.1
     assert figures["pipeline_on_over_off_by_phase"] == [1.1]
+
+
+def test_a_phase_the_machine_slowed_alone_is_divided_out_by_the_control() -> None:
+    # tracing adds 10%; in the on phase the machine also ran everything 20% slower
+    off = [_level(1000), _level(1000)]
+    on = [_level(1000 * 1.1 * 1.2, control=5000 * 1.2)]
+    figures = _tracing_overhead(off, on)["16"]
+    assert figures["pipeline_on_over_off_by_phase"] == [1.32]
+    assert figures["control_on_over_off_by_phase"] == [1.2]
+    assert figures["control_on_over_off"] == 1.2
+    assert figures["pipeline_over_control_on_over_off"] == 1.1
+    assert figures["pipeline_over_control_on_over_off_by_phase"] == [1.1]
