@@ -54,7 +54,7 @@ def test_one_on_phase_between_two_off_phases() -> None:
     assert figures["pipeline_on_over_off_by_phase"] == [1.1]
 
 
-def test_a_phase_the_machine_slowed_alone_is_divided_out_by_the_control() -> None:
+def test_a_phase_the_machine_slowed_alone_shows_in_the_control() -> None:
     # tracing adds 10%; in the on phase the machine also ran everything 20% slower
     off = [_level(1000), _level(1000)]
     on = [_level(1000 * 1.1 * 1.2, control=5000 * 1.2)]
@@ -62,5 +62,3 @@ def test_a_phase_the_machine_slowed_alone_is_divided_out_by_the_control() -> Non
     assert figures["pipeline_on_over_off_by_phase"] == [1.32]
     assert figures["control_on_over_off_by_phase"] == [1.2]
     assert figures["control_on_over_off"] == 1.2
-    assert figures["pipeline_over_control_on_over_off"] == 1.1
-    assert figures["pipeline_over_control_on_over_off_by_phase"] == [1.1]
