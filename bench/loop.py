@@ -40,9 +40,10 @@ and on, off first and last (``--tracing-rounds`` on phases; the processor and th
 restarted at each switch; each phase an equal share of the runs), and reports ``tracing``: per
 level, each process's CPU microseconds per step with tracing on and off, the pipeline's
 (processors and executors) on over off, and that ratio for each on phase against the off
-phases on either side of it. A machine that speeds up or slows down over the run weighs on both
-sides alike: two halves of a run with tracing off, one after the other, read 0.97-1.11 of each
-other.
+phases on either side of it (and the same for the broker, Postgres and the bench driver, which
+tracing does not touch). A machine that speeds up or slows down steadily over the run weighs on
+both sides alike: two halves of a run with tracing off, one after the other, read 0.97-1.11 of
+each other.
 
 Without latencies, first, on the same broker, the Kafka floor at the same concurrencies
 (`agentruns.bench.floor`: two bare transactional consume -> produce loops, four of whose hops
@@ -813,7 +814,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures = {
         "bench": "loop",
         "steps_per_run": STEPS,
-        "runs_total": sum(r["runs"] for r in results),
+        # every phase's runs with --tracing both
+        "runs_total": sum(r["runs"] for p in off_phases + on_phases or [results] for r in p),
         "gather_ms": args.gather_ms,
         "fetch_window_ms": args.fetch_window_ms,
         "partitions": args.partitions,
