@@ -347,10 +347,9 @@ class LocalKafka:
             java,
             *self.heap.split(),
             # The throughput collector: its write barriers are cheaper than G1's, and on two
-            # cores the broker's request threads are what the processes it serves wait for.
-            # bench loop at 512 runs with latencies, three A/B pairs: the broker's CPU per step
-            # 3,717 (3,678-3,753) vs 3,972 (3,863-3,983) us under G1; young pauses of 15-36 ms
-            # every 5 s (the broker keeps little alive). See docs/design.md, Broker settings.
+            # cores the broker's request threads are what the processes it serves wait for; its
+            # pauses stay short, the broker keeping little alive. Measured in docs/design.md,
+            # Broker settings.
             "-XX:+UseParallelGC",
             # C1 only by default: C2's compilations went on for minutes after start and took a
             # core from the processes the broker serves (2-core box). processor bench, latency
