@@ -14,7 +14,6 @@ written here; which spans, their limits and their transport are the SDK's.
 
 from __future__ import annotations
 
-import functools
 import logging
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,19 +78,34 @@ def _any_value(value: Any) -> bytes:
     raise ValueError(f"no AnyValue for a {type(value).__name__}")
 
 
-@functools.lru_cache(maxsize=8192, typed=True)  # typed: True == 1, yet a flag is no number
-def _constant(key: str, value: str | bool | int | float) -> bytes:
-    return _field(1, key.encode("utf-8", "surrogatepass")) + _field(2, _any_value(value))
+#: Encoded attribute fields by (field number, key, type, value): the same strings, flags and
+#: small numbers come span after span (a topic, a group, a route, a run id). Emptied when full.
+_FIELDS: dict[tuple[int, str, type, Any], bytes] = {}
+_FIELDS_MAX = 8192
+_KEYED = frozenset((str, bool, int))
 
 
 def _key_value(key: str, value: Any) -> bytes:
-    """A `KeyValue` (key 1, value 2); a string, bool or small int is looked up, since the
-    same ones come span after span."""
-    if (type(value) is str and len(value) <= 256) or type(value) is bool:
-        return _constant(key, value)
-    if type(value) is int and -1024 <= value <= 1024:
-        return _constant(key, value)
+    """A `KeyValue` (key 1, value 2)."""
     return _field(1, key.encode("utf-8", "surrogatepass")) + _field(2, _any_value(value))
+
+
+def _attribute(number: int, key: str, value: Any) -> bytes:
+    """An attribute as a `KeyValue` field; a string, bool or small int is looked up."""
+    kind = type(value)
+    if (
+        (kind is str and len(value) <= 256)
+        or kind is bool
+        or (kind is int and -1024 <= value <= 1024)
+    ):
+        cached_key = (number, key, kind, value)
+        field = _FIELDS.get(cached_key)
+        if field is None:
+            if len(_FIELDS) >= _FIELDS_MAX:
+                _FIELDS.clear()
+            field = _FIELDS[cached_key] = _field(number, _key_value(key, value))
+        return field
+    return _field(number, _key_value(key, value))
 
 
 def _attributes(number: int, attributes: Mapping[str, Any] | None) -> bytes:
@@ -100,11 +114,18 @@ def _attributes(number: int, attributes: Mapping[str, Any] | None) -> bytes:
     if not attributes:
         return b""
     out = []
+    fields = _FIELDS
     for key, value in attributes.items():
-        try:
-            out.append(_field(number, _key_value(key, value)))
-        except ValueError as exc:
-            log.warning("span attribute %s not exported: %s", key, exc)
+        kind = type(value)
+        # most are there; only these are (a list or a mapping is no key)
+        field = fields.get((number, key, kind, value)) if kind in _KEYED else None
+        if field is None:
+            try:
+                field = _attribute(number, key, value)
+            except ValueError as exc:
+                log.warning("span attribute %s not exported: %s", key, exc)
+                continue
+        out.append(field)
     return b"".join(out)
 
 
@@ -118,23 +139,51 @@ def _flags(parent: Any) -> int:
     return 0x300 if parent is not None and parent.is_remote else 0x100
 
 
+_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7, end_time_unix_nano 8: fixed64
+_KINDS = [b"\x30" + _varint(value + 1) for value in range(5)]  # SDK's 0 is the proto's 1
+_SPAN_FLAGS = {
+    remote: b"\x85\x01" + _FIXED32.pack(0x300 if remote else 0x100) for remote in (True, False)
+}
+_LINK_FLAGS = {
+    remote: b"\x35" + _FIXED32.pack(0x300 if remote else 0x100) for remote in (True, False)
+}
+_NO_STATUS = _field(15, b"")
+
+
+def _text(number: int, text: str) -> bytes:
+    """`_string`, looked up: span and event names repeat."""
+    cached_key = (number, "", str, text)
+    field = _FIELDS.get(cached_key)
+    if field is None:
+        if len(_FIELDS) >= _FIELDS_MAX:
+            _FIELDS.clear()
+        field = _string(number, text)
+        if len(text) <= 256:
+            _FIELDS[cached_key] = field
+    return field
+
+
 def _span(span: Any) -> bytes:
     context, parent = span.context, span.parent
     out = [
-        _field(1, context.trace_id.to_bytes(16, "big")),
-        _field(2, context.span_id.to_bytes(8, "big")),
-        _trace_state(3, context.trace_state),
-        _field(4, parent.span_id.to_bytes(8, "big")) if parent is not None else b"",
-        _string(5, span.name),
-        b"\x30" + _varint(span.kind.value + 1),  # SPAN_KIND_INTERNAL is 1, the SDK's 0
-        b"\x39" + _FIXED64.pack(span.start_time),
-        b"\x41" + _FIXED64.pack(span.end_time),
-        _attributes(9, span.attributes),
+        # trace_id 1 (16 bytes), span_id 2 (8 bytes)
+        b"\x0a\x10"
+        + context.trace_id.to_bytes(16, "big")
+        + b"\x12\x08"
+        + context.span_id.to_bytes(8, "big"),
     ]
+    if context.trace_state:
+        out.append(_trace_state(3, context.trace_state))
+    if parent is not None:
+        out.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))  # parent_span_id 4
+    out.append(_text(5, span.name))
+    out.append(_KINDS[span.kind.value])
+    out.append(_TIMES.pack(0x39, span.start_time, 0x41, span.end_time))
+    out.append(_attributes(9, span.attributes))
     if span.dropped_attributes:
         out.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events:
-        body = b"\x09" + _FIXED64.pack(event.timestamp) + _string(2, event.name)
+        body = b"\x09" + _FIXED64.pack(event.timestamp) + _text(2, event.name)
         body += _attributes(3, event.attributes)
         if event.dropped_attributes:
             body += b"\x20" + _varint(event.dropped_attributes)
@@ -143,21 +192,24 @@ def _span(span: Any) -> bytes:
         out.append(b"\x60" + _varint(span.dropped_events))
     for link in span.links:
         linked = link.context
-        body = _field(1, linked.trace_id.to_bytes(16, "big"))
-        body += _field(2, linked.span_id.to_bytes(8, "big"))
+        body = b"\x0a\x10" + linked.trace_id.to_bytes(16, "big") + b"\x12\x08"
+        body += linked.span_id.to_bytes(8, "big")
         body += _attributes(4, link.attributes)
         if link.dropped_attributes:
             body += b"\x28" + _varint(link.dropped_attributes)
-        body += b"\x35" + _FIXED32.pack(_flags(linked))
+        body += _LINK_FLAGS[bool(linked.is_remote)]
         out.append(_field(13, body))
     if span.dropped_links:
         out.append(b"\x70" + _varint(span.dropped_links))
     status = span.status
     if status is not None:
         code = status.status_code.value  # UNSET 0, OK 1, ERROR 2, as the proto's
-        body = _string(2, status.description or "") + (b"\x18" + _varint(code) if code else b"")
-        out.append(_field(15, body))
-    out.append(b"\x85\x01" + _FIXED32.pack(_flags(parent)))
+        if code or status.description:
+            body = _string(2, status.description or "") + (b"\x18" + _varint(code) if code else b"")
+            out.append(_field(15, body))
+        else:
+            out.append(_NO_STATUS)
+    out.append(_SPAN_FLAGS[parent is not None and bool(parent.is_remote)])
     return _field(2, b"".join(out))
 
 

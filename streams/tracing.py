@@ -384,19 +384,22 @@ _UNSAMPLED: Any = None
 _time_ns = time.time_ns
 
 
-def _limited(values: Mapping[str, Any], limits: Any, what: str) -> tuple[dict[str, Any], int]:
+def _limited(values: dict[str, Any], limits: Any, what: str) -> tuple[dict[str, Any], int]:
     """``values`` within `limits` (`SpanLimits`): at most ``max_span_attributes`` of them
     (``max_event_attributes`` / ``max_link_attributes`` for ``what``), strings cut at
     ``max_attribute_length``, sequences kept as tuples of primitives; a value of another type
-    is dropped (logged), as the SDK drops it. Returns them and how many were dropped."""
-    most = getattr(limits, f"max_{what}_attributes")
-    length = limits.max_span_attribute_length if what == "span" else limits.max_attribute_length
-    if (
-        length is None
-        and (most is None or len(values) <= most)
-        and all(type(v) in _FAST for v in values.values())
-    ):
-        return dict(values), 0  # the common case: a few numbers and strings, no length limit
+    is dropped (logged), as the SDK drops it. Returns them (``values`` itself when nothing
+    changes: an ended span's own copy, which changes no more) and how many were dropped."""
+    if what == "span":
+        most, length = limits.max_span_attributes, limits.max_span_attribute_length
+    else:
+        most, length = getattr(limits, f"max_{what}_attributes"), limits.max_attribute_length
+    if length is None and (most is None or len(values) <= most):
+        for value in values.values():
+            if type(value) not in _FAST:
+                break
+        else:  # the common case: a few numbers and strings, no length limit
+            return values, 0
     out: dict[str, Any] = {}
     dropped = 0
     for key, value in values.items():

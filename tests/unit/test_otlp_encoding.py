@@ -122,3 +122,23 @@ def test_a_number_and_a_flag_that_compare_equal_keep_their_own_types() -> None:
     for first, second in ((True, 1), (1, True), (False, 0), (0, False)):
         assert written(first).WhichOneof("value") == type(first).__name__ + "_value"
         assert written(second).WhichOneof("value") == type(second).__name__ + "_value"
+
+
+def test_the_kept_attribute_fields_stay_bounded_and_right_when_emptied() -> None:
+    spans = [
+        ReadableSpan(
+            name=f"span {i % 7}",
+            context=SpanContext(1, i + 1, False, TraceFlags(1)),
+            resource=RESOURCE,
+            attributes={"run": f"run-{i}", "seq": i % 2000 - 1000, "kept": i % 2 == 0},
+            instrumentation_scope=SCOPES[0],
+            start_time=1,
+            end_time=2,
+        )
+        for i in range(3 * otlp_encoding._FIELDS_MAX)
+    ]
+    for start in range(0, len(spans), 512):
+        batch = spans[start : start + 512]
+        ours = ExportTraceServiceRequest.FromString(otlp_encoding.encode(batch))
+        assert ours == encode_spans(batch)
+        assert len(otlp_encoding._FIELDS) <= otlp_encoding._FIELDS_MAX
