@@ -662,6 +662,14 @@ def end(span: Span, error: str | None = None) -> None:
     span.end()
 
 
+def flush(timeout_s: float = 30.0) -> bool:
+    """Export the spans that wait in the batch queue now (a process about to stop or to read
+    its own CPU); True when there were none left or all went out in time."""
+    if _provider is None:
+        return True
+    return bool(_provider.force_flush(int(timeout_s * 1000)))
+
+
 def configure(provider: TracerProvider | None, env: Mapping[str, str] | None = None) -> None:
     """Make spans with `provider` (None: tracing off); `env` (default: the process's) says
     whether model spans carry messages (`AGENTRUNS_TRACE_MESSAGES`)."""
@@ -794,6 +802,7 @@ __all__ = [
     "enabled",
     "end",
     "end_at",
+    "flush",
     "from_headers",
     "headers_of",
     "messages_on",

@@ -156,6 +156,12 @@ def _bench_inflight(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench_spans(argv: list[str]) -> int:
+    from agentruns.bench.spans import main
+
+    return main(argv)
+
+
 def _bench_repeat(argv: list[str]) -> int:
     from agentruns.bench.repeat import main
 
@@ -178,6 +184,10 @@ COMMANDS: dict[tuple[str, ...], tuple[Command, str]] = {
     ("bench", "inflight"): (
         _bench_inflight,
         "CPU and memory per streamed model call in flight, on the executor's event loop",
+    ),
+    ("bench", "spans"): (
+        _bench_spans,
+        "CPU per recorded span: agentruns' tracing against the SDK's",
     ),
     ("bench", "repeat"): (_bench_repeat, "run a bench N times: median, min, max, targets"),
 }

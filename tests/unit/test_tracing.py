@@ -520,3 +520,8 @@ def test_an_exported_span_is_encoded_as_it_was_recorded_as_the_sdk_encodes_its_r
         tracing._provider.shutdown()
         tracing.configure(None)
     assert tracing._direct is None
+
+
+def test_flush_with_tracing_off_has_nothing_to_wait_for() -> None:
+    tracing.configure(None)
+    assert tracing.flush(0.1) is True
