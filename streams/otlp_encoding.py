@@ -133,14 +133,10 @@ def _trace_state(number: int, state: Any) -> bytes:
     return _string(number, state.to_header()) if state else b""
 
 
-def _flags(parent: Any) -> int:
-    """`SpanFlags` as the exporter sets them: whether the parent (or the linked span) is
-    remote, known (bits 8 and 9)."""
-    return 0x300 if parent is not None and parent.is_remote else 0x100
-
-
 _TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano 7, end_time_unix_nano 8: fixed64
 _KINDS = [b"\x30" + _varint(value + 1) for value in range(5)]  # SDK's 0 is the proto's 1
+# `SpanFlags` as the exporter sets them: whether the parent (or the linked span) is remote,
+# known (bits 8 and 9).
 _SPAN_FLAGS = {
     remote: b"\x85\x01" + _FIXED32.pack(0x300 if remote else 0x100) for remote in (True, False)
 }
@@ -150,16 +146,19 @@ _LINK_FLAGS = {
 _NO_STATUS = _field(15, b"")
 
 
-def _text(number: int, text: str) -> bytes:
-    """`_string`, looked up: span and event names repeat."""
-    cached_key = (number, "", str, text)
-    field = _FIELDS.get(cached_key)
+#: Encoded name fields by (field number, name): span and event names repeat. Emptied when full.
+_NAMES: dict[tuple[int, str], bytes] = {}
+
+
+def _name(number: int, text: str) -> bytes:
+    """`_string`, looked up."""
+    field = _NAMES.get((number, text))
     if field is None:
-        if len(_FIELDS) >= _FIELDS_MAX:
-            _FIELDS.clear()
         field = _string(number, text)
         if len(text) <= 256:
-            _FIELDS[cached_key] = field
+            if len(_NAMES) >= _FIELDS_MAX:
+                _NAMES.clear()
+            _NAMES[number, text] = field
     return field
 
 
@@ -176,14 +175,14 @@ def _span(span: Any) -> bytes:
         out.append(_trace_state(3, context.trace_state))
     if parent is not None:
         out.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))  # parent_span_id 4
-    out.append(_text(5, span.name))
+    out.append(_name(5, span.name))
     out.append(_KINDS[span.kind.value])
     out.append(_TIMES.pack(0x39, span.start_time, 0x41, span.end_time))
     out.append(_attributes(9, span.attributes))
     if span.dropped_attributes:
         out.append(b"\x50" + _varint(span.dropped_attributes))
     for event in span.events:
-        body = b"\x09" + _FIXED64.pack(event.timestamp) + _text(2, event.name)
+        body = b"\x09" + _FIXED64.pack(event.timestamp) + _name(2, event.name)
         body += _attributes(3, event.attributes)
         if event.dropped_attributes:
             body += b"\x20" + _varint(event.dropped_attributes)
