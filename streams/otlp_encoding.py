@@ -91,21 +91,19 @@ def _key_value(key: str, value: Any) -> bytes:
 
 
 def _attribute(number: int, key: str, value: Any) -> bytes:
-    """An attribute as a `KeyValue` field; a string, bool or small int is looked up."""
+    """An attribute as a `KeyValue` field, kept in `_FIELDS` when it is a string, bool or small
+    int (`_attributes` looks those up first)."""
+    field = _field(number, _key_value(key, value))
     kind = type(value)
     if (
         (kind is str and len(value) <= 256)
         or kind is bool
         or (kind is int and -1024 <= value <= 1024)
     ):
-        cached_key = (number, key, kind, value)
-        field = _FIELDS.get(cached_key)
-        if field is None:
-            if len(_FIELDS) >= _FIELDS_MAX:
-                _FIELDS.clear()
-            field = _FIELDS[cached_key] = _field(number, _key_value(key, value))
-        return field
-    return _field(number, _key_value(key, value))
+        if len(_FIELDS) >= _FIELDS_MAX:
+            _FIELDS.clear()
+        _FIELDS[number, key, kind, value] = field
+    return field
 
 
 def _attributes(number: int, attributes: Mapping[str, Any] | None) -> bytes:

@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer
-from confluent_kafka.admin import AdminClient
 
 from agentruns.connectors.dev.demo.cluster_faults import transaction_coordinator
 from agentruns.connectors.dev.stack.local_kafka import LocalKafka
@@ -62,15 +61,6 @@ def _down_for(kafka: LocalKafka, brokers: tuple[int, ...], seconds: float) -> th
     thread = threading.Thread(target=back)
     thread.start()
     return thread
-
-
-def _wait_registered(bootstrap: str, brokers: int, timeout_s: float = 120.0) -> None:
-    """Until the cluster's metadata lists all of its ``brokers``."""
-    client = AdminClient({"bootstrap.servers": bootstrap, **client_settings()})
-    deadline = time.monotonic() + timeout_s
-    while len(client.list_topics(timeout=10).brokers) < brokers:
-        assert time.monotonic() < deadline, f"fewer than {brokers} brokers registered"
-        time.sleep(0.5)
 
 
 def _paused_for(kafka: LocalKafka, broker: int, seconds: float) -> threading.Thread:
@@ -128,10 +118,9 @@ def test_record_limits_leave_out_what_a_broker_down_cannot_answer(
     bootstrap = cluster.bootstrap_servers
     ensure_topics(bootstrap, prefix=unique_name, partitions=2)
     inbox = topic_name(INBOX, unique_name)
-    # the lowest registered broker is the one whose config is asked for: every broker is
-    # registered again first (an earlier test's restart may still be under way), so the one
-    # killed is still in the metadata when the limits are read
-    _wait_registered(bootstrap, len(cluster.nodes))
+    # the lowest registered broker is the one whose config is asked for: every broker is in
+    # the metadata first, so the one killed is still there when the limits are read
+    cluster.wait_ready(120)
     thread = _down_for(cluster, (1,), DOWN_S)
     try:
         limits = record_limits(bootstrap, [inbox], timeout_s=2.0)
