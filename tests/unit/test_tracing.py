@@ -192,6 +192,36 @@ def test_an_http_span_names_no_secret_of_the_url(spans: InMemorySpanExporter) ->
     assert done.kind is SpanKind.CLIENT
 
 
+def test_http_spans_of_one_url_share_its_parsed_parts_and_keep_their_own_attributes(
+    spans: InMemorySpanExporter,
+) -> None:
+    url = "http://user:pw@127.0.0.1:8080/v1/chat/completions?key=k1"
+    first = executor_spans.http_span("POST", url, VALID)
+    executor_spans.http_done(first, 500, None)
+    second = executor_spans.http_span("GET", url, VALID)
+    executor_spans.http_done(second, 200, None)
+    one, two = spans.get_finished_spans()
+    assert one.attributes is not None and two.attributes is not None
+    for done in (one, two):
+        assert done.attributes["url.full"] == "http://127.0.0.1:8080/v1/chat/completions"
+        assert done.attributes["server.address"] == "127.0.0.1"
+        assert done.attributes["server.port"] == 8080
+    assert (one.attributes["http.request.method"], two.attributes["http.request.method"]) == (
+        "POST",
+        "GET",
+    )
+    assert one.attributes["http.response.status_code"] == 500
+    assert two.attributes["http.response.status_code"] == 200
+    assert "error.type" in one.attributes and "error.type" not in two.attributes
+    # the parsed parts are kept once per URL, read-only and bounded
+    assert "http.response.status_code" not in executor_spans._endpoint(url)
+    with pytest.raises(TypeError):
+        executor_spans._endpoint(url)["url.full"] = "elsewhere"  # type: ignore[index]
+    for i in range(1000):
+        executor_spans._endpoint(f"http://127.0.0.1:{1000 + i}/")
+    assert executor_spans._endpoint.cache_info().currsize <= 256
+
+
 def _chat(span: Any, content: str) -> None:
     executor_spans.describe_chat(
         span,
