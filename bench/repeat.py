@@ -27,7 +27,9 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from agentruns.bench.machine import neighbours
@@ -35,6 +37,9 @@ from agentruns.bench.results_file import report
 from agentruns.bench.targets import evaluate, figure, targets_of
 
 BENCHES = ("core", "processor", "executors", "sink", "floor", "loop", "console")
+# The benches that also write their figures to a file (``--out``, by default their latest result
+# in bench/results/): a trial is not the latest result, so it writes to a file of its own.
+WRITES_OUT = ("processor", "floor", "loop")
 
 Json = dict[str, Any]
 
@@ -66,10 +71,21 @@ def last_json_line(stdout: str) -> Json:
     return figures
 
 
+def trial_args(bench: str, args: Sequence[str], scratch: str) -> list[str]:
+    """The bench's arguments for one trial: an ``--out`` in ``scratch`` unless they name one,
+    so no trial writes over the bench's latest result."""
+    named = any(a == "--out" or a.startswith("--out=") for a in args)
+    if bench not in WRITES_OUT or named:
+        return list(args)
+    return [*args, "--out", str(Path(scratch) / f"{bench}.json")]
+
+
 def run_trial(bench: str, args: Sequence[str]) -> Json:
     """One run of ``agentruns bench BENCH ARGS`` in a subprocess (its stderr passes through)."""
-    cmd = [sys.executable, "-m", "agentruns.connectors.cli", "bench", bench, *args]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    with tempfile.TemporaryDirectory(prefix="agentruns-trial-") as scratch:
+        argv = trial_args(bench, args, scratch)
+        cmd = [sys.executable, "-m", "agentruns.connectors.cli", "bench", bench, *argv]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"trial failed (exit {done.returncode}): {' '.join(cmd)}")
     return last_json_line(done.stdout)

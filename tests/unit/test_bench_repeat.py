@@ -144,3 +144,21 @@ def test_each_trial_says_how_the_host_was() -> None:
     assert repeat.host_line(trial) == "steal up to 9.4%, host_speed 56.5 µs/event, missed a target"
     assert repeat.host_line({"meets_targets": True}) == "met every target"
     assert repeat.host_line({}) == "no targets"
+
+
+def test_a_trial_writes_its_figures_to_a_file_of_its_own(tmp_path: Path) -> None:
+    """A trial is not the bench's latest result: it never writes over bench/results/."""
+    args = ["--levels", "16"]
+    assert repeat.trial_args("loop", args, str(tmp_path)) == [
+        *args, "--out", str(tmp_path / "loop.json"),
+    ]  # fmt: skip
+    named = ["--out", "/tmp/mine.json", "--levels", "16"]
+    assert repeat.trial_args("loop", named, str(tmp_path)) == named
+    assert repeat.trial_args("floor", ["--out=/tmp/f.json"], str(tmp_path)) == ["--out=/tmp/f.json"]
+    assert repeat.trial_args("core", args, str(tmp_path)) == args  # prints only
+
+
+def test_the_benches_that_write_a_result_file_are_the_ones_given_a_file_of_their_own() -> None:
+    root = Path(repeat.__file__).parent
+    writing = {b for b in repeat.BENCHES if '"--out"' in (root / f"{b}.py").read_text()}
+    assert writing == set(repeat.WRITES_OUT)
