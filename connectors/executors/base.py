@@ -136,6 +136,13 @@ class Handler(Protocol):
         """The limits of a route (asked once per route)."""
         ...
 
+    def exclusive_s(self, effect: Effect) -> float:
+        """How long one attempt of ``effect`` may go on acting on its backend (its deadline,
+        a look-up of a resumed call included): while another member's start of it may still
+        be running, a second one is not sent beside it. 0: a second attempt changes nothing
+        outside (a look-up, a model call whose first recorded answer wins)."""
+        ...
+
     def prepare(self, effects: Sequence[Effect]) -> Ahead:
         """Before a group of effects starts (in the executor's dispatch thread): read ahead, in
         a few statements, what their ``execute`` calls will read, and return it; each call of

@@ -44,7 +44,10 @@ What can go wrong, and what then:
 - a rebalance: a partition that moves away first waits, up to ``revoke_wait_s``, for its
   effects in flight, whose answers are committed before it goes; its effects waiting for their
   route are dropped (its next owner reads them again); an effect still running after the wait
-  is its next owner's to answer: this member records its answer but does not send it. The
+  is its next owner's to answer: this member records its answer but does not send it, and the
+  next owner does not start it while that call may still be running (the start's lease,
+  `ActionRecords.begin`): it waits for the recorded answer, or the lease's end, then
+  reconciles. The
   partition's last offset carries a note of the records above it already answered (offsets are
   committed to the lowest one still running), and the next owner skips those instead of
   answering them again; after a crash or a lost partition there is no note, and an answer read
@@ -129,6 +132,11 @@ log = logging.getLogger("agentruns.executor")
 RESUME_BELOW = 0.9
 #: At most this many effects start in one group (one records statement, one read-ahead).
 MAX_START_GROUP = 256
+#: A key another member's start may still be running is looked at again this often: its answer
+#: may be recorded long before its lease ends.
+ELSEWHERE_RECHECK_S = 1.0
+#: Added to a lease: the time between a call's end and its record (a slow statement, a pause).
+LEASE_SLACK_S = 5.0
 
 
 # --------------------------------------------------------------------------- statistics
@@ -150,6 +158,8 @@ class ExecutorStats:
     gave_up: int = 0  # effects answered with their failure by the guard
     pauses: int = 0  # times the partitions were paused (held effects or bytes at the limit)
     handed_back: int = 0  # effects of a revoked partition left running: their next owner's
+    # starts put off: another member's start of the key may still be running (its lease)
+    held_elsewhere: int = 0
     revoked: int = 0  # partitions revoked or lost (rebalances, or a poll interval exceeded)
     answered_before: int = 0  # records passed over: their previous owner's note named them
     wait_s: float = 0.0  # the answer thread waiting for the committer (back-pressure)
@@ -188,6 +198,7 @@ class ExecutorStats:
             "gave_up": self.gave_up,
             "pauses": self.pauses,
             "handed_back": self.handed_back,
+            "held_elsewhere": self.held_elsewhere,
             "answered_before": self.answered_before,
             "revoked": self.revoked,
             "wait_ms": round(self.wait_s * 1000, 1),
@@ -413,6 +424,8 @@ class Executor:
         self._marks: dict[int, int] = {}  # partition -> the mark last handed to the committer
         self._held: dict[str, _Held] = {}  # by key
         self._waiting: dict[str, deque[_Held]] = {}  # by route, oldest first
+        # key -> (when to look again, the effect): another member's start of it may still run
+        self._elsewhere: dict[str, tuple[float, _Held]] = {}
         self._running = 0
         self._held_bytes = 0
         self._answered: list[_Answered] = []  # for the answer thread
@@ -588,6 +601,7 @@ class Executor:
                 if held is not None:  # the same key again (a redelivery): answered together
                     if tracked:
                         held.positions.append((partition, offset))
+                        held.orphan = False  # its partition is back: this member answers it
                     continue
                 self._seq += 1
                 _, stamp = message.timestamp()
@@ -766,7 +780,15 @@ class Executor:
             for held in [h for h in queue if which(h)]:
                 queue.remove(held)
                 self._release(held)
+        for key, (_, held) in list(self._elsewhere.items()):
+            if which(held):
+                del self._elsewhere[key]
+                self._release(held)
         self._gauges()
+
+    def _waiting_count(self) -> int:
+        """Effects held that are not running and not answered (the lock is held)."""
+        return sum(len(q) for q in self._waiting.values()) + len(self._elsewhere)
 
     def _holding(self, partitions: set[int]) -> bool:
         """Whether an effect of ``partitions`` is still held: running, or answered and not
@@ -783,7 +805,7 @@ class Executor:
 
     def _gauges(self) -> None:
         kind = self.config.kind
-        waiting = sum(len(q) for q in self._waiting.values())
+        waiting = self._waiting_count()
         answered = len(self._held) - waiting - self._running
         EXECUTOR_IN_FLIGHT.labels(kind, "waiting").set(waiting)
         EXECUTOR_IN_FLIGHT.labels(kind, "running").set(self._running)
@@ -847,11 +869,11 @@ class Executor:
     def _startable(self, now: float) -> tuple[list[_Held], float | None]:
         """The waiting effects that may start now, oldest first, each with its route's permit
         (the lock is held); and when to look again if one waits for a rate or a back-off."""
+        wake = self._recheck_elsewhere(now)
         free = min(self.config.max_in_flight - self._running, MAX_START_GROUP)
         if free <= 0:
             return [], None  # woken when a call ends
         group: list[_Held] = []
-        wake: float | None = None
         routes = sorted((q[0].seq, r) for r, q in self._waiting.items() if q)
         for _, route in routes:
             queue = self._waiting[route]
@@ -873,12 +895,36 @@ class Executor:
         self._gauges()
         return group, wake
 
+    def _recheck_elsewhere(self, now: float) -> float | None:
+        """Put the effects whose look again is due back at the front of their routes (the lock
+        is held); and in how long the next one is due."""
+        wake: float | None = None
+        for key, (due, held) in list(self._elsewhere.items()):
+            if due <= now:
+                del self._elsewhere[key]
+                self._waiting.setdefault(held.route, deque()).appendleft(held)
+            else:
+                wake = due - now if wake is None else min(wake, due - now)
+        return wake
+
+    def _lease_s(self, effect: Effect) -> float:
+        """How long a start of ``effect`` may still be calling its backend: each of the
+        guard's attempts for its handler's `exclusive_s`, the back-offs between them, and a
+        slack; 0 when a second call beside it changes nothing outside."""
+        c = self.config
+        exclusive = self.handler.exclusive_s(effect)
+        if exclusive <= 0:
+            return 0.0
+        backoffs = c.handler_backoff_ms / 1000 * float(2 ** max(0, c.handler_attempts - 1) - 1)
+        return c.handler_attempts * exclusive + backoffs + LEASE_SLACK_S
+
     def _begin(self, group: list[_Held]) -> None:
-        """Read and mark the group's records, answer the completed keys from them, and hand
-        the others to the calls thread."""
+        """Read and mark the group's records, answer the completed keys from them, put off
+        those another member may still be calling, and hand the others to the calls
+        thread."""
         effects = [h.effect for h in group]
         try:
-            records = self._starting.begin(effects)
+            begun = self._starting.begin(effects, [self._lease_s(e) for e in effects])
         except Exception as exc:
             delay = self._start_backoff.failed()
             self._count_retry(exc, delay, "starting effects")
@@ -893,14 +939,20 @@ class Executor:
             return
         self._start_backoff.succeeded()
         self.stats.starts += 1
+        records = begun.records
         todo: list[tuple[_Held, ActionRecord | None]] = []
         replayed: list[_Answered] = []
+        elsewhere: list[_Held] = []
         for held in group:
             record = records.get(held.key)
             if record is not None and record.completed:
                 replayed.append(_Answered(held, stored=record.input()))
+            elif held.key in begun.elsewhere:
+                elsewhere.append(held)
             else:
                 todo.append((held, record))
+        if elsewhere:
+            self._put_off(elsewhere, begun.elsewhere)
         if replayed:
             with self._lock:
                 now = time.monotonic()
@@ -916,6 +968,28 @@ class Executor:
                 for held, _ in todo:
                     held.group = together
             self._calls.call_soon_threadsafe(self._spawn, todo, ahead)
+
+    def _put_off(self, group: list[_Held], lease_left: Mapping[str, float]) -> None:
+        """Effects another member started and may still be calling (a partition handed over
+        with its call in flight): not started here until that start's answer is recorded
+        (looked at again every `ELSEWHERE_RECHECK_S`) or its lease has ended. They hold
+        nothing of their routes meanwhile."""
+        with self._lock:
+            now = time.monotonic()
+            for held in group:
+                self._unstart(held, now)
+                if held.key not in self._held:  # dropped meanwhile (a revocation)
+                    continue
+                wait = min(ELSEWHERE_RECHECK_S, lease_left[held.key])
+                self._elsewhere[held.key] = (now + wait, held)
+            self._gauges()
+        with self._stats_lock:
+            self.stats.held_elsewhere += len(group)
+        log.info(
+            "%d effects put off: another member's start of each may still be running (%s)",
+            len(group),
+            ", ".join(f"{h.key} {lease_left[h.key]:.1f} s left" for h in group[:5]),
+        )
 
     def _spawn(self, todo: list[tuple[_Held, ActionRecord | None]], ahead: Ahead) -> None:
         """Start a group's calls, a task each (the calls thread)."""
@@ -1319,10 +1393,16 @@ class Executor:
 
     # ------------------------------------------------------------------ introspection
 
+    @property
+    def member(self) -> str:
+        """This member's name: the base of its transactional ids, and the ``executor`` of the
+        records it starts (a restart under the same name takes its own starts over at once)."""
+        return self._name
+
     def held(self) -> dict[str, int]:
         """Effects held now, by state (tests and the bench read it)."""
         with self._lock:
-            waiting = sum(len(q) for q in self._waiting.values())
+            waiting = self._waiting_count()
             return {
                 "waiting": waiting,
                 "running": self._running,

@@ -926,6 +926,11 @@ class ModelHandler:
     def limits(self, route: str) -> RouteLimits:
         return self.routes.get(route).limits()
 
+    def exclusive_s(self, effect: Effect) -> float:
+        """A model call changes nothing outside: of two calls of one key, the first answer
+        recorded is the one sent (`ActionRecords.complete`)."""
+        return 0.0
+
     def prepare(self, effects: Sequence[Effect]) -> Ahead:
         """The conversations of a group of calls, read in a few statements (each call of the
         group reads its own from this map, however many the cache keeps)."""

@@ -1,10 +1,12 @@
 """The executed-action records (table ``executed_actions``, migration 0003): what an executor
 knows of every effect key it began, in Postgres.
 
-A key is marked ``started`` before its call, and ``completed`` with the exact input it is
-answered with, artifacts and all, before that input is sent (R2, R25). A key that comes back
-(a redelivery after a crash or a rebalance) is answered from its completed record without a
-second call; a ``started`` one leads its handler to reconcile instead of calling blindly.
+A key is marked ``started`` before its call (``started_at``: its latest start), and
+``completed`` with the exact input it is answered with, artifacts and all, before that input is
+sent (R2, R25). A key that comes back (a redelivery after a crash or a rebalance) is answered
+from its completed record without a second call; a ``started`` one leads its handler to
+reconcile instead of calling blindly, once no other member's start of it can still be running
+(its lease: two attempts never change one resource at once, R12).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class Completion:
     failed: bool = False  # a failure answer of the guard, not the handler's own
     tokens: int | None = None  # what the call used, for its route's token rate
     throttle_s: float | None = None  # the back-off the backend asked for (Retry-After)
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What `ActionRecords.begin` found and did."""
+
+    records: dict[str, ActionRecord]  # key -> its record as it was before this start
+    # key -> seconds left of the lease of a start another member made: not started here
+    elsewhere: dict[str, float]
 
 
 def operation_key_of(effect: Effect) -> str | None:
@@ -72,14 +83,22 @@ class ActionRecords:
         result: dict[str, ActionRecord] = self._db.run("reading executed actions", read)
         return result
 
-    def begin(self, effects: Sequence[Effect]) -> dict[str, ActionRecord]:
+    def begin(self, effects: Sequence[Effect], leases: Sequence[float]) -> Begun:
         """One statement: return the records as they were, and mark every key that is not
-        completed ``started`` (new rows, or ``starts + 1`` for a started one: a restart).
+        completed ``started`` (new rows, or ``starts + 1`` for a started one: a restart), its
+        ``started_at`` now, unless another member started it less than its lease ago.
 
-        The outer SELECT reads the snapshot from before the INSERT of its own statement,
-        so it returns the previous records, exactly what the handlers must see."""
+        ``leases[i]``: how long a start of ``effects[i]`` may still be calling its backend (the
+        executor's guard, attempts and back-off included); 0 when a second call beside it
+        changes nothing outside. A start younger than that by another member may still be
+        running there (a partition handed over with its call in flight): the key is not
+        started here, and ``Begun.elsewhere`` says how long its lease has left. A start of
+        this member's own name is over (this member restarted, or it holds the key still and
+        never begins it twice). The outer SELECT reads the snapshot from before the INSERT of
+        its own statement, so it returns the previous records, exactly what the handlers must
+        see; time is the database's, one clock for every member."""
         if not effects:
-            return {}
+            return Begun({}, {})
         columns = (
             [e.idempotency_key for e in effects],
             [e.type for e in effects],
@@ -87,27 +106,45 @@ class ActionRecords:
             [e.step for e in effects],
             [e.attempt for e in effects],
             [operation_key_of(e) for e in effects],
+            [float(lease) for lease in leases],
         )
+        if len(columns[-1]) != len(effects):
+            raise ValueError(f"{len(effects)} effects and {len(columns[-1])} leases")
 
-        def write(conn: Conn) -> dict[str, ActionRecord]:
-            rows = conn.execute(
+        def write(conn: Conn) -> list[tuple[Any, ...]]:
+            rows: list[tuple[Any, ...]] = conn.execute(
                 "WITH started AS ("
                 " INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step,"
                 " attempt, operation_key, status, executor)"
                 " SELECT k, t, r, s, a, o, 'started', %s FROM unnest("
-                " %b::text[], %b::text[], %b::text[], %b::int[], %b::int[], %b::text[])"
-                " AS v(k, t, r, s, a, o)"
+                " %b::text[], %b::text[], %b::text[], %b::int[], %b::int[], %b::text[],"
+                " %b::float8[]) AS v(k, t, r, s, a, o, lease)"
+                " WHERE v.lease <= 0 OR NOT EXISTS (SELECT 1 FROM executed_actions x"
+                " WHERE x.idempotency_key = v.k AND x.status = 'started' AND x.executor <> %s"
+                " AND x.started_at > now() - v.lease * interval '1 second')"
                 " ON CONFLICT (idempotency_key) DO UPDATE"
-                " SET starts = executed_actions.starts + 1, executor = EXCLUDED.executor"
-                " WHERE executed_actions.status = 'started')"
-                f" SELECT {self._COLUMNS} FROM executed_actions"
-                " WHERE idempotency_key = ANY(%b::text[])",
-                (self._executor, *columns, columns[0]),
+                " SET starts = executed_actions.starts + 1, executor = EXCLUDED.executor,"
+                " started_at = now()"
+                " WHERE executed_actions.status = 'started'"
+                " RETURNING idempotency_key)"
+                f" SELECT {self._COLUMNS}, extract(epoch FROM now() - started_at)::float8,"
+                " idempotency_key IN (SELECT idempotency_key FROM started)"
+                " FROM executed_actions WHERE idempotency_key = ANY(%b::text[])",
+                (self._executor, *columns, self._executor, columns[0]),
             ).fetchall()
-            return {r[0]: ActionRecord(*r) for r in rows}
+            return rows
 
-        result: dict[str, ActionRecord] = self._db.run("starting actions", write)
-        return result
+        rows = self._db.run("starting actions", write)
+        lease_of = dict(zip(columns[0], columns[-1], strict=True))
+        records: dict[str, ActionRecord] = {}
+        elsewhere: dict[str, float] = {}
+        for row in rows:
+            record = ActionRecord(*row[:6])
+            records[record.key] = record
+            age_s, taken = float(row[6]), bool(row[7])
+            if not taken and not record.completed:
+                elsewhere[record.key] = max(0.0, lease_of[record.key] - age_s)
+        return Begun(records, elsewhere)
 
     def complete(
         self, completions: Sequence[Completion], artifacts: Sequence[StoredArtifact] = ()
@@ -167,4 +204,4 @@ class ActionRecords:
         self._db.close()
 
 
-__all__ = ["ActionRecords", "Completion", "operation_key_of"]
+__all__ = ["ActionRecords", "Begun", "Completion", "operation_key_of"]

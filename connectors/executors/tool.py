@@ -508,6 +508,17 @@ class ToolHandler:
         entry = self._entry(route)
         return NO_LIMITS if entry is None else entry.limits
 
+    def exclusive_s(self, effect: Effect) -> float:
+        """A call or a cancellation acts on its tool for up to its timeout (a resumed call
+        looks it up first); look-ups change nothing, and a child run's submission is the same
+        bytes on every resend (taken once)."""
+        if not isinstance(effect, CallTool | CancelTool):
+            return 0.0
+        entry = self._entry(_tool_of(effect))
+        if entry is None or entry.kind == "run":
+            return 0.0
+        return entry.timeout_ms / 1000 + self.lookup_timeout_s
+
     def prepare(self, effects: Sequence[Effect]) -> Ahead:
         """Nothing to read ahead: a tool call's effect carries all it needs."""
         return NOTHING_AHEAD

@@ -326,8 +326,14 @@ def test_an_effect_started_too_often_without_an_answer_is_answered_without_a_cal
         conn.execute(
             "INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step, attempt,"
             " operation_key, status, executor, starts) VALUES (%s, 'CallTool', %s, 1, 1, %s,"
-            " 'started', 'crashed', %s)",
-            (bad.idempotency_key, bad.run_id, bad.operation.key, starts),
+            " 'started', %s, %s)",  # this member's own starts: it restarted each time
+            (
+                bad.idempotency_key,
+                bad.run_id,
+                bad.operation.key,
+                tools.harness.executor.member,
+                starts,
+            ),
         )
     good_and_bad(tools, ids, bad)
     failed = tools.harness.inbox.typed(bad, ToolCallFailed)

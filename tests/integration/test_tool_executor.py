@@ -326,20 +326,33 @@ def test_redelivered_effect_is_answered_from_the_record(
     assert env.counts(call.operation.key) == (1, 1)  # no second request
 
 
-def _mark_started(harness: Harness, call: CallTool) -> None:
+def _mark_started(
+    harness: Harness, call: CallTool, member: str | None = None, ago_s: float = 0.0
+) -> None:
+    """The record of a start ``ago_s`` seconds ago by ``member`` (default: the harness's
+    executor, as if it had crashed and restarted under its own name)."""
+    assert harness.executor is not None
     with psycopg.connect(harness.database_url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step, attempt,"
-            " operation_key, status, executor) VALUES (%s, 'CallTool', %s, 1, 1, %s,"
-            " 'started', 'crashed')",
-            (call.idempotency_key, call.run_id, call.operation.key),
+            " operation_key, status, executor, started_at) VALUES (%s, 'CallTool', %s, 1, 1,"
+            " %s, 'started', %s, now() - %s * interval '1 second')",
+            (
+                call.idempotency_key,
+                call.run_id,
+                call.operation.key,
+                member or harness.executor.member,
+                ago_s,
+            ),
         )
 
 
 def test_started_record_is_reconciled_not_called_again(
     env: ToolEnv, request: pytest.FixtureRequest
 ) -> None:
-    """A crash between the call and the commit: the redelivery looks the key up first."""
+    """A crash between the call and the commit: the redelivery looks the key up first, at once
+    for the member's own starts (it restarted) and for another member's whose lease has ended
+    (that member's call is over)."""
     ids = ids_for(request)
     executed = ids.call("create_ticket", TICKET)
     never_sent = ids.call("create_ticket", {"title": "Other"})
@@ -348,8 +361,9 @@ def test_started_record_is_reconciled_not_called_again(
     env.http.post(
         "/tools/create_ticket", json=TICKET, headers={"Idempotency-Key": executed.operation.key}
     ).raise_for_status()
-    for call in (executed, never_sent, unknowable):
-        _mark_started(env.harness, call)
+    _mark_started(env.harness, executed)
+    _mark_started(env.harness, never_sent, member="another", ago_s=3600)
+    _mark_started(env.harness, unknowable)
     env.fault(target="operations", key=unknowable.operation.key, kind="unknown")
     env.harness.effects.send(executed, never_sent, unknowable)
     env.harness.inbox.typed(executed, ToolCallSucceeded)
@@ -409,6 +423,62 @@ def test_a_second_executor_joining_mid_stream_executes_nothing_twice(
     for call in calls:
         copies = {raw for raw, _ in env.harness.inbox.seen[f"{call.idempotency_key}:result"]}
         assert len(copies) == 1
+
+
+HANDED_OVER = 24
+HELD_MS = 10_000
+
+
+def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
+    env: ToolEnv, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A partition moves while its calls run longer than their old owner waits for them
+    (`revoke_wait_s`): the new owner finds them started by another member, within their lease,
+    and sends no second request beside them (a look-up now would say `not_found` and lead to
+    one); it waits for the old owner's recorded answers and sends those, each once."""
+    registry = json.loads(env.registry.read_text())
+    for tool in registry["tools"]:
+        tool["timeout_ms"] = 20_000  # the held calls run to their end
+    registry_path = tmp_path / "tools.json"
+    registry_path.write_text(json.dumps(registry))
+    base = ids_for(request).run_id
+    calls = [
+        Ids(f"{base}-{i}").call("create_ticket", {"title": f"handed over {i}"})
+        for i in range(HANDED_OVER)
+    ]  # one run each: spread over the partitions
+    prefix = f"t-handover-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    first = make_harness(env.harness.bootstrap, env.harness.database_url, prefix, "tool")
+    second = Harness(
+        first.bootstrap, first.database_url, prefix, first.inbox, first.effects
+    )  # fmt: skip
+    env.fault(target="create_ticket", kind="slow", delay_ms=HELD_MS, times=None)
+    try:
+        old = ToolExecutor(first.config("tool", revoke_wait_s=0.5), registry_path)
+        first.start(old)
+        first.effects.send(*calls)
+        keys = [c.operation.key for c in calls]
+        wait_for(
+            lambda: all(k in env.stats()["calls"] for k in keys), 30, "every call to be running"
+        )
+        new = ToolExecutor(second.config("tool", instance_id="1"), registry_path)
+        second.start(new)
+        answers = [first.inbox.typed(c, ToolCallSucceeded, timeout=90) for c in calls]
+    finally:
+        second.stop_executor()
+        env.http.delete("/faults")
+        first.close()
+    assert len(answers) == HANDED_OVER
+    stats = env.stats()
+    requests = {k: stats["calls"].get(k, 0) for k in keys}
+    assert {k: n for k, n in requests.items() if n != 1} == {}, "keys requested again"
+    assert all(stats["executions"].get(k) == 1 for k in keys)
+    for call in calls:
+        copies = {raw for raw, _ in first.inbox.seen[f"{call.idempotency_key}:result"]}
+        assert len(copies) == 1
+    # what the test is about happened: calls moved while running, and waited for
+    assert old.stats.handed_back >= 1, "no call was still running when its partition moved"
+    assert new.stats.held_elsewhere >= 1
+    assert new.stats.effects >= 1 and new.stats.executed == 0  # answered from the records
 
 
 BURST = 10
