@@ -24,6 +24,7 @@ import pytest
 
 from agentruns.connectors.dev.servers import tool_server
 from agentruns.connectors.dev.servers.httpserver import ServerHandle
+from agentruns.connectors.executors.loop import Executor
 from agentruns.connectors.executors.tool import ToolExecutor
 from agentruns.processors.effects import CallTool
 from agentruns.processors.events import (
@@ -429,13 +430,13 @@ HANDED_OVER = 24
 HELD_MS = 10_000
 
 
-def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
-    env: ToolEnv, request: pytest.FixtureRequest, tmp_path: Path
-) -> None:
-    """A partition moves while its calls run longer than their old owner waits for them
-    (`revoke_wait_s`): the new owner finds them started by another member, within their lease,
-    and sends no second request beside them (a look-up now would say `not_found` and lead to
-    one); it waits for the old owner's recorded answers and sends those, each once."""
+def _hand_over_running_calls(
+    env: ToolEnv, request: pytest.FixtureRequest, tmp_path: Path, *, give_back: bool
+) -> tuple[Executor, Executor]:
+    """Calls of `HELD_MS` running at one member when a second joins and takes some of their
+    partitions (the first waits only 0.5 s for them); with ``give_back``, the second leaves
+    again while the calls still run. Every call answered once and requested once at the tool.
+    Returns (the first member, the second)."""
     registry = json.loads(env.registry.read_text())
     for tool in registry["tools"]:
         tool["timeout_ms"] = 20_000  # the held calls run to their end
@@ -446,6 +447,7 @@ def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
         Ids(f"{base}-{i}").call("create_ticket", {"title": f"handed over {i}"})
         for i in range(HANDED_OVER)
     ]  # one run each: spread over the partitions
+    keys = [c.operation.key for c in calls]
     prefix = f"t-handover-{os.getpid()}-{int(time.time() * 1000) % 100000}"
     first = make_harness(env.harness.bootstrap, env.harness.database_url, prefix, "tool")
     second = Harness(
@@ -456,12 +458,14 @@ def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
         old = ToolExecutor(first.config("tool", revoke_wait_s=0.5), registry_path)
         first.start(old)
         first.effects.send(*calls)
-        keys = [c.operation.key for c in calls]
         wait_for(
             lambda: all(k in env.stats()["calls"] for k in keys), 30, "every call to be running"
         )
         new = ToolExecutor(second.config("tool", instance_id="1"), registry_path)
         second.start(new)
+        if give_back:
+            wait_for(lambda: new.stats.held_elsewhere > 0, 30, "a call put off by the new member")
+            second.stop_executor()
         answers = [first.inbox.typed(c, ToolCallSucceeded, timeout=90) for c in calls]
     finally:
         second.stop_executor()
@@ -475,10 +479,33 @@ def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
     for call in calls:
         copies = {raw for raw, _ in first.inbox.seen[f"{call.idempotency_key}:result"]}
         assert len(copies) == 1
-    # what the test is about happened: calls moved while running, and waited for
+    # what the tests are about happened: calls moved while running, and were waited for
     assert old.stats.handed_back >= 1, "no call was still running when its partition moved"
     assert new.stats.held_elsewhere >= 1
-    assert new.stats.effects >= 1 and new.stats.executed == 0  # answered from the records
+    assert new.stats.executed == 0  # nothing called by the new member
+    return old, new
+
+
+def test_a_call_still_running_at_its_old_owner_is_not_sent_again_by_the_new_one(
+    env: ToolEnv, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A partition moves while its calls run longer than their old owner waits for them
+    (`revoke_wait_s`): the new owner finds them started by another member, within their lease,
+    and sends no second request beside them (a look-up now would say `not_found` and lead to
+    one); it waits for the old owner's recorded answers and sends those, each once."""
+    _, new = _hand_over_running_calls(env, request, tmp_path, give_back=False)
+    assert new.stats.effects >= 1  # answered from the old member's records
+
+
+def test_a_call_whose_partition_comes_back_while_it_runs_is_answered_by_its_member(
+    env: ToolEnv, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The member that took the partitions leaves before the calls end: they come back to the
+    member still running them, which answers them when they end (a call it had let go of is
+    its own again once its record comes back)."""
+    old, new = _hand_over_running_calls(env, request, tmp_path, give_back=True)
+    assert new.stats.effects == 0
+    assert old.stats.effects == HANDED_OVER
 
 
 BURST = 10
