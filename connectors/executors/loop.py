@@ -158,7 +158,7 @@ class ExecutorStats:
     gave_up: int = 0  # effects answered with their failure by the guard
     pauses: int = 0  # times the partitions were paused (held effects or bytes at the limit)
     handed_back: int = 0  # effects of a revoked partition left running: their next owner's
-    # starts put off: another member's start of the key may still be running (its lease)
+    # effects put off: another member's start of the key may still be running (its lease)
     held_elsewhere: int = 0
     revoked: int = 0  # partitions revoked or lost (rebalances, or a poll interval exceeded)
     answered_before: int = 0  # records passed over: their previous owner's note named them
@@ -264,6 +264,7 @@ class _Held:
     running: bool = False
     ended: float = 0.0  # monotonic, when its call ended
     orphan: bool = False  # its partitions moved away while it ran: recorded, not answered
+    put_off: bool = False  # another member's start of it may still be running (a lease)
     group: _Group | None = None  # the calls started with it
 
     @property
@@ -974,21 +975,25 @@ class Executor:
         with its call in flight): not started here until that start's answer is recorded
         (looked at again every `ELSEWHERE_RECHECK_S`) or its lease has ended. They hold
         nothing of their routes meanwhile."""
+        first = [h for h in group if not h.put_off]
         with self._lock:
             now = time.monotonic()
             for held in group:
                 self._unstart(held, now)
+                held.put_off = True
                 if held.key not in self._held:  # dropped meanwhile (a revocation)
                     continue
                 wait = min(ELSEWHERE_RECHECK_S, lease_left[held.key])
                 self._elsewhere[held.key] = (now + wait, held)
             self._gauges()
+        if not first:  # looked at again, still within the lease
+            return
         with self._stats_lock:
-            self.stats.held_elsewhere += len(group)
+            self.stats.held_elsewhere += len(first)
         log.info(
             "%d effects put off: another member's start of each may still be running (%s)",
-            len(group),
-            ", ".join(f"{h.key} {lease_left[h.key]:.1f} s left" for h in group[:5]),
+            len(first),
+            ", ".join(f"{h.key} {lease_left[h.key]:.1f} s left" for h in first[:5]),
         )
 
     def _spawn(self, todo: list[tuple[_Held, ActionRecord | None]], ahead: Ahead) -> None:
