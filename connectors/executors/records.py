@@ -94,9 +94,11 @@ class ActionRecords:
         running there (a partition handed over with its call in flight): the key is not
         started here, and ``Begun.elsewhere`` says how long its lease has left. A start of
         this member's own name is over (this member restarted, or it holds the key still and
-        never begins it twice). The outer SELECT reads the snapshot from before the INSERT of
-        its own statement, so it returns the previous records, exactly what the handlers must
-        see; time is the database's, one clock for every member."""
+        never begins it twice). The lease is looked at only where the key exists (the
+        conflict's own condition): a new key, the common case, costs no more than before.
+        The outer SELECT reads the snapshot from before the INSERT of its own statement, so it
+        returns the previous records, exactly what the handlers must see; time is the
+        database's, one clock for every member."""
         if not effects:
             return Begun({}, {})
         columns = (
@@ -113,24 +115,25 @@ class ActionRecords:
 
         def write(conn: Conn) -> list[tuple[Any, ...]]:
             rows: list[tuple[Any, ...]] = conn.execute(
-                "WITH started AS ("
+                "WITH v AS MATERIALIZED (SELECT * FROM unnest("
+                " %b::text[], %b::text[], %b::text[], %b::int[], %b::int[], %b::text[],"
+                " %b::float8[]) AS v(k, t, r, s, a, o, lease)),"
+                " started AS ("
                 " INSERT INTO executed_actions (idempotency_key, effect_type, run_id, step,"
                 " attempt, operation_key, status, executor)"
-                " SELECT k, t, r, s, a, o, 'started', %s FROM unnest("
-                " %b::text[], %b::text[], %b::text[], %b::int[], %b::int[], %b::text[],"
-                " %b::float8[]) AS v(k, t, r, s, a, o, lease)"
-                " WHERE v.lease <= 0 OR NOT EXISTS (SELECT 1 FROM executed_actions x"
-                " WHERE x.idempotency_key = v.k AND x.status = 'started' AND x.executor <> %s"
-                " AND x.started_at > now() - v.lease * interval '1 second')"
+                " SELECT k, t, r, s, a, o, 'started', %s FROM v"
                 " ON CONFLICT (idempotency_key) DO UPDATE"
                 " SET starts = executed_actions.starts + 1, executor = EXCLUDED.executor,"
                 " started_at = now()"
                 " WHERE executed_actions.status = 'started'"
+                " AND (executed_actions.executor = EXCLUDED.executor OR (SELECT v.lease <= 0"
+                " OR executed_actions.started_at <= now() - v.lease * interval '1 second'"
+                " FROM v WHERE v.k = EXCLUDED.idempotency_key))"
                 " RETURNING idempotency_key)"
                 f" SELECT {self._COLUMNS}, extract(epoch FROM now() - started_at)::float8,"
                 " idempotency_key IN (SELECT idempotency_key FROM started)"
                 " FROM executed_actions WHERE idempotency_key = ANY(%b::text[])",
-                (self._executor, *columns, self._executor, columns[0]),
+                (*columns, self._executor, columns[0]),
             ).fetchall()
             return rows
 
