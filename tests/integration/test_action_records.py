@@ -23,10 +23,10 @@ from agentruns.processors.effects import CallModel
 BATCH = 18
 
 
-def _call(n: int) -> CallModel:
+def _call(n: int | str) -> CallModel:
     return CallModel(
-        idempotency_key=f"lease-{n}:model:1:1",
-        run_id=f"lease-{n}",
+        idempotency_key=f"run-{n}:model:1:1",
+        run_id=f"run-{n}",
         step=1,
         attempt=1,
         trace_id="t",
@@ -52,18 +52,7 @@ def fresh_database(database_url: str) -> Iterator[str]:
 
 
 def _batch(records: ActionRecords, n: int) -> None:
-    effects = [
-        CallModel(
-            idempotency_key=f"run-{n}-{i}:model:1:1",
-            run_id=f"run-{n}-{i}",
-            step=1,
-            attempt=1,
-            trace_id="t",
-            context_ref="sha256:" + "0" * 64,
-            model_route="default",
-        )
-        for i in range(BATCH)
-    ]
+    effects = [_call(f"{n}-{i}") for i in range(BATCH)]
     begun = records.begin(effects, [30.0] * len(effects))
     assert begun.elsewhere == {} and all(not r.completed for r in begun.records.values())
     completions = [
@@ -119,7 +108,7 @@ def test_a_start_by_another_member_is_not_taken_over_before_its_lease_ends(
     once when a second call changes nothing outside (lease 0). A restart of a (its own name)
     takes its keys over at once: its earlier process is gone."""
     a, b = ActionRecords(fresh_database, "member-a"), ActionRecords(fresh_database, "member-b")
-    held, free, short, own = _call(1), _call(2), _call(3), _call(4)
+    held, free, short, own = (_call(f"lease-{i}") for i in range(4))
     try:
         first = a.begin([held, free, short, own], [60.0, 60.0, 0.5, 60.0])
         assert first.records == {} and first.elsewhere == {}  # new keys, all started by a
