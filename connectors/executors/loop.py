@@ -137,6 +137,8 @@ MAX_START_GROUP = 256
 ELSEWHERE_RECHECK_S = 1.0
 #: Added to a lease: the time between a call's end and its record (a slow statement, a pause).
 LEASE_SLACK_S = 5.0
+#: No lease is longer, whatever a registry's timeout says (a day: an interval the database takes).
+MAX_LEASE_S = 86_400.0
 
 
 # --------------------------------------------------------------------------- statistics
@@ -909,15 +911,7 @@ class Executor:
         return wake
 
     def _lease_s(self, effect: Effect) -> float:
-        """How long a start of ``effect`` may still be calling its backend: each of the
-        guard's attempts for its handler's `exclusive_s`, the back-offs between them, and a
-        slack; 0 when a second call beside it changes nothing outside."""
-        c = self.config
-        exclusive = self.handler.exclusive_s(effect)
-        if exclusive <= 0:
-            return 0.0
-        backoffs = c.handler_backoff_ms / 1000 * float(2 ** max(0, c.handler_attempts - 1) - 1)
-        return c.handler_attempts * exclusive + backoffs + LEASE_SLACK_S
+        return lease_s(self.handler.exclusive_s(effect), self.config)
 
     def _begin(self, group: list[_Held]) -> None:
         """Read and mark the group's records, answer the completed keys from them, put off
@@ -1416,6 +1410,18 @@ class Executor:
             }
 
 
+def lease_s(exclusive_s: float, config: ExecutorConfig) -> float:
+    """How long a start may still be calling its backend when one attempt may act on it for
+    ``exclusive_s``: each of the guard's attempts, the back-offs between them, and a slack, at
+    most `MAX_LEASE_S`; 0 when a second call beside it changes nothing outside."""
+    if not exclusive_s > 0:  # 0, negative, NaN
+        return 0.0
+    attempts = max(1, config.handler_attempts)
+    doubling = float(2 ** min(attempts - 1, 40) - 1)
+    backoffs = max(0, config.handler_backoff_ms) / 1000 * doubling
+    return min(attempts * exclusive_s + backoffs + LEASE_SLACK_S, MAX_LEASE_S)
+
+
 def _within(held: _Held, partitions: set[int]) -> bool:
     return any(p in partitions for p, _ in held.positions)
 
@@ -1443,4 +1449,4 @@ def _header_list(message: Message) -> list[tuple[str, str | bytes | None]]:
     return list(headers)
 
 
-__all__ = ["Executor", "ExecutorStats"]
+__all__ = ["Executor", "ExecutorStats", "lease_s"]
