@@ -74,6 +74,11 @@ class ExecutorConfig:
     def group(self) -> str:
         return self.group_id or executor_group(self.prefix, self.kind)
 
+    def handler_backoff_s(self, attempt: int) -> float:
+        """The guard's wait after the ``attempt``-th failed attempt (1: the first): the back-off,
+        doubling (the exponent bounded, so any attempt count gives a number)."""
+        return max(0, self.handler_backoff_ms) / 1000 * float(2 ** min(max(0, attempt - 1), 40))
+
     @property
     def held_limit(self) -> int:
         return self.max_held if self.max_held is not None else 2 * self.max_in_flight

@@ -1133,7 +1133,6 @@ class Executor:
         if previous is not None and previous.starts >= c.max_starts:
             reason = f"started {previous.starts} times without an answer"
             return self._give_up(effect, "executor_error:restarts", reason)
-        delay = c.handler_backoff_ms / 1000
         attempt = 0
         while True:
             attempt += 1
@@ -1155,8 +1154,7 @@ class Executor:
                 text = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, OSError) and attempt < c.handler_attempts:
                     log.warning("%s %s: %s; again", effect.type, effect.idempotency_key, text)
-                    await asyncio.sleep(delay)
-                    delay *= 2
+                    await asyncio.sleep(c.handler_backoff_s(attempt))
                     continue
                 log.warning(
                     "%s %s failed in its handler: %s",
@@ -1417,9 +1415,8 @@ def lease_s(exclusive_s: float, config: ExecutorConfig) -> float:
     if not exclusive_s > 0:  # 0, negative, NaN
         return 0.0
     attempts = max(1, config.handler_attempts)
-    doubling = float(2 ** min(attempts - 1, 40) - 1)
-    backoffs = max(0, config.handler_backoff_ms) / 1000 * doubling
-    return min(attempts * exclusive_s + backoffs + LEASE_SLACK_S, MAX_LEASE_S)
+    waits = sum(config.handler_backoff_s(a) for a in range(1, min(attempts, 64)))
+    return min(attempts * exclusive_s + waits + LEASE_SLACK_S, MAX_LEASE_S)
 
 
 def _within(held: _Held, partitions: set[int]) -> bool:
