@@ -153,8 +153,8 @@ class Driver:
         self.tools_of: dict[str, tuple[ToolSpec, ...]] = {}  # other scenarios' tools
         self.submitted: dict[str, float] = {}
         self.step_seen: dict[str, tuple[int, float]] = {}
-        self.step_latencies: list[float] = []
-        self.run_latencies: list[float] = []
+        # (run id, one step's latency): a level counts its own runs' steps only
+        self.step_latencies: list[tuple[str, float]] = []
         self.latency_of: dict[str, float] = {}  # run id -> its latency (seconds)
         self.done: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -228,7 +228,8 @@ class Driver:
                             began = self.submitted.get(run_id, now)
                             self.step_seen[run_id] = (step, began)
                         elif step > seen[0]:
-                            self.step_latencies.append((now - seen[1]) / (step - seen[0]))
+                            latency = (now - seen[1]) / (step - seen[0])
+                            self.step_latencies.append((run_id, latency))
                             self.step_seen[run_id] = (step, now)
                 else:
                     result = decode(value, "Result").record
@@ -236,7 +237,6 @@ class Driver:
                         submitted = self.submitted.get(result["run_id"])
                         if submitted is not None and result["run_id"] not in self.done:
                             self.done[result["run_id"]] = result["status"]
-                            self.run_latencies.append(now - submitted)
                             self.latency_of[result["run_id"]] = now - submitted
 
     def level(
@@ -245,7 +245,6 @@ class Driver:
         self.producer.flush(10)
         with self._lock:
             base_steps = len(self.step_latencies)
-            base_runs = len(self.run_latencies)
         started = time.monotonic()
         mine: list[str] = []
         next_index = 0
@@ -264,28 +263,41 @@ class Driver:
             time.sleep(0.005)
         elapsed = time.monotonic() - started
         with self._lock:
-            steps = sorted(self.step_latencies[base_steps:])
-            run_lat = sorted(self.run_latencies[base_runs:])
-            statuses = [self.done.get(r, "UNFINISHED") for r in mine]
-        completed = sum(1 for s in statuses if s != "UNFINISHED")
+            figures = level_figures(
+                mine, self.step_latencies[base_steps:], self.latency_of, self.done, elapsed
+            )
         self.last_runs = mine
-        return {
-            "concurrency": concurrency,
-            "runs": runs,
-            "completed": completed,
-            "succeeded": statuses.count("SUCCEEDED"),
-            "seconds": round(elapsed, 2),
-            "durable_steps_per_s": round(len(steps) / elapsed, 1) if elapsed else 0.0,
-            "step_latency_p50_ms": round(percentile(steps, 0.5) * 1000, 1),
-            "step_latency_p99_ms": round(percentile(steps, 0.99) * 1000, 1),
-            "run_latency_p50_ms": round(percentile(run_lat, 0.5) * 1000, 1),
-            "run_latency_p99_ms": round(percentile(run_lat, 0.99) * 1000, 1),
-        }
+        return {"concurrency": concurrency, "runs": runs, **figures}
 
     def close(self) -> None:
         self.stop.set()
         self._watcher.join(timeout=10)
         close_consumer(self._consumer, 10)
+
+
+def level_figures(
+    mine: Sequence[str],
+    steps_seen: Sequence[tuple[str, float]],
+    latency_of: Mapping[str, float],
+    done: Mapping[str, str],
+    elapsed: float,
+) -> dict[str, Any]:
+    """A level's figures from its own runs only: runs of an earlier level that end during it
+    (the slow runs `_mixed` starts before its instant ones) are not this level's."""
+    own = set(mine)
+    steps = sorted(x for r, x in steps_seen if r in own)
+    run_lat = sorted(latency_of[r] for r in mine if r in latency_of)
+    statuses = [done.get(r, "UNFINISHED") for r in mine]
+    return {
+        "completed": sum(1 for s in statuses if s != "UNFINISHED"),
+        "succeeded": statuses.count("SUCCEEDED"),
+        "seconds": round(elapsed, 2),
+        "durable_steps_per_s": round(len(steps) / elapsed, 1) if elapsed else 0.0,
+        "step_latency_p50_ms": round(percentile(steps, 0.5) * 1000, 1),
+        "step_latency_p99_ms": round(percentile(steps, 0.99) * 1000, 1),
+        "run_latency_p50_ms": round(percentile(run_lat, 0.5) * 1000, 1),
+        "run_latency_p99_ms": round(percentile(run_lat, 0.99) * 1000, 1),
+    }
 
 
 def _wait_for(url: str, timeout: float) -> None:
