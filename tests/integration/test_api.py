@@ -337,7 +337,9 @@ def test_a_callback_signature_is_refused_on_another_dispatch_after_expiry_or_in_
         in_query = backend.post(f"{url}?sig={good['X-Callback-Signature']}", json=payload)
         assert in_query.status_code == 401
         huge = backend.post(url, json=payload, headers={"X-Callback-Signature": "cb1." * 10_000})
-        assert huge.status_code in (401, 431), huge.status_code
+        # 400 when the head reaches the server in pieces past h11's bound on an incomplete
+        # event (16 KiB), 401 when it came whole and the signature was read and refused
+        assert huge.status_code in (400, 401, 431), huge.status_code
         assert stack.http.get(f"/runs/{run_id}").json()["status"] == "WAITING_TOOL"
         taken = backend.post(url, json=payload, headers=good)
         assert taken.status_code == 202, taken.text
